@@ -1,0 +1,1 @@
+"""Policies decide what happens to a response: let it through, or retry with overrides."""

@@ -1,0 +1,158 @@
+"""The whole configuration: frozen pydantic models, merged from TOML, environment and flags.
+
+Precedence, lowest first: defaults, the TOML file, ``DETPROXY_*`` environment variables,
+command-line flags. Nested fields are reachable from the environment as
+``DETPROXY_<SECTION>__<FIELD>`` (e.g. ``DETPROXY_UPSTREAM__READ_TIMEOUT_S=60``); the common
+ones also have flat names (``DETPROXY_UPSTREAM``, ``DETPROXY_PORT``, ...).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from yarl import URL
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    max_sse_event_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+
+
+class UpstreamConfig(_Section):
+    url: str = "http://127.0.0.1:8000"
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    # Longest silence allowed on an upstream socket, waiting for the headers of a
+    # non-streamed answer included: vLLM sends those only when generation is over.
+    read_timeout_s: float = Field(default=3600.0, gt=0)
+    max_connections: int = Field(default=1024, gt=0)
+    max_logprobs: int = Field(default=20, ge=0)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        url = URL(value)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        return str(url).rstrip("/")
+
+
+class ClassifyConfig(_Section):
+    # What the upstream uses when a request carries no temperature (vLLM: the model's
+    # generation_config). Unknown by default, so such requests are not deterministic.
+    default_temperature: float | None = Field(default=None, ge=0)
+    seeded_is_deterministic: bool = False
+
+
+class AuditConfig(_Section):
+    sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    shadow_mode: Literal["full", "prefill"] = "full"
+
+
+class LoopConfig(_Section):
+    policy: Literal["retry", "abort", "observe"] = "observe"
+
+
+class Settings(_Section):
+    server: ServerConfig = ServerConfig()
+    upstream: UpstreamConfig = UpstreamConfig()
+    classify: ClassifyConfig = ClassifyConfig()
+    audit: AuditConfig = AuditConfig()
+    loops: LoopConfig = LoopConfig()
+
+
+class ConfigError(Exception):
+    """A configuration that cannot start; the message names the field and where it came from."""
+
+
+ENV_PREFIX = "DETPROXY_"
+# Flat names for the common settings (environment variables and flags alike).
+FLAT = {
+    "upstream": ("upstream", "url"),
+    "host": ("server", "host"),
+    "port": ("server", "port"),
+    "sample_rate": ("audit", "sample_rate"),
+    "shadow_mode": ("audit", "shadow_mode"),
+    "loop_policy": ("loops", "policy"),
+}
+
+
+def _set(
+    tree: dict[str, Any],
+    path: tuple[str, ...],
+    value: Any,
+    origin: str,
+    origins: dict[tuple[str, ...], str],
+) -> None:
+    node = tree
+    for key in path[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path)}: {key!r} is not a section ({origin})")
+        node = child
+    node[path[-1]] = value
+    origins[path] = origin
+
+
+def _env_value(raw: str) -> Any:
+    # Lists and tables can be given as JSON; scalars stay strings for pydantic to coerce.
+    if raw[:1] in "[{":
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return raw
+    return raw
+
+
+def load_settings(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    tree: dict[str, Any] = {}
+    origins: dict[tuple[str, ...], str] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                tree = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    for name, raw in sorted((env or {}).items()):
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+            continue
+        key = name[len(ENV_PREFIX) :].lower()
+        if key in FLAT:
+            _set(tree, FLAT[key], _env_value(raw), name, origins)
+        elif "__" in key:
+            _set(tree, tuple(key.split("__")), _env_value(raw), name, origins)
+    for key, value in (flags or {}).items():
+        if value is not None:
+            _set(tree, FLAT[key], value, "--" + key.replace("_", "-"), origins)
+    try:
+        return Settings.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, origins, path)) from None
+
+
+def _describe(
+    exc: ValidationError, origins: dict[tuple[str, ...], str], path: str | Path | None
+) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        origin = origins.get(loc) or (str(path) if path else "defaults")
+        lines.append(f"{'.'.join(loc)}: {err['msg']} (from {origin})")
+    return "invalid configuration:\n  " + "\n  ".join(lines)

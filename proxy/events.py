@@ -1,0 +1,83 @@
+"""Frozen events and the bus that carries them to subscribers (metrics, incident log).
+
+The pipeline publishes; subscribers never reach back into it. A subscriber that raises is
+isolated: the failure is logged and counted, the request goes on (mitmproxy's ``safecall``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStarted:
+    """Fires when a client request arrives, before anything is read."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFinished:
+    """Fires once per client request, after the last byte was sent (or the client left)."""
+
+    endpoint: str  # "chat" | "completions" | "other"
+    model: str
+    stream: bool
+    deterministic: bool
+    status: int
+    outcome: str  # ok | upstream_error | client_error | client_disconnect | bad_request
+    duration_s: float
+    first_byte_s: float | None  # upstream headers (non-stream) or first SSE event (stream)
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFailed:
+    """The upstream refused, reset, timed out or broke; ``stage`` says when."""
+
+    endpoint: str
+    kind: str  # refused | reset | timeout | error
+    stage: str  # headers | body
+
+
+@dataclass(frozen=True, slots=True)
+class InspectionStopped:
+    """Inspection of one response stopped (malformed SSE/JSON, oversized event); bytes flow on."""
+
+    endpoint: str
+    reason: str  # malformed_sse | malformed_json | event_too_large | inspector_error
+
+
+@dataclass(frozen=True, slots=True)
+class ClientDisconnected:
+    """The client went away before the response ended; the upstream connection was closed."""
+
+    endpoint: str
+    stream: bool
+
+
+E = TypeVar("E")
+Handler = Callable[[Any], None]
+
+
+class EventBus:
+    def __init__(self) -> None:
+        self._subscribers: dict[type, list[Handler]] = {}
+        self.failures: Counter[str] = Counter()
+
+    def subscribe(self, event_type: type[E], handler: Callable[[E], None]) -> None:
+        self._subscribers.setdefault(event_type, []).append(handler)
+
+    def publish(self, event: object) -> None:
+        for handler in self._subscribers.get(type(event), ()):
+            try:
+                handler(event)
+            except Exception:
+                name = getattr(handler, "__qualname__", repr(handler))
+                self.failures[name] += 1
+                log.exception("event subscriber %s failed on %s", name, type(event).__name__)

@@ -1,0 +1,319 @@
+"""Request handlers: the OpenAI endpoints detproxy reads, and pass-through for everything else.
+
+The path of a request: read a bounded body -> validate -> classify -> forward the original
+bytes -> relay (streamed through the inspectors, or whole, after the policy chain decided).
+No policy or audit logic lives here; it only calls the seams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from policies.base import Continue, PolicyChain, ResponseContext, Retry
+from proxy.classify import ENDPOINTS, RequestView, classify
+from proxy.config import Settings
+from proxy.errors import UpstreamFailure, error_response
+from proxy.events import (
+    ClientDisconnected,
+    EventBus,
+    InspectionStopped,
+    RequestFinished,
+    RequestStarted,
+    UpstreamFailed,
+)
+from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.inspect.base import InspectorFactory, InspectorSet
+from proxy.relay import StreamRelay
+from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
+
+_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+# A hard stop under whatever the policies decide; their own budgets are tighter.
+MAX_ATTEMPTS = 8
+_FINISHED = web.RequestKey("detproxy_finished", bool)
+_VIEW = web.RequestKey("detproxy_view", RequestView)
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def _ensure_json_content_type(request: web.Request) -> None:
+    if request.content_type != "application/json":
+        raise BadRequest(400, "Content-Type must be application/json")
+    charset = request.charset
+    if charset and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise BadRequest(400, f"unsupported charset {charset!r}: the body must be UTF-8 JSON")
+
+
+async def _read_bounded(request: web.Request, limit: int) -> bytes:
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.content.iter_any():
+        size += len(part)
+        if size > limit:
+            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def _parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(400, "request body is not valid UTF-8") from None
+        raise BadRequest(400, "request body is not valid JSON") from None
+    if not isinstance(parsed, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    return parsed
+
+
+class Forwarder:
+    """Handles client requests against one upstream. One instance per app."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        upstream: Upstream,
+        bus: EventBus,
+        inspector_factories: Sequence[InspectorFactory] = (),
+        policies: PolicyChain | None = None,
+    ) -> None:
+        self._settings = settings
+        self._upstream = upstream
+        self._bus = bus
+        self._inspector_factories = list(inspector_factories)
+        self._policies = policies or PolicyChain()
+        self.inflight = 0
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        endpoint = ENDPOINTS.get(request.path)
+        self.inflight += 1
+        self._bus.publish(RequestStarted(endpoint or "other"))
+        t0 = time.monotonic()
+        try:
+            if endpoint is not None and request.method == "POST":
+                return await self._openai(request, endpoint)
+            return await self._passthrough(request)
+        except asyncio.CancelledError:
+            # The client left while detproxy waited (for the upstream's headers, say).
+            if not request.get(_FINISHED):
+                self._client_left(request.get(_VIEW), endpoint or "other", t0, None, request)
+            raise
+        finally:
+            self.inflight -= 1
+            if not request.get(_FINISHED):
+                # A fault of detproxy's own: still pair every start with one finish.
+                self._finish(None, endpoint or "other", 500, "proxy_error", t0, None, request)
+
+    def _finish(
+        self,
+        view: RequestView | None,
+        endpoint: str,
+        status: int,
+        outcome: str,
+        t0: float,
+        first_byte_s: float | None,
+        request: web.Request,
+    ) -> None:
+        request[_FINISHED] = True
+        self._bus.publish(
+            RequestFinished(
+                endpoint=endpoint,
+                model=view.model if view else "",
+                stream=view.stream if view else False,
+                deterministic=view.deterministic if view else False,
+                status=status,
+                outcome=outcome,
+                duration_s=time.monotonic() - t0,
+                first_byte_s=first_byte_s,
+            )
+        )
+
+    # -- the OpenAI endpoints ---------------------------------------------------------------
+
+    async def _openai(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        t0 = time.monotonic()
+        rid = request_id_of(request.headers)
+        try:
+            _ensure_json_content_type(request)
+            raw = await _read_bounded(request, self._settings.server.max_body_bytes)
+            body = _parse_object(raw)
+        except BadRequest as exc:
+            self._finish(None, endpoint, exc.status, "bad_request", t0, None, request)
+            return error_response(exc.status, exc.message, request_id=rid)
+        cfg = self._settings.classify
+        view = classify(
+            endpoint,
+            body,
+            default_temperature=cfg.default_temperature,
+            seeded_is_deterministic=cfg.seeded_is_deterministic,
+        )
+        headers = upstream_request_headers(request.headers, rid, proxy_reads_body=True)
+        request[_VIEW] = view
+
+        attempt = 1
+        while True:
+            try:
+                upstream = await self._upstream.send("POST", request.raw_path, headers, raw)
+            except UpstreamFailure as exc:
+                self._bus.publish(UpstreamFailed(endpoint, exc.kind, "headers"))
+                self._finish(view, endpoint, exc.status, "upstream_error", t0, None, request)
+                return error_response(exc.status, exc.message, request_id=rid)
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return await self._stream(request, upstream, view, rid, t0)
+            try:
+                payload = await upstream.read()
+            except _CLIENT_GONE:
+                upstream.close()
+                self._client_left(view, endpoint, t0, None, request)
+                raise
+            except Exception as exc:
+                upstream.close()
+                kind = read_error_kind(exc)
+                self._bus.publish(UpstreamFailed(endpoint, kind, "body"))
+                status = 504 if kind == "timeout" else 502
+                self._finish(view, endpoint, status, "upstream_error", t0, None, request)
+                return error_response(
+                    status,
+                    "upstream connection lost before the response was complete",
+                    request_id=rid,
+                )
+            first_byte_s = time.monotonic() - t0
+            decision = self._decide(view, attempt, upstream.status, payload)
+            if isinstance(decision, Retry) and attempt < MAX_ATTEMPTS:
+                attempt += 1
+                raw = orjson.dumps({**body, **decision.overrides})
+                continue
+            break
+
+        out_headers = client_response_headers(upstream.headers, rid)
+        if attempt > 1:
+            out_headers["X-Detproxy-Attempts"] = str(attempt)
+        self._finish(view, endpoint, upstream.status, "ok", t0, first_byte_s, request)
+        return web.Response(status=upstream.status, body=payload, headers=out_headers)
+
+    def _decide(
+        self, view: RequestView, attempt: int, status: int, payload: bytes
+    ) -> Continue | Retry:
+        if not self._policies:
+            return Continue()
+        try:
+            parsed = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            parsed = None
+        ctx = ResponseContext(
+            view.endpoint, view.model, attempt, status, parsed if isinstance(parsed, dict) else None
+        )
+        return self._policies.decide(ctx)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: UpstreamResponse,
+        view: RequestView,
+        rid: str,
+        t0: float,
+    ) -> web.StreamResponse:
+        inspectors = InspectorSet(
+            [i for f in self._inspector_factories if (i := f(view)) is not None],
+            on_failure=lambda name: self._bus.publish(
+                InspectionStopped(view.endpoint, "inspector_error")
+            ),
+        )
+        relay = StreamRelay(
+            view.endpoint, inspectors, self._bus, self._settings.server.max_sse_event_bytes, t0
+        )
+        resp = web.StreamResponse(
+            status=upstream.status, headers=client_response_headers(upstream.headers, rid)
+        )
+        result = None
+        try:
+            await resp.prepare(request)
+            result = await relay.run(upstream, resp)
+            await resp.write_eof()
+        except _CLIENT_GONE as exc:
+            upstream.close()
+            inspectors.on_end(False)
+            self._client_left(
+                view, view.endpoint, t0, result.first_event_s if result else None, request
+            )
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return resp
+        finally:
+            upstream.close()
+        outcome = "ok" if result.complete else "upstream_error"
+        self._finish(
+            view, view.endpoint, upstream.status, outcome, t0, result.first_event_s, request
+        )
+        return resp
+
+    def _client_left(
+        self,
+        view: RequestView | None,
+        endpoint: str,
+        t0: float,
+        first_byte_s: float | None,
+        request: web.Request,
+    ) -> None:
+        self._bus.publish(ClientDisconnected(endpoint, view.stream if view else False))
+        self._finish(view, endpoint, 499, "client_disconnect", t0, first_byte_s, request)
+
+    # -- everything else --------------------------------------------------------------------
+
+    async def _passthrough(self, request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        rid = request_id_of(request.headers)
+        headers = upstream_request_headers(request.headers, rid, proxy_reads_body=False)
+        body: AsyncIterator[bytes] | None = (
+            request.content.iter_chunked(64 * 1024) if request.body_exists else None
+        )
+        try:
+            upstream = await self._upstream.send(request.method, request.raw_path, headers, body)
+        except UpstreamFailure as exc:
+            self._bus.publish(UpstreamFailed("other", exc.kind, "headers"))
+            self._finish(None, "other", exc.status, "upstream_error", t0, None, request)
+            return error_response(exc.status, exc.message, request_id=rid)
+        first_byte_s = time.monotonic() - t0
+        resp = web.StreamResponse(
+            status=upstream.status,
+            headers=client_response_headers(upstream.headers, rid, keep_length=True),
+        )
+        try:
+            await resp.prepare(request)
+            async for data in upstream.chunks():
+                await resp.write(data)
+            await resp.write_eof()
+        except _CLIENT_GONE as exc:
+            self._client_left(None, "other", t0, first_byte_s, request)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return resp
+        except Exception as exc:
+            # Headers are gone already: all that is left is to cut the connection short.
+            self._bus.publish(UpstreamFailed("other", read_error_kind(exc), "body"))
+            self._finish(
+                None, "other", upstream.status, "upstream_error", t0, first_byte_s, request
+            )
+            raise
+        finally:
+            upstream.close()
+        self._finish(None, "other", upstream.status, "ok", t0, first_byte_s, request)
+        return resp

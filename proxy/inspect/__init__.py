@@ -1,0 +1,1 @@
+"""Stream inspectors: stages that read every SSE chunk of a response as it passes."""

@@ -1,0 +1,168 @@
+"""Prometheus metrics, built once against an injected registry and fed only by events."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from proxy.events import (
+    ClientDisconnected,
+    EventBus,
+    InspectionStopped,
+    RequestFinished,
+    RequestStarted,
+    UpstreamFailed,
+)
+
+# LLM requests last from milliseconds (errors, cached prefill) to an hour (long reasoning).
+DURATION_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+    600,
+    1800,
+    3600,
+)
+FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class BoundedLabel:
+    """Caps the distinct values a client-controlled label (the model name) can take."""
+
+    def __init__(self, limit: int = 64, overflow: str = "other") -> None:
+        self._seen: set[str] = set()
+        self._limit = limit
+        self._overflow = overflow
+
+    def __call__(self, value: str) -> str:
+        if value in self._seen:
+            return value
+        if len(self._seen) >= self._limit:
+            return self._overflow
+        self._seen.add(value)
+        return value
+
+
+class _FailureCollector:
+    """Exposes the isolated-failure counts kept by the bus and the policy chain."""
+
+    def __init__(self, sources: dict[str, Callable[[], dict[str, int]]]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "detproxy_isolated_failures",
+            "Failures of subscribers, inspectors or policies that were isolated",
+            labels=["component", "name"],
+        )
+        for component, source in self._sources.items():
+            for name, count in source().items():
+                family.add_metric([component, name], count)
+        yield family
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.model = BoundedLabel()
+        self.requests = Counter(
+            "detproxy_requests",
+            "Client requests by model, endpoint, stream and determinism",
+            ["model", "endpoint", "stream", "deterministic"],
+            registry=registry,
+        )
+        self.responses = Counter(
+            "detproxy_responses",
+            "Client responses by status code and outcome",
+            ["endpoint", "code", "outcome"],
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "detproxy_request_duration_seconds",
+            "Time from request to the last byte relayed",
+            ["endpoint", "stream"],
+            buckets=DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.first_byte = Histogram(
+            "detproxy_time_to_first_byte_seconds",
+            "Time to the upstream's response headers (non-streamed) or first SSE event (streamed)",
+            ["endpoint", "stream"],
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=registry,
+        )
+        self.inflight = Gauge(
+            "detproxy_inflight_requests", "Client requests in flight", registry=registry
+        )
+        self.upstream_errors = Counter(
+            "detproxy_upstream_errors",
+            "Upstream failures by kind and stage",
+            ["endpoint", "kind", "stage"],
+            registry=registry,
+        )
+        self.inspection_stopped = Counter(
+            "detproxy_inspection_stopped",
+            "Responses whose inspection stopped, by reason",
+            ["endpoint", "reason"],
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "detproxy_client_disconnects",
+            "Clients that left before their response ended",
+            ["endpoint", "stream"],
+            registry=registry,
+        )
+
+    def watch_failures(self, sources: dict[str, Callable[[], dict[str, int]]]) -> None:
+        self.registry.register(_FailureCollector(sources))
+
+    def subscribe(self, bus: EventBus) -> None:
+        bus.subscribe(RequestStarted, self._started)
+        bus.subscribe(RequestFinished, self._finished)
+        bus.subscribe(UpstreamFailed, self._upstream_failed)
+        bus.subscribe(InspectionStopped, self._inspection_stopped)
+        bus.subscribe(ClientDisconnected, self._disconnected)
+
+    def _started(self, ev: RequestStarted) -> None:
+        self.inflight.inc()
+
+    def _finished(self, ev: RequestFinished) -> None:
+        self.inflight.dec()
+        stream = "true" if ev.stream else "false"
+        self.requests.labels(
+            self.model(ev.model), ev.endpoint, stream, "true" if ev.deterministic else "false"
+        ).inc()
+        self.responses.labels(ev.endpoint, str(ev.status), ev.outcome).inc()
+        self.duration.labels(ev.endpoint, stream).observe(ev.duration_s)
+        if ev.first_byte_s is not None:
+            self.first_byte.labels(ev.endpoint, stream).observe(ev.first_byte_s)
+
+    def _upstream_failed(self, ev: UpstreamFailed) -> None:
+        self.upstream_errors.labels(ev.endpoint, ev.kind, ev.stage).inc()
+
+    def _inspection_stopped(self, ev: InspectionStopped) -> None:
+        self.inspection_stopped.labels(ev.endpoint, ev.reason).inc()
+
+    def _disconnected(self, ev: ClientDisconnected) -> None:
+        self.disconnects.labels(ev.endpoint, "true" if ev.stream else "false").inc()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body: Any = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

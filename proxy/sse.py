@@ -1,0 +1,141 @@
+"""Incremental Server-Sent Events decoder: bytes in (any split), whole events out.
+
+Each event keeps the exact bytes it arrived as (``raw``), so the relay can forward
+unchanged events byte for byte and rewrite only the ones a stage changes. Memory is
+bounded: a partial event larger than ``max_event_bytes`` raises ``SSEOverflow``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class SSEOverflow(Exception):
+    """A single event grew past the decoder's bound without being terminated.
+
+    ``pending`` holds the bytes the decoder had kept, so the caller can still relay them.
+    """
+
+    def __init__(self, message: str, pending: bytes) -> None:
+        super().__init__(message)
+        self.pending = pending
+
+
+@dataclass(frozen=True, slots=True)
+class SSEEvent:
+    raw: bytes  # the event's bytes as received, terminating blank line included
+    data: bytes | None  # data lines joined with b"\n"; None when the event had no data field
+    event: str | None = None
+    id: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.data == b"[DONE]"
+
+
+class SSEDecoder:
+    def __init__(self, max_event_bytes: int = 8 * 1024 * 1024) -> None:
+        self._buf = b""
+        self._max = max_event_bytes
+
+    @property
+    def pending(self) -> bytes:
+        """Bytes of an event that has started but not ended yet."""
+        return self._buf
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        buf = self._buf + chunk if self._buf else chunk
+        # Fast path for the framing every OpenAI-compatible server uses: "data: ...\n\n".
+        if b"\r" not in buf:
+            return self._feed_lf(buf)
+        return self._feed_general(buf)
+
+    def _feed_lf(self, buf: bytes) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        ev_start = start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            block = buf[start:end]
+            start = end + 2
+            if block:
+                # Stray blank lines before an event stay in its raw bytes, so none are lost.
+                events.append(_parse_block(buf[ev_start:start], block.split(b"\n")))
+                ev_start = start
+        self._keep(buf, ev_start)
+        return events
+
+    def _feed_general(self, buf: bytes) -> list[SSEEvent]:
+        events: list[SSEEvent] = []
+        event_start = 0
+        lines: list[bytes] = []
+        pos = 0
+        while True:
+            m = _LINE_END.search(buf, pos)
+            if m is None:
+                break
+            # A lone "\r" at the very end may be the first half of "\r\n": wait for more.
+            if m.group() == b"\r" and m.end() == len(buf):
+                break
+            line = buf[pos : m.start()]
+            pos = m.end()
+            if line:
+                lines.append(line)
+                continue
+            if lines:
+                events.append(_parse_block(buf[event_start:pos], lines))
+                lines = []
+                event_start = pos
+        self._keep(buf, event_start)
+        return events
+
+    def _keep(self, buf: bytes, start: int) -> None:
+        rest = buf[start:]
+        if len(rest) > self._max:
+            self._buf = b""
+            # Hand back everything this call was given, complete events included.
+            raise SSEOverflow(f"SSE event larger than {self._max} bytes", buf)
+        self._buf = rest
+
+    def take_pending(self) -> bytes:
+        """Give up on decoding: return the buffered bytes and forget them."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def flush(self) -> SSEEvent | None:
+        """At end of stream: a final event that lacked its blank line, if any."""
+        rest, self._buf = self._buf, b""
+        lines = [ln for ln in _LINE_END.split(rest) if ln]
+        return _parse_block(rest, lines) if lines else None
+
+
+def _parse_block(raw: bytes, lines: list[bytes]) -> SSEEvent:
+    data: list[bytes] = []
+    event: str | None = None
+    ev_id: str | None = None
+    for line in lines:
+        if line[:1] == b":":
+            continue  # comment
+        name, sep, value = line.partition(b":")
+        if sep and value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            data.append(value)
+        elif name == b"event":
+            event = value.decode("utf-8", "replace")
+        elif name == b"id":
+            ev_id = value.decode("utf-8", "replace")
+    return SSEEvent(raw=raw, data=b"\n".join(data) if data else None, event=event, id=ev_id)
+
+
+def encode_event(data: bytes) -> bytes:
+    """Encode one data-only event the way vLLM does."""
+    return b"data: " + data + b"\n\n"
+
+
+def encode_comment(text: str) -> bytes:
+    return b": " + text.encode() + b"\n\n"

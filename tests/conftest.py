@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
+
+from proxy.app import build_app
+from proxy.config import load_settings
+
+ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+@pytest.fixture
+def make_proxy(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], registry: CollectorRegistry
+) -> ProxyFactory:
+    """Start detproxy (real app, real sockets) in front of ``upstream_url``."""
+
+    async def factory(
+        upstream_url: str, env: dict[str, str] | None = None, **kwargs: Any
+    ) -> TestClient[Any, Any]:
+        settings = load_settings(env=env or {}, flags={"upstream": upstream_url})
+        app = build_app(settings, registry=registry, **kwargs)
+        # TestServer runs with handler_cancellation=True, as `detproxy serve` does.
+        return await aiohttp_client(app)
+
+    return factory
+
+
+@pytest.fixture
+def upstream_app() -> web.Application:
+    """A scripted upstream: tests add the routes they need."""
+    return web.Application()
+
+
+@pytest.fixture
+async def upstream(
+    aiohttp_server: Callable[..., Awaitable[TestServer]], upstream_app: web.Application
+) -> Callable[[], Awaitable[str]]:
+    async def start() -> str:
+        server = await aiohttp_server(upstream_app)
+        return str(server.make_url("")).rstrip("/")
+
+    return start
+
+
+def metric(registry: CollectorRegistry, sample: str, **labels: str) -> float:
+    return registry.get_sample_value(sample, labels) or 0.0

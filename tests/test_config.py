@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, load_settings
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "detproxy.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = load_settings()
+    assert s.server.port == 8080
+    assert s.upstream.url == "http://127.0.0.1:8000"
+    assert s.classify.default_temperature is None
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, '[upstream]\nurl = "http://file:1"\nread_timeout_s = 5\n[server]\nport = 9001\n'
+    )
+    s = load_settings(path)
+    assert (s.upstream.url, s.server.port, s.upstream.read_timeout_s) == ("http://file:1", 9001, 5)
+    env = {
+        "DETPROXY_UPSTREAM": "http://env:2/",
+        "DETPROXY_UPSTREAM__READ_TIMEOUT_S": "7",
+        "DETPROXY_PORT": "9002",
+        "OTHER": "x",
+    }
+    s = load_settings(path, env)
+    assert (s.upstream.url, s.server.port, s.upstream.read_timeout_s) == ("http://env:2", 9002, 7)
+    s = load_settings(path, env, {"upstream": "http://flag:3", "port": 9003, "host": None})
+    assert (s.upstream.url, s.server.port) == ("http://flag:3", 9003)
+
+
+def test_spec_flags_are_validated() -> None:
+    s = load_settings(flags={"sample_rate": 0.25, "shadow_mode": "prefill", "loop_policy": "retry"})
+    assert (s.audit.sample_rate, s.audit.shadow_mode, s.loops.policy) == (0.25, "prefill", "retry")
+    with pytest.raises(ConfigError, match=r"audit\.sample_rate.*--sample-rate"):
+        load_settings(flags={"sample_rate": 1.5})
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ('[upstream]\nurl = "ftp://x"\n', "upstream.url"),
+        ("[server]\nport = 70000\n", "server.port"),
+        ("[server]\nprot = 1\n", "server.prot"),
+        ('[upstream]\nread_timeout_s = "soon"\n', "upstream.read_timeout_s"),
+        ("[nonsense]\nx = 1\n", "nonsense"),
+    ],
+)
+def test_bad_file_names_the_field(tmp_path: Path, text: str, field: str) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as exc:
+        load_settings(path)
+    assert field in str(exc.value)
+    assert str(path) in str(exc.value)
+
+
+def test_bad_env_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"server\.port.*DETPROXY_SERVER__PORT"):
+        load_settings(env={"DETPROXY_SERVER__PORT": "eighty"})
+
+
+def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_settings(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(write(tmp_path, "[server\n"))

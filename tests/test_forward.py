@@ -1,0 +1,290 @@
+"""The OpenAI endpoints through detproxy against a scripted upstream (real sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry
+
+from policies.base import Continue, PolicyChain, ResponseContext, Retry
+from tests.conftest import metric
+
+CHAT = "/v1/chat/completions"
+ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}
+    ],
+}
+EVENTS = [
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n',
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"Hel"}}]}\n\n',
+    b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"lo"},"finish_reason":"stop"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, CIMultiDict[str], bytes]] = []
+
+    async def json_answer(self, request: web.Request) -> web.Response:
+        self.requests.append((request.path_qs, CIMultiDict(request.headers), await request.read()))
+        return web.Response(
+            body=orjson.dumps(ANSWER),
+            content_type="application/json",
+            headers={"X-Upstream": "yes"},
+        )
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append((request.path_qs, CIMultiDict(request.headers), await request.read()))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in EVENTS:
+            await resp.write(event)
+        await resp.write_eof()
+        return resp
+
+
+@pytest.fixture
+def recorder(upstream_app: web.Application) -> Recorder:
+    rec = Recorder()
+    upstream_app.router.add_post("/v1/chat/completions", rec.json_answer)
+    upstream_app.router.add_post("/v1/completions", rec.stream)
+    return rec
+
+
+async def test_non_streaming_is_byte_faithful(
+    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(await upstream())
+    body = b'{"model": "m", "temperature": 0,   "messages": [{"role":"user","content":"hi"}]}'
+    resp = await client.post(CHAT, data=body, headers={"Content-Type": "application/json"})
+    assert resp.status == 200
+    assert await resp.read() == orjson.dumps(ANSWER)
+    assert resp.headers["X-Upstream"] == "yes"
+    ((_path, headers, sent),) = recorder.requests
+    assert sent == body  # the original bytes, not a re-serialisation
+    assert headers["X-Request-Id"] == resp.headers["X-Request-Id"]
+    assert headers["Accept-Encoding"] == "identity"
+    assert (
+        metric(
+            registry,
+            "detproxy_requests_total",
+            model="m",
+            endpoint="chat",
+            stream="false",
+            deterministic="true",
+        )
+        == 1
+    )
+
+
+async def test_request_id_is_kept(make_proxy: Any, upstream: Any, recorder: Recorder) -> None:
+    client = await make_proxy(await upstream())
+    resp = await client.post(CHAT, json={"model": "m"}, headers={"X-Request-Id": "abc-123"})
+    assert resp.headers["X-Request-Id"] == "abc-123"
+    assert recorder.requests[0][1]["X-Request-Id"] == "abc-123"
+
+
+async def test_streaming_relays_every_event_unchanged(
+    make_proxy: Any, upstream: Any, recorder: Recorder
+) -> None:
+    client = await make_proxy(await upstream())
+    resp = await client.post("/v1/completions", json={"model": "m", "stream": True})
+    assert resp.headers["Content-Type"] == "text/event-stream"
+    assert await resp.read() == b"".join(EVENTS)
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "message"),
+    [
+        (b"not json", {"Content-Type": "application/json"}, 400, "not valid JSON"),
+        (b"[1, 2]", {"Content-Type": "application/json"}, 400, "must be a JSON object"),
+        (b'{"a": "\xff\xfe"}', {"Content-Type": "application/json"}, 400, "not valid UTF-8"),
+        (b'{"model": "m"}', {"Content-Type": "text/plain"}, 400, "Content-Type"),
+        (b'{"model": "m"}', {"Content-Type": "application/json; charset=latin-1"}, 400, "charset"),
+        (b"", {"Content-Type": "application/json"}, 400, "not valid JSON"),
+    ],
+)
+async def test_bad_bodies_get_400_and_are_not_forwarded(
+    make_proxy: Any,
+    upstream: Any,
+    recorder: Recorder,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    message: str,
+) -> None:
+    client = await make_proxy(await upstream())
+    resp = await client.post(CHAT, data=body, headers=headers)
+    assert resp.status == status
+    err = (await resp.json())["error"]
+    assert message in err["message"] and err["code"] == status and err["type"]
+    assert recorder.requests == []
+
+
+async def test_oversized_body_gets_413_unread(
+    make_proxy: Any, upstream: Any, recorder: Recorder
+) -> None:
+    client = await make_proxy(await upstream(), env={"DETPROXY_SERVER__MAX_BODY_BYTES": "1000"})
+    resp = await client.post(
+        CHAT, data=b'{"x":"' + b"a" * 2000 + b'"}', headers={"Content-Type": "application/json"}
+    )
+    assert resp.status == 413
+    assert (await resp.json())["error"]["code"] == 413
+
+    async def chunked() -> Any:  # no Content-Length: the limit is enforced while reading
+        yield b'{"x":"'
+        for _ in range(20):
+            yield b"a" * 100
+        yield b'"}'
+
+    resp = await client.post(CHAT, data=chunked(), headers={"Content-Type": "application/json"})
+    assert resp.status == 413
+    assert recorder.requests == []
+
+
+async def test_wrong_field_types_are_forwarded_unaudited(
+    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(await upstream())
+    resp = await client.post(CHAT, json={"model": "m", "temperature": "0", "stream": "no"})
+    assert resp.status == 200
+    assert len(recorder.requests) == 1
+    assert (
+        metric(
+            registry,
+            "detproxy_requests_total",
+            model="m",
+            endpoint="chat",
+            stream="false",
+            deterministic="false",
+        )
+        == 1
+    )
+
+
+async def test_upstream_error_status_and_body_reach_the_client(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application
+) -> None:
+    body = (
+        b'{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","code":404}}'
+    )
+
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404, body=body, content_type="application/json")
+
+    upstream_app.router.add_post(CHAT, not_found)
+    client = await make_proxy(await upstream())
+    resp = await client.post(CHAT, json={"model": "x", "stream": True})
+    assert resp.status == 404
+    assert await resp.read() == body
+
+
+class RetryOnce:
+    name = "retry-once"
+
+    def __init__(self) -> None:
+        self.seen: list[ResponseContext] = []
+
+    def decide(self, ctx: ResponseContext) -> Continue | Retry:
+        self.seen.append(ctx)
+        return Retry("test", {"temperature": 0.7}) if ctx.attempt == 1 else Continue()
+
+
+class Broken:
+    name = "broken"
+
+    def decide(self, ctx: ResponseContext) -> Continue | Retry:
+        raise RuntimeError("policy bug")
+
+
+async def test_policy_seam_retry_and_isolation(
+    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+) -> None:
+    retry = RetryOnce()
+    client = await make_proxy(await upstream(), policies=PolicyChain([Broken(), retry]))
+    resp = await client.post(CHAT, json={"model": "m", "temperature": 0})
+    assert resp.status == 200
+    assert resp.headers["X-Detproxy-Attempts"] == "2"
+    assert [orjson.loads(r[2]).get("temperature") for r in recorder.requests] == [0, 0.7]
+    assert retry.seen[0].body == ANSWER
+    assert (
+        metric(registry, "detproxy_isolated_failures_total", component="policy", name="broken") == 2
+    )
+
+
+class Collect:
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.chunks: list[dict[str, Any]] = []
+        self.ended: list[bool] = []
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        self.chunks.append(chunk)
+
+    def on_end(self, complete: bool) -> None:
+        self.ended.append(complete)
+
+
+class Explode:
+    name = "explode"
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        raise ValueError("inspector bug")
+
+    def on_end(self, complete: bool) -> None:
+        raise AssertionError("a dropped inspector is not called again")
+
+
+async def test_inspector_seam_sees_every_chunk_and_failures_are_isolated(
+    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+) -> None:
+    collect = Collect()
+    client = await make_proxy(
+        await upstream(), inspector_factories=[lambda view: Explode(), lambda view: collect]
+    )
+    resp = await client.post("/v1/completions", json={"model": "m", "stream": True})
+    assert await resp.read() == b"".join(EVENTS)
+    assert [c["choices"][0]["delta"].get("content") for c in collect.chunks] == ["", "Hel", "lo"]
+    assert collect.ended == [True]
+    assert (
+        metric(
+            registry,
+            "detproxy_inspection_stopped_total",
+            endpoint="completions",
+            reason="inspector_error",
+        )
+        == 1
+    )
+
+
+async def test_stream_is_relayed_as_it_arrives(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application
+) -> None:
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(EVENTS[0])
+        await release.wait()  # the rest only once the client has seen the first event
+        for event in EVENTS[1:]:
+            await resp.write(event)
+        return resp
+
+    upstream_app.router.add_post(CHAT, slow)
+    client = await make_proxy(await upstream())
+    resp = await client.post(CHAT, json={"stream": True})
+    first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=5)
+    assert first == EVENTS[0]
+    release.set()
+    assert await resp.content.read() == b"".join(EVENTS[1:])
