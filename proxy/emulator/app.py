@@ -1,0 +1,125 @@
+"""``build_emulator_app(config)``: the aiohttp application of the vLLM emulator."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+from aiohttp import web
+
+from .config import EmulatorConfig
+from .generate import (
+    CONFIG_KEY,
+    STATE_KEY,
+    error_response,
+    handle_generation,
+    read_json_object,
+)
+from .injections import EmulatorState
+from .metrics import CONTENT_TYPE, render_metrics
+from .plan import resolve_model
+from .schemas import RequestError, TokenizeRequest, parse, render_messages
+from .vocab import encode
+
+CREATED_KEY = web.AppKey("emulator_created", int)
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type="application/json")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await handle_generation(request, "completion")
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG_KEY]
+    created = request.app[CREATED_KEY]
+    data: list[dict[str, object]] = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": name,
+            "parent": None,
+            "max_model_len": cfg.max_model_len,
+            "permission": [],
+        }
+        for name in cfg.models
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": request.app[CONFIG_KEY].version})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = render_metrics(request.app[CONFIG_KEY], request.app[STATE_KEY])
+    return web.Response(body=text.encode(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    cfg = request.app[CONFIG_KEY]
+    try:
+        req = parse(TokenizeRequest, await read_json_object(request))
+        resolve_model(cfg, req.model)
+        if req.messages is not None:
+            text = render_messages(req.messages)
+        elif req.prompt is not None:
+            text = req.prompt
+        else:
+            raise RequestError("Either `prompt` or `messages` is required.", param="prompt")
+    except RequestError as err:
+        return error_response(err)
+    tokens = encode(text)
+    return _json(
+        {
+            "count": len(tokens),
+            "max_model_len": cfg.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+    )
+
+
+async def injections(request: web.Request) -> web.Response:
+    return _json(request.app[STATE_KEY].injections())
+
+
+async def stats(request: web.Request) -> web.Response:
+    return _json(request.app[STATE_KEY].stats())
+
+
+async def reset(request: web.Request) -> web.Response:
+    request.app[STATE_KEY].reset()
+    return _json({"ok": True})
+
+
+def build_emulator_app(config: EmulatorConfig | None = None) -> web.Application:
+    """A fresh emulator application with its own state (nothing is shared between apps)."""
+    cfg = config or EmulatorConfig()
+    app = web.Application()
+    app[CONFIG_KEY] = cfg
+    app[STATE_KEY] = EmulatorState(seed=cfg.seed)
+    app[CREATED_KEY] = int(time.time())
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/emulator/injections", injections)
+    app.router.add_get("/emulator/stats", stats)
+    app.router.add_post("/emulator/reset", reset)
+    return app

@@ -1,0 +1,104 @@
+"""EmulatorConfig: every knob of the vLLM emulator, frozen and validated.
+
+Each field can also be overridden for one request with the ``X-Emulator-Knobs`` header (a JSON
+object with the same field names), validated the same way as the config itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ReasoningStyle = Literal["reasoning", "reasoning_content", "both"]
+LoopChannel = Literal["none", "reasoning", "content"]
+FaultKind = Literal[
+    "none",
+    "reset_mid_stream",
+    "http_500",
+    "http_503",
+    "slow_headers",
+    "malformed_sse",
+    "malformed_json",
+    "inband_error",
+]
+
+KNOBS_HEADER = "X-Emulator-Knobs"
+DEFAULT_SLOW_HEADERS_S = 30.0
+
+
+class KnobsError(ValueError):
+    """A per-request knobs header that is not a valid override of the config."""
+
+
+class EmulatorConfig(BaseModel):
+    """Configuration of one emulated vLLM server."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Served model and server limits.
+    models: tuple[str, ...] = Field(default=("emulator-model",), min_length=1)
+    max_model_len: int = Field(default=4096, ge=16)
+    max_logprobs: int = Field(default=20, ge=-1)
+    version: str = "0.17.1"
+    seed: int = 0
+    default_temperature: float = Field(default=1.0, ge=0.0)
+
+    # Reasoning channel (chat only).
+    reasoning_tokens: int = Field(default=0, ge=0)
+    reasoning_style: ReasoningStyle = "reasoning"
+
+    # Injected nondeterminism (greedy requests only).
+    flip_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    flip_position: int = Field(default=0, ge=0)
+    logprob_jitter_probability: float = Field(default=0.0, ge=0.0, le=1.0)
+    batch_divergence_threshold: int | None = Field(default=None, ge=0)
+
+    # Repetition loops.
+    loop_channel: LoopChannel = "none"
+    loop_after_tokens: int = Field(default=5, ge=0)
+    loop_unit: str = Field(default=" and then the model repeats itself.", min_length=1)
+    engine_repetition_detection: bool = False
+
+    # Speed.
+    token_latency_s: float = Field(default=0.0, ge=0.0)
+    headers_delay_s: float = Field(default=0.0, ge=0.0)
+
+    # Transport and protocol faults.
+    fault: FaultKind = "none"
+    fault_after_tokens: int = Field(default=3, ge=0)
+    fault_probability: float = Field(default=1.0, ge=0.0, le=1.0)
+
+    def with_knobs(self, knobs: dict[str, Any]) -> EmulatorConfig:
+        """Return a copy with ``knobs`` applied, validated like the config itself."""
+        merged = self.model_dump()
+        merged.update(knobs)
+        return EmulatorConfig.model_validate(merged)
+
+    def with_knobs_header(self, raw: str | None) -> EmulatorConfig:
+        """Apply the ``X-Emulator-Knobs`` header value; raise KnobsError when it is invalid."""
+        if raw is None or not raw.strip():
+            return self
+        try:
+            knobs = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise KnobsError(f"{KNOBS_HEADER} is not valid JSON: {exc}") from exc
+        if not isinstance(knobs, dict):
+            raise KnobsError(f"{KNOBS_HEADER} must be a JSON object")
+        try:
+            return self.with_knobs(knobs)
+        except ValidationError as exc:
+            raise KnobsError(f"{KNOBS_HEADER} is invalid: {_describe(exc)}") from exc
+
+    @property
+    def slow_headers_delay_s(self) -> float:
+        return self.headers_delay_s if self.headers_delay_s > 0 else DEFAULT_SLOW_HEADERS_S
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)

@@ -1,0 +1,312 @@
+"""The generation endpoints: request parsing, the token loop, streaming, faults and accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+import time
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from .config import KNOBS_HEADER, EmulatorConfig, FaultKind, KnobsError
+from .injections import EmulatorState, InjectionRecord
+from .model import ChoiceGenerator, Step
+from .plan import Endpoint, Job, build_chat_job, build_completion_job, choice_rng
+from .responses import (
+    SSE_DONE,
+    ChunkBuilder,
+    chat_logprob_entry,
+    chat_message,
+    completion_logprobs,
+    error_body,
+    full_response,
+    sse,
+    usage,
+)
+from .schemas import RequestError
+
+STATE_KEY = web.AppKey("emulator_state", EmulatorState)
+CONFIG_KEY = web.AppKey("emulator_config", EmulatorConfig)
+REQUEST_ID_HEADER = "X-Request-Id"
+_STREAM_FAULTS = frozenset({"reset_mid_stream", "malformed_sse", "malformed_json", "inband_error"})
+_HTTP_FAULTS: dict[str, tuple[int, str]] = {
+    "http_500": (500, "InternalServerError"),
+    "http_503": (503, "ServiceUnavailableError"),
+}
+
+
+def error_response(err: RequestError, request_id: str | None = None) -> web.Response:
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    return web.Response(
+        body=error_body(err.message, err.err_type, err.code, err.param),
+        status=err.code,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+async def read_json_object(request: web.Request) -> dict[str, Any]:
+    if request.content_type != "application/json":
+        raise RequestError("Unsupported Media Type: Only 'application/json' is allowed")
+    raw = await request.read()
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise RequestError(f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("The request body must be a JSON object.")
+    return body
+
+
+async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    state = request.app[STATE_KEY]
+    base = request.app[CONFIG_KEY]
+    rid = request.headers.get(REQUEST_ID_HEADER)
+    try:
+        try:
+            cfg = base.with_knobs_header(request.headers.get(KNOBS_HEADER))
+        except KnobsError as exc:
+            raise RequestError(str(exc), param=KNOBS_HEADER) from None
+        body = await read_json_object(request)
+        if rid is None:
+            body_rid = body.get("request_id")
+            rid = body_rid if isinstance(body_rid, str) and body_rid else secrets.token_hex(16)
+        rng = state.rng if cfg.seed == base.seed else random.Random(cfg.seed)
+        build = build_chat_job if endpoint == "chat" else build_completion_job
+        job = build(cfg, body, rid, rng)
+    except RequestError as err:
+        return error_response(err, rid)
+    state.requests += 1
+    state.prompt_tokens += job.prompt_tokens
+    fault: FaultKind = cfg.fault
+    if fault != "none" and cfg.fault_probability < 1.0 and rng.random() >= cfg.fault_probability:
+        fault = "none"
+    return await Run(request, state, cfg, job, fault).execute()
+
+
+class _Reset(Exception):
+    """Raised after the emulator cut the connection on purpose."""
+
+
+class Run:
+    """One accepted generation request."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        state: EmulatorState,
+        cfg: EmulatorConfig,
+        job: Job,
+        fault: FaultKind,
+    ) -> None:
+        self.request = request
+        self.state = state
+        self.cfg = cfg
+        self.job = job
+        self.fault = fault
+        self.fault_fired = False
+        self.created = int(time.time())
+        self.gens = [
+            ChoiceGenerator(p, job.sampling, choice_rng(job.sampling, p.index)) for p in job.plans
+        ]
+        self.steps: list[list[Step]] = [[] for _ in self.gens]
+        self.tokens = 0
+
+    async def execute(self) -> web.StreamResponse:
+        state = self.state
+        state.running += 1
+        try:
+            return await self._execute()
+        except _Reset:
+            raise asyncio.CancelledError() from None
+        except (asyncio.CancelledError, ConnectionError):
+            state.aborted += 1
+            raise
+        finally:
+            state.running -= 1
+
+    def _record_fault(self, position: int | None, **detail: Any) -> None:
+        self.fault_fired = True
+        self.state.faulted += 1
+        rec = InjectionRecord(
+            self.job.request_id,
+            "fault",
+            None,
+            position,
+            {"fault": self.fault, **detail},
+            self.state.running,
+        )
+        self.state.record(rec)
+
+    def _reset(self) -> None:
+        self._record_fault(self.tokens)
+        transport = self.request.transport
+        if transport is not None:
+            transport.abort()
+        raise _Reset()
+
+    async def _execute(self) -> web.StreamResponse:
+        cfg = self.cfg
+        delay = cfg.headers_delay_s
+        if self.fault == "slow_headers":
+            self._record_fault(None, delay_s=cfg.slow_headers_delay_s)
+            delay = cfg.slow_headers_delay_s
+        if delay > 0:
+            await asyncio.sleep(delay)
+        http_fault = _HTTP_FAULTS.get(self.fault)
+        if http_fault is not None:
+            code, err_type = http_fault
+            self._record_fault(None, code=code)
+            err = RequestError(f"Injected {code} by the emulator.", code=code, err_type=err_type)
+            return error_response(err, self.job.request_id)
+        if self.job.stream:
+            return await self._stream()
+        return await self._full()
+
+    def _step(self, i: int) -> Step | None:
+        gen = self.gens[i]
+        step = gen.step(self.state.running)
+        for rec in gen.events:
+            self.state.record(rec)
+        gen.events.clear()
+        if step is None:
+            assert gen.finish_reason is not None
+            self.state.finished[gen.finish_reason] += 1
+            return None
+        self.steps[i].append(step)
+        self.tokens += 1
+        self.state.generation_tokens += 1
+        return step
+
+    def _usage(self) -> dict[str, Any]:
+        reasoning = sum(1 for steps in self.steps for s in steps if s.channel == "reasoning")
+        return usage(self.job, self.tokens, reasoning)
+
+    async def _tick(self) -> None:
+        if self.cfg.token_latency_s > 0:
+            await asyncio.sleep(self.cfg.token_latency_s)
+
+    async def _full(self) -> web.Response:
+        while any(not g.done for g in self.gens):
+            for i, gen in enumerate(self.gens):
+                if not gen.done:
+                    self._step(i)
+            await self._tick()
+        if self.fault == "reset_mid_stream":
+            self._reset()
+        if self.fault == "inband_error":
+            self._record_fault(self.tokens)
+            err = RequestError(
+                "Injected generation error.", code=500, err_type="InternalServerError"
+            )
+            return error_response(err, self.job.request_id)
+        body = orjson.dumps(self._full_body())
+        if self.fault == "malformed_json":
+            self._record_fault(self.tokens)
+            body = body[: len(body) // 2]
+        self.state.completed += 1
+        return web.Response(
+            body=body,
+            content_type="application/json",
+            headers={REQUEST_ID_HEADER: self.job.request_id},
+        )
+
+    def _full_body(self) -> dict[str, Any]:
+        job = self.job
+        choices: list[dict[str, Any]] = []
+        for gen, steps in zip(self.gens, self.steps, strict=True):
+            choice: dict[str, Any] = {"index": gen.plan.index}
+            if job.endpoint == "chat":
+                shown = [s for s in steps if s.channel == "content" or job.include_reasoning]
+                reasoning = "".join(s.text for s in shown if s.channel == "reasoning")
+                content = "".join(s.text for s in shown if s.channel == "content")
+                choice["message"] = chat_message(job, reasoning, content)
+                lps = None
+                if job.logprobs is not None:
+                    lps = {"content": [chat_logprob_entry(s, job.logprobs) for s in shown]}
+                choice["logprobs"] = lps
+            else:
+                choice["text"] = "".join(s.text for s in steps)
+                choice["logprobs"] = (
+                    None if job.logprobs is None else completion_logprobs(steps, job.logprobs, 0)
+                )
+                choice["prompt_logprobs"] = None
+            choice["finish_reason"] = gen.finish_reason
+            choice["stop_reason"] = gen.stop_reason
+            choices.append(choice)
+        return full_response(job, self.created, choices, self._usage())
+
+    async def _emit(self, resp: web.StreamResponse, payload: dict[str, Any]) -> None:
+        if self.job.continuous_usage:
+            payload["usage"] = self._usage()
+        await resp.write(sse(payload))
+
+    async def _stream(self) -> web.StreamResponse:
+        job = self.job
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                REQUEST_ID_HEADER: job.request_id,
+            }
+        )
+        await resp.prepare(self.request)
+        chunks = ChunkBuilder(job, self.created)
+        if job.endpoint == "chat":
+            for gen in self.gens:
+                await self._emit(resp, chunks.role(gen.plan.index))
+        offsets = [0] * len(self.gens)
+        while any(not g.done for g in self.gens):
+            for i, gen in enumerate(self.gens):
+                if gen.done:
+                    continue
+                if await self._stream_fault(resp):
+                    return resp
+                step = self._step(i)
+                idx = gen.plan.index
+                if step is None:
+                    assert gen.finish_reason is not None
+                    await self._emit(resp, chunks.finish(idx, gen.finish_reason, gen.stop_reason))
+                    continue
+                if step.channel == "reasoning" and not job.include_reasoning:
+                    continue
+                await self._emit(resp, chunks.token(idx, step, offsets[i]))
+                offsets[i] += len(step.text)
+            await self._tick()
+        if job.include_usage:
+            await resp.write(sse(chunks.usage(self._usage())))
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+        self.state.completed += 1
+        return resp
+
+    async def _stream_fault(self, resp: web.StreamResponse) -> bool:
+        """Fire the stream fault when due; True when the stream is over."""
+        if self.fault_fired or self.fault not in _STREAM_FAULTS:
+            return False
+        if self.tokens != self.cfg.fault_after_tokens:
+            return False
+        if self.fault == "reset_mid_stream":
+            self._reset()
+        self._record_fault(self.tokens)
+        if self.fault == "malformed_sse":
+            await resp.write(b"garbage without data prefix\n\n")
+        elif self.fault == "malformed_json":
+            await resp.write(b"data: {not json\n\n")
+        else:
+            err = {
+                "error": {
+                    "message": "Injected in-band generation error.",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
+            await resp.write(sse(err))
+            await resp.write(SSE_DONE)
+            await resp.write_eof()
+            return True
+        return False

@@ -1,0 +1,264 @@
+"""Turn a validated request plus the effective config into a Job: one ChoicePlan per choice.
+
+All per-request decisions (limits, defaults, reasoning, loops, which injections fire) are made
+here, before generation starts, so generation itself is a pure function of the plan.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import xxhash
+
+from .config import EmulatorConfig, ReasoningStyle
+from .model import ChoicePlan, LoopPlan, Sampling, natural_length, prompt_key
+from .schemas import (
+    ChatRequest,
+    CompletionRequest,
+    RepetitionDetection,
+    RequestError,
+    completion_prompts,
+    parse,
+    render_messages,
+)
+from .vocab import encode_pieces, split_text, vocabulary
+
+Endpoint = Literal["chat", "completion"]
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    endpoint: Endpoint
+    request_id: str
+    model: str
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    prompt_tokens: int
+    sampling: Sampling
+    plans: tuple[ChoicePlan, ...]
+    # chat: top_logprobs when logprobs is true, else None; completions: the `logprobs` int.
+    logprobs: int | None
+    reasoning_active: bool
+    include_reasoning: bool
+    reasoning_style: ReasoningStyle
+
+
+def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
+    if model is None:
+        return cfg.models[0]
+    if model not in cfg.models:
+        raise RequestError(
+            f"The model `{model}` does not exist.",
+            code=404,
+            err_type="NotFoundError",
+            param="model",
+        )
+    return model
+
+
+def _check_logprobs(cfg: EmulatorConfig, requested: int, param: str) -> None:
+    num = len(vocabulary()) if requested == -1 else requested
+    if cfg.max_logprobs != -1 and num > cfg.max_logprobs:
+        raise RequestError(
+            f"Requested sample logprobs of {num}, which is greater than max allowed: "
+            f"{cfg.max_logprobs}",
+            param=param,
+        )
+
+
+def _check_length(cfg: EmulatorConfig, prompt_tokens: int, max_tokens: int | None) -> int:
+    limit = cfg.max_model_len
+    if prompt_tokens >= limit:
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_tokens} input tokens. Please reduce the length of the input messages.",
+            param="messages",
+        )
+    if max_tokens is None:
+        return limit - prompt_tokens
+    if prompt_tokens + max_tokens > limit:
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} "
+            "in the completion). Please reduce the length of the messages or completion.",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+def _sampling(cfg: EmulatorConfig, req: ChatRequest | CompletionRequest) -> Sampling:
+    return Sampling(
+        temperature=cfg.default_temperature if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        seed=req.seed,
+    )
+
+
+def _loop_plan(
+    cfg: EmulatorConfig,
+    sampling: Sampling,
+    channel: Literal["reasoning", "content"],
+    detection: RepetitionDetection | None,
+) -> LoopPlan | None:
+    if not sampling.greedy or sampling.penalised:
+        return None
+    unit = tuple(encode_pieces(cfg.loop_unit))
+    repeats: int | None = None
+    if cfg.engine_repetition_detection and detection is not None:
+        lo = max(detection.min_pattern_size, 1)
+        hi = detection.max_pattern_size or len(unit)
+        if lo <= len(unit) <= hi:
+            repeats = detection.min_count
+    return LoopPlan(channel, cfg.loop_after_tokens, unit, repeats)
+
+
+def _choice_plans(
+    cfg: EmulatorConfig,
+    rng: random.Random,
+    request_id: str,
+    keys: list[int],
+    n: int,
+    max_tokens: int,
+    reasoning_tokens: int,
+    loop: LoopPlan | None,
+    sampling: Sampling,
+    ignore_eos: bool,
+) -> tuple[ChoicePlan, ...]:
+    plans: list[ChoicePlan] = []
+    for p_idx, key in enumerate(keys):
+        natural = natural_length(key)
+        expected = min(max_tokens, reasoning_tokens + natural)
+        for i in range(n):
+            flip = jitter = None
+            if sampling.greedy:
+                if cfg.flip_probability > 0 and rng.random() < cfg.flip_probability:
+                    flip = cfg.flip_position
+                if cfg.logprob_jitter_probability > 0 and rng.random() < (
+                    cfg.logprob_jitter_probability
+                ):
+                    jitter = rng.randrange(max(expected, 1))
+            plans.append(
+                ChoicePlan(
+                    request_id=request_id,
+                    index=p_idx * n + i,
+                    prompt_key=key,
+                    max_tokens=max_tokens,
+                    reasoning_tokens=reasoning_tokens,
+                    natural_tokens=None if ignore_eos else natural,
+                    flip_position=flip,
+                    jitter_position=jitter,
+                    loop=loop,
+                    divergence_threshold=cfg.batch_divergence_threshold
+                    if sampling.greedy
+                    else None,
+                )
+            )
+    return tuple(plans)
+
+
+def choice_rng(sampling: Sampling, index: int) -> random.Random:
+    """The sampling RNG of one choice: reproducible when the request carries a seed."""
+    if sampling.seed is None:
+        return random.Random()
+    return random.Random(xxhash.xxh64_intdigest(f"{sampling.seed}:{index}".encode()))
+
+
+def _stream_flags(req: ChatRequest | CompletionRequest) -> tuple[bool, bool, bool]:
+    stream = bool(req.stream)
+    if req.stream_options is not None and not stream:
+        raise RequestError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    opts = req.stream_options
+    usage = bool(opts and opts.include_usage)
+    return stream, usage, bool(usage and opts and opts.continuous_usage_stats)
+
+
+def build_chat_job(
+    cfg: EmulatorConfig, body: dict[str, Any], request_id: str, rng: random.Random
+) -> Job:
+    req = parse(ChatRequest, body)
+    model = resolve_model(cfg, req.model)
+    stream, usage, continuous = _stream_flags(req)
+    top = req.top_logprobs or 0
+    if top != 0 and not req.logprobs:
+        raise RequestError(
+            "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs"
+        )
+    if req.logprobs:
+        _check_logprobs(cfg, top, "top_logprobs")
+    prompt = render_messages(req.messages)
+    prompt_tokens = len(split_text(prompt))
+    max_tokens = _check_length(cfg, prompt_tokens, req.max_completion_tokens or req.max_tokens)
+    sampling = _sampling(cfg, req)
+    kwargs = req.chat_template_kwargs or {}
+    thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
+    parser = cfg.reasoning_tokens > 0 or cfg.loop_channel == "reasoning"
+    reasoning = cfg.reasoning_tokens if parser and thinking else 0
+    loop = None
+    if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and parser and thinking):
+        loop = _loop_plan(cfg, sampling, cfg.loop_channel, req.repetition_detection)
+    keys = [prompt_key(model, prompt)]
+    plans = _choice_plans(
+        cfg, rng, request_id, keys, req.n, max_tokens, reasoning, loop, sampling, req.ignore_eos
+    )
+    return Job(
+        endpoint="chat",
+        request_id=request_id,
+        model=model,
+        stream=stream,
+        include_usage=usage,
+        continuous_usage=continuous,
+        prompt_tokens=prompt_tokens,
+        sampling=sampling,
+        plans=plans,
+        logprobs=top if req.logprobs else None,
+        reasoning_active=parser,
+        include_reasoning=req.include_reasoning,
+        reasoning_style=cfg.reasoning_style,
+    )
+
+
+def build_completion_job(
+    cfg: EmulatorConfig, body: dict[str, Any], request_id: str, rng: random.Random
+) -> Job:
+    req = parse(CompletionRequest, body)
+    model = resolve_model(cfg, req.model)
+    stream, usage, continuous = _stream_flags(req)
+    if req.logprobs is not None:
+        _check_logprobs(cfg, req.logprobs, "logprobs")
+    prompts = completion_prompts(req.prompt)
+    counts = [len(split_text(p)) for p in prompts]
+    max_req = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    max_tokens = min(_check_length(cfg, c, max_req) for c in counts)
+    sampling = _sampling(cfg, req)
+    loop = None
+    if cfg.loop_channel != "none":
+        loop = _loop_plan(cfg, sampling, "content", req.repetition_detection)
+    keys = [prompt_key(model, p) for p in prompts]
+    plans = _choice_plans(
+        cfg, rng, request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos
+    )
+    return Job(
+        endpoint="completion",
+        request_id=request_id,
+        model=model,
+        stream=stream,
+        include_usage=usage,
+        continuous_usage=continuous,
+        prompt_tokens=sum(counts),
+        sampling=sampling,
+        plans=plans,
+        logprobs=req.logprobs,
+        reasoning_active=False,
+        include_reasoning=False,
+        reasoning_style=cfg.reasoning_style,
+    )

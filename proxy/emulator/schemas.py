@@ -1,0 +1,141 @@
+"""Request validation, mirroring the parts of vLLM's pydantic request models the emulator uses.
+
+Unknown fields are ignored (vLLM's ``extra="allow"``); known fields of the wrong type are a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+_INT64 = 2**63 - 1
+_M = TypeVar("_M", bound=BaseModel)
+
+
+class RequestError(ValueError):
+    """A request the emulator answers with an error body (HTTP status = code)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int = 400,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.err_type = err_type
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class RepetitionDetection(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    max_pattern_size: int = Field(default=0, ge=0)
+    min_pattern_size: int = Field(default=0, ge=0)
+    min_count: int = Field(default=3, ge=2)
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    seed: int | None = Field(default=None, ge=-_INT64 - 1, le=_INT64)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    request_id: str | None = None
+    ignore_eos: bool = False
+    repetition_detection: RepetitionDetection | None = None
+    stop: str | list[str] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=0, ge=-1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(default=None, ge=-1)
+    echo: bool | None = False
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+
+
+def validation_error(exc: ValidationError) -> RequestError:
+    """vLLM answers pydantic validation failures with a 400 BadRequestError."""
+    errors = exc.errors()
+    first = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
+    parts = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors]
+    return RequestError(
+        f"{len(errors)} validation error(s) for request: " + "; ".join(parts), param=first
+    )
+
+
+def parse(cls: type[_M], body: dict[str, Any]) -> _M:
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def render_messages(messages: list[dict[str, Any]]) -> str:
+    """Render chat messages to one prompt string (role + content per message)."""
+    lines: list[str] = []
+    for msg in messages:
+        role = msg.get("role")
+        if not isinstance(role, str):
+            raise RequestError("Each message must have a string `role`.", param="messages")
+        content = msg.get("content")
+        if isinstance(content, list):
+            text = " ".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+        elif content is None or isinstance(content, str):
+            text = content or ""
+        else:
+            raise RequestError("Message `content` must be a string or a list.", param="messages")
+        lines.append(f"{role}: {text}")
+    return "\n".join(lines) + "\nassistant:"
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str]:
+    """The prompts of a completions request as strings (token-id prompts joined as ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise RequestError("Prompt cannot be empty.", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [" ".join(str(p) for p in prompt)]
+    out: list[str] = []
+    for p in prompt:
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, list):
+            out.append(" ".join(str(t) for t in p))
+        else:
+            raise RequestError("Invalid prompt.", param="prompt")
+    return out

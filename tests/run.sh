@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything the tests need on a fresh machine and runs them all:
+# a virtualenv with detproxy and its test extras, llama.cpp's llama-server built from the
+# llama-cpp-python sdist (cached in ~/.cache/detproxy), the SmolLM2-135M GGUF, then
+# ruff, mypy and pytest (unit and integration tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
+  apt-get update -qq && apt-get install -y -qq cmake g++ make >/dev/null
+fi
+
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+
+engine="$(PYTHON=.venv/bin/python bash tests/integration/build_llama_server.sh)"
+export LLAMA_SERVER="$(sed -n 's/^LLAMA_SERVER=//p' <<<"$engine")"
+export SMOLLM2_GGUF="$(sed -n 's/^SMOLLM2_GGUF=//p' <<<"$engine")"
+
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+.venv/bin/mypy
+.venv/bin/python -m pytest -m "integration or not integration" "$@"

@@ -1,0 +1,132 @@
+"""detproxy in front of the vLLM emulator: the openai SDK, vLLM's shapes, faults and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.emulator import EmulatorConfig, EmulatorServer
+from tests.conftest import metric
+
+MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[EmulatorServer]:
+    async with EmulatorServer(EmulatorConfig(reasoning_tokens=4, reasoning_style="both")) as srv:
+        yield srv
+
+
+def knobs(**fields: Any) -> dict[str, str]:
+    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
+
+
+@pytest.fixture
+async def sdk_pair(make_proxy: Any, emulator: EmulatorServer) -> AsyncIterator[tuple[Any, Any]]:
+    proxy = await make_proxy(emulator.url)
+    base = str(proxy.make_url("/v1"))
+    direct = openai.AsyncOpenAI(base_url=emulator.url + "/v1", api_key="x", max_retries=0)
+    proxied = openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0)
+    yield direct, proxied
+    await direct.close()
+    await proxied.close()
+
+
+async def test_sdk_sees_the_same_answers(sdk_pair: tuple[Any, Any]) -> None:
+    direct, proxied = sdk_pair
+    kwargs: dict[str, Any] = dict(
+        model="emulator-model",
+        messages=MESSAGES,
+        temperature=0,
+        max_tokens=20,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    a = await direct.chat.completions.create(**kwargs)
+    b = await proxied.chat.completions.create(**kwargs)
+    assert a.model_dump(exclude={"id", "created"}) == b.model_dump(exclude={"id", "created"})
+
+    async def chunks(client: Any) -> list[Any]:
+        stream = await client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+        return [c.model_dump(exclude={"id", "created"}) async for c in stream]
+
+    sa, sb = await chunks(direct), await chunks(proxied)
+    assert sa == sb
+    assert any(
+        (c["choices"] or [{}])[0].get("delta", {}).get("reasoning_content") for c in sb
+    )  # vLLM 0.11-0.15 style reasoning reached the client
+
+
+async def test_request_id_reaches_the_engine(make_proxy: Any, emulator: EmulatorServer) -> None:
+    proxy = await make_proxy(emulator.url)
+    resp = await proxy.post(
+        "/v1/chat/completions",
+        headers={"X-Request-Id": "trace-42"},
+        json={"model": "emulator-model", "messages": MESSAGES},
+    )
+    assert (await resp.json())["id"] == "chatcmpl-trace-42"
+
+
+async def test_stream_abort_reaches_the_engine(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    proxy = await make_proxy(emulator.url)
+    resp = await proxy.post(
+        "/v1/chat/completions",
+        headers=knobs(token_latency_s=0.05),
+        json={
+            "model": "emulator-model",
+            "messages": MESSAGES,
+            "stream": True,
+            "max_tokens": 500,
+            "temperature": 0,
+        },
+    )
+    await resp.content.readuntil(b"\n\n")
+    assert emulator.stats()["running"] == 1
+    resp.close()
+    for _ in range(20):
+        await asyncio.sleep(0.05)
+        if emulator.stats()["aborted"] == 1:
+            break
+    assert emulator.stats()["aborted"] == 1 and emulator.stats()["running"] == 0
+
+
+async def test_engine_faults(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    proxy = await make_proxy(emulator.url)
+    body = {"model": "emulator-model", "messages": MESSAGES, "stream": True, "max_tokens": 12}
+
+    resp = await proxy.post(
+        "/v1/chat/completions",
+        json=body,
+        headers=knobs(fault="reset_mid_stream", fault_after_tokens=3),
+    )
+    events = [e for e in (await resp.read()).split(b"\n\n") if e]
+    assert orjson.loads(events[-2][6:])["error"]["code"] == 502
+    assert events[-1] == b"data: [DONE]"
+
+    resp = await proxy.post("/v1/chat/completions", json=body, headers=knobs(fault="http_503"))
+    assert resp.status == 503 and (await resp.json())["error"]["code"] == 503
+
+    resp = await proxy.post("/v1/chat/completions", json=body, headers=knobs(fault="inband_error"))
+    events = [e for e in (await resp.read()).split(b"\n\n") if e]
+    assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
+
+    for fault, reason in (("malformed_sse", "malformed_sse"), ("malformed_json", "malformed_json")):
+        resp = await proxy.post("/v1/chat/completions", json=body, headers=knobs(fault=fault))
+        assert resp.status == 200 and (await resp.read()).endswith(b"data: [DONE]\n\n")
+        assert (
+            metric(registry, "detproxy_inspection_stopped_total", endpoint="chat", reason=reason)
+            == 1
+        )
+    assert emulator.stats()["running"] == 0
