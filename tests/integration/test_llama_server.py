@@ -109,10 +109,19 @@ def test_models_and_other_paths(engine: Engine, detproxy_url: str) -> None:
         assert b"llamacpp:" in resp.read()  # the engine's own metrics, passed through
 
 
-def test_engine_error_reaches_the_sdk(engine: Engine, detproxy_url: str) -> None:
-    _, proxied = clients(engine, detproxy_url)
-    with pytest.raises(openai.BadRequestError):
-        proxied.chat.completions.create(model=engine.model, messages=[], max_tokens=4)
+def test_wrong_types_are_forwarded_and_the_engine_error_reaches_the_sdk(
+    engine: Engine, detproxy_url: str
+) -> None:
+    errors = []
+    for client in clients(engine, detproxy_url):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(
+                model=engine.model,
+                max_tokens="x",  # type: ignore[arg-type]
+                messages=[{"role": "user", "content": "hi"}],
+            )
+        errors.append(exc.value.body)
+    assert errors[0] == errors[1] and "max_tokens" in str(errors[1])
 
 
 def engine_busy(engine: Engine) -> float:
