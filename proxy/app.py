@@ -4,25 +4,69 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from policies.base import PolicyChain
 from proxy import __version__
+from proxy.audit.auditor import Auditor
+from proxy.audit.shadow import ShadowScheduler
+from proxy.audit.store import MemoryDuplicateStore
+from proxy.audit.upstream_load import UpstreamLoad
 from proxy.config import Settings
 from proxy.errors import error_response
 from proxy.events import EventBus
 from proxy.forward import Forwarder
+from proxy.incidents import IncidentLog
 from proxy.inspect.base import InspectorFactory
 from proxy.metrics import Metrics
+from proxy.status import AuditTally
 from proxy.upstream import AiohttpUpstream, Upstream, make_session
 
 SETTINGS = web.AppKey("settings", Settings)
 BUS = web.AppKey("bus", EventBus)
 METRICS = web.AppKey("metrics", Metrics)
-FORWARDER = web.AppKey("forwarder", Forwarder)
 STARTED_AT = web.AppKey("started_at", float)
+INCIDENTS = web.AppKey("incidents", IncidentLog)
+TALLY = web.AppKey("tally", AuditTally)
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """What exists only while the app runs (created in ``cleanup_ctx``)."""
+
+    forwarder: Forwarder
+    scheduler: ShadowScheduler | None
+
+
+RUNTIME = web.AppKey("runtime", Runtime)
+
+
+def _scheduler(
+    settings: Settings,
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    bus: EventBus,
+    forwarder: Forwarder,
+) -> ShadowScheduler | None:
+    audit = settings.audit
+    if audit.sample_rate <= 0 and not any(r > 0 for r in audit.model_rates.values()):
+        return None
+    target = upstream
+    if audit.reference_url:
+        target = AiohttpUpstream(session, audit.reference_url)
+    load = UpstreamLoad(session, audit.reference_url or settings.upstream.url)
+    return ShadowScheduler(
+        audit,
+        target,
+        bus,
+        lambda: forwarder.inflight,
+        load.running if audit.quiet_max_upstream_running is not None else None,
+    )
+
 
 ADMIN_PREFIX = "/detproxy/"
 
@@ -48,21 +92,50 @@ def build_app(
     app[METRICS] = metrics
     app[STARTED_AT] = time.time()
 
+    incidents = IncidentLog(settings.incidents)
+    incidents.subscribe(bus)
+    tally = AuditTally()
+    tally.subscribe(bus)
+    app[INCIDENTS] = incidents
+    app[TALLY] = tally
+
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-        session = None
-        target = upstream
-        if target is None:
-            session = make_session(settings.upstream)
-            target = AiohttpUpstream(session, settings.upstream.url)
-        app[FORWARDER] = Forwarder(settings, target, bus, inspector_factories, chain)
+        session = make_session(settings.upstream)
+        target = upstream or AiohttpUpstream(session, settings.upstream.url)
+        forwarder = Forwarder(settings, target, bus, inspector_factories, chain)
+        scheduler = _scheduler(settings, session, target, bus, forwarder)
+        store = (
+            MemoryDuplicateStore(
+                settings.audit.duplicate_window_s, settings.audit.duplicate_max_entries
+            )
+            if settings.audit.passive_checks
+            else None
+        )
+        if scheduler is not None or store is not None:
+            forwarder.attach_auditor(
+                Auditor(
+                    settings,
+                    bus,
+                    scheduler,
+                    store,
+                    lambda: forwarder.inflight,
+                    target=settings.audit.reference_url or "same",
+                )
+            )
+        app[RUNTIME] = Runtime(forwarder, scheduler)
+        if scheduler is not None:
+            scheduler.start()
         yield
-        if session is not None:
-            await session.close()
+        if scheduler is not None:
+            await scheduler.close()
+        incidents.close()
+        await session.close()
 
     app.cleanup_ctx.append(upstream_ctx)
     app.router.add_get("/detproxy/health", _health)
     app.router.add_get("/detproxy/metrics", metrics.handle)
     app.router.add_get("/detproxy/status", _status)
+    app.router.add_get("/detproxy/incidents", incidents.handle)
     app.router.add_route("*", "/{tail:.*}", _dispatch)
     return app
 
@@ -70,7 +143,7 @@ def build_app(
 async def _dispatch(request: web.Request) -> web.StreamResponse:
     if request.path.startswith(ADMIN_PREFIX):
         return error_response(404, f"no detproxy endpoint at {request.path}")
-    return await request.app[FORWARDER].handle(request)
+    return await request.app[RUNTIME].forwarder.handle(request)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -85,7 +158,24 @@ async def _status(request: web.Request) -> web.Response:
             "version": __version__,
             "upstream": settings.upstream.url,
             "uptime_s": round(time.time() - app[STARTED_AT], 3),
-            "inflight": app[FORWARDER].inflight,
+            "inflight": app[RUNTIME].forwarder.inflight,
+            "audit": app[TALLY].snapshot(),
+            "shadow": _shadow_status(app[RUNTIME].scheduler),
+            "incidents": {
+                "recorded": len(app[INCIDENTS].recent(10**9)),
+                "written": app[INCIDENTS].written,
+            },
             "config": settings.model_dump(mode="json"),
         }
     )
+
+
+def _shadow_status(scheduler: ShadowScheduler | None) -> dict[str, object] | None:
+    if scheduler is None:
+        return None
+    return {
+        "queued": scheduler.queued,
+        "running": scheduler.running,
+        "primary_tokens": scheduler.primary_tokens,
+        "shadow_tokens": scheduler.shadow_tokens,
+    }

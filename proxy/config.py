@@ -18,6 +18,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from yarl import URL
 
 
+def _http_url(value: str) -> str:
+    url = URL(value)
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    return str(url).rstrip("/")
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -41,11 +48,8 @@ class UpstreamConfig(_Section):
 
     @field_validator("url")
     @classmethod
-    def _http_url(cls, value: str) -> str:
-        url = URL(value)
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        return str(url).rstrip("/")
+    def _url(cls, value: str) -> str:
+        return _http_url(value)
 
 
 class ClassifyConfig(_Section):
@@ -57,7 +61,62 @@ class ClassifyConfig(_Section):
 
 class AuditConfig(_Section):
     sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    # Per-model rates by glob pattern ("qwen3-*" = 0.5); the first match wins.
+    model_rates: dict[str, float] = Field(default_factory=dict)
+    # hash: the same request is always (or never) audited; random: independent draws.
+    sample_by: Literal["hash", "random"] = "hash"
     shadow_mode: Literal["full", "prefill"] = "full"
+    schedule: Literal["immediate", "quiet"] = "immediate"
+    quiet_max_inflight: int = Field(default=0, ge=0)  # detproxy's own in-flight requests
+    quiet_max_upstream_running: int | None = Field(default=None, ge=0)  # vllm:num_requests_running
+    quiet_deadline_s: float = Field(default=30.0, gt=0)
+    quiet_poll_s: float = Field(default=0.2, gt=0)
+    cache_salt: bool = False  # a fresh cache_salt per shadow: a cold prefill (vLLM)
+    # Merged into every shadow body, e.g. {cache_prompt = false} for llama.cpp's server.
+    shadow_extra_body: dict[str, Any] = Field(default_factory=dict)
+    reference_url: str | None = None  # replay to a control engine instead of the same upstream
+    inject_top_logprobs: int = Field(default=5, ge=0)  # bounded by upstream.max_logprobs
+    max_concurrent_shadows: int = Field(default=4, gt=0)
+    max_shadows_per_s: float = Field(default=10.0, gt=0)
+    max_token_share: float = Field(default=1.0, ge=0)  # shadow tokens / primary tokens
+    queue_size: int = Field(default=256, ge=1)
+    shadow_timeout_s: float = Field(default=600.0, gt=0)
+    answer_extractor: str | None = None  # "json:$.path" or "regex:PATTERN"
+    passive_checks: bool = True  # n > 1 choices and duplicate requests, at no extra cost
+    duplicate_window_s: float = Field(default=300.0, gt=0)
+    duplicate_max_entries: int = Field(default=10_000, gt=0)
+    reuse_client_auth: bool = False  # shadows send the client's Authorization header
+    service_api_key: str | None = None  # otherwise this key, if any
+
+    @field_validator("model_rates")
+    @classmethod
+    def _rates(cls, value: dict[str, float]) -> dict[str, float]:
+        for pattern, rate in value.items():
+            if not 0.0 <= rate <= 1.0:
+                raise ValueError(f"rate for {pattern!r} must be between 0 and 1")
+        return value
+
+    @field_validator("reference_url")
+    @classmethod
+    def _reference(cls, value: str | None) -> str | None:
+        return None if value is None else _http_url(value)
+
+    @field_validator("answer_extractor")
+    @classmethod
+    def _extractor(cls, value: str | None) -> str | None:
+        if value is not None:
+            from proxy.audit.extract import build_extractor
+
+            build_extractor(value)
+        return value
+
+
+class IncidentConfig(_Section):
+    path: str | None = None  # JSON lines file; None keeps incidents in memory only
+    max_bytes: int = Field(default=50 * 1024 * 1024, gt=0)
+    backups: int = Field(default=5, ge=0)
+    ring_size: int = Field(default=1000, gt=0)
+    store_text: bool = False  # prompts and outputs; hashes are always stored
 
 
 class LoopConfig(_Section):
@@ -70,6 +129,7 @@ class Settings(_Section):
     classify: ClassifyConfig = ClassifyConfig()
     audit: AuditConfig = AuditConfig()
     loops: LoopConfig = LoopConfig()
+    incidents: IncidentConfig = IncidentConfig()
 
 
 class ConfigError(Exception):

@@ -10,7 +10,10 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from proxy.audit.compare import Verdict
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +84,47 @@ class EventBus:
                 name = getattr(handler, "__qualname__", repr(handler))
                 self.failures[name] += 1
                 log.exception("event subscriber %s failed on %s", name, type(event).__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class AuditCompleted:
+    """One choice of one audited request was compared with its replay (or its passive twin).
+
+    ``mode`` is how the second answer was obtained: ``full`` or ``prefill`` (a shadow),
+    ``n_choices`` (another choice of the same greedy request), ``duplicate`` (the same
+    deterministic request seen earlier in the window).
+    """
+
+    request_id: str
+    model: str
+    endpoint: str
+    mode: str
+    choice: int
+    verdict: Verdict
+    request_key: str
+    inflight_primary: int
+    inflight_shadow: int | None
+    primary_latency_s: float | None
+    shadow_latency_s: float | None
+    target: str  # "same" or the reference upstream's URL
+    timestamp: float
+    prompt: str | None = None  # only when incidents.store_text is on
+    primary_text: str | None = None
+    shadow_text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowDropped:
+    """A shadow that was not replayed or not answered, and why."""
+
+    model: str
+    # queue_full | rate_limit | token_budget | quiet_deadline | upstream_error | timeout | shutdown
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowQueue:
+    """The shadow scheduler's occupancy after a change."""
+
+    queued: int
+    running: int

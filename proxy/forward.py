@@ -8,6 +8,7 @@ No policy or audit logic lives here; it only calls the seams.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -16,6 +17,9 @@ import orjson
 from aiohttp import web
 
 from policies.base import Continue, PolicyChain, ResponseContext, Retry
+from proxy.audit.auditor import Auditor, AuditTicket
+from proxy.audit.inject import strip_logprobs
+from proxy.audit.outcome import Outcome, StreamAccumulator, outcome_from_response
 from proxy.classify import ENDPOINTS, RequestView, classify
 from proxy.config import Settings
 from proxy.errors import UpstreamFailure, error_response
@@ -28,9 +32,11 @@ from proxy.events import (
     UpstreamFailed,
 )
 from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
-from proxy.inspect.base import InspectorFactory, InspectorSet
+from proxy.inspect.base import InspectorFactory, InspectorSet, StreamInspector
 from proxy.relay import StreamRelay
 from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
+
+log = logging.getLogger(__name__)
 
 _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 # A hard stop under whatever the policies decide; their own budgets are tighter.
@@ -68,6 +74,14 @@ async def _read_bounded(request: web.Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def _parse_answer(payload: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
 def _parse_object(body: bytes) -> dict[str, Any]:
     try:
         parsed = orjson.loads(body)
@@ -93,12 +107,16 @@ class Forwarder:
         inspector_factories: Sequence[InspectorFactory] = (),
         policies: PolicyChain | None = None,
     ) -> None:
+        self._auditor: Auditor | None = None
         self._settings = settings
         self._upstream = upstream
         self._bus = bus
         self._inspector_factories = list(inspector_factories)
         self._policies = policies or PolicyChain()
         self.inflight = 0
+
+    def attach_auditor(self, auditor: Auditor) -> None:
+        self._auditor = auditor
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -168,6 +186,14 @@ class Forwarder:
         headers = upstream_request_headers(request.headers, rid, proxy_reads_body=True)
         request[_VIEW] = view
 
+        ticket = (
+            self._auditor.plan(view, body, rid, request.raw_path, request.headers)
+            if self._auditor is not None
+            else None
+        )
+        if ticket is not None and ticket.upstream_body is not body:
+            raw = orjson.dumps(ticket.upstream_body)  # logprobs injected for the audit
+
         attempt = 1
         while True:
             try:
@@ -177,7 +203,7 @@ class Forwarder:
                 self._finish(view, endpoint, exc.status, "upstream_error", t0, None, request)
                 return error_response(exc.status, exc.message, request_id=rid)
             if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return await self._stream(request, upstream, view, rid, t0)
+                return await self._stream(request, upstream, view, rid, t0, ticket)
             try:
                 payload = await upstream.read()
             except _CLIENT_GONE:
@@ -196,32 +222,44 @@ class Forwarder:
                     request_id=rid,
                 )
             first_byte_s = time.monotonic() - t0
-            decision = self._decide(view, attempt, upstream.status, payload)
+            answer = _parse_answer(payload) if (self._policies or ticket) else None
+            decision = self._decide(view, attempt, upstream.status, answer)
             if isinstance(decision, Retry) and attempt < MAX_ATTEMPTS:
                 attempt += 1
+                ticket = None  # an answer produced under overrides is not audited
                 raw = orjson.dumps({**body, **decision.overrides})
                 continue
             break
 
+        if ticket is not None and answer is not None and upstream.status == 200:
+            outcome = outcome_from_response(endpoint, answer)
+            if ticket.injected:
+                strip_logprobs(answer)
+                payload = orjson.dumps(answer)
+            self._auditor_done(ticket, outcome)
         out_headers = client_response_headers(upstream.headers, rid)
         if attempt > 1:
             out_headers["X-Detproxy-Attempts"] = str(attempt)
         self._finish(view, endpoint, upstream.status, "ok", t0, first_byte_s, request)
         return web.Response(status=upstream.status, body=payload, headers=out_headers)
 
+    def _auditor_done(self, ticket: AuditTicket, outcome: Outcome) -> None:
+        assert self._auditor is not None
+        try:
+            self._auditor.primary_done(ticket, outcome)
+        except Exception:
+            # The audit is an observer: its failure never reaches the client.
+            log.exception("audit of %s failed", ticket.request_id)
+            self._bus.publish(InspectionStopped(ticket.view.endpoint, "audit_error"))
+
     def _decide(
-        self, view: RequestView, attempt: int, status: int, payload: bytes
+        self, view: RequestView, attempt: int, status: int, answer: dict[str, Any] | None
     ) -> Continue | Retry:
         if not self._policies:
             return Continue()
-        try:
-            parsed = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            parsed = None
-        ctx = ResponseContext(
-            view.endpoint, view.model, attempt, status, parsed if isinstance(parsed, dict) else None
+        return self._policies.decide(
+            ResponseContext(view.endpoint, view.model, attempt, status, answer)
         )
-        return self._policies.decide(ctx)
 
     async def _stream(
         self,
@@ -230,15 +268,28 @@ class Forwarder:
         view: RequestView,
         rid: str,
         t0: float,
+        ticket: AuditTicket | None,
     ) -> web.StreamResponse:
+        found: list[StreamInspector] = [
+            i for f in self._inspector_factories if (i := f(view)) is not None
+        ]
+        accumulator = None
+        if ticket is not None:
+            accumulator = StreamAccumulator(view.endpoint)
+            found.append(accumulator)
         inspectors = InspectorSet(
-            [i for f in self._inspector_factories if (i := f(view)) is not None],
+            found,
             on_failure=lambda name: self._bus.publish(
                 InspectionStopped(view.endpoint, "inspector_error")
             ),
         )
         relay = StreamRelay(
-            view.endpoint, inspectors, self._bus, self._settings.server.max_sse_event_bytes, t0
+            view.endpoint,
+            inspectors,
+            self._bus,
+            self._settings.server.max_sse_event_bytes,
+            t0,
+            strip_logprobs=ticket is not None and ticket.injected,
         )
         resp = web.StreamResponse(
             status=upstream.status, headers=client_response_headers(upstream.headers, rid)
@@ -259,6 +310,8 @@ class Forwarder:
             return resp
         finally:
             upstream.close()
+        if ticket is not None and accumulator is not None and result.complete:
+            self._auditor_done(ticket, accumulator.outcome())
         outcome = "ok" if result.complete else "upstream_error"
         self._finish(
             view, view.endpoint, upstream.status, outcome, t0, result.first_event_s, request

@@ -11,11 +11,14 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.events import (
+    AuditCompleted,
     ClientDisconnected,
     EventBus,
     InspectionStopped,
     RequestFinished,
     RequestStarted,
+    ShadowDropped,
+    ShadowQueue,
     UpstreamFailed,
 )
 
@@ -40,6 +43,9 @@ DURATION_BUCKETS = (
     1800,
     3600,
 )
+POSITION_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# 1e-6 nats and below is float rounding; 0.25-3 nats is a different computation.
+DELTA_BUCKETS = (1e-9, 1e-6, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10)
 FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -130,6 +136,39 @@ class Metrics:
             registry=registry,
         )
 
+        self.audits = Counter(
+            "detproxy_audits",
+            "Audited choices by model, mode and verdict",
+            ["model", "mode", "verdict"],
+            registry=registry,
+        )
+        self.divergence_position = Histogram(
+            "detproxy_divergence_position_tokens",
+            "Index of the first divergent token (text and answer divergences)",
+            ["model", "mode"],
+            buckets=POSITION_BUCKETS,
+            registry=registry,
+        )
+        self.logprob_delta = Histogram(
+            "detproxy_logprob_delta_nats",
+            "Largest |delta logprob| over the common prefix of non-identical audits",
+            ["model", "mode"],
+            buckets=DELTA_BUCKETS,
+            registry=registry,
+        )
+        self.shadow_dropped = Counter(
+            "detproxy_shadow_dropped",
+            "Shadow replays not made or not answered, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.shadow_queue = Gauge(
+            "detproxy_shadow_queue_depth", "Shadow replays waiting", registry=registry
+        )
+        self.shadow_inflight = Gauge(
+            "detproxy_shadow_inflight", "Shadow replays in flight", registry=registry
+        )
+
     def watch_failures(self, sources: dict[str, Callable[[], dict[str, int]]]) -> None:
         self.registry.register(_FailureCollector(sources))
 
@@ -139,6 +178,26 @@ class Metrics:
         bus.subscribe(UpstreamFailed, self._upstream_failed)
         bus.subscribe(InspectionStopped, self._inspection_stopped)
         bus.subscribe(ClientDisconnected, self._disconnected)
+        bus.subscribe(AuditCompleted, self._audited)
+        bus.subscribe(ShadowDropped, self._shadow_dropped)
+        bus.subscribe(ShadowQueue, self._shadow_queue)
+
+    def _audited(self, ev: AuditCompleted) -> None:
+        model = self.model(ev.model)
+        verdict = ev.verdict
+        self.audits.labels(model, ev.mode, verdict.verdict).inc()
+        if verdict.verdict in ("text_divergence", "answer_divergence") and verdict.divergence:
+            self.divergence_position.labels(model, ev.mode).observe(verdict.divergence.index)
+        delta = verdict.max_abs_logprob_delta
+        if verdict.verdict not in ("identical", "incomparable") and delta is not None:
+            self.logprob_delta.labels(model, ev.mode).observe(delta)
+
+    def _shadow_dropped(self, ev: ShadowDropped) -> None:
+        self.shadow_dropped.labels(ev.reason).inc()
+
+    def _shadow_queue(self, ev: ShadowQueue) -> None:
+        self.shadow_queue.set(ev.queued)
+        self.shadow_inflight.set(ev.running)
 
     def _started(self, ev: RequestStarted) -> None:
         self.inflight.inc()

@@ -15,10 +15,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.audit.inject import strip_logprobs
 from proxy.errors import inband_error_event
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
-from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow
+from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
 from proxy.upstream import UpstreamResponse, read_error_kind
 
 _READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
@@ -34,7 +35,7 @@ class StreamResult:
 class StreamRelay:
     """Relays one upstream SSE response to one client response."""
 
-    __slots__ = ("_bus", "_decoder", "_endpoint", "_inspecting", "_inspectors", "_t0")
+    __slots__ = ("_bus", "_decoder", "_endpoint", "_inspecting", "_inspectors", "_strip", "_t0")
 
     def __init__(
         self,
@@ -43,8 +44,10 @@ class StreamRelay:
         bus: EventBus,
         max_event_bytes: int,
         t0: float,
+        strip_logprobs: bool = False,
     ) -> None:
         self._endpoint = endpoint
+        self._strip = strip_logprobs
         self._inspectors = inspectors
         self._inspecting = True
         self._bus = bus
@@ -56,20 +59,26 @@ class StreamRelay:
             self._inspecting = False
             self._bus.publish(InspectionStopped(self._endpoint, reason))
 
-    def _inspect(self, event: SSEEvent) -> None:
+    def _inspect(self, event: SSEEvent) -> bytes:
+        """Show the event to the inspectors; return the bytes to relay for it."""
         data = event.data
         if data is None or data == b"[DONE]":
-            return
+            return event.raw
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
             self._stop_inspecting("malformed_json")
-            return
+            return event.raw
         if not isinstance(chunk, dict):
             self._stop_inspecting("malformed_json")
-            return
+            return event.raw
         if self._inspectors:
             self._inspectors.on_chunk(chunk)
+        if self._strip and "choices" in chunk:
+            # Logprobs detproxy injected: the client gets the chunk as it asked for it.
+            strip_logprobs(chunk)
+            return encode_event(orjson.dumps(chunk))
+        return event.raw
 
     async def run(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
         """Relay until the upstream ends. Client write errors propagate to the caller."""
@@ -91,14 +100,16 @@ class StreamRelay:
                 if result.first_event_s is None:
                     result.first_event_s = time.monotonic() - self._t0
                 result.events += len(events)
+                parts = []
                 for event in events:
-                    if event.data is None and not event.raw.lstrip(b"\r\n").startswith(b":"):
-                        self._stop_inspecting("malformed_sse")
-                        break
-                    self._inspect(event)
                     if not self._inspecting:
-                        break
-                out = events[0].raw if len(events) == 1 else b"".join(e.raw for e in events)
+                        parts.append(event.raw)
+                    elif event.data is None and not event.raw.lstrip(b"\r\n").startswith(b":"):
+                        self._stop_inspecting("malformed_sse")
+                        parts.append(event.raw)
+                    else:
+                        parts.append(self._inspect(event))
+                out = parts[0] if len(parts) == 1 else b"".join(parts)
                 if not self._inspecting:
                     out += decoder.take_pending()  # raw mode from here on
                 await resp.write(out)
@@ -114,10 +125,9 @@ class StreamRelay:
             return result
         tail = decoder.pending
         if tail and self._inspecting:
-            await resp.write(tail)  # a last event without its blank line, relayed as it came
+            # A last event without its blank line: relayed as it came unless rewritten.
             final = decoder.flush()
-            if final is not None:
-                self._inspect(final)
+            await resp.write(self._inspect(final) if final is not None else tail)
         result.complete = True
         self._inspectors.on_end(True)
         return result

@@ -1,0 +1,1 @@
+"""Determinism audit: normalise responses, extract answers, compare primary and shadow."""

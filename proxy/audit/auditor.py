@@ -1,0 +1,310 @@
+"""The audit of one request: plan it, then compare what came back with its replay or twin.
+
+``plan`` runs before the request goes upstream (classify, sample, inject logprobs);
+``primary_done`` runs once the client has its answer: passive checks (n > 1 choices,
+duplicates) at once, and a shadow replay handed to the scheduler. Results leave as
+``AuditCompleted`` events; nothing here knows about metrics or the incident log.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.audit.compare import Verdict, compare_choices, output_hash
+from proxy.audit.extract import AnswerExtractor, build_extractor
+from proxy.audit.inject import plan_logprobs
+from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.audit.sampling import Sampler
+from proxy.audit.shadow import ShadowJob, ShadowResult, ShadowScheduler
+from proxy.audit.store import ChoiceDigest, DuplicateStore, digest_outcome
+from proxy.classify import RequestView
+from proxy.config import Settings
+from proxy.events import AuditCompleted, EventBus
+from proxy.hashing import canonical_request_key
+
+SHADOW_HEADER = "X-Detproxy-Shadow"
+
+
+@dataclass(frozen=True, slots=True)
+class AuditTicket:
+    request_id: str
+    view: RequestView
+    request_key: str
+    upstream_body: dict[str, Any]  # what the primary sent upstream (logprobs injected or not)
+    raw_path: str
+    shadow: bool  # sampled for a shadow replay
+    injected: bool  # detproxy added logprobs: strip them from the client's answer
+    inflight: int
+    authorization: str | None
+    started: float
+
+
+class Auditor:
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        scheduler: ShadowScheduler | None,
+        store: DuplicateStore | None,
+        inflight: Callable[[], int],
+        target: str = "same",
+    ) -> None:
+        self._settings = settings
+        self._audit = settings.audit
+        self._bus = bus
+        self._scheduler = scheduler
+        self._store = store
+        self._inflight = inflight
+        self._target = target
+        self._sampler = Sampler(settings.audit)
+        self._extractor: AnswerExtractor | None = (
+            build_extractor(settings.audit.answer_extractor)
+            if settings.audit.answer_extractor
+            else None
+        )
+
+    def plan(
+        self,
+        view: RequestView,
+        body: dict[str, Any],
+        request_id: str,
+        raw_path: str,
+        headers: Mapping[str, str],
+    ) -> AuditTicket | None:
+        if not view.deterministic:
+            return None
+        key = canonical_request_key(body)
+        shadow = self._scheduler is not None and self._sampler.should_audit(view.model, key)
+        if not shadow and not self._audit.passive_checks:
+            return None
+        upstream_body, injected = body, False
+        if shadow:
+            lp = plan_logprobs(
+                view.endpoint,
+                body,
+                self._audit.inject_top_logprobs,
+                self._settings.upstream.max_logprobs,
+            )
+            upstream_body, injected = lp.body, lp.injected
+        return AuditTicket(
+            request_id=request_id,
+            view=view,
+            request_key=key,
+            upstream_body=upstream_body,
+            raw_path=raw_path,
+            shadow=shadow,
+            injected=injected,
+            inflight=self._inflight(),
+            authorization=headers.get("Authorization"),
+            started=time.monotonic(),
+        )
+
+    # -- after the primary --------------------------------------------------------------------
+
+    def primary_done(self, ticket: AuditTicket, outcome: Outcome) -> None:
+        if outcome.error is not None or not outcome.choices:
+            return
+        latency = time.monotonic() - ticket.started
+        if self._audit.passive_checks:
+            self._compare_choices(ticket, outcome, latency)
+            self._check_duplicate(ticket, outcome, latency)
+        if ticket.shadow and self._scheduler is not None:
+            self._scheduler.count_primary_tokens(_tokens_of(outcome))
+            self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
+
+    def _emit(
+        self,
+        ticket: AuditTicket,
+        mode: str,
+        choice: int,
+        verdict: Verdict,
+        primary_latency: float | None,
+        shadow_latency: float | None,
+        inflight_shadow: int | None,
+        primary: ChoiceOutcome | None = None,
+        other: ChoiceOutcome | None = None,
+        target: str = "same",
+    ) -> None:
+        store_text = self._settings.incidents.store_text and verdict.verdict != "identical"
+        self._bus.publish(
+            AuditCompleted(
+                request_id=ticket.request_id,
+                model=ticket.view.model,
+                endpoint=ticket.view.endpoint,
+                mode=mode,
+                choice=choice,
+                verdict=verdict,
+                request_key=ticket.request_key,
+                inflight_primary=ticket.inflight,
+                inflight_shadow=inflight_shadow,
+                primary_latency_s=primary_latency,
+                shadow_latency_s=shadow_latency,
+                target=target,
+                timestamp=time.time(),
+                prompt=_prompt_text(ticket.upstream_body) if store_text else None,
+                primary_text=_text(primary) if store_text and primary else None,
+                shadow_text=_text(other) if store_text and other else None,
+            )
+        )
+
+    def _compare_choices(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
+        first, *others = outcome.choices
+        for other in others:
+            verdict = compare_choices(first, other, extractor=self._extractor)
+            self._emit(
+                ticket,
+                "n_choices",
+                other.index,
+                verdict,
+                latency,
+                latency,
+                ticket.inflight,
+                first,
+                other,
+            )
+
+    def _check_duplicate(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
+        if self._store is None:
+            return
+        # Like for like: an answer with injected logprobs is only matched with its kind.
+        key = f"{ticket.request_key}:{int(ticket.injected)}"
+        digests = digest_outcome(outcome)
+        previous = self._store.check_and_put(key, digests)
+        if previous is None:
+            return
+        for index, (now, before) in enumerate(zip(digests, previous, strict=False)):
+            self._emit(
+                ticket, "duplicate", index, compare_digests(before, now), latency, None, None
+            )
+
+    def _shadow_job(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> ShadowJob:
+        audit = self._audit
+        prefill = audit.shadow_mode == "prefill"
+        body = {
+            k: v for k, v in ticket.upstream_body.items() if k not in ("stream", "stream_options")
+        }
+        if isinstance(body.get("request_id"), str):
+            body["request_id"] = body["request_id"] + "-shadow"
+        if prefill:
+            body.pop("max_completion_tokens", None)
+            body["max_tokens"] = 1
+        if audit.cache_salt:
+            body["cache_salt"] = uuid.uuid4().hex
+        body.update(audit.shadow_extra_body)
+        headers = {
+            "Content-Type": "application/json",
+            "Accept-Encoding": "identity",
+            "X-Request-Id": f"{ticket.request_id}-shadow",
+            SHADOW_HEADER: "1",
+        }
+        if audit.reuse_client_auth and ticket.authorization:
+            headers["Authorization"] = ticket.authorization
+        elif audit.service_api_key:
+            headers["Authorization"] = f"Bearer {audit.service_api_key}"
+        prompt_tokens = outcome.prompt_tokens or 0
+        estimate = prompt_tokens + (1 if prefill else _completion_tokens(outcome))
+
+        def on_result(result: ShadowResult) -> None:
+            mode = "prefill" if prefill else "full"
+            shadow_choices = {c.index: c for c in result.outcome.choices}
+            for primary in outcome.choices:
+                other = shadow_choices.get(primary.index)
+                if other is None or result.outcome.error is not None:
+                    verdict = _incomparable(primary, result.outcome.error or "missing choice")
+                else:
+                    verdict = compare_choices(
+                        primary, other, extractor=self._extractor, first_token_only=prefill
+                    )
+                self._emit(
+                    ticket,
+                    mode,
+                    primary.index,
+                    verdict,
+                    latency,
+                    result.latency_s,
+                    result.inflight,
+                    primary,
+                    other,
+                    self._target,
+                )
+
+        return ShadowJob(
+            model=ticket.view.model,
+            endpoint=ticket.view.endpoint,
+            raw_path=ticket.raw_path,
+            body=body,
+            headers=headers,
+            estimated_tokens=estimate,
+            on_result=on_result,
+        )
+
+
+def _completion_tokens(outcome: Outcome) -> int:
+    if outcome.completion_tokens is not None:
+        return outcome.completion_tokens
+    return sum(len(c.tokens) if c.tokens else len(c.content) // 4 + 1 for c in outcome.choices)
+
+
+def _tokens_of(outcome: Outcome) -> int:
+    return (outcome.prompt_tokens or 0) + _completion_tokens(outcome)
+
+
+def _text(choice: ChoiceOutcome) -> str:
+    return (
+        choice.reasoning + choice.content
+        if not choice.reasoning
+        else (f"<reasoning>{choice.reasoning}</reasoning>{choice.content}")
+    )
+
+
+def _prompt_text(body: Mapping[str, Any]) -> str:
+    prompt = body.get("messages", body.get("prompt"))
+    return prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
+
+
+def _incomparable(primary: ChoiceOutcome, reason: str) -> Verdict:
+    h = output_hash(primary)
+    return Verdict(
+        verdict="incomparable",
+        reason=reason,
+        divergence=None,
+        max_abs_logprob_delta=None,
+        primary_hash=h,
+        shadow_hash="",
+        primary_tokens=len(primary.tokens) if primary.tokens else None,
+        shadow_tokens=None,
+    )
+
+
+def compare_digests(before: ChoiceDigest, now: ChoiceDigest) -> Verdict:
+    """A verdict from digests alone: no position, no delta (the texts were never stored)."""
+    if before.token_hash is not None and now.token_hash is not None:
+        same_text = before.token_hash == now.token_hash
+    else:
+        same_text = before.text_hash == now.text_hash
+    if not same_text:
+        verdict = "text_divergence"
+    elif (
+        before.logprob_hash is not None
+        and now.logprob_hash is not None
+        and before.logprob_hash != now.logprob_hash
+    ):
+        verdict = "logprob_drift"
+    else:
+        verdict = "identical"
+    return Verdict(
+        verdict=verdict,
+        reason=None,
+        divergence=None,
+        max_abs_logprob_delta=None,
+        primary_hash=now.text_hash,
+        shadow_hash=before.text_hash,
+        primary_tokens=now.tokens,
+        shadow_tokens=before.tokens,
+    )

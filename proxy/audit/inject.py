@@ -1,0 +1,53 @@
+"""Logprob injection into audited requests, and stripping before the client sees the answer.
+
+An audited request must carry logprobs so the replay can be compared bit for bit. When the
+client did not ask for them, detproxy adds them (bounded by the upstream's max_logprobs) and
+removes them again from every choice of the answer, so the client sees what it asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobPlan:
+    body: dict[str, Any]  # what goes upstream
+    injected: bool  # logprobs were added by detproxy: strip them from the answer
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def plan_logprobs(
+    endpoint: str, body: dict[str, Any], top_k: int, max_logprobs: int
+) -> LogprobPlan:
+    k = max(0, min(top_k, max_logprobs))
+    if endpoint == "chat":
+        if body.get("logprobs") is True:
+            return LogprobPlan(body, injected=False)
+        injected = {**body, "logprobs": True}
+        if k > 0:
+            injected["top_logprobs"] = k
+        else:
+            injected.pop("top_logprobs", None)
+        return LogprobPlan(injected, injected=True)
+    if _is_int(body.get("logprobs")):
+        return LogprobPlan(body, injected=False)
+    return LogprobPlan({**body, "logprobs": k}, injected=True)
+
+
+def strip_logprobs(answer: dict[str, Any]) -> None:
+    """Set every choice's logprobs back to null, in place (a chunk or a whole answer)."""
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and "logprobs" in choice:
+                choice["logprobs"] = None
+
+
+def logprob_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The logprob parameters a request carried, so its shadow asks for exactly the same."""
+    return {k: body[k] for k in ("logprobs", "top_logprobs") if k in body}

@@ -1,0 +1,306 @@
+"""What a response said, normalised for comparison: texts, logprobs, finish reasons, usage.
+
+Two ways in, one shape out: ``outcome_from_response`` reads a non-streamed JSON answer and
+``StreamAccumulator`` (a stream inspector) folds the SSE chunks of a streamed one. Both accept
+vLLM's chat and completions shapes and llama-server's variants, and never raise on junk: a
+malformed piece yields ``tokens=None`` (logprobs) or an empty choice.
+
+Logprobs (both shapes) are parsed by ``proxy.audit.logprobs``.
+
+llama-server quirk: its non-streamed answer ends with the end-of-sequence token as an extra
+logprob entry (``"token": ""``, ``"bytes": []``) that its stream lacks. Such a trailing entry is
+dropped when the choice finished with "stop", in both paths, so it never reads as divergence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.audit.logprobs import (
+    NEG_INF_LOGPROB,
+    MalformedLogprobs,
+    TokenLogprob,
+    parse_logprobs,
+)
+
+__all__ = [
+    "NEG_INF_LOGPROB",
+    "ChoiceOutcome",
+    "Outcome",
+    "StreamAccumulator",
+    "TokenLogprob",
+    "error_message",
+    "outcome_from_response",
+]
+
+_MAX_CHOICES = 1024  # distinct choice indices one stream may open before it counts as too large
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutcome:
+    index: int
+    content: str  # "" when null
+    reasoning: str  # from `reasoning`, else `reasoning_content` ("" if none)
+    tokens: tuple[TokenLogprob, ...] | None  # None when the response carried no logprobs
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    choices: tuple[ChoiceOutcome, ...]
+    error: str | None = None  # the response was an error, or broke mid-stream
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def _is_chat(endpoint: str) -> bool:
+    return "chat" in endpoint  # "chat", "chat/completions", "/v1/chat/completions"
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str_or_empty(value: Any) -> str:
+    return value if isinstance(value, str) else ""
+
+
+def _stop_reason(value: Any) -> str | int | None:
+    if isinstance(value, str):
+        return value
+    return _int_or_none(value)
+
+
+def _reasoning_of(obj: Mapping[str, Any]) -> str:
+    """``reasoning`` when present, else the older ``reasoning_content`` (duplicates when both)."""
+    text = obj.get("reasoning")
+    if isinstance(text, str) and text:
+        return text
+    return _str_or_empty(obj.get("reasoning_content"))
+
+
+def error_message(body: Mapping[str, Any]) -> str | None:
+    """The message of an error body (nested ``{"error": {...}}`` or flat ``object: "error"``)."""
+    err = body.get("error")
+    if err is not None:
+        if isinstance(err, Mapping):
+            message = err.get("message")
+            return message if isinstance(message, str) and message else "error"
+        return err if isinstance(err, str) and err else "error"
+    if body.get("object") == "error":
+        message = body.get("message")
+        return message if isinstance(message, str) and message else "error"
+    return None
+
+
+def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
+    if not isinstance(raw, Mapping):
+        return ChoiceOutcome(position, "", "", None, None)
+    index = _int_or_none(raw.get("index"))
+    if index is None:
+        index = position
+    finish = raw.get("finish_reason")
+    finish_reason = finish if isinstance(finish, str) else None
+    if chat:
+        message = raw.get("message")
+        if isinstance(message, Mapping):
+            content = _str_or_empty(message.get("content"))
+            reasoning = _reasoning_of(message)
+        else:
+            content = reasoning = ""
+    else:
+        content = _str_or_empty(raw.get("text"))
+        reasoning = ""
+    tokens: tuple[TokenLogprob, ...] | None = None
+    try:
+        parsed = parse_logprobs(raw.get("logprobs"))
+    except MalformedLogprobs:
+        parsed = None
+    if parsed is not None:
+        entries, eos_last = parsed
+        if eos_last and finish_reason == "stop":
+            entries.pop()
+        tokens = tuple(entries)
+    return ChoiceOutcome(
+        index, content, reasoning, tokens, finish_reason, _stop_reason(raw.get("stop_reason"))
+    )
+
+
+def _usage(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    usage = body.get("usage")
+    if not isinstance(usage, Mapping):
+        return None, None
+    return _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens"))
+
+
+def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
+    """Normalise a non-streamed answer; ``endpoint`` is "chat" or "completions"."""
+    if not isinstance(body, Mapping):
+        return Outcome((), error="malformed response")
+    message = error_message(body)
+    if message is not None:
+        return Outcome((), error=message)
+    raw_choices = body.get("choices")
+    chat = _is_chat(endpoint)
+    choices = (
+        tuple(_choice_from_response(chat, i, c) for i, c in enumerate(raw_choices))
+        if isinstance(raw_choices, list)
+        else ()
+    )
+    prompt_tokens, completion_tokens = _usage(body)
+    return Outcome(choices, None, prompt_tokens, completion_tokens)
+
+
+class _ChoiceState:
+    __slots__ = (
+        "broken",
+        "content",
+        "eos_last",
+        "finish_reason",
+        "reasoning",
+        "stop_reason",
+        "tokens",
+    )
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.tokens: list[TokenLogprob] | None = None  # None until a logprobs object arrives
+        self.broken = False  # a logprobs object was malformed: tokens are unknown
+        self.eos_last = False
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+
+
+class StreamAccumulator:
+    """Folds one streamed response into an ``Outcome`` (a ``StreamInspector``).
+
+    Memory is bounded by ``max_chars``: text characters plus one unit per logprob entry and per
+    top-k alternative. Past it, nothing more is kept and the outcome's error is "too_large".
+    """
+
+    name = "accumulate"
+    __slots__ = ("_budget", "_chat", "_choices", "_error", "_full", "_usage")
+
+    def __init__(self, endpoint: str, max_chars: int = 4_000_000) -> None:
+        self._chat = _is_chat(endpoint)
+        self._budget = max_chars
+        self._full = False
+        self._choices: dict[int, _ChoiceState] = {}
+        self._error: str | None = None
+        self._usage: tuple[int | None, int | None] = (None, None)
+
+    def _overflow(self) -> None:
+        self._full = True
+        if self._error is None:
+            self._error = "too_large"
+
+    def _spend(self, units: int) -> bool:
+        if self._full:
+            return False
+        self._budget -= units
+        if self._budget < 0:
+            self._overflow()
+            return False
+        return True
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        if not isinstance(chunk, dict):
+            return
+        message = error_message(chunk)
+        if message is not None:
+            if self._error is None:
+                self._error = message
+            return
+        if "usage" in chunk and isinstance(chunk["usage"], dict):
+            self._usage = _usage(chunk)
+        choices = chunk.get("choices")
+        if not isinstance(choices, list):
+            return
+        for position, raw in enumerate(choices):
+            if isinstance(raw, dict):
+                self._on_choice(position, raw)
+
+    def _on_choice(self, position: int, raw: dict[str, Any]) -> None:
+        index = _int_or_none(raw.get("index"))
+        if index is None:
+            index = position
+        state = self._choices.get(index)
+        if state is None:
+            if len(self._choices) >= _MAX_CHOICES:
+                self._overflow()
+                return
+            state = self._choices[index] = _ChoiceState()
+        finish = raw.get("finish_reason")
+        if isinstance(finish, str):
+            state.finish_reason = finish
+        stop = _stop_reason(raw.get("stop_reason"))
+        if stop is not None:
+            state.stop_reason = stop
+        if self._full:
+            return
+        if self._chat:
+            delta = raw.get("delta")
+            if isinstance(delta, dict):
+                text = delta.get("content")
+                if isinstance(text, str) and text and self._spend(len(text)):
+                    state.content.append(text)
+                thought = delta.get("reasoning")
+                if not (isinstance(thought, str) and thought):
+                    thought = delta.get("reasoning_content")
+                if isinstance(thought, str) and thought and self._spend(len(thought)):
+                    state.reasoning.append(thought)
+        else:
+            text = raw.get("text")
+            if isinstance(text, str) and text and self._spend(len(text)):
+                state.content.append(text)
+        logprobs = raw.get("logprobs")
+        if logprobs is not None and not state.broken:
+            self._on_logprobs(state, logprobs)
+
+    def _on_logprobs(self, state: _ChoiceState, logprobs: Any) -> None:
+        try:
+            parsed = parse_logprobs(logprobs)
+        except MalformedLogprobs:
+            state.broken = True
+            state.tokens = None
+            return
+        if parsed is None:
+            return
+        entries, eos_last = parsed
+        if state.tokens is None:
+            state.tokens = []
+        if entries:
+            if not self._spend(sum(1 + len(e.top) for e in entries)):
+                return
+            state.tokens.extend(entries)
+            state.eos_last = eos_last
+
+    def on_end(self, complete: bool) -> None:
+        if not complete and self._error is None:
+            self._error = "incomplete"
+
+    def outcome(self) -> Outcome:
+        choices: list[ChoiceOutcome] = []
+        for index in sorted(self._choices):
+            state = self._choices[index]
+            tokens: tuple[TokenLogprob, ...] | None = None
+            if state.tokens is not None and not state.broken:
+                kept = state.tokens
+                if state.eos_last and state.finish_reason == "stop":
+                    kept = kept[:-1]
+                tokens = tuple(kept)
+            choices.append(
+                ChoiceOutcome(
+                    index,
+                    "".join(state.content),
+                    "".join(state.reasoning),
+                    tokens,
+                    state.finish_reason,
+                    state.stop_reason,
+                )
+            )
+        return Outcome(tuple(choices), self._error, *self._usage)

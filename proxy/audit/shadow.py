@@ -1,0 +1,191 @@
+"""The shadow scheduler: replays audited requests off the request path, under budgets.
+
+A bounded queue feeds a fixed number of owned workers (the concurrency budget). A token
+bucket caps shadows per second and a running tally caps the share of upstream tokens spent
+on shadows; what does not fit is dropped and counted, never queued without bound. ``quiet``
+scheduling waits until detproxy's own in-flight count (and, when configured, the upstream's
+``vllm:num_requests_running``) is low enough, up to a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.audit.outcome import Outcome, outcome_from_response
+from proxy.config import AuditConfig
+from proxy.errors import UpstreamFailure
+from proxy.events import EventBus, ShadowDropped, ShadowQueue
+from proxy.tasks import TaskOwner
+from proxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowResult:
+    outcome: Outcome
+    latency_s: float
+    inflight: int  # detproxy's in-flight requests when the shadow was sent
+
+
+@dataclass(frozen=True, slots=True)
+class ShadowJob:
+    model: str
+    endpoint: str
+    raw_path: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+    estimated_tokens: int
+    on_result: Callable[[ShadowResult], None]
+
+
+class TokenBucket:
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._capacity = max(1.0, rate)
+        self._tokens = self._capacity
+        self._clock = clock
+        self._last = clock()
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self._capacity, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False
+
+
+class ShadowScheduler:
+    def __init__(
+        self,
+        config: AuditConfig,
+        upstream: Upstream,
+        bus: EventBus,
+        inflight: Callable[[], int],
+        upstream_running: Callable[[], Awaitable[int | None]] | None = None,
+    ) -> None:
+        self._config = config
+        self._upstream = upstream
+        self._bus = bus
+        self._inflight = inflight
+        self._upstream_running = upstream_running
+        self._queue: asyncio.Queue[ShadowJob] = asyncio.Queue(maxsize=config.queue_size)
+        self._bucket = TokenBucket(config.max_shadows_per_s)
+        self._tasks = TaskOwner("shadow")
+        self._running = 0
+        self.primary_tokens = 0
+        self.shadow_tokens = 0
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def start(self) -> None:
+        for i in range(self._config.max_concurrent_shadows):
+            self._tasks.spawn(self._worker(), name=f"worker-{i}")
+
+    async def close(self) -> None:
+        dropped = self._queue.qsize()
+        await self._tasks.close()
+        for _ in range(dropped):
+            self._bus.publish(ShadowDropped("", "shutdown"))
+
+    def count_primary_tokens(self, tokens: int) -> None:
+        self.primary_tokens += tokens
+
+    def submit(self, job: ShadowJob) -> bool:
+        reason = None
+        budget = self._config.max_token_share * self.primary_tokens
+        if self.shadow_tokens + job.estimated_tokens > budget:
+            reason = "token_budget"
+        elif self._queue.full():
+            reason = "queue_full"
+        elif not self._bucket.take():
+            reason = "rate_limit"
+        if reason is not None:
+            self._bus.publish(ShadowDropped(job.model, reason))
+            return False
+        self.shadow_tokens += job.estimated_tokens
+        self._queue.put_nowait(job)
+        self._publish_state()
+        return True
+
+    def _publish_state(self) -> None:
+        self._bus.publish(ShadowQueue(self._queue.qsize(), self._running))
+
+    async def _worker(self) -> None:
+        while True:
+            job = await self._queue.get()
+            self._running += 1
+            self._publish_state()
+            try:
+                await self._run(job)
+            except Exception:
+                log.exception("shadow replay failed")
+                self._bus.publish(ShadowDropped(job.model, "internal_error"))
+            finally:
+                self._running -= 1
+                self._publish_state()
+
+    async def _quiet_enough(self) -> bool:
+        cfg = self._config
+        deadline = time.monotonic() + cfg.quiet_deadline_s
+        while True:
+            ok = self._inflight() <= cfg.quiet_max_inflight
+            if ok and cfg.quiet_max_upstream_running is not None and self._upstream_running:
+                running = await self._upstream_running()
+                ok = running is not None and running <= cfg.quiet_max_upstream_running
+            if ok:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(cfg.quiet_poll_s)
+
+    async def _run(self, job: ShadowJob) -> None:
+        if self._config.schedule == "quiet" and not await self._quiet_enough():
+            self._bus.publish(ShadowDropped(job.model, "quiet_deadline"))
+            return
+        inflight = self._inflight()
+        t0 = time.monotonic()
+        try:
+            async with asyncio.timeout(self._config.shadow_timeout_s):
+                resp = await self._upstream.send(
+                    "POST", job.raw_path, job.headers, orjson.dumps(job.body)
+                )
+                try:
+                    payload = await resp.read()
+                finally:
+                    resp.close()
+        except TimeoutError:
+            self._bus.publish(ShadowDropped(job.model, "timeout"))
+            return
+        except (UpstreamFailure, OSError, asyncio.IncompleteReadError) as exc:
+            log.info("shadow replay failed: %s", exc)
+            self._bus.publish(ShadowDropped(job.model, "upstream_error"))
+            return
+        except Exception as exc:  # aiohttp's client errors while reading the body
+            log.info("shadow replay failed: %r", exc)
+            self._bus.publish(ShadowDropped(job.model, "upstream_error"))
+            return
+        latency = time.monotonic() - t0
+        try:
+            parsed = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if resp.status != 200 or not isinstance(parsed, dict):
+            self._bus.publish(ShadowDropped(job.model, "upstream_error"))
+            return
+        job.on_result(ShadowResult(outcome_from_response(job.endpoint, parsed), latency, inflight))

@@ -1,0 +1,81 @@
+"""Passive duplicate detection: the same deterministic request seen twice in a window.
+
+Only digests are stored (hashes and counts, never prompt or output text), so a shared
+implementation (Redis) can hold the same records.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import xxhash
+
+from proxy.audit.outcome import ChoiceOutcome, Outcome
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDigest:
+    text_hash: str  # reasoning and content
+    token_hash: str | None  # token strings, None without logprobs
+    logprob_hash: str | None  # chosen and top-k logprob values, bit for bit
+    tokens: int | None
+    finish_reason: str | None
+
+
+def digest_choice(choice: ChoiceOutcome) -> ChoiceDigest:
+    text = xxhash.xxh3_128_hexdigest(f"{choice.reasoning}\x00{choice.content}".encode())
+    if choice.tokens is None:
+        return ChoiceDigest(text, None, None, None, choice.finish_reason)
+    th = xxhash.xxh3_128()
+    lh = xxhash.xxh3_128()
+    for tok in choice.tokens:
+        th.update(tok.token.encode() + b"\x00")
+        lh.update(repr(tok.logprob).encode() + b"|")
+        for alt, lp in tok.top:
+            lh.update(alt.encode() + b"\x00" + repr(lp).encode() + b",")
+        lh.update(b";")
+    return ChoiceDigest(
+        text, th.hexdigest(), lh.hexdigest(), len(choice.tokens), choice.finish_reason
+    )
+
+
+def digest_outcome(outcome: Outcome) -> tuple[ChoiceDigest, ...]:
+    return tuple(digest_choice(c) for c in outcome.choices)
+
+
+class DuplicateStore(Protocol):
+    def check_and_put(
+        self, key: str, digests: tuple[ChoiceDigest, ...]
+    ) -> tuple[ChoiceDigest, ...] | None:
+        """Return the digests stored for ``key`` within the window (if any), then store these."""
+
+
+class MemoryDuplicateStore:
+    """An LRU of digests with a time window; bounded in entries."""
+
+    def __init__(
+        self, window_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._window = window_s
+        self._max = max_entries
+        self._clock = clock
+        self._entries: OrderedDict[str, tuple[float, tuple[ChoiceDigest, ...]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def check_and_put(
+        self, key: str, digests: tuple[ChoiceDigest, ...]
+    ) -> tuple[ChoiceDigest, ...] | None:
+        now = self._clock()
+        previous = self._entries.pop(key, None)
+        self._entries[key] = (now, digests)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+        if previous is None or now - previous[0] > self._window:
+            return None
+        return previous[1]
