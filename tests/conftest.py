@@ -24,12 +24,21 @@ def make_proxy(
     aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], registry: CollectorRegistry
 ) -> ProxyFactory:
     """Start detproxy (real app, real sockets) in front of ``upstream_url``."""
+    shared = registry
+
+    used: list[CollectorRegistry] = []
 
     async def factory(
-        upstream_url: str, env: dict[str, str] | None = None, **kwargs: Any
+        upstream_url: str,
+        env: dict[str, str] | None = None,
+        registry: CollectorRegistry | None = None,
+        **kwargs: Any,
     ) -> TestClient[Any, Any]:
+        """The first proxy reports to the ``registry`` fixture; later ones to their own."""
         settings = load_settings(env=env or {}, flags={"upstream": upstream_url})
-        app = build_app(settings, registry=registry, **kwargs)
+        reg = registry or (shared if not used else CollectorRegistry())
+        used.append(reg)
+        app = build_app(settings, registry=reg, **kwargs)
         # TestServer runs with handler_cancellation=True, as `detproxy serve` does.
         return await aiohttp_client(app)
 

@@ -213,7 +213,7 @@ json_like = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.dictionaries(st.sampled_from(["choices", "usage", "error", "object"]), json_like))
 def test_random_json_never_raises(body: dict[str, Any]) -> None:
     for endpoint in ("chat", "completions"):

@@ -1,0 +1,308 @@
+"""Shadow replays: their shape on the wire, their budgets and drops, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry
+
+from proxy.audit.shadow import TokenBucket
+from proxy.emulator import EmulatorConfig, EmulatorServer
+from tests.conftest import metric
+
+MODEL = "emulator-model"
+AUDIT_ALL = {
+    "DETPROXY_AUDIT__SAMPLE_RATE": "1",
+    "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000",
+    "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+}
+
+
+def chat(prompt: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": prompt}],
+        **extra,
+    }
+
+
+async def settle(client: Any, timeout: float = 5.0) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status: dict[str, Any] = await (await client.get("/detproxy/status")).json()
+        shadow = status["shadow"]
+        if shadow["queued"] == 0 and shadow["running"] == 0:
+            return status
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"shadows did not settle: {shadow}")
+        await asyncio.sleep(0.02)
+
+
+def dropped(registry: CollectorRegistry, reason: str) -> float:
+    return metric(registry, "detproxy_shadow_dropped_total", reason=reason)
+
+
+class Capture:
+    """An upstream that answers like vLLM and keeps every request it gets."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[CIMultiDict[str], dict[str, Any]]] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append((CIMultiDict(request.headers), body))
+        logprobs = {
+            "content": [
+                {
+                    "token": "Hi",
+                    "logprob": -0.5,
+                    "bytes": [72, 105],
+                    "top_logprobs": [{"token": "Hi", "logprob": -0.5}],
+                }
+            ]
+        }
+        answer = {
+            "id": "chatcmpl-x",
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "message": {"role": "assistant", "content": "Hi"},
+                    "logprobs": logprobs if body.get("logprobs") else None,
+                }
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+        }
+        return web.json_response(answer)
+
+
+@pytest.fixture
+def capture(upstream_app: web.Application) -> Capture:
+    cap = Capture()
+    upstream_app.router.add_post("/v1/chat/completions", cap.handle)
+    return cap
+
+
+async def test_shadow_request_shape(make_proxy: Any, upstream: Any, capture: Capture) -> None:
+    client = await make_proxy(
+        await upstream(),
+        env=AUDIT_ALL
+        | {
+            "DETPROXY_AUDIT__SHADOW_MODE": "prefill",
+            "DETPROXY_AUDIT__CACHE_SALT": "true",
+            "DETPROXY_AUDIT__SHADOW_EXTRA_BODY": '{"cache_prompt": false}',
+            "DETPROXY_AUDIT__INJECT_TOP_LOGPROBS": "50",
+            "DETPROXY_UPSTREAM__MAX_LOGPROBS": "7",
+            "DETPROXY_AUDIT__SERVICE_API_KEY": "svc-key",
+        },
+    )
+    resp = await client.post(
+        "/v1/chat/completions",
+        headers={"X-Request-Id": "r1", "Authorization": "Bearer client"},
+        json=chat(
+            "shape", stream=True, request_id="body-id", stream_options={"include_usage": True}
+        ),
+    )
+    assert resp.status == 200
+    await resp.read()
+    await settle(client)
+    (ph, primary), (sh, shadow) = capture.requests
+    assert primary["logprobs"] is True and primary["top_logprobs"] == 7  # bounded by max_logprobs
+    assert ph["Authorization"] == "Bearer client"
+    assert sh["X-Detproxy-Shadow"] == "1" and sh["X-Request-Id"] == "r1-shadow"
+    assert sh["Authorization"] == "Bearer svc-key"  # not the client's credentials
+    assert shadow["request_id"] == "body-id-shadow"
+    assert "stream" not in shadow and "stream_options" not in shadow
+    assert shadow["max_tokens"] == 1 and shadow["cache_prompt"] is False
+    assert isinstance(shadow["cache_salt"], str) and len(shadow["cache_salt"]) >= 16
+    assert (shadow["logprobs"], shadow["top_logprobs"]) == (True, 7)  # like for like
+
+
+async def test_shadow_reuses_client_auth_only_when_configured(
+    make_proxy: Any, upstream: Any, capture: Capture
+) -> None:
+    client = await make_proxy(
+        await upstream(), env=AUDIT_ALL | {"DETPROXY_AUDIT__REUSE_CLIENT_AUTH": "true"}
+    )
+    await client.post(
+        "/v1/chat/completions", json=chat("auth"), headers={"Authorization": "Bearer client"}
+    )
+    await settle(client)
+    assert capture.requests[1][0]["Authorization"] == "Bearer client"
+
+    capture.requests.clear()
+    client = await make_proxy(await upstream(), env=AUDIT_ALL)
+    await client.post(
+        "/v1/chat/completions", json=chat("auth"), headers={"Authorization": "Bearer client"}
+    )
+    await settle(client)
+    assert "Authorization" not in capture.requests[1][0]
+
+
+async def test_reference_upstream_gets_the_shadow(make_proxy: Any) -> None:
+    async with EmulatorServer() as primary, EmulatorServer() as reference:
+        client = await make_proxy(
+            primary.url, env=AUDIT_ALL | {"DETPROXY_AUDIT__REFERENCE_URL": reference.url}
+        )
+        await client.post("/v1/chat/completions", json=chat("to the control engine"))
+        status = await settle(client)
+        assert primary.stats()["requests"] == 1 and reference.stats()["requests"] == 1
+        assert status["audit"]["verdicts"] == {"identical": 1}
+
+
+@pytest.fixture
+async def slow_emulator() -> AsyncIterator[EmulatorServer]:
+    async with EmulatorServer(EmulatorConfig(token_latency_s=0.02)) as srv:
+        yield srv
+
+
+async def test_budgets_drop_and_count(
+    make_proxy: Any, slow_emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(
+        slow_emulator.url,
+        env=AUDIT_ALL
+        | {"DETPROXY_AUDIT__QUEUE_SIZE": "1", "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": "1"},
+    )
+    # Six primaries at once: one shadow runs, one waits, the rest find the queue full.
+    await asyncio.gather(
+        *(client.post("/v1/chat/completions", json=chat(f"q{i}")) for i in range(6))
+    )
+    status = await settle(client)
+    assert dropped(registry, "queue_full") >= 1
+    assert status["audit"]["audits"] + dropped(registry, "queue_full") == 6
+
+    other = CollectorRegistry()
+    client = await make_proxy(
+        slow_emulator.url, registry=other, env=AUDIT_ALL | {"DETPROXY_AUDIT__MAX_TOKEN_SHARE": "0"}
+    )
+    resp = await client.post("/v1/chat/completions", json=chat("no budget"))
+    assert resp.status == 200
+    assert dropped(other, "token_budget") == 1
+
+
+def test_token_bucket() -> None:
+    now = [0.0]
+    bucket = TokenBucket(2.0, clock=lambda: now[0])
+    assert [bucket.take() for _ in range(3)] == [True, True, False]
+    now[0] = 0.5
+    assert [bucket.take(), bucket.take()] == [True, False]
+
+
+async def test_rate_limit(
+    make_proxy: Any, slow_emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(
+        slow_emulator.url, env=AUDIT_ALL | {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1"}
+    )
+    for i in range(3):
+        await client.post("/v1/chat/completions", json=chat(f"r{i}"))
+    await settle(client)
+    assert dropped(registry, "rate_limit") == 2
+
+
+async def test_quiet_waits_for_own_inflight_then_drops_at_deadline(
+    make_proxy: Any, slow_emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(
+        slow_emulator.url,
+        env=AUDIT_ALL
+        | {
+            "DETPROXY_AUDIT__SCHEDULE": "quiet",
+            "DETPROXY_AUDIT__QUIET_DEADLINE_S": "0.3",
+            "DETPROXY_AUDIT__QUIET_POLL_S": "0.02",
+        },
+    )
+    long = asyncio.create_task(
+        client.post("/v1/chat/completions", json=chat("long", max_tokens=100))
+    )  # ~2 s
+    await asyncio.sleep(0.1)
+    await client.post("/v1/chat/completions", json=chat("short", max_tokens=2))
+    await asyncio.sleep(0.5)
+    assert dropped(registry, "quiet_deadline") == 1
+    await long
+    await settle(client)  # with nothing else in flight, the long one's shadow runs
+    assert (
+        metric(registry, "detproxy_audits_total", model=MODEL, mode="full", verdict="identical")
+        == 1
+    )
+
+
+async def test_quiet_reads_the_upstream_running_gauge(
+    make_proxy: Any, slow_emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    import aiohttp
+
+    client = await make_proxy(
+        slow_emulator.url,
+        env=AUDIT_ALL
+        | {
+            "DETPROXY_AUDIT__SCHEDULE": "quiet",
+            "DETPROXY_AUDIT__QUIET_MAX_INFLIGHT": "5",
+            "DETPROXY_AUDIT__QUIET_MAX_UPSTREAM_RUNNING": "0",
+            "DETPROXY_AUDIT__QUIET_DEADLINE_S": "0.3",
+            "DETPROXY_AUDIT__QUIET_POLL_S": "0.02",
+        },
+    )
+    async with aiohttp.ClientSession() as other:  # traffic that bypasses detproxy
+        busy = asyncio.create_task(
+            other.post(
+                slow_emulator.url + "/v1/chat/completions", json=chat("elsewhere", max_tokens=60)
+            )
+        )
+        await asyncio.sleep(0.1)
+        await client.post("/v1/chat/completions", json=chat("mine", max_tokens=2))
+        await asyncio.sleep(0.5)
+        assert dropped(registry, "quiet_deadline") == 1
+        (await busy).release()
+
+
+async def test_failed_shadows_are_counted_and_primaries_unaffected(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+) -> None:
+    calls = []
+
+    async def primary_ok_shadow_fails(request: web.Request) -> web.Response:
+        calls.append(request.headers.get("X-Detproxy-Shadow"))
+        if request.headers.get("X-Detproxy-Shadow"):
+            if request.query.get("mode") == "slow":
+                await asyncio.sleep(5)
+            return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
+        return web.json_response(
+            {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "ok"}}]}
+        )
+
+    upstream_app.router.add_post("/v1/chat/completions", primary_ok_shadow_fails)
+    client = await make_proxy(
+        await upstream(), env=AUDIT_ALL | {"DETPROXY_AUDIT__SHADOW_TIMEOUT_S": "0.2"}
+    )
+    resp = await client.post("/v1/chat/completions", json=chat("x"))
+    assert resp.status == 200 and (await resp.json())["choices"][0]["message"]["content"] == "ok"
+    resp = await client.post("/v1/chat/completions?mode=slow", json=chat("y"))
+    assert resp.status == 200
+    await settle(client)
+    assert dropped(registry, "upstream_error") == 1 and dropped(registry, "timeout") == 1
+
+
+async def test_shutdown_cancels_shadow_workers(
+    make_proxy: Any, slow_emulator: EmulatorServer
+) -> None:
+    client = await make_proxy(slow_emulator.url, env=AUDIT_ALL)
+    await client.post("/v1/chat/completions", json=chat("in flight at shutdown", max_tokens=50))
+    before = {t.get_name() for t in asyncio.all_tasks()}
+    assert any(name.startswith("shadow:worker") for name in before)
+    await client.close()
+    await asyncio.sleep(0)
+    after = {t.get_name() for t in asyncio.all_tasks()}
+    assert not any(name.startswith("shadow:") for name in after)
+    assert orjson.dumps(sorted(after))  # nothing else of detproxy's is left either
