@@ -34,8 +34,8 @@ def chat(prompt: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-async def settle(client: Any, timeout: float = 5.0) -> dict[str, Any]:
-    deadline = asyncio.get_running_loop().time() + timeout
+async def settle(client: Any, wait_s: float = 5.0) -> dict[str, Any]:
+    deadline = asyncio.get_running_loop().time() + wait_s
     while True:
         status: dict[str, Any] = await (await client.get("/detproxy/status")).json()
         shadow = status["shadow"]
