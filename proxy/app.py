@@ -63,7 +63,7 @@ def _scheduler(
         audit,
         target,
         bus,
-        lambda: forwarder.inflight,
+        forwarder,
         load.running if audit.quiet_max_upstream_running is not None else None,
     )
 

@@ -70,7 +70,9 @@ class AuditConfig(_Section):
     quiet_max_inflight: int = Field(default=0, ge=0)  # detproxy's own in-flight requests
     quiet_max_upstream_running: int | None = Field(default=None, ge=0)  # vllm:num_requests_running
     quiet_deadline_s: float = Field(default=30.0, gt=0)
-    quiet_poll_s: float = Field(default=0.2, gt=0)
+    quiet_poll_s: float = Field(default=0.05, gt=0)
+    # Quiet must last this long: back-to-back client requests leave gaps of milliseconds.
+    quiet_settle_s: float = Field(default=0.25, ge=0)
     cache_salt: bool = False  # a fresh cache_salt per shadow: a cold prefill (vLLM)
     # Merged into every shadow body, e.g. {cache_prompt = false} for llama.cpp's server.
     shadow_extra_body: dict[str, Any] = Field(default_factory=dict)

@@ -108,6 +108,7 @@ class AuditCompleted:
     shadow_latency_s: float | None
     target: str  # "same" or the reference upstream's URL
     timestamp: float
+    shadow_overlapped: bool | None = None  # a client request ran during the shadow
     prompt: str | None = None  # only when incidents.store_text is on
     primary_text: str | None = None
     shadow_text: str | None = None

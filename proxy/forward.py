@@ -114,6 +114,7 @@ class Forwarder:
         self._inspector_factories = list(inspector_factories)
         self._policies = policies or PolicyChain()
         self.inflight = 0
+        self.started = 0  # client requests ever started: tells a shadow whether it overlapped
 
     def attach_auditor(self, auditor: Auditor) -> None:
         self._auditor = auditor
@@ -123,6 +124,7 @@ class Forwarder:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         endpoint = ENDPOINTS.get(request.path)
         self.inflight += 1
+        self.started += 1
         self._bus.publish(RequestStarted(endpoint or "other"))
         t0 = time.monotonic()
         try:

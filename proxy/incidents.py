@@ -47,6 +47,7 @@ def audit_incident(ev: AuditCompleted) -> dict[str, Any]:
         "request_key": ev.request_key,
         "inflight_primary": ev.inflight_primary,
         "inflight_shadow": ev.inflight_shadow,
+        "shadow_overlapped": ev.shadow_overlapped,
         "primary_latency_s": ev.primary_latency_s,
         "shadow_latency_s": ev.shadow_latency_s,
         "target": ev.target,

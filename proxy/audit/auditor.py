@@ -130,6 +130,7 @@ class Auditor:
         primary: ChoiceOutcome | None = None,
         other: ChoiceOutcome | None = None,
         target: str = "same",
+        overlapped: bool | None = None,
     ) -> None:
         store_text = self._settings.incidents.store_text and verdict.verdict != "identical"
         self._bus.publish(
@@ -147,6 +148,7 @@ class Auditor:
                 shadow_latency_s=shadow_latency,
                 target=target,
                 timestamp=time.time(),
+                shadow_overlapped=overlapped,
                 prompt=_prompt_text(ticket.upstream_body) if store_text else None,
                 primary_text=_text(primary) if store_text and primary else None,
                 shadow_text=_text(other) if store_text and other else None,
@@ -232,6 +234,7 @@ class Auditor:
                     primary,
                     other,
                     self._target,
+                    result.overlapped,
                 )
 
         return ShadowJob(

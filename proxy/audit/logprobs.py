@@ -8,7 +8,6 @@ reads as -9999.0, vLLM's stand-in for minus infinity.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,35 +36,43 @@ def _logprob(value: Any) -> float:
 
 
 def _chat_entries(items: list[Any]) -> tuple[list[TokenLogprob], bool]:
+    # Hot path (every streamed chunk of an audited request): plain dict checks, floats inline.
     out: list[TokenLogprob] = []
     eos_last = False
     for entry in items:
-        if not isinstance(entry, Mapping):
+        if not isinstance(entry, dict):
             raise MalformedLogprobs
         token = entry.get("token")
         if not isinstance(token, str):
             raise MalformedLogprobs
         raw_top = entry.get("top_logprobs")
         top: tuple[tuple[str, float], ...] = ()
-        if isinstance(raw_top, list):
+        if raw_top:
+            if not isinstance(raw_top, list):
+                raise MalformedLogprobs
             pairs: list[tuple[str, float]] = []
             for alt in raw_top:
-                if not isinstance(alt, Mapping):
+                if not isinstance(alt, dict):
                     raise MalformedLogprobs
                 alt_token = alt.get("token")
+                value = alt.get("logprob")
                 if not isinstance(alt_token, str):
                     raise MalformedLogprobs
-                pairs.append((alt_token, _logprob(alt.get("logprob"))))
+                pairs.append((alt_token, value if type(value) is float else _logprob(value)))
             top = tuple(pairs)
-        elif raw_top is not None:
+        elif raw_top is not None and not isinstance(raw_top, list):
             raise MalformedLogprobs
-        out.append(TokenLogprob(token, _logprob(entry.get("logprob")), top))
-        raw_bytes = entry.get("bytes")
-        eos_last = token == "" and isinstance(raw_bytes, list) and not raw_bytes
+        value = entry.get("logprob")
+        out.append(TokenLogprob(token, value if type(value) is float else _logprob(value), top))
+        if token:
+            eos_last = False
+        else:
+            raw_bytes = entry.get("bytes")
+            eos_last = isinstance(raw_bytes, list) and not raw_bytes
     return out, eos_last
 
 
-def _legacy_entries(obj: Mapping[str, Any]) -> list[TokenLogprob]:
+def _legacy_entries(obj: dict[str, Any]) -> list[TokenLogprob]:
     tokens = obj.get("tokens")
     values = obj.get("token_logprobs")
     tops = obj.get("top_logprobs")
@@ -80,7 +87,7 @@ def _legacy_entries(obj: Mapping[str, Any]) -> list[TokenLogprob]:
         if not isinstance(token, str):
             raise MalformedLogprobs
         top: tuple[tuple[str, float], ...] = ()
-        if isinstance(alts, Mapping):
+        if isinstance(alts, dict):
             pairs: list[tuple[str, float]] = []
             for alt_token, alt_value in alts.items():
                 if not isinstance(alt_token, str):
@@ -99,7 +106,7 @@ def parse_logprobs(obj: Any) -> tuple[list[TokenLogprob], bool] | None:
     (null, ``{}``, ``{"content": null}``); raises MalformedLogprobs on anything else."""
     if obj is None:
         return None
-    if not isinstance(obj, Mapping):
+    if not isinstance(obj, dict):
         raise MalformedLogprobs
     content = obj.get("content")
     if isinstance(content, list):

@@ -280,7 +280,7 @@ class StreamAccumulator:
             state.eos_last = eos_last
 
     def on_end(self, complete: bool) -> None:
-        if False:
+        if not complete and self._error is None:
             self._error = "incomplete"
 
     def outcome(self) -> Outcome:

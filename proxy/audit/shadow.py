@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -28,11 +28,23 @@ from proxy.upstream import Upstream
 log = logging.getLogger(__name__)
 
 
+class ProxyLoad(Protocol):
+    """detproxy's own traffic, as the forwarder counts it."""
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def started(self) -> int: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ShadowResult:
     outcome: Outcome
     latency_s: float
     inflight: int  # detproxy's in-flight requests when the shadow was sent
+    # Some client request ran while the shadow did: it may have shared a batch with it.
+    overlapped: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +82,13 @@ class ShadowScheduler:
         config: AuditConfig,
         upstream: Upstream,
         bus: EventBus,
-        inflight: Callable[[], int],
+        load: ProxyLoad,
         upstream_running: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         self._config = config
         self._upstream = upstream
         self._bus = bus
-        self._inflight = inflight
+        self._load = load
         self._upstream_running = upstream_running
         self._queue: asyncio.Queue[ShadowJob] = asyncio.Queue(maxsize=config.queue_size)
         self._bucket = TokenBucket(config.max_shadows_per_s)
@@ -141,16 +153,24 @@ class ShadowScheduler:
                 self._publish_state()
 
     async def _quiet_enough(self) -> bool:
+        """Wait until the load has stayed low for ``quiet_settle_s``, up to the deadline."""
         cfg = self._config
-        deadline = time.monotonic() + cfg.quiet_deadline_s
+        now = time.monotonic()
+        deadline = now + cfg.quiet_deadline_s
+        quiet_since: float | None = None
         while True:
-            ok = self._inflight() <= cfg.quiet_max_inflight
+            ok = self._load.inflight <= cfg.quiet_max_inflight
             if ok and cfg.quiet_max_upstream_running is not None and self._upstream_running:
                 running = await self._upstream_running()
                 ok = running is not None and running <= cfg.quiet_max_upstream_running
-            if ok:
+            now = time.monotonic()
+            if not ok:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            if quiet_since is not None and now - quiet_since >= cfg.quiet_settle_s:
                 return True
-            if time.monotonic() >= deadline:
+            if now >= deadline:
                 return False
             await asyncio.sleep(cfg.quiet_poll_s)
 
@@ -158,7 +178,7 @@ class ShadowScheduler:
         if self._config.schedule == "quiet" and not await self._quiet_enough():
             self._bus.publish(ShadowDropped(job.model, "quiet_deadline"))
             return
-        inflight = self._inflight()
+        inflight, started = self._load.inflight, self._load.started
         t0 = time.monotonic()
         try:
             async with asyncio.timeout(self._config.shadow_timeout_s):
@@ -181,6 +201,7 @@ class ShadowScheduler:
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
             return
         latency = time.monotonic() - t0
+        overlapped = inflight > 0 or self._load.started != started
         try:
             parsed = orjson.loads(payload)
         except orjson.JSONDecodeError:
@@ -188,4 +209,5 @@ class ShadowScheduler:
         if resp.status != 200 or not isinstance(parsed, dict):
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
             return
-        job.on_result(ShadowResult(outcome_from_response(job.endpoint, parsed), latency, inflight))
+        outcome = outcome_from_response(job.endpoint, parsed)
+        job.on_result(ShadowResult(outcome, latency, inflight, overlapped))

@@ -97,6 +97,10 @@ def test_minus_9999() -> None:
     v = compare_choices(choice(a), choice(c))
     assert v.max_abs_logprob_delta == math.inf
     assert compare_choices(choice(c), choice(a)).max_abs_logprob_delta == math.inf
+    # below -9999.0 is minus infinity too: a difference there is drift, but not a delta
+    d = [tok("x", -1e10, [("x", -1e10), ("y", -9999.0)])]
+    v = compare_choices(choice(a), choice(d))
+    assert (v.verdict, v.max_abs_logprob_delta) == ("logprob_drift", 0.0)
 
 
 def test_text_divergence_with_margin_and_prefix_delta() -> None:

@@ -45,6 +45,7 @@ def test_json_fences_and_embedded_spans() -> None:
     assert ex.extract('```json\n{"total": 42}\n```') == "42"
     assert ex.extract('Here you go:\n```\n{"total": 7}\n```\nThanks') == "7"
     assert ex.extract('The result is {"total": 9} as requested.') == "9"
+    assert ex.extract('Like {"total": 0}. Answer:\n```json\n{"total": 42}\n```') == "42"
     assert ex.extract('See [1] and {"x": {"total": 0}} then {"total": 5}') == "5"
     assert ex.extract("no json at all") is None
     assert ex.extract('{"total": ') is None

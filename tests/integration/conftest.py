@@ -3,6 +3,7 @@ detproxy started by its own console script, and the official openai SDK as the c
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -69,13 +70,12 @@ def engine_paths() -> tuple[str, str]:
     return found["LLAMA_SERVER"], found["SMOLLM2_GGUF"]
 
 
-@pytest.fixture(scope="session")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+@contextlib.contextmanager
+def run_engine(logdir: Path, *args: str) -> Iterator[Engine]:
+    """llama-server on a free loopback port with these extra arguments."""
     server, gguf = engine_paths()
     port = free_port()
-    log = open(tmp_path_factory.mktemp("engine") / "llama-server.log", "wb")  # noqa: SIM115
-    # Two slots with per-slot KV (kv_unified off): batch-invariant, so the direct and the
-    # proxied answer to one greedy request can be compared bit for bit.
+    log = open(logdir / f"llama-server-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [
             server,
@@ -87,14 +87,11 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
             str(port),
             "-t",
             "2",
-            "-np",
-            "2",
-            "-c",
-            "4096",
             "-a",
             "smollm2",
             "--no-webui",
             "--metrics",
+            *args,
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -107,14 +104,27 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         log.close()
 
 
-@pytest.fixture(scope="session")
-def detproxy_url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """detproxy in front of the engine, started the way a user starts it."""
+@contextlib.contextmanager
+def run_detproxy(logdir: Path, upstream: str, config: str = "") -> Iterator[str]:
+    """detproxy in front of ``upstream``, started the way a user starts it."""
     port = free_port()
     exe = Path(sys.executable).with_name("detproxy")
-    log = open(tmp_path_factory.mktemp("detproxy") / "detproxy.log", "wb")  # noqa: SIM115
+    cfg = logdir / f"detproxy-{port}.toml"
+    cfg.write_text(config)
+    log = open(logdir / f"detproxy-{port}.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [str(exe), "serve", "--upstream", engine.url, "--host", "127.0.0.1", "--port", str(port)],
+        [
+            str(exe),
+            "serve",
+            "--upstream",
+            upstream,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--config",
+            str(cfg),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -124,3 +134,17 @@ def detproxy_url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         stop(proc)
         log.close()
+
+
+@pytest.fixture(scope="session")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+    # Two slots with per-slot KV (kv_unified off): batch-invariant, so the direct and the
+    # proxied answer to one greedy request can be compared bit for bit.
+    with run_engine(tmp_path_factory.mktemp("engine"), "-np", "2", "-c", "4096") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="session")
+def detproxy_url(engine: Engine, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with run_detproxy(tmp_path_factory.mktemp("detproxy"), engine.url) as url:
+        yield url
