@@ -1,8 +1,12 @@
-"""The policy seam: a trigger comes in, a decision goes out.
+"""The policy seam: a context comes in, a decision goes out.
 
 Policies are small objects with one hook, ``decide``. ``PolicyChain`` asks them in order;
 the first decision that is not ``Continue`` wins. A policy that raises is isolated and
 counted, and the chain goes on as if it had said ``Continue``.
+
+When a decision is still actionable: for a non-streamed answer, always (nothing has reached
+the client yet). For a stream, ``Retry`` restarts the stream (or, with reasoning held back,
+replaces an attempt the client never saw) and ``Abort`` ends it cleanly.
 """
 
 from __future__ import annotations
@@ -17,19 +21,34 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class ResponseContext:
-    """A finished non-streamed attempt, as a policy sees it."""
+class Trigger:
+    """Why a policy is asked: a loop the proxy saw, one the engine reported, or a runaway."""
 
+    source: str  # proxy | engine | runaway
+    channel: str  # reasoning | content
+    choice: int
+    period: int | None = None
+    repeats: int | None = None
+    start_offset: int | None = None
+    preview: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
     endpoint: str
     model: str
+    stream: bool
     attempt: int  # 1 for the client's own request
     status: int
-    body: Mapping[str, Any] | None  # the parsed JSON answer, None when it was not JSON
+    trigger: Trigger | None  # None: the attempt ended without a trigger
+    body: Mapping[str, Any] | None = None  # the parsed non-streamed answer, when there is one
 
 
 @dataclass(frozen=True, slots=True)
 class Continue:
-    """Relay the response as it is."""
+    """Let the response go on as it is (``observe`` when a trigger was seen)."""
+
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +59,20 @@ class Retry:
     overrides: Mapping[str, Any] = field(default_factory=dict)
 
 
-Decision = Continue | Retry
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """End the response cleanly now."""
+
+    reason: str
+
+
+Decision = Continue | Retry | Abort
 
 
 class Policy(Protocol):
     name: str
 
-    def decide(self, ctx: ResponseContext) -> Decision: ...
+    def decide(self, ctx: PolicyContext) -> Decision: ...
 
 
 class PolicyChain:
@@ -57,7 +83,7 @@ class PolicyChain:
     def __bool__(self) -> bool:
         return bool(self._policies)
 
-    def decide(self, ctx: ResponseContext) -> Decision:
+    def decide(self, ctx: PolicyContext) -> Decision:
         for policy in self._policies:
             try:
                 decision = policy.decide(ctx)

@@ -11,6 +11,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from policies.base import PolicyChain
+from policies.budget import RetryBudget
+from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
@@ -23,6 +25,7 @@ from proxy.forward import Forwarder
 from proxy.incidents import IncidentLog
 from proxy.inspect.base import InspectorFactory
 from proxy.metrics import Metrics
+from proxy.recovery import Recovery
 from proxy.status import AuditTally
 from proxy.upstream import AiohttpUpstream, Upstream, make_session
 
@@ -83,7 +86,15 @@ def build_app(
     bus = EventBus()
     metrics = Metrics(registry if registry is not None else CollectorRegistry())
     metrics.subscribe(bus)
-    chain = policies or PolicyChain()
+    loops = settings.loops
+    budget = RetryBudget(loops.retry_budget, min_retries=loops.retry_budget_min)
+    ladders = [
+        Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
+        for lad in loops.ladder_list()
+    ]
+    ladder = LoopLadderPolicy(ladders, budget, loops.max_attempts)
+    chain = policies or PolicyChain([ladder])
+    recovery = Recovery(loops, chain, bus)
     metrics.watch_failures(
         {"subscriber": lambda: dict(bus.failures), "policy": lambda: dict(chain.failures)}
     )
@@ -102,7 +113,7 @@ def build_app(
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         session = make_session(settings.upstream)
         target = upstream or AiohttpUpstream(session, settings.upstream.url)
-        forwarder = Forwarder(settings, target, bus, inspector_factories, chain)
+        forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, budget)
         scheduler = _scheduler(settings, session, target, bus, forwarder)
         store = (
             MemoryDuplicateStore(

@@ -17,6 +17,9 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from yarl import URL
 
+from policies.ladder import DEFAULT_ATTEMPTS, SAMPLING_FIELDS
+from proxy.inspect.loops import LoopConfig as DetectorConfig
+
 
 def _http_url(value: str) -> str:
     url = URL(value)
@@ -121,8 +124,57 @@ class IncidentConfig(_Section):
     store_text: bool = False  # prompts and outputs; hashes are always stored
 
 
+class LadderConfig(_Section):
+    models: str = "*"  # glob over the request's model
+    action: Literal["retry", "abort", "observe"] = "retry"
+    attempts: list[dict[str, Any]] = Field(
+        default_factory=lambda: [dict(a) for a in DEFAULT_ATTEMPTS]
+    )
+    on_exhausted: Literal["abort", "observe"] = "abort"
+
+    @field_validator("attempts")
+    @classmethod
+    def _overrides(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for overrides in value:
+            unknown = set(overrides) - SAMPLING_FIELDS
+            if unknown:
+                raise ValueError(f"not a sampling field: {', '.join(sorted(unknown))}")
+        return value
+
+
+class EngineDetectionConfig(_Section):
+    """vLLM >= 0.17's ``repetition_detection`` request parameter."""
+
+    min_pattern_size: int = Field(default=1, ge=1)
+    max_pattern_size: int = Field(default=64, ge=1)
+    min_count: int = Field(default=8, ge=2)
+
+
 class LoopConfig(_Section):
+    # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
+    enabled: bool = True
+    stream_mode: Literal["restart", "hold_reasoning"] = "restart"
+    hold_max_bytes: int = Field(default=256 * 1024, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    retry_budget: float = Field(default=0.1, ge=0)  # retries per request, over a minute
+    retry_budget_min: int = Field(default=3, ge=0)  # retries always allowed per minute
+    runaway: bool = True
+    ladders: list[LadderConfig] = Field(default_factory=list)
+    engine_detection: EngineDetectionConfig | None = None  # inject repetition_detection
+    detector: dict[str, int | None] = Field(default_factory=dict)  # LoopDetector thresholds
+
+    @field_validator("detector")
+    @classmethod
+    def _detector(cls, value: dict[str, int | None]) -> dict[str, int | None]:
+        try:
+            DetectorConfig(**value)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    def ladder_list(self) -> list[LadderConfig]:
+        return self.ladders or [LadderConfig(action=self.policy)]
 
 
 class Settings(_Section):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from policies.base import Trigger
     from proxy.audit.compare import Verdict
 
 log = logging.getLogger(__name__)
@@ -129,3 +130,33 @@ class ShadowQueue:
 
     queued: int
     running: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoopDetected:
+    """A repetition loop in one attempt: seen by detproxy, reported by the engine, or a
+    runaway (the token limit reached after reasoning, with no content)."""
+
+    request_id: str
+    model: str
+    endpoint: str
+    stream: bool
+    attempt: int
+    trigger: Trigger
+    timestamp: float
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyActed:
+    """A policy's decision on a loop, with its outcome once known.
+
+    ``action``: retry | abort | observe. ``outcome``: for retry, recovered (the next attempt
+    ended without a loop), looped_again or error; for abort and observe, why (loop,
+    attempts_exhausted, budget_exhausted, observe).
+    """
+
+    request_id: str
+    model: str
+    action: str
+    outcome: str
+    attempt: int

@@ -10,19 +10,27 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from policies.base import Continue, PolicyChain, ResponseContext, Retry
+from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry, Trigger
+from policies.budget import RetryBudget
 from proxy.audit.auditor import Auditor, AuditTicket
 from proxy.audit.inject import strip_logprobs
 from proxy.audit.outcome import Outcome, StreamAccumulator, outcome_from_response
+from proxy.body import (
+    BadRequest,
+    ensure_json_content_type,
+    parse_answer,
+    parse_object,
+    read_bounded,
+)
 from proxy.classify import ENDPOINTS, RequestView, classify
 from proxy.config import Settings
-from proxy.errors import UpstreamFailure, error_response
+from proxy.errors import UpstreamFailure, error_response, inband_error_event
 from proxy.events import (
     ClientDisconnected,
     EventBus,
@@ -33,7 +41,8 @@ from proxy.events import (
 )
 from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
 from proxy.inspect.base import InspectorFactory, InspectorSet, StreamInspector
-from proxy.relay import StreamRelay
+from proxy.recovery import Attempts, Recovery, abort_chunk, cut_answer, retry_comment
+from proxy.relay import StreamPlan, StreamRelay
 from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
 
 log = logging.getLogger(__name__)
@@ -43,57 +52,6 @@ _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 MAX_ATTEMPTS = 8
 _FINISHED = web.RequestKey("detproxy_finished", bool)
 _VIEW = web.RequestKey("detproxy_view", RequestView)
-
-
-class BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _ensure_json_content_type(request: web.Request) -> None:
-    if request.content_type != "application/json":
-        raise BadRequest(400, "Content-Type must be application/json")
-    charset = request.charset
-    if charset and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
-        raise BadRequest(400, f"unsupported charset {charset!r}: the body must be UTF-8 JSON")
-
-
-async def _read_bounded(request: web.Request, limit: int) -> bytes:
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.content.iter_any():
-        size += len(part)
-        if size > limit:
-            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
-
-
-def _parse_answer(payload: bytes) -> dict[str, Any] | None:
-    try:
-        parsed = orjson.loads(payload)
-    except orjson.JSONDecodeError:
-        return None
-    return parsed if isinstance(parsed, dict) else None
-
-
-def _parse_object(body: bytes) -> dict[str, Any]:
-    try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadRequest(400, "request body is not valid UTF-8") from None
-        raise BadRequest(400, "request body is not valid JSON") from None
-    if not isinstance(parsed, dict):
-        raise BadRequest(400, "request body must be a JSON object")
-    return parsed
 
 
 class Forwarder:
@@ -106,8 +64,12 @@ class Forwarder:
         bus: EventBus,
         inspector_factories: Sequence[InspectorFactory] = (),
         policies: PolicyChain | None = None,
+        recovery: Recovery | None = None,
+        budget: RetryBudget | None = None,
     ) -> None:
         self._auditor: Auditor | None = None
+        self._recovery = recovery
+        self._budget = budget
         self._settings = settings
         self._upstream = upstream
         self._bus = bus
@@ -172,9 +134,9 @@ class Forwarder:
         t0 = time.monotonic()
         rid = request_id_of(request.headers)
         try:
-            _ensure_json_content_type(request)
-            raw = await _read_bounded(request, self._settings.server.max_body_bytes)
-            body = _parse_object(raw)
+            ensure_json_content_type(request)
+            raw = await read_bounded(request, self._settings.server.max_body_bytes)
+            body = parse_object(raw)
         except BadRequest as exc:
             self._finish(None, endpoint, exc.status, "bad_request", t0, None, request)
             return error_response(exc.status, exc.message, request_id=rid)
@@ -196,7 +158,15 @@ class Forwarder:
         if ticket is not None and ticket.upstream_body is not body:
             raw = orjson.dumps(ticket.upstream_body)  # logprobs injected for the audit
 
-        attempt = 1
+        sent = ticket.upstream_body if ticket is not None else body
+        if self._recovery is not None and self._recovery.enabled:
+            prepared = self._recovery.prepare(sent)
+            if prepared is not sent:
+                sent, raw = prepared, orjson.dumps(prepared)
+        attempts = Attempts(rid, view.model, endpoint, view.stream)
+        if self._budget is not None:
+            self._budget.record_request()
+
         while True:
             try:
                 upstream = await self._upstream.send("POST", request.raw_path, headers, raw)
@@ -205,7 +175,9 @@ class Forwarder:
                 self._finish(view, endpoint, exc.status, "upstream_error", t0, None, request)
                 return error_response(exc.status, exc.message, request_id=rid)
             if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return await self._stream(request, upstream, view, rid, t0, ticket)
+                return await self._stream(
+                    request, upstream, view, rid, t0, ticket, attempts, headers, sent
+                )
             try:
                 payload = await upstream.read()
             except _CLIENT_GONE:
@@ -224,13 +196,16 @@ class Forwarder:
                     request_id=rid,
                 )
             first_byte_s = time.monotonic() - t0
-            answer = _parse_answer(payload) if (self._policies or ticket) else None
-            decision = self._decide(view, attempt, upstream.status, answer)
-            if isinstance(decision, Retry) and attempt < MAX_ATTEMPTS:
-                attempt += 1
+            answer = parse_answer(payload)
+            decision = self._decide_answer(attempts, upstream.status, answer)
+            if isinstance(decision, Retry) and attempts.count < MAX_ATTEMPTS:
+                attempts.count += 1
                 ticket = None  # an answer produced under overrides is not audited
-                raw = orjson.dumps({**body, **decision.overrides})
+                raw = orjson.dumps({**sent, **decision.overrides})
                 continue
+            if isinstance(decision, Abort) and answer is not None and attempts.trigger:
+                cut_answer(answer, endpoint, attempts.trigger)
+                payload = orjson.dumps(answer)
             break
 
         if ticket is not None and answer is not None and upstream.status == 200:
@@ -240,10 +215,31 @@ class Forwarder:
                 payload = orjson.dumps(answer)
             self._auditor_done(ticket, outcome)
         out_headers = client_response_headers(upstream.headers, rid)
-        if attempt > 1:
-            out_headers["X-Detproxy-Attempts"] = str(attempt)
+        if attempts.count > 1 or attempts.looped:
+            out_headers["X-Detproxy-Attempts"] = str(attempts.count)
+        if attempts.looped:
+            out_headers["X-Detproxy-Recovered"] = "true" if attempts.recovered else "false"
         self._finish(view, endpoint, upstream.status, "ok", t0, first_byte_s, request)
         return web.Response(status=upstream.status, body=payload, headers=out_headers)
+
+    def _decide_answer(
+        self, attempts: Attempts, status: int, answer: dict[str, Any] | None
+    ) -> Decision:
+        """Loop checks on a whole non-streamed answer, then the policies' decision."""
+        trigger = None
+        if self._recovery is None:
+            if not self._policies:
+                return Continue()
+            return self._policies.decide(
+                PolicyContext(
+                    attempts.endpoint, attempts.model, False, attempts.count, status, None, answer
+                )
+            )
+        watch = self._recovery.watch(attempts.endpoint)
+        if watch is not None and answer is not None and status == 200:
+            trigger = watch.on_answer(answer)
+        attempts.trigger = trigger
+        return self._recovery.decide(attempts, trigger, status, answer)
 
     def _auditor_done(self, ticket: AuditTicket, outcome: Outcome) -> None:
         assert self._auditor is not None
@@ -254,15 +250,6 @@ class Forwarder:
             log.exception("audit of %s failed", ticket.request_id)
             self._bus.publish(InspectionStopped(ticket.view.endpoint, "audit_error"))
 
-    def _decide(
-        self, view: RequestView, attempt: int, status: int, answer: dict[str, Any] | None
-    ) -> Continue | Retry:
-        if not self._policies:
-            return Continue()
-        return self._policies.decide(
-            ResponseContext(view.endpoint, view.model, attempt, status, answer)
-        )
-
     async def _stream(
         self,
         request: web.Request,
@@ -271,54 +258,127 @@ class Forwarder:
         rid: str,
         t0: float,
         ticket: AuditTicket | None,
+        attempts: Attempts,
+        headers: Mapping[str, str],
+        sent: dict[str, Any],
     ) -> web.StreamResponse:
-        found: list[StreamInspector] = [
-            i for f in self._inspector_factories if (i := f(view)) is not None
-        ]
-        accumulator = None
-        if ticket is not None:
-            accumulator = StreamAccumulator(view.endpoint)
-            found.append(accumulator)
-        inspectors = InspectorSet(
-            found,
-            on_failure=lambda name: self._bus.publish(
-                InspectionStopped(view.endpoint, "inspector_error")
-            ),
-        )
-        relay = StreamRelay(
-            view.endpoint,
-            inspectors,
-            self._bus,
-            self._settings.server.max_sse_event_bytes,
-            t0,
-            strip_logprobs=ticket is not None and ticket.injected,
-        )
         resp = web.StreamResponse(
             status=upstream.status, headers=client_response_headers(upstream.headers, rid)
         )
+        recovery = self._recovery
+        first_id: str | None = None
+        first_event_s: float | None = None
+        inspectors = InspectorSet([], on_failure=lambda name: None)
         result = None
         try:
             await resp.prepare(request)
-            result = await relay.run(upstream, resp)
+            while True:
+                found: list[StreamInspector] = [
+                    i for f in self._inspector_factories if (i := f(view)) is not None
+                ]
+                accumulator = None
+                if ticket is not None:
+                    accumulator = StreamAccumulator(view.endpoint)
+                    found.append(accumulator)
+                inspectors = InspectorSet(
+                    found,
+                    on_failure=lambda name: self._bus.publish(
+                        InspectionStopped(view.endpoint, "inspector_error")
+                    ),
+                )
+                watch = recovery.watch(view.endpoint) if recovery is not None else None
+                plan = StreamPlan(
+                    strip_logprobs=ticket is not None and ticket.injected,
+                    id_override=first_id,
+                    hold_reasoning=recovery is not None and recovery.hold_reasoning,
+                    hold_max_bytes=recovery.hold_max_bytes if recovery is not None else 0,
+                    loop_watch=watch,
+                    on_trigger=(lambda trig: self._on_stream_trigger(attempts, trig))
+                    if recovery is not None
+                    else None,
+                )
+                relay = StreamRelay(
+                    view.endpoint,
+                    inspectors,
+                    self._bus,
+                    self._settings.server.max_sse_event_bytes,
+                    t0,
+                    plan,
+                )
+                result = await relay.run(upstream, resp)
+                upstream.close()  # an abandoned attempt's connection closes at once
+                first_id = first_id or result.first_id
+                first_event_s = first_event_s or result.first_event_s
+                if recovery is not None and result.trigger is None and result.complete:
+                    recovery.decide(attempts, None, 200)  # resolves a pending retry
+                if isinstance(result.decision, Retry) and attempts.count < MAX_ATTEMPTS:
+                    attempts.count += 1
+                    ticket = None
+                    await resp.write(retry_comment(attempts.count, result.decision.reason))
+                    nxt = await self._retry_stream(
+                        attempts, headers, sent, result.decision, request.raw_path
+                    )
+                    if nxt is None:
+                        await resp.write(inband_error_event(502, "retry after a loop failed"))
+                        break
+                    upstream = nxt
+                    continue
+                if isinstance(result.decision, Abort | Retry) and result.trigger is not None:
+                    await resp.write(
+                        abort_chunk(view.endpoint, first_id, view.model, result.trigger.choice)
+                    )
+                break
             await resp.write_eof()
         except _CLIENT_GONE as exc:
             upstream.close()
             inspectors.on_end(False)
-            self._client_left(
-                view, view.endpoint, t0, result.first_event_s if result else None, request
-            )
+            self._client_left(view, view.endpoint, t0, first_event_s, request)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return resp
         finally:
             upstream.close()
-        if ticket is not None and accumulator is not None and result.complete:
+        complete = result is not None and (result.complete or result.decision is not None)
+        if (
+            ticket is not None
+            and accumulator is not None
+            and result is not None
+            and result.complete
+        ):
             self._auditor_done(ticket, accumulator.outcome())
-        outcome = "ok" if result.complete else "upstream_error"
-        self._finish(
-            view, view.endpoint, upstream.status, outcome, t0, result.first_event_s, request
-        )
+        outcome = "ok" if complete else "upstream_error"
+        self._finish(view, view.endpoint, upstream.status, outcome, t0, first_event_s, request)
         return resp
+
+    def _on_stream_trigger(self, attempts: Attempts, trigger: Trigger) -> Decision:
+        assert self._recovery is not None
+        attempts.trigger = trigger
+        return self._recovery.decide(attempts, trigger, 200)
+
+    async def _retry_stream(
+        self,
+        attempts: Attempts,
+        headers: Mapping[str, str],
+        sent: dict[str, Any],
+        decision: Retry,
+        raw_path: str,
+    ) -> UpstreamResponse | None:
+        body = orjson.dumps({**sent, **decision.overrides})
+        try:
+            upstream = await self._upstream.send("POST", raw_path, headers, body)
+        except UpstreamFailure as exc:
+            self._bus.publish(UpstreamFailed(attempts.endpoint, exc.kind, "headers"))
+            assert self._recovery is not None
+            self._recovery.retry_failed(attempts)
+            return None
+        if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
+            "text/event-stream"
+        ):
+            upstream.close()
+            assert self._recovery is not None
+            self._recovery.retry_failed(attempts)
+            return None
+        return upstream
 
     def _client_left(
         self,

@@ -1,4 +1,4 @@
-"""The incident log: every non-identical audit as one JSON line, and a ring for the API.
+"""The incident log: every non-identical audit and every loop as one JSON line, and a ring.
 
 A subscriber of ``AuditCompleted``. Lines go to a size-rotated file (``path``,
 ``path.1``, ... ``path.N``) and to a bounded in-memory ring served newest first at
@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import IncidentConfig
-from proxy.events import AuditCompleted, EventBus
+from proxy.events import AuditCompleted, EventBus, LoopDetected
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,28 @@ def audit_incident(ev: AuditCompleted) -> dict[str, Any]:
     return record
 
 
+def loop_incident(ev: LoopDetected, store_text: bool) -> dict[str, Any]:
+    trigger = ev.trigger
+    record: dict[str, Any] = {
+        "kind": "loop",
+        "ts": ev.timestamp,
+        "request_id": ev.request_id,
+        "model": ev.model,
+        "endpoint": ev.endpoint,
+        "stream": ev.stream,
+        "attempt": ev.attempt,
+        "source": trigger.source,
+        "channel": trigger.channel,
+        "choice": trigger.choice,
+        "period": trigger.period,
+        "repeats": trigger.repeats,
+        "start_offset": trigger.start_offset,
+    }
+    if store_text:
+        record["unit_preview"] = trigger.preview
+    return record
+
+
 class IncidentLog:
     def __init__(self, config: IncidentConfig) -> None:
         self._config = config
@@ -72,6 +94,10 @@ class IncidentLog:
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._on_audit)
+        bus.subscribe(LoopDetected, self._on_loop)
+
+    def _on_loop(self, ev: LoopDetected) -> None:
+        self.record(loop_incident(ev, self._config.store_text))
 
     def _on_audit(self, ev: AuditCompleted) -> None:
         if ev.verdict.verdict != "identical":

@@ -15,6 +15,8 @@ from proxy.events import (
     ClientDisconnected,
     EventBus,
     InspectionStopped,
+    LoopDetected,
+    PolicyActed,
     RequestFinished,
     RequestStarted,
     ShadowDropped,
@@ -156,6 +158,18 @@ class Metrics:
             buckets=DELTA_BUCKETS,
             registry=registry,
         )
+        self.loops = Counter(
+            "detproxy_loops",
+            "Repetition loops by channel and source (proxy, engine, runaway)",
+            ["model", "channel", "source"],
+            registry=registry,
+        )
+        self.policy_actions = Counter(
+            "detproxy_policy_actions",
+            "Policy decisions on loops, by action and outcome",
+            ["model", "action", "outcome"],
+            registry=registry,
+        )
         self.shadow_dropped = Counter(
             "detproxy_shadow_dropped",
             "Shadow replays not made or not answered, by reason",
@@ -181,6 +195,14 @@ class Metrics:
         bus.subscribe(AuditCompleted, self._audited)
         bus.subscribe(ShadowDropped, self._shadow_dropped)
         bus.subscribe(ShadowQueue, self._shadow_queue)
+        bus.subscribe(LoopDetected, self._loop)
+        bus.subscribe(PolicyActed, self._policy)
+
+    def _loop(self, ev: LoopDetected) -> None:
+        self.loops.labels(self.model(ev.model), ev.trigger.channel, ev.trigger.source).inc()
+
+    def _policy(self, ev: PolicyActed) -> None:
+        self.policy_actions.labels(self.model(ev.model), ev.action, ev.outcome).inc()
 
     def _audited(self, ev: AuditCompleted) -> None:
         model = self.model(ev.model)

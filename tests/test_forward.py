@@ -11,7 +11,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
-from policies.base import Continue, PolicyChain, ResponseContext, Retry
+from policies.base import Continue, PolicyChain, PolicyContext, Retry
 from tests.conftest import metric
 
 CHAT = "/v1/chat/completions"
@@ -192,9 +192,9 @@ class RetryOnce:
     name = "retry-once"
 
     def __init__(self) -> None:
-        self.seen: list[ResponseContext] = []
+        self.seen: list[PolicyContext] = []
 
-    def decide(self, ctx: ResponseContext) -> Continue | Retry:
+    def decide(self, ctx: PolicyContext) -> Continue | Retry:
         self.seen.append(ctx)
         return Retry("test", {"temperature": 0.7}) if ctx.attempt == 1 else Continue()
 
@@ -202,7 +202,7 @@ class RetryOnce:
 class Broken:
     name = "broken"
 
-    def decide(self, ctx: ResponseContext) -> Continue | Retry:
+    def decide(self, ctx: PolicyContext) -> Continue | Retry:
         raise RuntimeError("policy bug")
 
 

@@ -1,0 +1,77 @@
+"""The loop ladder: on a loop, retry with the next attempt's sampling overrides, then give up.
+
+Ladders are chosen per model by glob pattern (first match wins). Attempt ``k`` that looped
+is followed by attempt ``k + 1`` with ``attempts[k - 1]``'s overrides, within the request's
+attempt limit and the global retry budget. What happens when retrying is not possible is
+the ladder's ``on_exhausted`` action: ``abort`` (end cleanly) or ``observe`` (let it run).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from policies.base import Abort, Continue, Decision, PolicyContext, Retry
+from policies.budget import RetryBudget
+
+# What ended the loops tried on llama-server with SmolLM2 (reference/real-engines.md):
+# presence_penalty alone at temperature 0 ends most; adding temperature and top_p ends all.
+DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
+    {"presence_penalty": 1.5},
+    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
+)
+SAMPLING_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "min_p",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Ladder:
+    models: str = "*"
+    action: str = "retry"  # retry | abort | observe
+    attempts: tuple[Mapping[str, Any], ...] = DEFAULT_ATTEMPTS
+    on_exhausted: str = "abort"  # abort | observe
+
+
+@dataclass
+class LoopLadderPolicy:
+    ladders: Sequence[Ladder]
+    budget: RetryBudget
+    max_attempts: int = 3
+    name: str = "loop-ladder"
+    exhausted: dict[str, int] = field(default_factory=dict)
+
+    def ladder_for(self, model: str) -> Ladder | None:
+        return next((lad for lad in self.ladders if fnmatch.fnmatchcase(model, lad.models)), None)
+
+    def decide(self, ctx: PolicyContext) -> Decision:
+        if ctx.trigger is None:
+            return Continue()
+        ladder = self.ladder_for(ctx.model)
+        if ladder is None or ladder.action == "observe":
+            return Continue("observe")
+        if ladder.action == "abort":
+            return Abort("loop")
+        step = ctx.attempt - 1
+        if step >= len(ladder.attempts) or ctx.attempt >= self.max_attempts:
+            return self._give_up(ladder, "attempts_exhausted")
+        if not self.budget.try_spend():
+            return self._give_up(ladder, "budget_exhausted")
+        return Retry(
+            f"loop ({ctx.trigger.source}, {ctx.trigger.channel})", dict(ladder.attempts[step])
+        )
+
+    def _give_up(self, ladder: Ladder, why: str) -> Decision:
+        self.exhausted[why] = self.exhausted.get(why, 0) + 1
+        return Abort(why) if ladder.on_exhausted == "abort" else Continue(why)

@@ -1,0 +1,59 @@
+"""Reading a client's request body: bounded, UTF-8 JSON, an object; or a clear 4xx."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def ensure_json_content_type(request: web.Request) -> None:
+    if request.content_type != "application/json":
+        raise BadRequest(400, "Content-Type must be application/json")
+    charset = request.charset
+    if charset and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
+        raise BadRequest(400, f"unsupported charset {charset!r}: the body must be UTF-8 JSON")
+
+
+async def read_bounded(request: web.Request, limit: int) -> bytes:
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.content.iter_any():
+        size += len(part)
+        if size > limit:
+            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def parse_answer(payload: bytes) -> dict[str, Any] | None:
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest(400, "request body is not valid UTF-8") from None
+        raise BadRequest(400, "request body is not valid JSON") from None
+    if not isinstance(parsed, dict):
+        raise BadRequest(400, "request body must be a JSON object")
+    return parsed

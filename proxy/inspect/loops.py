@@ -1,0 +1,310 @@
+"""Online repetition-loop detector for streamed text (one per choice and channel).
+
+``LoopDetector.feed(delta)`` is called with each text delta of one channel (``reasoning`` or
+``content``) as it streams. It looks for a unit of text repeated back-to-back at the *tail* of
+the stream (the stream may stop mid-unit) and returns a ``LoopReport`` the first time one is
+long enough, then ``None`` for ever. It is pure: no I/O, no clock, no asyncio, no shared state.
+
+How it works
+------------
+Deltas are appended to a list; every ``check_every_chars`` characters of *stream offset* (at
+exact multiples, whatever the delta boundaries, so any split of a text gives the same report)
+the tail window is checked:
+
+1. the last ``anchor`` (64) characters are searched backwards in the window (``str.rfind``);
+   each earlier occurrence at distance ``d`` is a candidate period, smallest first;
+2. a candidate is rejected cheaply (one C-level ``startswith`` each) unless the last 128 chars
+   also recur at distance ``d`` and the anchor at ``2d``;
+3. a survivor gets its exact back-to-back run measured (exponential then binary search over
+   slice comparisons: ``buf[i] == buf[i + d]`` for every ``i`` in the run), is reduced to its
+   primitive unit (``"abab"`` reports period 2's unit ``"ab"``, never a multiple), classified,
+   and compared with ``LoopConfig.required_chars``; a run that does not qualify lets the search
+   skip every candidate inside it (they can only reduce to the same unit and run).
+
+Per streamed token the cost is a list append, plus an amortised check whose work is bounded by
+``max_period`` characters of ``rfind`` and a handful of candidate probes. Memory is bounded: the
+kept window never exceeds ``window_chars`` characters and the pending list stays under
+``check_every_chars`` plus the last delta. After firing, the buffers are dropped.
+
+Thresholds (the defaults, and the cases that drove them)
+--------------------------------------------------------
+A run of a unit of period ``p`` fires when it covers at least ``required_chars(p)`` characters::
+
+    required = max(min_covered_chars, p * reps)      reps = min_short_repeats if p < short_period
+                                                            else min_repeats
+
+``min_covered_chars=256`` is what makes short units stricter: a 4-char unit must repeat 64 times,
+an 8-char one 32 times, a 14-char one (SmolLM2's shortest loops) 19 times, a 64-char one 4 times.
+Legit short repetition (``"No. No. No."``, ``"very, very"``, a refrain sung three times, a
+10-row zero matrix ``[0, 0, 0],``) stays far below 256 characters of exact repetition.
+``min_repeats=4`` for long units: the ~180-char thinking paragraph fires after 720 chars (4 of
+its 22 copies, ~180 tokens), a 400-char SmolLM2 loop after 1600 chars, which still fits the
+~2000 chars that a 512-token budget allows. Three exact back-to-back copies of a long paragraph
+would almost always be a loop too, but four leaves margin for quoted or templated text.
+``min_short_repeats=16`` below ``short_period=16`` is a floor that only binds when an operator
+lowers ``min_covered_chars``.
+
+Trivial units (period below ``min_period``, or no letter or digit in the unit: ``"\\n"``,
+``"-"``, ``"ha "`` has letters but period 3, ``"| --- "``, ``"= "``) need
+``min_trivial_covered_chars=1024`` characters: markdown rules and ``=====`` underlines, table
+separator rows, ``ha ha ha``, indentation and blank lines are well below it, while a model that
+emits a kilobyte of one punctuation or whitespace unit is stuck. ``None`` disables them.
+
+Digits are not normalised: ``1. foo\\n2. foo\\n`` is not periodic (the units differ), so
+numbered lists, counting, tables and JSON records with ids, and logs with timestamps never match
+(see ``tests/inspect/corpus``).
+
+``max_period=4096`` with ``min_repeats=4`` needs 16,384 chars of look-back; ``window_chars``
+(17,408, i.e. 17 KiB of ASCII per channel) adds room for the check interval and the anchor.
+``check_every_chars=32`` (about 8 tokens) bounds the extra detection lag: a loop whose onset is
+at offset ``o`` is reported by the check at or before ``o + required_chars(p) + 32``
+(the run may start up to one unit earlier than the true onset when the text before it happens
+to end like the unit).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["LoopConfig", "LoopDetector", "LoopReport"]
+
+# Length of the tail suffix whose earlier occurrences give the candidate periods. Long enough
+# that structured text (JSON records, table rows, list items) almost never repeats it exactly.
+_ANCHOR = 64
+# Length of the tail probe used to reject a candidate before measuring its run.
+_PROBE = 128
+_PREVIEW = 120
+# A letter or a digit (any script): a unit without one is "trivial".
+_ALNUM = re.compile(r"[^\W_]")
+
+
+@dataclass(frozen=True, slots=True)
+class LoopConfig:
+    """Thresholds of the detector; see the module docstring for why these defaults."""
+
+    min_period: int = 4
+    max_period: int = 4096
+    min_repeats: int = 4
+    min_short_repeats: int = 16
+    short_period: int = 16
+    min_covered_chars: int = 256
+    min_trivial_covered_chars: int | None = 1024
+    window_chars: int = 17408
+    check_every_chars: int = 32
+
+    def __post_init__(self) -> None:
+        if self.min_period < 1:
+            raise ValueError("min_period must be >= 1")
+        if self.max_period < self.min_period:
+            raise ValueError("max_period must be >= min_period")
+        if self.min_repeats < 2 or self.min_short_repeats < 2:
+            raise ValueError("min_repeats and min_short_repeats must be >= 2")
+        if self.short_period < 0:
+            raise ValueError("short_period must be >= 0")
+        if self.min_covered_chars < 2 * _ANCHOR:
+            raise ValueError(f"min_covered_chars must be >= {2 * _ANCHOR}")
+        if self.min_trivial_covered_chars is not None and self.min_trivial_covered_chars < 1:
+            raise ValueError("min_trivial_covered_chars must be >= 1 (or None to disable)")
+        if self.check_every_chars < 1:
+            raise ValueError("check_every_chars must be >= 1")
+        need = self.max_required_chars()
+        if self.window_chars < need + self.check_every_chars:
+            raise ValueError(
+                f"window_chars must be >= {need + self.check_every_chars} "
+                "(the longest required run plus check_every_chars)"
+            )
+
+    def required_chars(self, period: int, trivial: bool = False) -> int | None:
+        """Characters a back-to-back run of a ``period``-char unit must cover to fire.
+
+        ``trivial`` (a unit without letters or digits) and periods below ``min_period`` use
+        ``min_trivial_covered_chars``; ``None`` means such a run never fires.
+        """
+        reps = self.min_short_repeats if period < self.short_period else self.min_repeats
+        need = max(self.min_covered_chars, period * reps)
+        if trivial or period < self.min_period:
+            if self.min_trivial_covered_chars is None:
+                return None
+            need = max(need, self.min_trivial_covered_chars)
+        return need
+
+    def max_required_chars(self) -> int:
+        """The longest run any unit up to ``max_period`` may need: the look-back to keep."""
+        reps = self.min_short_repeats if self.max_period < self.short_period else self.min_repeats
+        longest = max(self.min_covered_chars, self.max_period * reps)
+        if self.short_period > 0:
+            short = min(self.short_period - 1, self.max_period)
+            longest = max(longest, short * self.min_short_repeats)
+        if self.min_trivial_covered_chars is not None:
+            longest = max(longest, self.min_trivial_covered_chars)
+        return longest
+
+
+@dataclass(frozen=True, slots=True)
+class LoopReport:
+    """One detected loop.
+
+    ``start_offset + covered_chars`` is the stream offset of the check that found it (a multiple
+    of ``check_every_chars``); every field but ``detected_at`` is independent of how the text
+    was split into deltas. ``start_offset`` may be up to one unit before the true onset when the
+    text before the loop ends like the unit (``unit_preview`` is then a rotation of it), and is
+    the window's start when the run is longer than the window.
+    """
+
+    period: int  # unit length in chars (the primitive unit, never a multiple of it)
+    repeats: int  # full back-to-back units at the tail: covered_chars // period
+    start_offset: int  # stream offset (chars) where the run begins
+    unit_preview: str  # the first <= 120 chars of the unit, as it first appears in the run
+    detected_at: int  # total chars fed when it fired (>= start_offset + covered_chars)
+    covered_chars: int  # length of the periodic run, partial last unit included
+    trivial: bool  # the unit has no letter or digit, or is shorter than min_period
+
+
+class LoopDetector:
+    """Finds a unit repeated back-to-back at the tail of one streamed channel."""
+
+    __slots__ = (
+        "_buf",
+        "_buf_end",
+        "_config",
+        "_next_check",
+        "_pending",
+        "_report",
+        "_total",
+    )
+
+    def __init__(self, config: LoopConfig | None = None) -> None:
+        self._config = config if config is not None else LoopConfig()
+        self._buf = ""  # the kept tail window; it ends at stream offset _buf_end
+        self._buf_end = 0  # stream offset of the last check (end of _buf)
+        self._pending: list[str] = []  # deltas since _buf_end
+        self._next_check = self._config.check_every_chars
+        self._total = 0
+        self._report: LoopReport | None = None
+
+    @property
+    def config(self) -> LoopConfig:
+        return self._config
+
+    @property
+    def total_chars(self) -> int:
+        """Characters fed so far."""
+        return self._total
+
+    @property
+    def report(self) -> LoopReport | None:
+        """The loop found so far, if any (``feed`` returns it only once)."""
+        return self._report
+
+    @property
+    def buffered_chars(self) -> int:
+        """Characters held in memory now (window plus pending deltas)."""
+        return len(self._buf) + sum(len(p) for p in self._pending)
+
+    def feed(self, delta: str) -> LoopReport | None:
+        """Add one delta; return a report the first time a loop qualifies, else ``None``."""
+        self._total += len(delta)
+        if self._total < self._next_check or self._report is not None:
+            if delta and self._report is None:
+                self._pending.append(delta)
+            return None
+        return self._advance(delta)
+
+    def _advance(self, delta: str) -> LoopReport | None:
+        pending = self._pending
+        pending.append(delta)
+        text = "".join(pending)
+        pending.clear()
+        config = self._config
+        every = config.check_every_chars
+        window = config.window_chars
+        pos = 0
+        while self._next_check <= self._total:
+            take = self._next_check - self._buf_end
+            piece = text[pos : pos + take]
+            pos += take
+            buf = self._buf
+            excess = len(buf) + take - window
+            self._buf = buf[excess:] + piece if excess > 0 else buf + piece
+            self._buf_end = self._next_check
+            self._next_check += every
+            report = self._check()
+            if report is not None:
+                self._report = report
+                self._buf = ""
+                return report
+        if pos < len(text):
+            pending.append(text[pos:])
+        return None
+
+    def _check(self) -> LoopReport | None:
+        config = self._config
+        buf = self._buf
+        end = len(buf)
+        if end < config.min_covered_chars:
+            return None
+        anchor = buf[end - _ANCHOR :]
+        probe: str | None = None
+        max_d = min(config.max_period, end // config.min_repeats)
+        lo = max(0, end - _ANCHOR - max_d)
+        hi = end - 1  # occurrences must end before `hi`
+        rfind = buf.rfind
+        startswith = buf.startswith
+        while True:
+            at = rfind(anchor, lo, hi)
+            if at < 0:
+                return None
+            d = end - _ANCHOR - at
+            hi = at + _ANCHOR - 1
+            need = config.required_chars(d, d < config.min_period)
+            if need is None or need > end:
+                continue
+            if _PROBE + d <= need:
+                if probe is None:
+                    probe = buf[end - _PROBE :]
+                if not startswith(probe, end - _PROBE - d):
+                    continue
+            if _ANCHOR + 2 * d <= need and not startswith(anchor, at - d):
+                continue
+            run = _run_length(buf, end, d)
+            first = buf[end - run : end - run + d]
+            period = (first + first).find(first, 1)  # the primitive unit divides d
+            unit = first[:period]
+            trivial = period < config.min_period or _ALNUM.search(unit) is None
+            need = config.required_chars(period, trivial)
+            if need is not None and run >= need:
+                return LoopReport(
+                    period=period,
+                    repeats=run // period,
+                    start_offset=self._buf_end - run,
+                    unit_preview=unit[:_PREVIEW],
+                    detected_at=self._total,
+                    covered_chars=run,
+                    trivial=trivial,
+                )
+            # Any candidate d2 <= run - d lies inside this run: its own run cannot reach past
+            # this one and reduces to the same primitive unit, so it cannot qualify either.
+            hi = min(hi, end - run + d - 1)
+
+
+def _run_length(buf: str, end: int, d: int) -> int:
+    """Largest ``n <= end`` such that ``buf[end - n : end]`` has period ``d`` (``n >= d``)."""
+    good = d
+    step = max(d, _PROBE)
+    while good < end:
+        cand = min(end, good + step)
+        # positions [end - cand, end - good) must satisfy buf[i] == buf[i + d]
+        if buf.startswith(buf[end - cand + d : end - good + d], end - cand):
+            good = cand
+            step *= 2
+            continue
+        bad = cand
+        while bad - good > 1:
+            mid = (good + bad) // 2
+            if buf.startswith(buf[end - mid + d : end - good + d], end - mid):
+                good = mid
+            else:
+                bad = mid
+        return good
+    return good

@@ -1,0 +1,172 @@
+"""Loop recovery for one app: builds each attempt's loop watch, asks the policies what a
+trigger leads to, and reports loops and policy actions as events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry, Trigger
+from proxy.config import LoopConfig
+from proxy.events import EventBus, LoopDetected, PolicyActed
+from proxy.inspect.loops import LoopConfig as DetectorConfig
+from proxy.inspect.loopwatch import LoopWatch
+
+
+@dataclass
+class Attempts:
+    """The attempts of one client request."""
+
+    request_id: str
+    model: str
+    endpoint: str
+    stream: bool
+    count: int = 1
+    looped: bool = False  # some attempt had a trigger
+    pending_retry: bool = False  # a retry's outcome is known when the next attempt ends
+    trigger: Trigger | None = None  # the last attempt's
+    history: list[str] = field(default_factory=list)
+
+    @property
+    def recovered(self) -> bool:
+        return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
+
+
+class Recovery:
+    def __init__(self, config: LoopConfig, chain: PolicyChain, bus: EventBus) -> None:
+        self._config = config
+        self._chain = chain
+        self._bus = bus
+        self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.enabled
+
+    @property
+    def hold_reasoning(self) -> bool:
+        return self._config.stream_mode == "hold_reasoning"
+
+    @property
+    def hold_max_bytes(self) -> int:
+        return self._config.hold_max_bytes
+
+    def watch(self, endpoint: str) -> LoopWatch | None:
+        if not self._config.enabled:
+            return None
+        return LoopWatch(endpoint, self._detector, runaway=self._config.runaway)
+
+    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Add vLLM's repetition_detection where the operator says the upstream has it."""
+        engine = self._config.engine_detection
+        if engine is None or "repetition_detection" in body:
+            return body
+        return {**body, "repetition_detection": engine.model_dump()}
+
+    def decide(
+        self,
+        attempts: Attempts,
+        trigger: Trigger | None,
+        status: int,
+        body: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """Ask the policies about an attempt that ended (or stopped) with ``trigger``."""
+        if attempts.pending_retry:
+            attempts.pending_retry = False
+            self._acted(attempts, "retry", "looped_again" if trigger else "recovered")
+        ctx = PolicyContext(
+            attempts.endpoint,
+            attempts.model,
+            attempts.stream,
+            attempts.count,
+            status,
+            trigger,
+            body,
+        )
+        if trigger is None:
+            # Nothing to recover from; a non-streamed answer may still interest a policy.
+            return Continue() if attempts.stream or not self._chain else self._chain.decide(ctx)
+        decision = self._chain.decide(ctx)
+        attempts.looped = True
+        self._bus.publish(
+            LoopDetected(
+                attempts.request_id,
+                attempts.model,
+                attempts.endpoint,
+                attempts.stream,
+                attempts.count,
+                trigger,
+                time.time(),
+            )
+        )
+        if isinstance(decision, Retry):
+            attempts.pending_retry = True
+        elif isinstance(decision, Abort):
+            self._acted(attempts, "abort", decision.reason or "loop")
+        else:
+            self._acted(attempts, "observe", decision.reason or "observe")
+        return decision
+
+    def retry_failed(self, attempts: Attempts) -> None:
+        if attempts.pending_retry:
+            attempts.pending_retry = False
+            self._acted(attempts, "retry", "error")
+
+    def _acted(self, attempts: Attempts, action: str, outcome: str) -> None:
+        attempts.history.append(outcome)
+        self._bus.publish(
+            PolicyActed(attempts.request_id, attempts.model, action, outcome, attempts.count)
+        )
+
+
+def abort_chunk(endpoint: str, chunk_id: str | None, model: str, choice: int) -> bytes:
+    """The last event of a stream ended by a policy: finish_reason ``repetition`` (vLLM's own
+    for a loop it stopped), then ``[DONE]``."""
+    chat = endpoint == "chat"
+    end: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": "repetition"}
+    if chat:
+        end["delta"] = {}
+    else:
+        end["text"] = ""
+    payload = {
+        "id": chunk_id or ("chatcmpl-detproxy" if chat else "cmpl-detproxy"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [end],
+    }
+    return b"data: " + orjson.dumps(payload) + b"\n\ndata: [DONE]\n\n"
+
+
+def retry_comment(attempt: int, reason: str) -> bytes:
+    """Marks a restart in the stream; SSE clients ignore comments."""
+    safe = reason.replace("\n", " ").replace("\r", " ")
+    return f": detproxy retry attempt={attempt} reason={safe}\n\n".encode()
+
+
+def cut_answer(answer: dict[str, Any], endpoint: str, trigger: Trigger) -> None:
+    """End a non-streamed answer at the loop: one unit kept, finish_reason ``repetition``."""
+    for choice in answer.get("choices") or []:
+        if not isinstance(choice, dict) or choice.get("index", 0) != trigger.choice:
+            continue
+        choice["finish_reason"] = "repetition"
+        if trigger.start_offset is None or trigger.period is None:
+            continue
+        end = trigger.start_offset + trigger.period
+        if endpoint != "chat":
+            if isinstance(choice.get("text"), str):
+                choice["text"] = choice["text"][:end]
+            continue
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            continue
+        names = (
+            ("reasoning", "reasoning_content") if trigger.channel == "reasoning" else ("content",)
+        )
+        for name in names:
+            if isinstance(message.get(name), str):
+                message[name] = message[name][:end]

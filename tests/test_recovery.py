@@ -1,0 +1,214 @@
+"""Loops through detproxy against the emulator: detected, recovered, never multiplied."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.emulator import EmulatorConfig, EmulatorServer
+from tests.conftest import metric
+
+MODEL = "emulator-model"
+ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
+RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+
+
+def chat(prompt: str = "tell me a story", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": prompt}],
+        **extra,
+    }
+
+
+def knobs(**fields: Any) -> dict[str, str]:
+    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
+
+
+CONTENT_LOOP = knobs(loop_channel="content", loop_after_tokens=5)
+REASONING_LOOP = knobs(loop_channel="reasoning", loop_after_tokens=3, reasoning_tokens=6)
+
+
+def loops(registry: CollectorRegistry, channel: str, source: str) -> float:
+    return metric(registry, "detproxy_loops_total", model=MODEL, channel=channel, source=source)
+
+
+def actions(registry: CollectorRegistry, action: str, outcome: str) -> float:
+    return metric(
+        registry, "detproxy_policy_actions_total", model=MODEL, action=action, outcome=outcome
+    )
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[EmulatorServer]:
+    async with EmulatorServer(EmulatorConfig()) as srv:
+        yield srv
+
+
+def sse(raw: bytes) -> tuple[list[dict[str, Any]], list[bytes]]:
+    chunks, comments = [], []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b":"):
+            comments.append(block)
+        elif block.startswith(b"data: ") and block != b"data: [DONE]":
+            chunks.append(orjson.loads(block[6:]))
+    return chunks, comments
+
+
+async def test_non_streaming_content_loop_is_recovered(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url, env=RETRY)
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    assert resp.status == 200
+    assert resp.headers["X-Detproxy-Attempts"] == "2"
+    assert resp.headers["X-Detproxy-Recovered"] == "true"
+    answer = await resp.json()
+    assert "repeats itself" not in answer["choices"][0]["message"]["content"]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert loops(registry, "content", "proxy") == 1
+    assert actions(registry, "retry", "recovered") == 1
+    assert emulator.stats()["requests"] == 2
+    incidents = await (await client.get("/detproxy/incidents")).json()
+    assert incidents[0]["kind"] == "loop" and incidents[0]["period"] == len(
+        " and then the model repeats itself."
+    )
+
+
+async def test_streaming_restart_continues_under_the_original_id(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url, env=RETRY)
+    slow_loop = knobs(loop_channel="content", loop_after_tokens=5, token_latency_s=0.005)
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=slow_loop)
+    chunks, comments = sse(await resp.read())
+    assert comments == [b": detproxy retry attempt=2 reason=loop (proxy, content)"]
+    assert len({c["id"] for c in chunks}) == 1  # one id across both attempts
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    for _ in range(20):  # the looping attempt's connection was closed: the engine aborted it
+        if emulator.stats()["aborted"] == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert emulator.stats()["aborted"] == 1
+    assert actions(registry, "retry", "recovered") == 1
+
+
+async def test_the_sdk_reads_a_restarted_stream(make_proxy: Any, emulator: EmulatorServer) -> None:
+    client = await make_proxy(emulator.url, env=RETRY)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        stream = await sdk.chat.completions.create(**chat(stream=True), extra_headers=CONTENT_LOOP)
+        parts = [c async for c in stream]
+    finally:
+        await sdk.close()
+    text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert "repeats itself" in text  # restart mode: what was shown stays shown
+    assert parts[-1].choices[0].finish_reason == "stop"
+
+
+async def test_hold_reasoning_never_shows_the_looping_attempt(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(
+        emulator.url, env=RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "hold_reasoning"}
+    )
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        stream = await sdk.chat.completions.create(
+            **chat(stream=True), extra_headers=REASONING_LOOP
+        )
+        parts = [c async for c in stream]
+    finally:
+        await sdk.close()
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning", None) or "" for c in parts if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert reasoning and "repeats itself" not in reasoning
+    assert content
+    assert loops(registry, "reasoning", "proxy") == 1
+    assert actions(registry, "retry", "recovered") == 1
+
+
+async def test_abort_ends_the_stream_cleanly(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url, env={"DETPROXY_LOOPS__POLICY": "abort"})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=CONTENT_LOOP)
+    raw = await resp.read()
+    chunks, _ = sse(raw)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "repetition"
+    assert actions(registry, "abort", "loop") == 1
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    answer = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "repetition"
+    assert answer["choices"][0]["message"]["content"].count("repeats itself") == 1
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+
+
+async def test_observe_only_records(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url)  # the default policy is observe
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    answer = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert "X-Detproxy-Attempts" in resp.headers and emulator.stats()["requests"] == 1
+    assert loops(registry, "content", "proxy") == 1
+    assert actions(registry, "observe", "observe") == 1
+
+
+async def test_engine_repetition_and_runaway_are_triggers(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    async with EmulatorServer(EmulatorConfig(engine_repetition_detection=True)) as emu:
+        client = await make_proxy(
+            emu.url,
+            env=RETRY | {"DETPROXY_LOOPS__ENGINE_DETECTION": ENGINE_DETECTION},
+        )
+        resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+        assert resp.headers["X-Detproxy-Recovered"] == "true"
+        assert loops(registry, "content", "engine") == 1
+        # A runaway: reasoning to the token limit, no content, too short for the detector.
+        resp = await client.post(
+            "/v1/chat/completions", json=chat(max_tokens=12), headers=REASONING_LOOP
+        )
+        assert resp.headers["X-Detproxy-Attempts"] == "2"
+        assert loops(registry, "reasoning", "runaway") == 1
+
+
+async def test_the_retry_budget_holds(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(
+        emulator.url,
+        env=RETRY | {"DETPROXY_LOOPS__RETRY_BUDGET": "0", "DETPROXY_LOOPS__RETRY_BUDGET_MIN": "2"},
+    )
+    for _ in range(5):
+        await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    assert actions(registry, "retry", "recovered") == 2
+    assert actions(registry, "abort", "budget_exhausted") == 3
+    assert emulator.stats()["requests"] == 7  # 5 requests, 2 retries: load not multiplied
+
+
+async def test_a_loop_that_persists_exhausts_the_ladder(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    # The emulator only escapes its loop at temperature > 0 or with a presence penalty;
+    # a ladder that changes neither keeps looping.
+    ladder = '[{"models": "*", "attempts": [{"seed": 1}, {"seed": 2}]}]'
+    client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": ladder})
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    assert resp.headers["X-Detproxy-Attempts"] == "3"
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+    assert actions(registry, "retry", "looped_again") == 2
+    assert actions(registry, "abort", "attempts_exhausted") == 1
