@@ -18,6 +18,7 @@ PY="${PYTHON:-python3}"
 engine="$(PYTHON=.venv/bin/python bash tests/integration/build_llama_server.sh)"
 export LLAMA_SERVER="$(sed -n 's/^LLAMA_SERVER=//p' <<<"$engine")"
 export SMOLLM2_GGUF="$(sed -n 's/^SMOLLM2_GGUF=//p' <<<"$engine")"
+export LLAMA_SRC="$(sed -n 's/^LLAMA_SRC=//p' <<<"$engine")"
 
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .

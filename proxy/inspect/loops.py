@@ -1,4 +1,4 @@
-"""Online repetition-loop detector for streamed text (one per choice and channel).
+r"""Online repetition-loop detector for streamed text (one per choice and channel).
 
 ``LoopDetector.feed(delta)`` is called with each text delta of one channel (``reasoning`` or
 ``content``) as it streams. It looks for a unit of text repeated back-to-back at the *tail* of
@@ -7,59 +7,64 @@ long enough, then ``None`` for ever. It is pure: no I/O, no clock, no asyncio, n
 
 How it works
 ------------
-Deltas are appended to a list; every ``check_every_chars`` characters of *stream offset* (at
-exact multiples, whatever the delta boundaries, so any split of a text gives the same report)
-the tail window is checked:
+Deltas are appended to a list; at every multiple of ``check_every_chars`` in *stream offset*
+(exact multiples, whatever the delta boundaries: any split of a text gives the same report) the
+tail window is checked:
 
-1. the last ``anchor`` (64) characters are searched backwards in the window (``str.rfind``);
-   each earlier occurrence at distance ``d`` is a candidate period, smallest first;
-2. a candidate is rejected cheaply (one C-level ``startswith`` each) unless the last 128 chars
-   also recur at distance ``d`` and the anchor at ``2d``;
-3. a survivor gets its exact back-to-back run measured (exponential then binary search over
-   slice comparisons: ``buf[i] == buf[i + d]`` for every ``i`` in the run), is reduced to its
-   primitive unit (``"abab"`` reports period 2's unit ``"ab"``, never a multiple), classified,
-   and compared with ``LoopConfig.required_chars``; a run that does not qualify lets the search
-   skip every candidate inside it (they can only reduce to the same unit and run).
+1. the last 64 chars (the anchor) are searched backwards in the window with ``str.rfind``; each
+   earlier occurrence at distance ``d <= max_period`` is a candidate period, nearest first;
+2. a candidate is dropped cheaply (C-level ``startswith``, no copy) unless the last 128 chars
+   also recur at distance ``d`` and the anchor at ``2d`` (both must, for a run that qualifies);
+3. a survivor gets its back-to-back run measured exactly (``buf[i] == buf[i + d]`` for every
+   ``i`` in the run; exponential then binary search over slice comparisons, or only the new
+   chars when the previous check measured the same candidate). It fires when ``d`` is the
+   primitive unit (``"abcdabcd"`` reports 4, never 8) and the run covers
+   ``LoopConfig.required_chars(d)``. Otherwise every candidate inside the run is skipped (it
+   would reduce to the same unit and run), and the search continues with a longer needle (the
+   run plus the char that ended it), so an earlier copy of a long run of ``"~"`` or ``"- "``
+   does not yield one candidate per char.
 
-Per streamed token the cost is a list append, plus an amortised check whose work is bounded by
-``max_period`` characters of ``rfind`` and a handful of candidate probes. Memory is bounded: the
-kept window never exceeds ``window_chars`` characters and the pending list stays under
+The smallest qualifying period wins; a brute-force oracle checks this in the tests. Per streamed
+token the cost is a list append, plus a check every ``check_every_chars`` whose work is about
+``max_period`` chars of ``rfind`` and a few probes (see ``tests/bench/bench_loops.py``). Memory
+is bounded: the window never exceeds ``window_chars`` and the pending deltas stay under
 ``check_every_chars`` plus the last delta. After firing, the buffers are dropped.
 
 Thresholds (the defaults, and the cases that drove them)
 --------------------------------------------------------
-A run of a unit of period ``p`` fires when it covers at least ``required_chars(p)`` characters::
+A run of a unit of period ``p`` fires when it covers ``required_chars(p)`` chars::
 
-    required = max(min_covered_chars, p * reps)      reps = min_short_repeats if p < short_period
-                                                            else min_repeats
+    required = max(min_covered_chars, p * reps)   reps = min_short_repeats if p < short_period
+                                                         else min_repeats
 
-``min_covered_chars=256`` is what makes short units stricter: a 4-char unit must repeat 64 times,
-an 8-char one 32 times, a 14-char one (SmolLM2's shortest loops) 19 times, a 64-char one 4 times.
-Legit short repetition (``"No. No. No."``, ``"very, very"``, a refrain sung three times, a
-10-row zero matrix ``[0, 0, 0],``) stays far below 256 characters of exact repetition.
-``min_repeats=4`` for long units: the ~180-char thinking paragraph fires after 720 chars (4 of
-its 22 copies, ~180 tokens), a 400-char SmolLM2 loop after 1600 chars, which still fits the
-~2000 chars that a 512-token budget allows. Three exact back-to-back copies of a long paragraph
-would almost always be a loop too, but four leaves margin for quoted or templated text.
-``min_short_repeats=16`` below ``short_period=16`` is a floor that only binds when an operator
-lowers ``min_covered_chars``.
+``min_covered_chars=256`` is what makes short units stricter: a 4-char unit must repeat 64
+times, an 8-char one 32 times, a 14-char one (SmolLM2's shortest loops) 19 times, a 64-char one
+4 times. Legit short repetition stays well below 256 chars of exact repetition: ``No. No. No.``,
+``very, very, very``, ``0x00, `` x 32, an 8-row zero matrix ``[0, 0, ...],`` (240 chars), a
+chorus line sung three times (240 chars), a quote given twice (corpus
+``short_repetition.md``). ``min_repeats=4`` for long units: the ~180-char thinking paragraph
+fires after 720 chars (4 of its 22 copies, ~180 tokens); a 400-char SmolLM2 loop after 1600
+chars, which still fits in the ~2000 chars a 512-token budget allows. Three back-to-back copies
+of a long paragraph would almost always be a loop too; four leaves a margin for quoted or
+templated text. ``min_short_repeats=16`` below ``short_period=16`` is a floor that binds only
+when an operator lowers ``min_covered_chars``.
 
-Trivial units (period below ``min_period``, or no letter or digit in the unit: ``"\\n"``,
-``"-"``, ``"ha "`` has letters but period 3, ``"| --- "``, ``"= "``) need
-``min_trivial_covered_chars=1024`` characters: markdown rules and ``=====`` underlines, table
-separator rows, ``ha ha ha``, indentation and blank lines are well below it, while a model that
-emits a kilobyte of one punctuation or whitespace unit is stuck. ``None`` disables them.
+Trivial units, shorter than ``min_period`` (``"-"``, ``"\n"``, ``"ha "``) or without any letter
+or digit (``"| --- "``, ``"---|"``, ``"= "``), need ``min_trivial_covered_chars=1024`` chars:
+``=====`` underlines and ``-----`` rules (80-300 chars), table separator rows, ``ha ha ha``,
+ellipses, indentation and blank lines stay below it, while a model that emits a kilobyte of one
+punctuation or whitespace unit is stuck. ``None`` turns trivial units off.
 
-Digits are not normalised: ``1. foo\\n2. foo\\n`` is not periodic (the units differ), so
-numbered lists, counting, tables and JSON records with ids, and logs with timestamps never match
-(see ``tests/inspect/corpus``).
+Digits are not normalised: ``1. foo\n2. foo\n`` is not periodic (the units differ), so the
+corpus's numbered list (120 items identical but for the number), counting to 2000, table and
+JSON records with ids, and log lines with timestamps never match.
 
 ``max_period=4096`` with ``min_repeats=4`` needs 16,384 chars of look-back; ``window_chars``
-(17,408, i.e. 17 KiB of ASCII per channel) adds room for the check interval and the anchor.
-``check_every_chars=32`` (about 8 tokens) bounds the extra detection lag: a loop whose onset is
-at offset ``o`` is reported by the check at or before ``o + required_chars(p) + 32``
-(the run may start up to one unit earlier than the true onset when the text before it happens
-to end like the unit).
+(17,408: 17 KiB per channel for ASCII) is the bound on what is kept. ``check_every_chars=32``
+(about 8 tokens) bounds the extra lag: a loop starting at offset ``o`` is reported by the first
+check after its run covers ``required_chars(p)``, at an offset below
+``o + required_chars(p) + check_every_chars`` (its reported start may be up to one unit before
+``o`` when the text before the loop happens to end like the unit).
 """
 
 from __future__ import annotations
@@ -168,20 +173,30 @@ class LoopDetector:
         "_buf",
         "_buf_end",
         "_config",
+        "_keep",
         "_next_check",
         "_pending",
         "_report",
+        "_runs",
+        "_runs_at",
         "_total",
     )
 
     def __init__(self, config: LoopConfig | None = None) -> None:
         self._config = config if config is not None else LoopConfig()
+        # When the window is full it is cut back to this (the longest required run plus one
+        # check interval), so that it is cut only every few checks, not at each one.
+        self._keep = self._config.max_required_chars() + self._config.check_every_chars
         self._buf = ""  # the kept tail window; it ends at stream offset _buf_end
         self._buf_end = 0  # stream offset of the last check (end of _buf)
         self._pending: list[str] = []  # deltas since _buf_end
         self._next_check = self._config.check_every_chars
         self._total = 0
         self._report: LoopReport | None = None
+        # Runs measured by the last check (candidate period -> stream offset where its run
+        # starts) and that check's offset: the next check re-verifies only the new chars.
+        self._runs: dict[int, int] = {}
+        self._runs_at = -1
 
     @property
     def config(self) -> LoopConfig:
@@ -224,9 +239,8 @@ class LoopDetector:
             take = self._next_check - self._buf_end
             piece = text[pos : pos + take]
             pos += take
-            buf = self._buf
-            excess = len(buf) + take - window
-            self._buf = buf[excess:] + piece if excess > 0 else buf + piece
+            buf = self._buf + piece
+            self._buf = buf if len(buf) <= window else buf[len(buf) - self._keep :]
             self._buf_end = self._next_check
             self._next_check += every
             report = self._check()
@@ -244,48 +258,91 @@ class LoopDetector:
         end = len(buf)
         if end < config.min_covered_chars:
             return None
+        every = config.check_every_chars
+        check_at = self._buf_end
+        known = self._runs if self._runs_at == check_at - every and end >= every else {}
+        runs: dict[int, int] = {}
+        self._runs = runs
+        self._runs_at = check_at
         anchor = buf[end - _ANCHOR :]
+        probe_len = _PROBE
         probe: str | None = None
+        # Candidate periods are the distances back to earlier occurrences of `needle` (a
+        # suffix of the tail: the anchor, later possibly a longer probe), nearest first.
+        # Occurrences must start at or after `lo` and end at or before `hi`, which makes
+        # every candidate distance at least `end - hi`.
+        needle = anchor
         max_d = min(config.max_period, end // config.min_repeats)
         lo = max(0, end - _ANCHOR - max_d)
-        hi = end - 1  # occurrences must end before `hi`
+        hi = end - 1
+        reps = min(config.min_repeats, config.min_short_repeats)
         rfind = buf.rfind
         startswith = buf.startswith
-        while True:
-            at = rfind(anchor, lo, hi)
+        while hi - lo >= len(needle):
+            at = rfind(needle, lo, hi)
             if at < 0:
                 return None
-            d = end - _ANCHOR - at
-            hi = at + _ANCHOR - 1
+            d = end - len(needle) - at
+            hi = end - d - 1
             need = config.required_chars(d, d < config.min_period)
             if need is None or need > end:
                 continue
-            if _PROBE + d <= need:
-                if probe is None:
-                    probe = buf[end - _PROBE :]
-                if not startswith(probe, end - _PROBE - d):
+            # Cheap rejections: a run that qualifies has period d over `need` chars, so the
+            # tail probe recurs at distance d and the anchor at 2d. A distance shorter than
+            # the anchor means the tail is already periodic over d + 64 chars: measure that
+            # run at once, whatever its length, for the skips below.
+            if d >= _ANCHOR:
+                if probe_len + d <= need and probe is not needle:
+                    if probe is None:
+                        probe = buf[end - probe_len :]
+                    if not startswith(probe, end - probe_len - d):
+                        continue
+                if _ANCHOR + 2 * d <= need and not startswith(anchor, end - _ANCHOR - 2 * d):
                     continue
-            if _ANCHOR + 2 * d <= need and not startswith(anchor, at - d):
-                continue
-            run = _run_length(buf, end, d)
-            first = buf[end - run : end - run + d]
-            period = (first + first).find(first, 1)  # the primitive unit divides d
-            unit = first[:period]
-            trivial = period < config.min_period or _ALNUM.search(unit) is None
-            need = config.required_chars(period, trivial)
-            if need is not None and run >= need:
-                return LoopReport(
-                    period=period,
-                    repeats=run // period,
-                    start_offset=self._buf_end - run,
-                    unit_preview=unit[:_PREVIEW],
-                    detected_at=self._total,
-                    covered_chars=run,
-                    trivial=trivial,
-                )
+            start = known.get(d)
+            if (
+                start is not None
+                and end - every - d >= 0
+                and startswith(buf[end - every :], end - every - d)
+            ):
+                run = min(end, check_at - start)  # the run still starts where it started
+            else:
+                run = _run_length(buf, end, d)
+            if run >= need:
+                # If d is not primitive its unit's own period p < d was a candidate before d,
+                # with this same run, and did not qualify: only a primitive d can fire here.
+                first = buf[end - run : end - run + d]
+                if (first + first).find(first, 1) == d:
+                    trivial = d < config.min_period or _ALNUM.search(first) is None
+                    need = config.required_chars(d, trivial)
+                    if need is not None and run >= need:
+                        return LoopReport(
+                            period=d,
+                            repeats=run // d,
+                            start_offset=check_at - run,
+                            unit_preview=first[:_PREVIEW],
+                            detected_at=self._total,
+                            covered_chars=run,
+                            trivial=trivial,
+                        )
+            runs[d] = check_at - run
             # Any candidate d2 <= run - d lies inside this run: its own run cannot reach past
             # this one and reduces to the same primitive unit, so it cannot qualify either.
             hi = min(hi, end - run + d - 1)
+            if run >= end:
+                continue
+            # A later candidate that qualifies must repeat this whole run and the char that
+            # ended it: probe with them. When the run holds several copies of its unit (an
+            # earlier copy of the run would hold as many anchor occurrences, each a useless
+            # candidate) and every remaining candidate's need covers the probe
+            # (need >= reps * d2 >= probe_len + d2), search for the probe itself instead.
+            if run >= probe_len:
+                probe_len = run + 1
+                probe = None
+            if run >= 2 * d + _ANCHOR and probe_len <= (reps - 1) * (end - hi):
+                probe = needle = buf[end - probe_len :]
+                lo = max(0, end - probe_len - max_d)
+        return None
 
 
 def _run_length(buf: str, end: int, d: int) -> int:

@@ -94,7 +94,11 @@ def test_detects_exact_loop(period: int, seed: int) -> None:
     assert is_rotation(rep.unit_preview, unit)
     if rep.start_offset == onset:
         assert rep.unit_preview == unit[:120]
-    # Lag: found by the first check (every check_every_chars) after the run covers `need`.
+    # Lag (documented bound): the loop is found by the first check (checks run at every
+    # multiple of check_every_chars) after its run covers required_chars(period), i.e. at a
+    # stream offset below onset + required_chars(period) + check_every_chars; `feed` returns it
+    # with the delta that crosses that offset (detected_at - found_at < one delta). With the
+    # defaults: 256 chars for units up to 64 chars, 4 units above (720 for 180, 1600 for 400).
     found_at = rep.start_offset + rep.covered_chars
     assert found_at % DEFAULT.check_every_chars == 0
     assert found_at < onset + need + DEFAULT.check_every_chars
@@ -142,7 +146,7 @@ def test_loop_from_offset_zero_single_delta() -> None:
     rep = det.feed(unit * 30)
     assert rep is not None
     assert (rep.period, rep.start_offset, rep.unit_preview) == (len(unit), 0, unit)
-    assert rep.covered_chars % DEFAULT.check_every_chars == 0  # the first qualifying check
+    assert rep.covered_chars == 256  # the first check at which the run covers 256 chars
     assert rep.detected_at == len(unit) * 30
 
 
@@ -170,6 +174,39 @@ def test_reports_primitive_unit_not_multiple() -> None:
     assert rep.start_offset == len(prefix) - 1  # the prefix ends with the unit's last char
 
 
+@pytest.mark.parametrize("every", [1, 32])
+@pytest.mark.parametrize("inner", [20, 31, 64])
+def test_unit_with_internal_repetition(inner: int, every: int) -> None:
+    # The unit is itself periodic over its whole length (period `inner`, which never qualifies
+    # on its own because the unit is not a multiple of it). When the tail sits at a unit
+    # boundary the short run covers exactly one unit: the search must not skip the real period
+    # while discarding the short one.
+    cfg = LoopConfig(check_every_chars=every)
+    block = make_unit(inner, random.Random(inner))
+    unit = block * ((200 - inner // 2) // inner) + block[: inner // 2]  # inner run < 256
+    need = cfg.required_chars(len(unit))
+    assert need is not None
+    prefix = PROSE[:333]
+    for seed in range(5):
+        rep = feed_until(LoopDetector(cfg), prefix + unit * 8, random.Random(seed))
+        assert rep is not None and rep.period == len(unit)
+        assert rep.start_offset + rep.covered_chars < len(prefix) + need + every
+        if every == 1:
+            assert rep.covered_chars == need
+
+
+@pytest.mark.parametrize("period", [4095, 4096, 4097])
+def test_longest_period(period: int) -> None:
+    unit = make_unit(period, random.Random(period))
+    det = LoopDetector()
+    rep = det.feed(PROSE[:100] + unit * 5)
+    if period > DEFAULT.max_period:
+        assert rep is None  # beyond max_period; its multiples are longer still
+    else:
+        assert rep is not None and rep.period == period and rep.start_offset == 100
+        assert rep.covered_chars < 4 * period + DEFAULT.check_every_chars
+
+
 def test_unit_made_of_a_repeated_word_reports_the_word() -> None:
     rep = LoopDetector().feed(PROSE[:500] + "spam eggs " * 100)
     assert rep is not None
@@ -188,6 +225,16 @@ def test_fires_only_once_and_drops_its_buffer() -> None:
     assert det.buffered_chars == 0
     assert det.feed(unit * 10) is None
     assert det.total_chars == 1000 + len(unit) * 310
+
+
+def test_empty_deltas_are_ignored() -> None:
+    det = LoopDetector()
+    for _ in range(100):
+        assert det.feed("") is None
+    assert det.total_chars == 0 and det.buffered_chars == 0
+    text = PROSE[:400] + "tick tock goes the clock. " * 40
+    reps = [det.feed(ch) or det.feed("") for ch in text]
+    assert sum(r is not None for r in reps) == 1
 
 
 def test_memory_bounded_over_one_megabyte() -> None:
@@ -389,8 +436,10 @@ def loopy_text(draw: st.DrawFn) -> str:
         if kind == "noise":
             parts.append(draw(st.text(alphabet=alphabet, max_size=200)))
             continue
-        unit = draw(st.text(alphabet=alphabet, min_size=1, max_size=60))
-        reps = draw(st.integers(2, 400 // len(unit) + 2))
+        unit = draw(
+            st.text(alphabet=alphabet, min_size=1, max_size=draw(st.sampled_from([8, 110])))
+        )
+        reps = draw(st.integers(2, 450 // len(unit) + 2))
         if kind == "loop":
             parts.append(unit * reps)
         else:

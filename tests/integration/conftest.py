@@ -55,6 +55,13 @@ class Engine:
     model: str
 
 
+def reasoning_template() -> str:
+    """QwQ's chat template from the vendored llama.cpp: it opens a <think> block."""
+    server, _ = engine_paths()
+    src = os.environ.get("LLAMA_SRC") or str(Path(server).parents[2] / "src/vendor/llama.cpp")
+    return str(Path(src) / "models/templates/Qwen-QwQ-32B.jinja")
+
+
 def engine_paths() -> tuple[str, str]:
     server, gguf = os.environ.get("LLAMA_SERVER"), os.environ.get("SMOLLM2_GGUF")
     if server and gguf:
