@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from proxy.inspect.base import InspectorFactory
 from proxy.metrics import Metrics
 from proxy.recovery import Recovery
 from proxy.status import AuditTally
+from proxy.tasks import TaskOwner
 from proxy.upstream import AiohttpUpstream, Upstream, make_session
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -136,9 +138,17 @@ def build_app(
         app[RUNTIME] = Runtime(forwarder, scheduler)
         if scheduler is not None:
             scheduler.start()
+        tasks = TaskOwner("app")
+        if settings.incidents.path:
+            tasks.spawn(
+                _write_tallies(incidents, tally, settings.incidents.tally_interval_s), name="tally"
+            )
         yield
+        await tasks.close()
         if scheduler is not None:
             await scheduler.close()
+        if settings.incidents.path:
+            incidents.write(tally.summary())  # the last word of this process
         incidents.close()
         await session.close()
 
@@ -179,6 +189,12 @@ async def _status(request: web.Request) -> web.Response:
             "config": settings.model_dump(mode="json"),
         }
     )
+
+
+async def _write_tallies(incidents: IncidentLog, tally: AuditTally, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        incidents.write(tally.summary())
 
 
 def _shadow_status(scheduler: ShadowScheduler | None) -> dict[str, object] | None:

@@ -122,6 +122,8 @@ class IncidentConfig(_Section):
     backups: int = Field(default=5, ge=0)
     ring_size: int = Field(default=1000, gt=0)
     store_text: bool = False  # prompts and outputs; hashes are always stored
+    # Cumulative counts (the denominators of `detproxy report`) written this often.
+    tally_interval_s: float = Field(default=60.0, gt=0)
 
 
 class LadderConfig(_Section):

@@ -123,6 +123,10 @@ class IncidentLog:
 
     def record(self, incident: dict[str, Any]) -> None:
         self._ring.append(incident)
+        self.write(incident)
+
+    def write(self, incident: dict[str, Any]) -> None:
+        """Append one line to the file (the ring is for incidents only, not tallies)."""
         if self._file is None:
             return
         line = orjson.dumps(incident) + b"\n"

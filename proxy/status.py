@@ -1,39 +1,90 @@
-"""Live audit figures for ``/detproxy/status``: a subscriber that tallies verdicts."""
+"""Live figures for ``/detproxy/status`` and for the tally lines of the incident log.
+
+A subscriber that counts audits per model, mode and verdict, loops per model, channel and
+source, policy actions per model, action and outcome, and dropped shadows. The incident log
+only holds what went wrong; these counts are the denominators a report needs.
+"""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections import Counter
 from typing import Any
 
-from proxy.events import AuditCompleted, EventBus, ShadowDropped
+from proxy.events import AuditCompleted, EventBus, LoopDetected, PolicyActed, ShadowDropped
+
+MAX_KEYS = 4096  # labels come from clients (model names): keep the tally bounded
+
+
+def _nest(counter: Counter[tuple[str, ...]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, count in counter.items():
+        node = out
+        for part in key[:-1]:
+            node = node.setdefault(part, {})
+        node[key[-1]] = count
+    return out
 
 
 class AuditTally:
     def __init__(self) -> None:
-        self.verdicts: Counter[str] = Counter()
-        self.by_mode: Counter[str] = Counter()
+        self.process = uuid.uuid4().hex
+        self.started = time.time()
+        self.audits: Counter[tuple[str, ...]] = Counter()  # (model, mode, verdict)
+        self.loops: Counter[tuple[str, ...]] = Counter()  # (model, channel, source)
+        self.actions: Counter[tuple[str, ...]] = Counter()  # (model, action, outcome)
         self.dropped: Counter[str] = Counter()
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._audited)
         bus.subscribe(ShadowDropped, self._dropped)
+        bus.subscribe(LoopDetected, self._loop)
+        bus.subscribe(PolicyActed, self._acted)
+
+    @staticmethod
+    def _add(counter: Counter[tuple[str, ...]], key: tuple[str, ...]) -> None:
+        if key in counter or len(counter) < MAX_KEYS:
+            counter[key] += 1
 
     def _audited(self, ev: AuditCompleted) -> None:
-        self.verdicts[ev.verdict.verdict] += 1
-        self.by_mode[ev.mode] += 1
+        self._add(self.audits, (ev.model, ev.mode, ev.verdict.verdict))
+
+    def _loop(self, ev: LoopDetected) -> None:
+        self._add(self.loops, (ev.model, ev.trigger.channel, ev.trigger.source))
+
+    def _acted(self, ev: PolicyActed) -> None:
+        self._add(self.actions, (ev.model, ev.action, ev.outcome))
 
     def _dropped(self, ev: ShadowDropped) -> None:
         self.dropped[ev.reason] += 1
 
     def snapshot(self) -> dict[str, Any]:
-        comparable = sum(n for v, n in self.verdicts.items() if v != "incomparable")
-        unstable = sum(
-            n for v, n in self.verdicts.items() if v not in ("identical", "incomparable")
-        )
+        verdicts: Counter[str] = Counter()
+        modes: Counter[str] = Counter()
+        for (_, mode, verdict), n in self.audits.items():
+            verdicts[verdict] += n
+            modes[mode] += n
+        comparable = sum(n for v, n in verdicts.items() if v != "incomparable")
+        unstable = sum(n for v, n in verdicts.items() if v not in ("identical", "incomparable"))
         return {
-            "audits": sum(self.verdicts.values()),
-            "verdicts": dict(self.verdicts),
-            "modes": dict(self.by_mode),
+            "audits": sum(verdicts.values()),
+            "verdicts": dict(verdicts),
+            "modes": dict(modes),
             "nondeterminism_rate": unstable / comparable if comparable else None,
+            "shadows_dropped": dict(self.dropped),
+            "loops": sum(self.loops.values()),
+        }
+
+    def summary(self) -> dict[str, Any]:
+        """A ``kind: tally`` line: cumulative counts of this process since it started."""
+        return {
+            "kind": "tally",
+            "process": self.process,
+            "started": self.started,
+            "ts": time.time(),
+            "audits": _nest(self.audits),
+            "loops": _nest(self.loops),
+            "policy_actions": _nest(self.actions),
             "shadows_dropped": dict(self.dropped),
         }

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -120,3 +121,31 @@ async def test_incidents_endpoint_and_store_text(make_proxy: Any, tmp_path: Path
         await client.close()  # shutdown flushes the file
         line = (tmp_path / "i.jsonl").read_bytes().splitlines()[0]
         assert orjson.loads(line)["request_id"] == incident["request_id"]
+
+
+async def test_tally_lines_carry_the_denominators(make_proxy: Any, tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    async with EmulatorServer() as emu:
+        client = await make_proxy(
+            emu.url,
+            env={
+                "DETPROXY_INCIDENTS__PATH": str(path),
+                "DETPROXY_INCIDENTS__TALLY_INTERVAL_S": "0.05",
+            },
+        )
+        body = {
+            "model": "emulator-model",
+            "temperature": 0,
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "twice"}],
+        }
+        for _ in range(3):
+            await client.post("/v1/chat/completions", json=body)
+        await asyncio.sleep(0.2)
+        await client.close()
+    lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
+    tallies = [x for x in lines if x["kind"] == "tally"]
+    assert len(tallies) >= 2  # periodic, and a last one at shutdown
+    last = tallies[-1]
+    assert last["audits"] == {"emulator-model": {"duplicate": {"identical": 2}}}
+    assert last["process"] == tallies[0]["process"] and last["ts"] >= tallies[0]["ts"]
