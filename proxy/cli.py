@@ -1,8 +1,10 @@
-"""The ``detproxy`` command: ``serve`` runs the proxy, ``emulator`` runs the vLLM emulator."""
+"""The ``detproxy`` command: ``serve`` runs the proxy; ``probe``, ``report``, ``demo`` and
+``emulator`` are the instruments around it."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -70,16 +72,37 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+TOOLS = {
+    "probe": "the two-minute instrument: is greedy output bitwise stable on this upstream?",
+    "report": "read incident logs and print rates, agreement and the worst items",
+    "demo": "run the emulator, detproxy and a little traffic, and show what was found",
+    "emulator": "run the vLLM emulator (for demos and tests)",
+}
+
+
+TOOL_MODULES = {
+    "probe": "proxy.probe",
+    "report": "proxy.report.cli",
+    "demo": "proxy.demo",
+    "emulator": "proxy.emulator.cli",
+}
+
+
+def _tool(name: str, argv: list[str]) -> int:
+    # Each tool parses its own arguments; imported on use, so `serve` loads none of them.
+    module = importlib.import_module(TOOL_MODULES[name])
+    return int(module.main(argv))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="detproxy", description=__doc__)
     parser.add_argument("--version", action="version", version=f"detproxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    sub.add_parser("emulator", help="run the vLLM emulator (for demos and tests)", add_help=False)
+    for name, text in TOOLS.items():
+        sub.add_parser(name, help=text, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["emulator"]:
-        from proxy.emulator.cli import main as emulator_main
-
-        return int(emulator_main(argv[1:]))
+    if argv[:1] and argv[0] in TOOLS:
+        return _tool(argv[0], argv[1:])
     args = parser.parse_args(argv)
     return _serve(args)

@@ -190,3 +190,49 @@ def test_per_slot_kv_serial_traffic_reports_nothing(tmp_path: Path) -> None:
         reported, _ = reported_unstable(proxy)
     assert status["audit"]["verdicts"] == {"identical": len(received)}
     assert reported == set()
+
+
+def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> None:
+    from proxy.probe import main as probe
+
+    def run(engine: Engine, levels: str) -> tuple[int, Any]:
+        out = tmp_path / f"probe-{levels}.json"
+        import contextlib
+        import io
+
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = probe(
+                [
+                    "--upstream",
+                    engine.url,
+                    "--model",
+                    engine.model,
+                    "--runs",
+                    "4",
+                    "--prompt",
+                    PROMPTS[0],
+                    "--concurrency",
+                    levels,
+                    "--json",
+                    "--extra-body",
+                    '{"cache_prompt": false}',
+                ]
+            )
+        out.write_text(buffer.getvalue())
+        return code, orjson.loads(buffer.getvalue())
+
+    with run_engine(tmp_path, "-np", "4", "-c", "8192") as per_slot:
+        code, report = run(per_slot, "1,4")
+    assert code == 0 and report["stable"]  # per-slot KV: batch-invariant
+    with run_engine(tmp_path) as stock:
+        code, report = run(stock, "1,4")
+    alone, loaded = report["results"]
+    assert code == 1
+    assert alone["distinct_vectors"] == 1  # alone and cold, the engine is stable
+    assert loaded["distinct_vectors"] >= 2 and loaded["max_abs_delta"] > 1e-3
+    print(
+        f"\nprobe, stock llama-server: alone {alone['distinct_vectors']} vector, "
+        f"4 in flight {loaded['distinct_vectors']} vectors, max |delta| "
+        f"{loaded['max_abs_delta']:.3f} nats, first token flips: {loaded['first_token_flips']}"
+    )
