@@ -64,7 +64,15 @@ class LoopWatch:
         return watch
 
     def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
-        choices = chunk.get("choices")
+        """One parsed SSE chunk of a stream."""
+        return self._choices_of(chunk, "delta")
+
+    def on_answer(self, answer: Mapping[str, Any]) -> Trigger | None:
+        """A whole non-streamed answer: the same checks, all at once."""
+        return self._choices_of(answer, "message")
+
+    def _choices_of(self, body: Mapping[str, Any], part: str) -> Trigger | None:
+        choices = body.get("choices")
         if not isinstance(choices, list):
             return None
         for raw in choices:
@@ -75,20 +83,16 @@ class LoopWatch:
             if watch is None:
                 continue
             if self._chat:
-                delta = raw.get("delta")
-                if isinstance(delta, dict):
-                    trigger = self._feed(watch, index, _reasoning(delta), delta.get("content"))
-                    if trigger is not None:
-                        return trigger
+                message = raw.get(part)
+                message = message if isinstance(message, dict) else {}
+                trigger = self._feed(watch, index, _reasoning(message), message.get("content"))
             else:
                 trigger = self._feed(watch, index, None, raw.get("text"))
-                if trigger is not None:
-                    return trigger
             finish = raw.get("finish_reason")
-            if finish is not None:
+            if trigger is None and finish is not None:
                 trigger = self._finished(watch, index, finish, raw.get("stop_reason"))
-                if trigger is not None:
-                    return trigger
+            if trigger is not None:
+                return trigger
         return None
 
     def _feed(
@@ -114,30 +118,4 @@ class LoopWatch:
             return _trigger("engine", channel, index)
         if self._runaway and finish == "length" and watch.saw_reasoning and not watch.saw_content:
             return _trigger("runaway", "reasoning", index)
-        return None
-
-    def on_answer(self, answer: Mapping[str, Any]) -> Trigger | None:
-        """A whole non-streamed answer: the same checks, all at once."""
-        choices = answer.get("choices")
-        if not isinstance(choices, list):
-            return None
-        for raw in choices:
-            if not isinstance(raw, dict):
-                continue
-            index = raw.get("index", 0)
-            watch = self._watch(index)
-            if watch is None:
-                continue
-            if self._chat:
-                message = raw.get("message")
-                message = message if isinstance(message, dict) else {}
-                trigger = self._feed(watch, index, _reasoning(message), message.get("content"))
-            else:
-                trigger = self._feed(watch, index, None, raw.get("text"))
-            if trigger is None:
-                trigger = self._finished(
-                    watch, index, raw.get("finish_reason"), raw.get("stop_reason")
-                )
-            if trigger is not None:
-                return trigger
         return None
