@@ -1,0 +1,1 @@
+"""``detproxy report``: read incident logs and summarise the determinism audit."""

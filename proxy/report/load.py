@@ -1,0 +1,238 @@
+"""Reading incident logs (JSON lines, plain or gzip) into typed records.
+
+Unknown kinds and malformed lines are skipped and counted; an incident line seen twice (the
+same file passed twice, or a copy next to its rotated original) is counted once.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+GZIP_MAGIC = b"\x1f\x8b"
+
+Key3 = tuple[str, str, str]
+
+
+class LogReadError(Exception):
+    """A file could not be opened or read to the end."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditLine:
+    ts: float
+    request_id: str
+    model: str
+    mode: str
+    choice: int
+    verdict: str
+    index: int | None  # first divergent token index, when the line has a divergence
+    primary_token: str | None
+    shadow_token: str | None
+    margin: float | None
+    delta: float | None  # max |delta logprob| in nats; None: unknown or +inf
+
+
+@dataclass(frozen=True, slots=True)
+class LoopLine:
+    ts: float
+    request_id: str
+    model: str
+    channel: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Tally:
+    process: str
+    ts: float
+    started: float
+    audits: dict[Key3, int]  # (model, mode, verdict)
+    loops: dict[Key3, int]  # (model, channel, source)
+    actions: dict[Key3, int]  # (model, action, outcome)
+    dropped: dict[str, int]  # reason
+
+    @property
+    def weight(self) -> int:
+        """Total of all counts: the later of two tallies with the same ts has more."""
+        return sum(sum(d.values()) for d in (self.audits, self.loops, self.actions, self.dropped))
+
+
+@dataclass(slots=True)
+class LogData:
+    audits: list[AuditLine] = field(default_factory=list)
+    loops: list[LoopLine] = field(default_factory=list)
+    tallies: list[Tally] = field(default_factory=list)
+    lines: int = 0  # non-blank lines read
+    malformed: int = 0
+    unknown_kind: int = 0
+    duplicates: int = 0
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    return value
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _counts(obj: Any) -> dict[str, int] | None:
+    if not isinstance(obj, dict):
+        return None
+    out: dict[str, int] = {}
+    for key, value in obj.items():
+        n = _int(value)
+        if n is None or n < 0:
+            return None
+        out[key] = n
+    return out
+
+
+def _nested3(obj: Any) -> dict[Key3, int] | None:
+    """``{a: {b: {c: n}}}`` as ``{(a, b, c): n}``; None when the shape is wrong."""
+    if obj is None:
+        return {}
+    if not isinstance(obj, dict):
+        return None
+    out: dict[Key3, int] = {}
+    for a, level2 in obj.items():
+        if not isinstance(level2, dict):
+            return None
+        for b, level3 in level2.items():
+            counts = _counts(level3)
+            if counts is None:
+                return None
+            for c, n in counts.items():
+                out[(a, b, c)] = n
+    return out
+
+
+def parse_audit(obj: dict[str, Any]) -> AuditLine | None:
+    ts, model = _num(obj.get("ts")), _str(obj.get("model"))
+    mode, verdict = _str(obj.get("mode")), _str(obj.get("verdict"))
+    if ts is None or model is None or mode is None or verdict is None:
+        return None
+    div = obj.get("divergence")
+    if div is not None and not isinstance(div, dict):
+        return None
+    div = div or {}
+    return AuditLine(
+        ts=ts,
+        request_id=_str(obj.get("request_id")) or "",
+        model=model,
+        mode=mode,
+        choice=_int(obj.get("choice")) or 0,
+        verdict=verdict,
+        index=_int(div.get("index")),
+        primary_token=_str(div.get("primary_token")),
+        shadow_token=_str(div.get("shadow_token")),
+        margin=_num(div.get("margin")),
+        delta=_num(obj.get("max_abs_logprob_delta")),
+    )
+
+
+def parse_loop(obj: dict[str, Any]) -> LoopLine | None:
+    ts = _num(obj.get("ts"))
+    model, channel = _str(obj.get("model")), _str(obj.get("channel"))
+    source = _str(obj.get("source"))
+    if ts is None or model is None or channel is None or source is None:
+        return None
+    return LoopLine(ts, _str(obj.get("request_id")) or "", model, channel, source)
+
+
+def parse_tally(obj: dict[str, Any]) -> Tally | None:
+    process, ts = _str(obj.get("process")), _num(obj.get("ts"))
+    audits = _nested3(obj.get("audits"))
+    loops = _nested3(obj.get("loops"))
+    actions = _nested3(obj.get("policy_actions"))
+    dropped = _counts(obj.get("shadows_dropped") or {})
+    if process is None or ts is None or "audits" not in obj:
+        return None
+    if audits is None or loops is None or actions is None or dropped is None:
+        return None
+    started = _num(obj.get("started"))
+    return Tally(process, ts, ts if started is None else started, audits, loops, actions, dropped)
+
+
+def _lines(path: str) -> Iterator[bytes]:
+    try:
+        with open(path, "rb") as raw:
+            compressed = raw.read(2) == GZIP_MAGIC
+            raw.seek(0)
+            if compressed:
+                with gzip.GzipFile(fileobj=raw) as unzipped:
+                    yield from unzipped
+            else:
+                yield from raw
+    except (OSError, EOFError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise LogReadError(f"{path}: {reason}") from exc
+
+
+def read_into(data: LogData, path: str, seen: set[bytes]) -> None:
+    """Add the records of one file (plain or gzip) to ``data``; ``seen`` dedups incidents."""
+    for raw in _lines(path):
+        line = raw.strip()
+        if not line:
+            continue
+        data.lines += 1
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            data.malformed += 1
+            continue
+        if not isinstance(obj, dict):
+            data.malformed += 1
+            continue
+        kind = obj.get("kind")
+        if kind not in ("audit", "loop", "tally"):
+            data.unknown_kind += 1
+            continue
+        if kind != "tally":
+            digest = hashlib.blake2b(line, digest_size=16).digest()
+            if digest in seen:
+                data.duplicates += 1
+                continue
+            seen.add(digest)
+        _add(data, kind, obj)
+
+
+def _add(data: LogData, kind: str, obj: dict[str, Any]) -> None:
+    if kind == "audit":
+        audit = parse_audit(obj)
+        if audit is not None:
+            data.audits.append(audit)
+            return
+    elif kind == "loop":
+        loop = parse_loop(obj)
+        if loop is not None:
+            data.loops.append(loop)
+            return
+    else:
+        tally = parse_tally(obj)
+        if tally is not None:
+            data.tallies.append(tally)
+            return
+    data.malformed += 1
+
+
+def read_logs(paths: list[str]) -> LogData:
+    data = LogData()
+    seen: set[bytes] = set()
+    for path in paths:
+        read_into(data, path, seen)
+    return data
