@@ -15,6 +15,7 @@ from policies.base import PolicyChain
 from policies.budget import RetryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
+from proxy.admin import ADMIN_PREFIX, admin_guard
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import MemoryDuplicateStore
@@ -73,9 +74,6 @@ def _scheduler(
     )
 
 
-ADMIN_PREFIX = "/detproxy/"
-
-
 def build_app(
     settings: Settings,
     *,
@@ -84,7 +82,9 @@ def build_app(
     inspector_factories: Sequence[InspectorFactory] = (),
     policies: PolicyChain | None = None,
 ) -> web.Application:
-    app = web.Application(client_max_size=settings.server.max_body_bytes)
+    app = web.Application(
+        client_max_size=settings.server.max_body_bytes, middlewares=[admin_guard(settings.server)]
+    )
     bus = EventBus()
     metrics = Metrics(registry if registry is not None else CollectorRegistry())
     metrics.subscribe(bus)

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -28,6 +29,14 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--shadow-mode", choices=["full", "prefill"])
     p.add_argument("--loop-policy", choices=["retry", "abort", "observe"])
     p.add_argument("--log-level", default=os.environ.get("DETPROXY_LOG_LEVEL", "INFO"))
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -60,10 +69,12 @@ def _serve(args: argparse.Namespace) -> int:
         server.port,
         settings.upstream.url,
     )
+    listeners = [server.port] + ([server.admin_port] if server.admin_port is not None else [])
     web.run_app(
         app,
         host=server.host,
-        port=server.port,
+        port=None,
+        sock=[_bind(server.host, port) for port in listeners],
         shutdown_timeout=server.shutdown_grace_s,
         handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
         access_log=None,

@@ -38,6 +38,8 @@ class ServerConfig(_Section):
     max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
     max_sse_event_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
     shutdown_grace_s: float = Field(default=30.0, ge=0)
+    admin_token: str | None = Field(default=None, min_length=16)  # bearer token for /detproxy/*
+    admin_port: int | None = Field(default=None, ge=0, le=65535)  # a separate admin listener
 
 
 class UpstreamConfig(_Section):
