@@ -84,7 +84,7 @@ class AuditConfig(_Section):
     reference_url: str | None = None  # replay to a control engine instead of the same upstream
     inject_top_logprobs: int = Field(default=5, ge=0)  # bounded by upstream.max_logprobs
     max_concurrent_shadows: int = Field(default=4, gt=0)
-    max_shadows_per_s: float = Field(default=10.0, gt=0)
+    max_shadows_per_s: float = Field(default=100.0, gt=0)
     max_token_share: float = Field(default=1.0, ge=0)  # shadow tokens / primary tokens
     queue_size: int = Field(default=256, ge=1)
     shadow_timeout_s: float = Field(default=600.0, gt=0)
