@@ -6,8 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v cmake >/dev/null || ! command -v g++ >/dev/null; then
-  apt-get update -qq && apt-get install -y -qq cmake g++ make >/dev/null
+# Debian packages: the engine's toolchain, and promtool (from prometheus) for the alert rules.
+missing=""
+command -v cmake >/dev/null || missing="$missing cmake"
+command -v g++ >/dev/null || missing="$missing g++ make"
+command -v promtool >/dev/null || missing="$missing prometheus"
+if [ -n "$missing" ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
 
 PY="${PYTHON:-python3}"
