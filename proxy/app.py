@@ -18,7 +18,7 @@ from proxy import __version__
 from proxy.admin import ADMIN_PREFIX, admin_guard
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
-from proxy.audit.store import MemoryDuplicateStore
+from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.audit.upstream_load import UpstreamLoad
 from proxy.config import Settings
 from proxy.errors import error_response
@@ -46,9 +46,19 @@ class Runtime:
 
     forwarder: Forwarder
     scheduler: ShadowScheduler | None
+    auditor: Auditor | None
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
+
+
+def _duplicate_store(settings: Settings) -> DuplicateStore:
+    audit = settings.audit
+    if audit.duplicate_store == "redis":
+        from proxy.audit.redis_store import RedisDuplicateStore  # the optional `redis` extra
+
+        return RedisDuplicateStore(audit.redis_url, audit.duplicate_window_s)
+    return MemoryDuplicateStore(audit.duplicate_window_s, audit.duplicate_max_entries)
 
 
 def _scheduler(
@@ -117,25 +127,19 @@ def build_app(
         target = upstream or AiohttpUpstream(session, settings.upstream.url)
         forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, budget)
         scheduler = _scheduler(settings, session, target, bus, forwarder)
-        store = (
-            MemoryDuplicateStore(
-                settings.audit.duplicate_window_s, settings.audit.duplicate_max_entries
-            )
-            if settings.audit.passive_checks
-            else None
-        )
+        store = _duplicate_store(settings) if settings.audit.passive_checks else None
+        auditor = None
         if scheduler is not None or store is not None:
-            forwarder.attach_auditor(
-                Auditor(
-                    settings,
-                    bus,
-                    scheduler,
-                    store,
-                    lambda: forwarder.inflight,
-                    target=settings.audit.reference_url or "same",
-                )
+            auditor = Auditor(
+                settings,
+                bus,
+                scheduler,
+                store,
+                lambda: forwarder.inflight,
+                target=settings.audit.reference_url or "same",
             )
-        app[RUNTIME] = Runtime(forwarder, scheduler)
+            forwarder.attach_auditor(auditor)
+        app[RUNTIME] = Runtime(forwarder, scheduler, auditor)
         if scheduler is not None:
             scheduler.start()
         tasks = TaskOwner("app")
@@ -147,6 +151,8 @@ def build_app(
         await tasks.close()
         if scheduler is not None:
             await scheduler.close()
+        if auditor is not None:
+            await auditor.close()
         if settings.incidents.path:
             incidents.write(tally.summary())  # the last word of this process
         incidents.close()
@@ -182,6 +188,7 @@ async def _status(request: web.Request) -> web.Response:
             "inflight": app[RUNTIME].forwarder.inflight,
             "audit": app[TALLY].snapshot(),
             "shadow": _shadow_status(app[RUNTIME].scheduler),
+            "passive_pending": _passive_pending(app[RUNTIME].auditor),
             "incidents": {
                 "recorded": len(app[INCIDENTS].recent(10**9)),
                 "written": app[INCIDENTS].written,
@@ -195,6 +202,10 @@ async def _write_tallies(incidents: IncidentLog, tally: AuditTally, every_s: flo
     while True:
         await asyncio.sleep(every_s)
         incidents.write(tally.summary())
+
+
+def _passive_pending(auditor: Auditor | None) -> int:
+    return auditor.pending if auditor is not None else 0
 
 
 def _shadow_status(scheduler: ShadowScheduler | None) -> dict[str, object] | None:

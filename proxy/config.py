@@ -91,7 +91,9 @@ class AuditConfig(_Section):
     answer_extractor: str | None = None  # "json:$.path" or "regex:PATTERN"
     passive_checks: bool = True  # n > 1 choices and duplicate requests, at no extra cost
     duplicate_window_s: float = Field(default=300.0, gt=0)
-    duplicate_max_entries: int = Field(default=10_000, gt=0)
+    duplicate_max_entries: int = Field(default=10_000, gt=0)  # the memory store's bound
+    duplicate_store: Literal["memory", "redis"] = "memory"  # redis: shared by replicas
+    redis_url: str = "redis://127.0.0.1:6379/0"
     reuse_client_auth: bool = False  # shadows send the client's Authorization header
     service_api_key: str | None = None  # otherwise this key, if any
 

@@ -27,6 +27,7 @@ from proxy.classify import RequestView
 from proxy.config import Settings
 from proxy.events import AuditCompleted, EventBus
 from proxy.hashing import canonical_request_key
+from proxy.tasks import TaskOwner
 
 SHADOW_HEADER = "X-Detproxy-Shadow"
 
@@ -63,6 +64,7 @@ class Auditor:
         self._inflight = inflight
         self._target = target
         self._sampler = Sampler(settings.audit)
+        self._tasks = TaskOwner("passive")
         self._extractor: AnswerExtractor | None = (
             build_extractor(settings.audit.answer_extractor)
             if settings.audit.answer_extractor
@@ -105,6 +107,16 @@ class Auditor:
             started=time.monotonic(),
         )
 
+    @property
+    def pending(self) -> int:
+        """Passive checks still running (duplicate lookups)."""
+        return len(self._tasks)
+
+    async def close(self) -> None:
+        await self._tasks.close()
+        if self._store is not None:
+            await self._store.close()
+
     # -- after the primary --------------------------------------------------------------------
 
     def primary_done(self, ticket: AuditTicket, outcome: Outcome) -> None:
@@ -113,7 +125,11 @@ class Auditor:
         latency = time.monotonic() - ticket.started
         if self._audit.passive_checks:
             self._compare_choices(ticket, outcome, latency)
-            self._check_duplicate(ticket, outcome, latency)
+            if self._store is not None:
+                # Off the request path: the store may be a network away (Redis).
+                self._tasks.spawn(
+                    self._check_duplicate(ticket, outcome, latency), name="duplicate-check"
+                )
         if ticket.shadow and self._scheduler is not None:
             self._scheduler.count_primary_tokens(_tokens_of(outcome))
             self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
@@ -171,13 +187,12 @@ class Auditor:
                 other,
             )
 
-    def _check_duplicate(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
-        if self._store is None:
-            return
+    async def _check_duplicate(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
+        assert self._store is not None
         # Like for like: an answer with injected logprobs is only matched with its kind.
         key = f"{ticket.request_key}:{int(ticket.injected)}"
         digests = digest_outcome(outcome)
-        previous = self._store.check_and_put(key, digests)
+        previous = await self._store.check_and_put(key, digests)
         if previous is None:
             return
         for index, (now, before) in enumerate(zip(digests, previous, strict=False)):

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import orjson
 import xxhash
 
 from proxy.audit.outcome import ChoiceOutcome, Outcome
@@ -48,10 +49,12 @@ def digest_outcome(outcome: Outcome) -> tuple[ChoiceDigest, ...]:
 
 
 class DuplicateStore(Protocol):
-    def check_and_put(
+    async def check_and_put(
         self, key: str, digests: tuple[ChoiceDigest, ...]
     ) -> tuple[ChoiceDigest, ...] | None:
         """Return the digests stored for ``key`` within the window (if any), then store these."""
+
+    async def close(self) -> None: ...
 
 
 class MemoryDuplicateStore:
@@ -68,7 +71,7 @@ class MemoryDuplicateStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def check_and_put(
+    async def check_and_put(
         self, key: str, digests: tuple[ChoiceDigest, ...]
     ) -> tuple[ChoiceDigest, ...] | None:
         now = self._clock()
@@ -79,3 +82,20 @@ class MemoryDuplicateStore:
         if previous is None or now - previous[0] > self._window:
             return None
         return previous[1]
+
+    async def close(self) -> None:
+        self._entries.clear()
+
+
+def encode_digests(digests: tuple[ChoiceDigest, ...]) -> bytes:
+    return orjson.dumps(
+        [[d.text_hash, d.token_hash, d.logprob_hash, d.tokens, d.finish_reason] for d in digests]
+    )
+
+
+def decode_digests(raw: bytes) -> tuple[ChoiceDigest, ...] | None:
+    try:
+        items = orjson.loads(raw)
+        return tuple(ChoiceDigest(*item) for item in items)
+    except (orjson.JSONDecodeError, TypeError, ValueError):
+        return None

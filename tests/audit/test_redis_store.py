@@ -1,0 +1,139 @@
+"""The passive duplicate store on a real redis-server, shared by two detproxy replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as redis
+from prometheus_client import CollectorRegistry
+
+from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
+from proxy.audit.store import ChoiceDigest
+from proxy.emulator import EmulatorServer
+from tests.conftest import metric
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("redis-server") is None, reason="redis-server (Debian package) is not installed"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            import time
+
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def emulator() -> AsyncIterator[EmulatorServer]:
+    async with EmulatorServer() as srv:
+        yield srv
+
+
+DIGEST = (ChoiceDigest("t" * 32, "k" * 32, "l" * 32, 12, "stop"),)
+
+
+async def test_check_and_put_swaps_and_expires(redis_url: str) -> None:
+    store = RedisDuplicateStore(redis_url, window_s=0.3)
+    try:
+        assert await store.check_and_put("key", DIGEST) is None
+        assert await store.check_and_put("key", DIGEST) == DIGEST
+        await asyncio.sleep(0.4)  # the window is the key's TTL
+        assert await store.check_and_put("key", DIGEST) is None
+    finally:
+        await store.close()
+
+
+async def test_a_missing_redis_costs_a_check_not_a_request() -> None:
+    store = RedisDuplicateStore(f"redis://127.0.0.1:{free_port()}/0", window_s=60, timeout_s=0.2)
+    assert await store.check_and_put("key", DIGEST) is None
+    assert store.errors == 1
+    await store.close()
+
+
+async def test_two_replicas_share_duplicates_and_store_no_text(
+    make_proxy: Any, emulator: EmulatorServer, redis_url: str
+) -> None:
+    env = {"DETPROXY_AUDIT__DUPLICATE_STORE": "redis", "DETPROXY_AUDIT__REDIS_URL": redis_url}
+    first = await make_proxy(emulator.url, env=env)
+    second_registry = CollectorRegistry()
+    second = await make_proxy(emulator.url, env=env, registry=second_registry)
+    body = {
+        "model": "emulator-model",
+        "temperature": 0,
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "a secret prompt about invoices"}],
+    }
+    assert (await first.post("/v1/chat/completions", json=body)).status == 200
+    await asyncio.sleep(0.1)
+    resp = await second.post(
+        "/v1/chat/completions",
+        json=body,
+        headers={"X-Emulator-Knobs": '{"flip_probability": 1, "flip_position": 2}'},
+    )
+    assert resp.status == 200
+    for _ in range(50):
+        status = await (await second.get("/detproxy/status")).json()
+        if status["passive_pending"] == 0 and status["audit"]["audits"]:
+            break
+        await asyncio.sleep(0.02)
+    assert (
+        metric(
+            second_registry,
+            "detproxy_audits_total",
+            model="emulator-model",
+            mode="duplicate",
+            verdict="text_divergence",
+        )
+        == 1
+    )
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = await client.keys(PREFIX + "*")
+        assert len(keys) == 1
+        ttl = await client.pttl(keys[0])
+        assert 0 < ttl <= 300_000  # bounded by the duplicate window
+        stored = await client.get(keys[0])
+        assert stored is not None and b"invoice" not in stored and b"secret" not in stored
+    finally:
+        await client.aclose()
