@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +24,7 @@ from proxy.audit.upstream_load import UpstreamLoad
 from proxy.config import Settings
 from proxy.errors import error_response
 from proxy.events import EventBus
+from proxy.fingerprint import FingerprintPoller
 from proxy.forward import Forwarder
 from proxy.incidents import IncidentLog
 from proxy.inspect.base import InspectorFactory
@@ -47,6 +49,7 @@ class Runtime:
     forwarder: Forwarder
     scheduler: ShadowScheduler | None
     auditor: Auditor | None
+    fingerprint: FingerprintPoller | None
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -139,10 +142,17 @@ def build_app(
                 target=settings.audit.reference_url or "same",
             )
             forwarder.attach_auditor(auditor)
-        app[RUNTIME] = Runtime(forwarder, scheduler, auditor)
+        poller = None
+        if settings.upstream.fingerprint_interval_s > 0:
+            poller = FingerprintPoller(
+                session, settings.upstream.url, bus, settings.upstream.fingerprint_interval_s
+            )
+        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller)
         if scheduler is not None:
             scheduler.start()
         tasks = TaskOwner("app")
+        if poller is not None:
+            tasks.spawn(poller.run(), name="fingerprint")
         if settings.incidents.path:
             tasks.spawn(
                 _write_tallies(incidents, tally, settings.incidents.tally_interval_s), name="tally"
@@ -188,6 +198,7 @@ async def _status(request: web.Request) -> web.Response:
             "inflight": app[RUNTIME].forwarder.inflight,
             "audit": app[TALLY].snapshot(),
             "shadow": _shadow_status(app[RUNTIME].scheduler),
+            "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
             "passive_pending": _passive_pending(app[RUNTIME].auditor),
             "incidents": {
                 "recorded": len(app[INCIDENTS].recent(10**9)),
@@ -202,6 +213,17 @@ async def _write_tallies(incidents: IncidentLog, tally: AuditTally, every_s: flo
     while True:
         await asyncio.sleep(every_s)
         incidents.write(tally.summary())
+
+
+def _fingerprint_status(poller: FingerprintPoller | None) -> dict[str, Any] | None:
+    fp = poller.current if poller is not None else None
+    if fp is None:
+        return None
+    return fp.summary() | {
+        "identity": dict(fp.identity),
+        "load": dict(fp.load),
+        "read_at": fp.read_at,
+    }
 
 
 def _passive_pending(auditor: Auditor | None) -> int:

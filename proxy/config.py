@@ -50,6 +50,8 @@ class UpstreamConfig(_Section):
     read_timeout_s: float = Field(default=3600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
     max_logprobs: int = Field(default=20, ge=0)
+    # Read /version, /v1/models, /metrics and /props this often (0: never).
+    fingerprint_interval_s: float = Field(default=30.0, ge=0)
 
     @field_validator("url")
     @classmethod

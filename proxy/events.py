@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from policies.base import Trigger
     from proxy.audit.compare import Verdict
+    from proxy.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -160,3 +161,12 @@ class PolicyActed:
     action: str
     outcome: str
     attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamFingerprinted:
+    """A reading of what the upstream says it is; ``changed`` when its identity moved."""
+
+    fingerprint: Fingerprint
+    previous: Fingerprint | None
+    changed: bool

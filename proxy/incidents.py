@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import IncidentConfig
-from proxy.events import AuditCompleted, EventBus, LoopDetected
+from proxy.events import AuditCompleted, EventBus, LoopDetected, UpstreamFingerprinted
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,26 @@ class IncidentLog:
         self._size = 0
         self.written = 0
         self.write_errors = 0
+        self._upstream: dict[str, Any] | None = None
         if config.path:
             self._open()
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._on_audit)
         bus.subscribe(LoopDetected, self._on_loop)
+        bus.subscribe(UpstreamFingerprinted, self._on_fingerprint)
+
+    def _on_fingerprint(self, ev: UpstreamFingerprinted) -> None:
+        self._upstream = ev.fingerprint.summary()
+        if ev.changed and ev.previous is not None:
+            self.record(
+                {
+                    "kind": "upstream_change",
+                    "ts": ev.fingerprint.read_at,
+                    "before": ev.previous.summary() | {"identity": ev.previous.identity},
+                    "after": self._upstream | {"identity": ev.fingerprint.identity},
+                }
+            )
 
     def _on_loop(self, ev: LoopDetected) -> None:
         self.record(loop_incident(ev, self._config.store_text))
@@ -122,6 +136,8 @@ class IncidentLog:
         self._open()
 
     def record(self, incident: dict[str, Any]) -> None:
+        if self._upstream is not None and "upstream" not in incident:
+            incident["upstream"] = self._upstream  # which configuration produced it
         self._ring.append(incident)
         self.write(incident)
 

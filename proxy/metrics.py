@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from proxy.events import (
@@ -22,7 +22,9 @@ from proxy.events import (
     ShadowDropped,
     ShadowQueue,
     UpstreamFailed,
+    UpstreamFingerprinted,
 )
+from proxy.fingerprint import Fingerprint
 
 # LLM requests last from milliseconds (errors, cached prefill) to an hour (long reasoning).
 DURATION_BUCKETS = (
@@ -84,6 +86,49 @@ class _FailureCollector:
             for name, count in source().items():
                 family.add_metric([component, name], count)
         yield family
+
+
+class _UpstreamCollector:
+    """The upstream's identity as an info metric, and the load it reports, as last read.
+
+    Absent readings are not exported (no made-up zeros).
+    """
+
+    GAUGES = {
+        "running": ("detproxy_upstream_requests_running", "Requests the upstream says it runs"),
+        "waiting": ("detproxy_upstream_requests_waiting", "Requests the upstream says wait"),
+        "prefix_cache_hit_ratio": (
+            "detproxy_upstream_prefix_cache_hit_ratio",
+            "Prefix cache hits over queries since the last reading",
+        ),
+        "spec_decode_acceptance_rate": (
+            "detproxy_upstream_spec_decode_acceptance_rate",
+            "Accepted over drafted tokens since the last reading",
+        ),
+        "spec_decode_mean_acceptance_length": (
+            "detproxy_upstream_spec_decode_mean_acceptance_length",
+            "1 + accepted tokens per draft since the last reading",
+        ),
+    }
+
+    def __init__(self) -> None:
+        self.current: Fingerprint | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        fp = self.current
+        if fp is None:
+            return
+        info = GaugeMetricFamily(
+            "detproxy_upstream_info",
+            "What the upstream says it runs (value 1)",
+            labels=["kind", "version", "model", "fingerprint"],
+        )
+        for model in fp.models or ("",):
+            info.add_metric([fp.kind, fp.version or "", model, fp.fingerprint], 1)
+        yield info
+        for key, (name, text) in self.GAUGES.items():
+            if key in fp.load:
+                yield GaugeMetricFamily(name, text, value=fp.load[key])
 
 
 class Metrics:
@@ -170,6 +215,13 @@ class Metrics:
             ["model", "action", "outcome"],
             registry=registry,
         )
+        self.upstream_changes = Counter(
+            "detproxy_upstream_changes",
+            "Changes of the upstream's fingerprint (redeploys)",
+            registry=registry,
+        )
+        self.upstream = _UpstreamCollector()
+        registry.register(self.upstream)
         self.shadow_dropped = Counter(
             "detproxy_shadow_dropped",
             "Shadow replays not made or not answered, by reason",
@@ -197,6 +249,12 @@ class Metrics:
         bus.subscribe(ShadowQueue, self._shadow_queue)
         bus.subscribe(LoopDetected, self._loop)
         bus.subscribe(PolicyActed, self._policy)
+        bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
+
+    def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
+        self.upstream.current = ev.fingerprint
+        if ev.changed:
+            self.upstream_changes.inc()
 
     def _loop(self, ev: LoopDetected) -> None:
         self.loops.labels(self.model(ev.model), ev.trigger.channel, ev.trigger.source).inc()

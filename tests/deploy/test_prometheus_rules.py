@@ -59,6 +59,7 @@ def test_every_alert_has_for_severity_annotations_and_a_unit_test() -> None:
         "DetproxyLoopRateHigh",
         "DetproxyShadowsDropped",
         "DetproxyDown",
+        "DetproxyUpstreamChanged",
     }
     tests = (PROMETHEUS_DIR / "detproxy-rules.test.yaml").read_text(encoding="utf-8")
     for alert in alerts:

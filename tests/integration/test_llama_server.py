@@ -154,3 +154,21 @@ def test_client_disconnect_stops_generation(engine: Engine, detproxy_url: str) -
     while engine_busy(engine) != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert engine_busy(engine) == 0
+
+
+def test_fingerprint_of_llama_server(engine: Engine, detproxy_url: str) -> None:
+    import orjson
+
+    deadline = time.monotonic() + 10
+    fp = None
+    while fp is None and time.monotonic() < deadline:
+        with urllib.request.urlopen(detproxy_url + "/detproxy/status") as resp:
+            fp = orjson.loads(resp.read())["upstream_fingerprint"]
+        time.sleep(0.1)
+    assert fp is not None
+    assert fp["kind"] == "llama.cpp" and fp["version"].startswith("b")  # build_info, e.g. b1-...
+    assert fp["models"] == ["smollm2"]
+    assert fp["identity"]["llama"]["total_slots"] == 2
+    assert fp["identity"]["llama"]["model_file"].endswith(".gguf")
+    with urllib.request.urlopen(detproxy_url + "/detproxy/metrics") as resp:
+        assert b'detproxy_upstream_info{fingerprint="' in resp.read()
