@@ -170,3 +170,20 @@ class UpstreamFingerprinted:
     fingerprint: Fingerprint
     previous: Fingerprint | None
     changed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StreamTimed:
+    """How fast a completed stream came, as the client saw it, and how busy detproxy was.
+
+    ``inflight`` counts detproxy's requests in flight when this one arrived (itself included);
+    ``tokens_per_s`` is the decode rate between the first and the last token.
+    """
+
+    endpoint: str
+    model: str
+    inflight: int
+    ttft_s: float
+    inter_token_s: float | None
+    tokens: int
+    tokens_per_s: float | None

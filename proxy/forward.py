@@ -37,12 +37,13 @@ from proxy.events import (
     InspectionStopped,
     RequestFinished,
     RequestStarted,
+    StreamTimed,
     UpstreamFailed,
 )
 from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
 from proxy.inspect.base import InspectorFactory, InspectorSet, StreamInspector
 from proxy.recovery import Attempts, Recovery, abort_chunk, cut_answer, retry_comment
-from proxy.relay import StreamPlan, StreamRelay
+from proxy.relay import StreamPlan, StreamRelay, StreamResult
 from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ _CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 MAX_ATTEMPTS = 8
 _FINISHED = web.RequestKey("detproxy_finished", bool)
 _VIEW = web.RequestKey("detproxy_view", RequestView)
+_INFLIGHT = web.RequestKey("detproxy_inflight_at_start", int)
 
 
 class Forwarder:
@@ -87,6 +89,7 @@ class Forwarder:
         endpoint = ENDPOINTS.get(request.path)
         self.inflight += 1
         self.started += 1
+        request[_INFLIGHT] = self.inflight
         self._bus.publish(RequestStarted(endpoint or "other"))
         t0 = time.monotonic()
         try:
@@ -347,8 +350,30 @@ class Forwarder:
         ):
             self._auditor_done(ticket, accumulator.outcome())
         outcome = "ok" if complete else "upstream_error"
+        if result is not None and result.complete:
+            self._publish_speed(view, request[_INFLIGHT], result)
         self._finish(view, view.endpoint, upstream.status, outcome, t0, first_event_s, request)
         return resp
+
+    def _publish_speed(self, view: RequestView, inflight: int, result: StreamResult) -> None:
+        first, last = result.first_token_s, result.last_token_s
+        if first is None or last is None:
+            return
+        tokens = result.completion_tokens or result.token_events
+        decode_s = last - first
+        self._bus.publish(
+            StreamTimed(
+                endpoint=view.endpoint,
+                model=view.model,
+                inflight=inflight,
+                ttft_s=first,
+                inter_token_s=decode_s / (result.token_events - 1)
+                if result.token_events > 1
+                else None,
+                tokens=tokens,
+                tokens_per_s=(tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+            )
+        )
 
     def _on_stream_trigger(self, attempts: Attempts, trigger: Trigger) -> Decision:
         assert self._recovery is not None

@@ -21,6 +21,7 @@ from proxy.events import (
     RequestStarted,
     ShadowDropped,
     ShadowQueue,
+    StreamTimed,
     UpstreamFailed,
     UpstreamFingerprinted,
 )
@@ -50,6 +51,24 @@ DURATION_BUCKETS = (
 POSITION_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # 1e-6 nats and below is float rounding; 0.25-3 nats is a different computation.
 DELTA_BUCKETS = (1e-9, 1e-6, 1e-4, 1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1)
+RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000)
+INFLIGHT_BUCKETS = (
+    (1, "1"),
+    (2, "2"),
+    (4, "3-4"),
+    (8, "5-8"),
+    (16, "9-16"),
+    (32, "17-32"),
+    (64, "33-64"),
+)
+
+
+def inflight_bucket(n: int) -> str:
+    """A bounded label for a concurrency level: the throughput-versus-concurrency axis."""
+    return next((name for top, name in INFLIGHT_BUCKETS if n <= top), "65+")
+
+
 FIRST_BYTE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -215,6 +234,28 @@ class Metrics:
             ["model", "action", "outcome"],
             registry=registry,
         )
+        speed_labels = ["model", "inflight"]
+        self.ttft = Histogram(
+            "detproxy_time_to_first_token_seconds",
+            "Time to the first streamed token, by detproxy's in-flight requests at arrival",
+            speed_labels,
+            buckets=FIRST_BYTE_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "detproxy_inter_token_latency_seconds",
+            "Mean time between streamed tokens of a request, by in-flight requests",
+            speed_labels,
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.tokens_per_s = Histogram(
+            "detproxy_output_tokens_per_second",
+            "Decode rate of a streamed request (tokens/s), by in-flight requests",
+            speed_labels,
+            buckets=RATE_BUCKETS,
+            registry=registry,
+        )
         self.upstream_changes = Counter(
             "detproxy_upstream_changes",
             "Changes of the upstream's fingerprint (redeploys)",
@@ -250,6 +291,15 @@ class Metrics:
         bus.subscribe(LoopDetected, self._loop)
         bus.subscribe(PolicyActed, self._policy)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
+        bus.subscribe(StreamTimed, self._timed)
+
+    def _timed(self, ev: StreamTimed) -> None:
+        labels = (self.model(ev.model), inflight_bucket(ev.inflight))
+        self.ttft.labels(*labels).observe(ev.ttft_s)
+        if ev.inter_token_s is not None:
+            self.itl.labels(*labels).observe(ev.inter_token_s)
+        if ev.tokens_per_s is not None:
+            self.tokens_per_s.labels(*labels).observe(ev.tokens_per_s)
 
     def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
         self.upstream.current = ev.fingerprint

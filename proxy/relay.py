@@ -53,6 +53,11 @@ class StreamResult:
     trigger: Trigger | None = None
     decision: Retry | Abort | None = None  # the relay stopped early on this
     shown: bool = False  # some of this attempt's content reached the client
+    # Speed as the client sees it: token events (chunks carrying text), seconds since t0.
+    token_events: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    completion_tokens: int | None = None  # from a usage chunk, when the upstream sends one
 
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
@@ -126,6 +131,7 @@ class StreamRelay:
         result = self.result
         if result.first_id is None and isinstance(chunk.get("id"), str):
             result.first_id = chunk["id"]
+        self._time_tokens(chunk)
         if self._inspectors:
             self._inspectors.on_chunk(chunk)
         plan = self._plan
@@ -162,6 +168,33 @@ class StreamRelay:
                     return self._flush_held(b"")
                 return None
         return self._emit(raw)
+
+    def _time_tokens(self, chunk: dict[str, Any]) -> None:
+        choices = chunk.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
+                delta = choice.get("delta")
+                if isinstance(delta, dict):
+                    text = (
+                        delta.get("content")
+                        or delta.get("reasoning")
+                        or delta.get("reasoning_content")
+                    )
+                else:
+                    text = choice.get("text")
+                if text:
+                    result = self.result
+                    now = time.monotonic() - self._t0
+                    if result.first_token_s is None:
+                        result.first_token_s = now
+                    result.last_token_s = now
+                    result.token_events += 1
+                    break
+        usage = chunk.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            self.result.completion_tokens = usage["completion_tokens"]
 
     def _stop_inspecting_hold(self) -> None:
         self._bus.publish(InspectionStopped(self._endpoint, "hold_overflow"))
