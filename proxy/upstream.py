@@ -7,8 +7,9 @@ how vLLM learns a client went away and aborts the generation.
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from yarl import URL
@@ -17,6 +18,7 @@ from proxy.config import UpstreamConfig
 from proxy.errors import UpstreamFailure
 
 Body = bytes | AsyncIterable[bytes] | None
+LARGE_BODY = 1 << 20
 
 
 class UpstreamResponse(Protocol):
@@ -71,9 +73,12 @@ class AiohttpUpstream:
         self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
     ) -> UpstreamResponse:
         url = URL(self._base + raw_path, encoded=True)
+        data: Any = body
+        if isinstance(body, bytes) and len(body) > LARGE_BODY:
+            data = io.BytesIO(body)  # aiohttp streams it instead of one large write
         try:
             resp = await self._session.request(
-                method, url, headers=headers, data=body, allow_redirects=False
+                method, url, headers=headers, data=data, allow_redirects=False
             )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamFailure(
