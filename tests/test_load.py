@@ -1,0 +1,129 @@
+"""Load: hundreds of concurrent streams, every greedy request audited, a loop storm being
+recovered. Bounded in count and time. No client-visible error from detproxy, the shadow queue
+stays within its bound, the retry budget holds, and nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client import CollectorRegistry
+
+from proxy.emulator import EmulatorConfig, EmulatorServer
+from tests.conftest import metric
+
+STREAMS = 300
+
+
+def own_tasks() -> int:
+    """Tasks other than aiohttp's per-connection handlers (idle keep-alive connections keep
+    theirs until the keep-alive timeout; they are pooled, not leaked)."""
+    return sum(
+        1
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "") != "RequestHandler.start"
+    )
+
+
+LOOP_SHARE = 3  # every third request makes the model loop
+
+
+async def test_hundreds_of_streams_audited_with_a_loop_storm(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    async with EmulatorServer(EmulatorConfig(token_latency_s=0.001)) as emu:
+        client = await make_proxy(
+            emu.url,
+            env={
+                "DETPROXY_AUDIT__SAMPLE_RATE": "1",
+                "DETPROXY_AUDIT__QUEUE_SIZE": "64",
+                "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": "4",
+                "DETPROXY_LOOPS__POLICY": "retry",
+                "DETPROXY_LOOPS__RETRY_BUDGET": "0.1",
+                "DETPROXY_LOOPS__RETRY_BUDGET_MIN": "5",
+                "DETPROXY_UPSTREAM__MAX_CONNECTIONS": "512",
+            },
+        )
+        await client.get("/detproxy/health")
+        tasks_before = own_tasks()
+        peak_queue = 0
+        done = asyncio.Event()
+
+        async def watch_queue() -> None:
+            nonlocal peak_queue
+            while not done.is_set():
+                status = await (await client.get("/detproxy/status")).json()
+                peak_queue = max(peak_queue, status["shadow"]["queued"])
+                await asyncio.sleep(0.05)
+
+        async def one(i: int) -> tuple[int, bytes]:
+            headers = {}
+            if i % LOOP_SHARE == 0:
+                headers["X-Emulator-Knobs"] = orjson.dumps(
+                    {"loop_channel": "content", "loop_after_tokens": 4}
+                ).decode()
+            body = {
+                "model": "emulator-model",
+                "temperature": 0,
+                "max_tokens": 120,
+                "stream": True,
+                "messages": [{"role": "user", "content": f"load {i % 17}"}],
+            }
+            resp = await client.post(
+                "/v1/chat/completions",
+                json=body,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=60),
+            )
+            return resp.status, await resp.read()
+
+        watcher = asyncio.create_task(watch_queue())
+        results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(STREAMS))), 90)
+        done.set()
+        await watcher
+        for _ in range(400):  # let the shadows drain
+            status = await (await client.get("/detproxy/status")).json()
+            if status["shadow"]["queued"] == 0 and status["shadow"]["running"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)
+        tasks_after = own_tasks()
+        stats = emu.stats()
+
+    assert all(status == 200 for status, _ in results)
+    assert all(raw.endswith(b"data: [DONE]\n\n") for _, raw in results)  # every stream ended
+    assert not any(b'"error"' in raw for _, raw in results)
+    assert peak_queue <= 64  # the bound held
+    loops = STREAMS // LOOP_SHARE
+    retried = sum(
+        metric(
+            registry,
+            "detproxy_policy_actions_total",
+            model="emulator-model",
+            action="retry",
+            outcome=o,
+        )
+        for o in ("recovered", "looped_again")
+    )
+    assert 5 <= retried <= max(5, 0.1 * STREAMS) + 1  # the budget holds under the storm
+    exhausted = metric(
+        registry,
+        "detproxy_policy_actions_total",
+        model="emulator-model",
+        action="abort",
+        outcome="budget_exhausted",
+    )
+    assert retried + exhausted == loops
+    audited = sum(
+        metric(registry, "detproxy_audits_total", model="emulator-model", mode="full", verdict=v)
+        for v in ("identical", "logprob_drift", "text_divergence")
+    )
+    dropped = sum(
+        metric(registry, "detproxy_shadow_dropped_total", reason=r)
+        for r in ("queue_full", "rate_limit", "token_budget")
+    )
+    assert audited > 0 and audited + dropped >= STREAMS - loops - 1
+    assert stats["running"] == 0  # no upstream request left open
+    assert tasks_after <= tasks_before  # no task left behind
