@@ -196,6 +196,7 @@ async def _status(request: web.Request) -> web.Response:
             "upstream": settings.upstream.url,
             "uptime_s": round(time.time() - app[STARTED_AT], 3),
             "inflight": app[RUNTIME].forwarder.inflight,
+            "tasks": len(asyncio.all_tasks()),
             "audit": app[TALLY].snapshot(),
             "shadow": _shadow_status(app[RUNTIME].scheduler),
             "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
