@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
-import sys
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from proxy.emulator import EmulatorServer
+from tests.processes import detproxy_serve, free_port
 
 TOKEN = "s3cret-admin-token-0123"
-EXE = str(Path(sys.executable).with_name("detproxy"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def test_bearer_token_guards_admin_endpoints_but_not_health(make_proxy: Any) -> None:
@@ -50,38 +40,20 @@ async def test_a_short_token_is_a_config_error() -> None:
 
 
 async def test_separate_admin_listener() -> None:
-    port, admin = free_port(), free_port()
-    async with EmulatorServer() as emu:
-        proc = await asyncio.create_subprocess_exec(
-            EXE,
-            "serve",
-            "--upstream",
-            emu.url,
-            "--port",
-            str(port),
-            env={"DETPROXY_SERVER__ADMIN_PORT": str(admin), "PATH": ""},
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        try:
-            async with aiohttp.ClientSession() as http:
-                main, side = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
-                for _ in range(100):
-                    try:
-                        async with http.get(main + "/detproxy/health") as resp:
-                            if resp.status == 200:
-                                break
-                    except aiohttp.ClientError:
-                        await asyncio.sleep(0.05)
-                async with http.get(main + "/detproxy/metrics") as resp:
-                    assert resp.status == 404  # admin endpoints only on the admin listener
-                async with http.get(side + "/detproxy/metrics") as resp:
-                    assert resp.status == 200 and "detproxy_requests" in await resp.text()
-                async with http.get(side + "/v1/models") as resp:
-                    assert resp.status == 404  # and the admin listener proxies nothing
-                async with http.get(main + "/v1/models") as resp:
-                    assert resp.status == 200
-                async with http.get(side + "/detproxy/health") as resp:
-                    assert resp.status == 200
-        finally:
-            proc.terminate()
-            await asyncio.wait_for(proc.wait(), 30)
+    admin = free_port()
+    async with (
+        EmulatorServer() as emu,
+        detproxy_serve(emu.url, env={"DETPROXY_SERVER__ADMIN_PORT": str(admin)}) as (main, _),
+        aiohttp.ClientSession() as http,
+    ):
+        side = f"http://127.0.0.1:{admin}"
+        async with http.get(main + "/detproxy/metrics") as resp:
+            assert resp.status == 404  # admin endpoints only on the admin listener
+        async with http.get(side + "/detproxy/metrics") as resp:
+            assert resp.status == 200 and "detproxy_requests" in await resp.text()
+        async with http.get(side + "/v1/models") as resp:
+            assert resp.status == 404  # and the admin listener proxies nothing
+        async with http.get(main + "/v1/models") as resp:
+            assert resp.status == 200
+        async with http.get(side + "/detproxy/health") as resp:
+            assert resp.status == 200

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import socket
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -15,16 +13,10 @@ import aiohttp
 import pytest
 
 from proxy.emulator import EmulatorServer
+from tests.processes import detproxy_serve
 
-EXE = str(Path(sys.executable).with_name("detproxy"))
 CHAT = "/v1/chat/completions"
 GOOD = b'{"model":"emulator-model","temperature":0,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}'  # noqa: E501
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rss_kb(pid: int) -> int:
@@ -36,34 +28,13 @@ def rss_kb(pid: int) -> int:
 
 @pytest.fixture
 async def live() -> AsyncIterator[tuple[str, int]]:
-    async with EmulatorServer() as emu:
-        port = free_port()
-        proc = await asyncio.create_subprocess_exec(
-            EXE,
-            "serve",
-            "--upstream",
-            emu.url,
-            "--port",
-            str(port),
-            "--sample-rate",
-            "1",
-            env={"DETPROXY_SERVER__MAX_BODY_BYTES": "1048576", "PATH": ""},
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        base = f"http://127.0.0.1:{port}"
-        async with aiohttp.ClientSession() as http:
-            for _ in range(200):
-                try:
-                    async with http.get(base + "/detproxy/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.05)
-        try:
-            yield base, proc.pid
-        finally:
-            proc.terminate()
-            await asyncio.wait_for(proc.wait(), 30)
+    async with (
+        EmulatorServer() as emu,
+        detproxy_serve(
+            emu.url, "--sample-rate", "1", env={"DETPROXY_SERVER__MAX_BODY_BYTES": "1048576"}
+        ) as (base, proc),
+    ):
+        yield base, proc.pid
 
 
 BODIES: list[tuple[str, bytes, dict[str, str]]] = [

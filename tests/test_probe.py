@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,9 @@ import orjson
 import pytest
 
 from proxy.probe import main
+from tests.processes import free_port
 
 EXE = str(Path(sys.executable).with_name("detproxy"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
-import sys
 import time
 from pathlib import Path
 
@@ -14,64 +12,40 @@ import aiohttp
 import orjson
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
-
-EXE = str(Path(sys.executable).with_name("detproxy"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.processes import detproxy_serve
 
 
 async def test_sigterm_drains_in_flight_streams_and_flushes(tmp_path: Path) -> None:
     incidents = tmp_path / "incidents.jsonl"
     config = tmp_path / "detproxy.toml"
     config.write_text(f'[incidents]\npath = "{incidents}"\n[server]\nshutdown_grace_s = 20\n')
-    async with EmulatorServer(EmulatorConfig(token_latency_s=0.01)) as emu:
-        port = free_port()
-        proc = await asyncio.create_subprocess_exec(
-            EXE,
-            "serve",
-            "--upstream",
-            emu.url,
-            "--port",
-            str(port),
-            "--config",
-            str(config),
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        base = f"http://127.0.0.1:{port}"
-        async with aiohttp.ClientSession() as http:
-            for _ in range(100):
-                try:
-                    async with http.get(base + "/detproxy/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.05)
-            body = {
-                "model": "emulator-model",
-                "temperature": 0,
-                "max_tokens": 100,
-                "stream": True,
-                "messages": [{"role": "user", "content": "drain me"}],
-            }
-            resp = await http.post(base + "/v1/chat/completions", json=body)
-            first = await resp.content.readuntil(b"\n\n")  # the stream is under way
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            rest = await resp.content.read()  # ~1 s of tokens still to come
-            drained = time.monotonic() - t0
-            assert (first + rest).endswith(b"data: [DONE]\n\n")
-            assert drained > 0.3  # it really was still streaming when SIGTERM came
-            await asyncio.sleep(0.3)
-            try:  # no new connections once draining started
-                async with http.get(base + "/detproxy/health") as late:
-                    refused = late.status >= 500
-            except aiohttp.ClientError:
-                refused = True
-            assert refused
+    body = {
+        "model": "emulator-model",
+        "temperature": 0,
+        "max_tokens": 100,
+        "stream": True,
+        "messages": [{"role": "user", "content": "drain me"}],
+    }
+    async with (
+        EmulatorServer(EmulatorConfig(token_latency_s=0.01)) as emu,
+        detproxy_serve(emu.url, "--config", str(config)) as (base, proc),
+        aiohttp.ClientSession() as http,
+    ):
+        resp = await http.post(base + "/v1/chat/completions", json=body)
+        first = await resp.content.readuntil(b"\n\n")  # the stream is under way
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = await resp.content.read()  # ~1 s of tokens still to come
+        drained = time.monotonic() - t0
+        assert (first + rest).endswith(b"data: [DONE]\n\n")
+        assert drained > 0.3  # it really was still streaming when SIGTERM came
+        await asyncio.sleep(0.3)
+        try:  # no new connections once draining started
+            async with http.get(base + "/detproxy/health") as late:
+                refused = late.status >= 500
+        except aiohttp.ClientError:
+            refused = True
+        assert refused
         assert await asyncio.wait_for(proc.wait(), 30) == 0
     lines = [orjson.loads(x) for x in incidents.read_bytes().splitlines()]
     assert lines and lines[-1]["kind"] == "tally"  # flushed at shutdown

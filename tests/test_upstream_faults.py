@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from typing import Any
 
 import orjson
@@ -11,16 +10,11 @@ from aiohttp import ClientTimeout, web
 from prometheus_client import CollectorRegistry
 
 from tests.conftest import metric
+from tests.processes import free_port
 
 CHAT = "/v1/chat/completions"
 EV1 = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 EV2 = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def sse_events(raw: bytes) -> list[bytes]:

@@ -18,16 +18,11 @@ from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
 from proxy.audit.store import ChoiceDigest
 from proxy.emulator import EmulatorServer
 from tests.conftest import metric
+from tests.processes import free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server (Debian package) is not installed"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

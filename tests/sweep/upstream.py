@@ -1,0 +1,70 @@
+"""A scripted OpenAI-compatible upstream: a minimal SSE stream and a /version that can change."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Script:
+    tokens: int = 20
+    delay_s: float = 0.002
+    slow_delay_s: float = 0.02
+    change_version: bool = False  # /version says 0.1.0 once, then 0.2.0
+    alternate_speed: bool = False  # slow after every second /version read (between runs)
+    fail_every: int = 0  # every n-th chat request (not the first) answers HTTP 500
+    version_calls: int = 0
+    chat_calls: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    return _event({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+
+def scripted_app(script: Script) -> web.Application:
+    async def version(request: web.Request) -> web.Response:
+        script.version_calls += 1
+        changed = script.change_version and script.version_calls > 1
+        return web.json_response({"version": "0.2.0" if changed else "0.1.0"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        script.chat_calls += 1
+        script.bodies.append(await request.json())
+        if (
+            script.fail_every
+            and script.chat_calls > 1
+            and script.chat_calls % script.fail_every == 0
+        ):
+            return web.json_response({"error": {"message": "scripted failure"}}, status=500)
+        slow = script.alternate_speed and script.version_calls % 2 == 0
+        delay = script.slow_delay_s if slow else script.delay_s
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        for _ in range(script.tokens):
+            await asyncio.sleep(delay)
+            await resp.write(_chunk({"content": "x"}))
+        await resp.write(_chunk({}, "length"))
+        usage = {"prompt_tokens": 5, "completion_tokens": script.tokens, "total_tokens": 25}
+        await resp.write(_event({"choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
