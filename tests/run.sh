@@ -13,6 +13,7 @@ command -v cmake >/dev/null || missing="$missing cmake"
 command -v g++ >/dev/null || missing="$missing g++ make"
 command -v promtool >/dev/null || missing="$missing prometheus"
 command -v redis-server >/dev/null || missing="$missing redis-server"
+command -v amtool >/dev/null || missing="$missing prometheus-alertmanager"
 if [ -n "$missing" ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
