@@ -71,8 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only check the file is up to date")
     args = parser.parse_args(argv)
     wanted = render(RULES.read_text(encoding="utf-8"))
-    stale = [out for out in OUTPUTS
-             if (out.read_text(encoding="utf-8") if out.exists() else None) != wanted]
+    stale = [
+        out
+        for out in OUTPUTS
+        if (out.read_text(encoding="utf-8") if out.exists() else None) != wanted
+    ]
     if args.check:
         for out in stale:
             print(f"{out} is out of date: run {Path(__file__).name}", file=sys.stderr)
@@ -81,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(wanted, encoding="utf-8")
         print(f"wrote {out}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
