@@ -72,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
     listeners = [server.port] + ([server.admin_port] if server.admin_port is not None else [])
     web.run_app(
         app,
-        host=server.host,
+        # Only the pre-bound sockets: with a host as well, aiohttp would also bind port 8080.
+        host=None,
         port=None,
         sock=[_bind(server.host, port) for port in listeners],
         shutdown_timeout=server.shutdown_grace_s,

@@ -57,3 +57,16 @@ async def test_separate_admin_listener() -> None:
             assert resp.status == 200
         async with http.get(side + "/detproxy/health") as resp:
             assert resp.status == 200
+
+
+async def test_two_processes_on_one_machine() -> None:
+    # Each binds only its own ports (aiohttp would add 8080 if given a host as well).
+    async with (
+        EmulatorServer() as emu,
+        detproxy_serve(emu.url) as (one, _),
+        detproxy_serve(emu.url) as (two, _),
+        aiohttp.ClientSession() as http,
+    ):
+        for base in (one, two):
+            async with http.get(base + "/v1/models") as resp:
+                assert resp.status == 200
