@@ -7,13 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Debian packages: the engine's toolchain, promtool (from prometheus) for the alert rules, and
-# redis-server for the shared duplicate store (the tests start their own on a free port).
+# redis-server for the shared duplicate store and haproxy for the scale-out test (the tests start
+# their own on free ports).
 missing=""
 command -v cmake >/dev/null || missing="$missing cmake"
 command -v g++ >/dev/null || missing="$missing g++ make"
 command -v promtool >/dev/null || missing="$missing prometheus"
 command -v redis-server >/dev/null || missing="$missing redis-server"
 command -v amtool >/dev/null || missing="$missing prometheus-alertmanager"
+command -v haproxy >/dev/null || missing="$missing haproxy"
 if [ -n "$missing" ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
