@@ -88,6 +88,7 @@ TOOLS = {
     "probe": "the two-minute instrument: is greedy output bitwise stable on this upstream?",
     "report": "read incident logs and print rates, agreement and the worst items",
     "demo": "run the emulator, detproxy and a little traffic, and show what was found",
+    "sweep": "throughput, TTFT and ITL per concurrency level, with the spread across repeats",
     "emulator": "run the vLLM emulator (for demos and tests)",
 }
 
@@ -96,6 +97,7 @@ TOOL_MODULES = {
     "probe": "proxy.probe",
     "report": "proxy.report.cli",
     "demo": "proxy.demo",
+    "sweep": "proxy.sweep.cli",
     "emulator": "proxy.emulator.cli",
 }
 

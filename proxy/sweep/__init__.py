@@ -1,0 +1,1 @@
+"""``detproxy sweep``: sustained throughput, TTFT and ITL per concurrency level, with spread."""

@@ -1,0 +1,877 @@
+"""End-to-end proxy benchmark: detproxy next to nginx against a static upstream, in one run.
+
+Run: ``.venv/bin/python tests/bench/bench_proxy.py [--duration 4] [--rounds 2] [--quick]``
+Needs ``nginx`` and ``wrk`` on PATH (Debian: ``apt-get install nginx wrk``). Prints figures only.
+
+What it does, all bound to 127.0.0.1, everything in a temp dir that is removed afterwards:
+
+- writes a vLLM-shaped chat completion (~1 KB JSON) and a ~200-chunk SSE stream of the same
+  kind (one content token per chunk, ``"logprobs": null``, ``data: [DONE]`` at the end);
+- starts nginx #1 (``worker_processes 1``) serving them to ``POST /v1/chat/completions``: the
+  stream when the query has ``bench=sse``, the JSON otherwise. This is the upstream ("direct");
+- starts nginx #2 (``worker_processes 1``) as a plain reverse proxy in front of it
+  (``proxy_buffering off``, HTTP/1.1, keepalive upstream pool): "nginx";
+- starts three detproxy processes in front of nginx #1:
+  ``dp-off`` (audit off, passive checks off, loops disabled: the bare relay),
+  ``dp-audit`` (100% of greedy requests audited; shadows also hit nginx #1, within the
+  default shadow budgets), ``dp-loops`` (audit off, loop inspection on: the default);
+- for each mode (non-streaming, streaming) and concurrency (1, 16, 64) runs wrk against every
+  target back to back, ``--rounds`` times with a rotated order, and keeps the median round;
+- prints, per mode, requests/s, p50 and p99 latency per target and concurrency, the throughput
+  ratio against direct and against nginx, and the p50 added over direct.
+
+Every request is greedy (``"temperature": 0``), so dp-audit really audits it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+Popen = subprocess.Popen[bytes]
+HOST = "127.0.0.1"
+PATH = "/v1/chat/completions"
+MODEL = "Qwen/Qwen3-8B"
+CREATED = 1718000000
+REQ_ID = "chatcmpl-8f3c2a71d4e54b0b9a6f1c2d3e4f5a6b"
+CONCURRENCY = (1, 16, 64)
+MODES = ("json", "sse")
+MODE_TITLE = {"json": "non-streaming (~1 KB JSON answer)", "sse": "streaming (~200 SSE chunks)"}
+
+WORDS = [
+    "the",
+    "model",
+    "returns",
+    "a",
+    "token",
+    "for",
+    "each",
+    "step",
+    "of",
+    "the",
+    "decoding",
+    "loop",
+    "and",
+    "the",
+    "proxy",
+    "relays",
+    "every",
+    "chunk",
+    "as",
+    "it",
+    "arrives",
+    "while",
+    "the",
+    "detector",
+    "keeps",
+    "a",
+    "bounded",
+    "window",
+    "of",
+    "recent",
+    "text",
+    "so",
+    "memory",
+    "stays",
+    "small",
+    "even",
+    "when",
+    "answers",
+    "run",
+    "long",
+    "engineers",
+    "compare",
+    "replay",
+    "outputs",
+    "bit",
+    "for",
+    "bit",
+    "to",
+    "find",
+    "nondeterminism",
+    "in",
+    "batching",
+    "kernels",
+    "cache",
+    "reuse",
+    "or",
+    "sampling",
+    "parameters",
+    "that",
+    "differ",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-generated bodies
+
+
+def _words(n: int, seed: int) -> list[str]:
+    # A deterministic, non-repeating word sequence (an LCG over the vocabulary).
+    out, x = [], seed
+    for _ in range(n):
+        x = (x * 1103515245 + 12345) % (2**31)
+        out.append(WORDS[(x >> 8) % len(WORDS)])
+    return out
+
+
+def make_json_answer(text: str | None = None) -> bytes:
+    if text is None:
+        text = " ".join(_words(95, 7)).capitalize() + "."
+    answer = {
+        "id": REQ_ID,
+        "object": "chat.completion",
+        "created": CREATED,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": None,
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": 24,
+            "total_tokens": 24 + 120,
+            "completion_tokens": 120,
+            "prompt_tokens_details": None,
+        },
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+    return json.dumps(answer, separators=(",", ":")).encode()
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+    obj = {
+        "id": REQ_ID,
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish,
+                **({"stop_reason": None} if finish else {}),
+            }
+        ],
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def stream_words(tokens: int = 200) -> list[str]:
+    return _words(tokens, 11)
+
+
+def make_sse_stream(tokens: int = 200) -> tuple[bytes, int]:
+    parts = [_chunk({"role": "assistant", "content": ""})]
+    words = stream_words(tokens)
+    for i, w in enumerate(words):
+        parts.append(_chunk({"content": (w if i == 0 else " " + w)}))
+    parts.append(_chunk({"content": ""}, finish="stop"))
+    parts.append(b"data: [DONE]\n\n")
+    return b"".join(parts), len(parts)
+
+
+def request_body(stream: bool) -> bytes:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Explain how a reverse proxy relays a token stream."},
+        ],
+        "temperature": 0,
+        "max_tokens": 256,
+        "stream": stream,
+    }
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode} at start (see its log)")
+        try:
+            with socket.create_connection((HOST, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{what} did not listen on {port} within {timeout}s")
+
+
+NGINX_COMMON = """\
+worker_processes 1;
+daemon off;
+pid {dir}/{name}.pid;
+error_log {dir}/{name}.error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/tmp/{name}-body;
+    proxy_temp_path {dir}/tmp/{name}-proxy;
+    fastcgi_temp_path {dir}/tmp/{name}-fcgi;
+    uwsgi_temp_path {dir}/tmp/{name}-uwsgi;
+    scgi_temp_path {dir}/tmp/{name}-scgi;
+    types {{ }}
+    sendfile on;
+    tcp_nodelay on;
+    keepalive_requests 10000000;
+    keepalive_timeout 300s;
+{body}
+}}
+"""
+
+# POST to a static file gets 405 from nginx's static module; error_page turns it into an
+# internal redirect (as GET) to the same file with status 200.
+NGINX_STATIC = """\
+    server {{
+        listen {host}:{port};
+        root {dir}/www;
+        location = {path} {{
+            if ($arg_bench = "sse") {{ rewrite ^ /chat.sse last; }}
+            rewrite ^ /chat.json last;
+        }}
+        location = /chat.json {{
+            default_type application/json;
+            error_page 405 =200 $uri;
+        }}
+        location = /chat.sse {{
+            default_type text/event-stream;
+            add_header Cache-Control no-cache;
+            error_page 405 =200 $uri;
+        }}
+    }}
+    # dp-audit's reference_url: shadows are non-streamed even when the primary streamed, but
+    # keep its path (and so ?bench=sse); this listener of the same nginx always answers JSON,
+    # for streams the non-streamed twin of the SSE file (same text), so audits agree.
+    server {{
+        listen {host}:{shadow_port};
+        root {dir}/www;
+        location / {{
+            if ($arg_bench = "sse") {{ rewrite ^ /chat-sse.json last; }}
+            rewrite ^ /chat.json last;
+        }}
+        location ~ ^/chat(-sse)?\\.json$ {{
+            default_type application/json;
+            error_page 405 =200 $uri;
+        }}
+    }}
+"""
+
+NGINX_PROXY = """\
+    upstream static_upstream {{
+        server {host}:{upstream_port};
+        keepalive 256;
+    }}
+    server {{
+        listen {host}:{port};
+        location / {{
+            proxy_pass http://static_upstream;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+"""
+
+DETPROXY_CONFIGS = {
+    "dp-off": """\
+[audit]
+sample_rate = 0.0
+passive_checks = false
+[loops]
+enabled = false
+""",
+    "dp-audit": """\
+[audit]
+sample_rate = 1.0
+reference_url = "{shadow_url}"
+passive_checks = false
+[loops]
+enabled = false
+""",
+    "dp-loops": """\
+[audit]
+sample_rate = 0.0
+passive_checks = false
+[loops]
+enabled = true
+""",
+}
+
+
+# ``detproxy serve`` as the CLI runs it, except for one thing: proxy/cli.py passes both
+# ``host=`` and ``sock=`` to aiohttp's run_app, and aiohttp then also binds host:8080 (its
+# default port), so a second detproxy on the machine fails to start. The launcher drops
+# ``host`` when ``sock`` is given; once the CLI stops passing it this changes nothing.
+LAUNCHER = """\
+import sys
+from aiohttp import web
+_run_app = web.run_app
+def run_app(app, *a, **kw):
+    if kw.get("sock") is not None:
+        kw.pop("host", None)
+    return _run_app(app, *a, **kw)
+web.run_app = run_app
+from proxy.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    what: str
+    proc: subprocess.Popen[bytes] | None = None
+
+
+@dataclass
+class Bench:
+    tmp: Path
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+
+    def spawn(self, argv: list[str], log_name: str, cwd: Path | None = None) -> Popen:
+        log = open(self.tmp / log_name, "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd
+        )
+        self.procs.append(proc)
+        return proc
+
+    def nginx(self, name: str, body: str, port: int) -> Popen:
+        conf = NGINX_COMMON.format(dir=self.tmp, name=name, body=body)
+        path = self.tmp / f"{name}.conf"
+        path.write_text(conf)
+        proc = self.spawn(
+            ["nginx", "-p", str(self.tmp), "-c", str(path), "-e", str(self.tmp / f"{name}.err")],
+            f"{name}.log",
+        )
+        wait_port(port, proc, f"nginx ({name})")
+        return proc
+
+    def start(self, log_level: str) -> None:
+        tmp = self.tmp
+        (tmp / "www").mkdir()
+        (tmp / "tmp").mkdir()
+        answer = make_json_answer()
+        stream, events = make_sse_stream()
+        (tmp / "www" / "chat.json").write_bytes(answer)
+        (tmp / "www" / "chat.sse").write_bytes(stream)
+        # What a shadow of a streamed request gets (see NGINX_STATIC): the same text, whole.
+        (tmp / "www" / "chat-sse.json").write_bytes(make_json_answer(" ".join(stream_words())))
+        self.answer, self.stream, self.events = answer, stream, events
+        (tmp / "json.lua").write_text(wrk_script(request_body(False)))
+        (tmp / "sse.lua").write_text(wrk_script(request_body(True)))
+
+        up, shadow = free_port(), free_port()
+        self.nginx(
+            "static",
+            NGINX_STATIC.format(host=HOST, port=up, shadow_port=shadow, dir=tmp, path=PATH),
+            up,
+        )
+        self.targets.append(Target("direct", up, "nginx static files (the upstream)"))
+        px = free_port()
+        self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
+        self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off"))
+        for name, conf in DETPROXY_CONFIGS.items():
+            port = free_port()
+            cfg = tmp / f"{name}.toml"
+            cfg.write_text(conf.format(shadow_url=f"http://{HOST}:{shadow}"))
+            proc = self.spawn(
+                [
+                    sys.executable,
+                    "-c",
+                    LAUNCHER,
+                    "serve",
+                    "--config",
+                    str(cfg),
+                    "--upstream",
+                    f"http://{HOST}:{up}",
+                    "--host",
+                    HOST,
+                    "--port",
+                    str(port),
+                    "--log-level",
+                    log_level,
+                ],
+                f"{name}.log",
+                cwd=tmp,
+            )
+            wait_port(port, proc, f"detproxy ({name})")
+            what = {
+                "dp-off": "detproxy, audit off, loops disabled",
+                "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
+                "dp-loops": "detproxy, audit off, loop inspection on (default)",
+            }[name]
+            self.targets.append(Target(name, port, what, proc))
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                nginx = isinstance(proc.args, list) and proc.args[0] == "nginx"
+                proc.send_signal(signal.SIGQUIT if nginx else signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def wrk_script(body: bytes) -> str:
+    return (
+        'wrk.method = "POST"\n'
+        f"wrk.body = {lua_string(body)}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        'wrk.headers["Authorization"] = "Bearer bench"\n'
+    )
+
+
+def lua_string(data: bytes) -> str:
+    # A long bracket string cannot hold "]==]": pick a level that does not occur.
+    text = data.decode()
+    level = 0
+    while f"]{'=' * level}]" in text:
+        level += 1
+    eq = "=" * level
+    return f"[{eq}[{text}]{eq}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks and measurement
+
+
+def url(target: Target, mode: str) -> str:
+    return f"http://{HOST}:{target.port}{PATH}" + ("?bench=sse" if mode == "sse" else "")
+
+
+def fetch(target: Target, mode: str) -> tuple[int, dict[str, str], bytes]:
+    req = urllib.request.Request(
+        url(target, mode),
+        data=request_body(mode == "sse"),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return resp.status, dict(resp.headers), resp.read()
+
+
+def check(bench: Bench) -> None:
+    """Every target answers both modes with the expected body, before anything is measured."""
+    for target in bench.targets:
+        for mode in MODES:
+            status, headers, body = fetch(target, mode)
+            problems = []
+            if status != 200:
+                problems.append(f"status {status}")
+            if mode == "sse":
+                if not headers.get("Content-Type", "").startswith("text/event-stream"):
+                    problems.append(f"content-type {headers.get('Content-Type')}")
+                if body.count(b"\n\n") != bench.events or not body.endswith(b"data: [DONE]\n\n"):
+                    problems.append(f"{body.count(chr(10).encode() * 2)} events")
+            elif json.loads(body) != json.loads(bench.answer):
+                problems.append("JSON answer differs")
+            if problems:
+                raise SystemExit(f"{target.name} {mode}: " + ", ".join(problems))
+
+
+_UNIT = {"us": 1e-3, "ms": 1.0, "s": 1000.0, "m": 60000.0}
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if not m:
+        raise ValueError(f"cannot parse wrk latency {text!r}")
+    return float(m.group(1)) * _UNIT[m.group(2)]
+
+
+@dataclass
+class Sample:
+    rps: float
+    p50: float  # ms
+    p99: float  # ms
+    requests: int
+    errors: int  # non-2xx responses plus socket errors
+
+
+def _find(pattern: str, out: str) -> str:
+    m = re.search(pattern, out, re.M)
+    if m is None:
+        raise SystemExit(f"unexpected wrk output (no {pattern!r}):\n{out}")
+    return m.group(1)
+
+
+def parse_wrk(out: str) -> Sample:
+    rps = float(_find(r"Requests/sec:\s+([\d.]+)", out))
+    p50 = _ms(_find(r"^\s+50%\s+(\S+)", out))
+    p99 = _ms(_find(r"^\s+99%\s+(\S+)", out))
+    requests = int(_find(r"(\d+) requests in", out))
+    errors = 0
+    m = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    if m:
+        errors += int(m.group(1))
+    m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    if m:
+        errors += sum(int(x) for x in m.groups())
+    return Sample(rps, p50, p99, requests, errors)
+
+
+def run_wrk(bench: Bench, target: Target, mode: str, conns: int, duration: float) -> Sample:
+    argv = [
+        "wrk",
+        "-t",
+        "1",
+        "-c",
+        str(conns),
+        "-d",
+        f"{duration:g}s",
+        "--timeout",
+        "10s",
+        "--latency",
+        "-s",
+        str(bench.tmp / f"{mode}.lua"),
+        url(target, mode),
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30)
+    if out.returncode != 0:
+        raise SystemExit(f"wrk failed on {target.name}: {out.stderr or out.stdout}")
+    return parse_wrk(out.stdout)
+
+
+def metric_lines(target: Target, prefixes: tuple[str, ...]) -> list[str]:
+    try:
+        with urllib.request.urlopen(
+            f"http://{HOST}:{target.port}/detproxy/metrics", timeout=5
+        ) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        return [f"(metrics unavailable: {exc})"]
+    return [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith(prefixes)
+        and not ln.startswith("#")
+        and not ln.endswith(" 0.0")
+        and "_created" not in ln
+        and "_bucket" not in ln
+    ]
+
+
+def rss_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def machine(tools: bool = True) -> list[str]:
+    cpu = "unknown"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    try:
+        from importlib.metadata import version
+
+        dp = (
+            f"detproxy {version('detproxy')}, aiohttp {version('aiohttp')}, "
+            f"orjson {version('orjson')}, xxhash {version('xxhash')}"
+        )
+    except Exception:
+        dp = "detproxy (version unknown)"
+    versions = f"Python {platform.python_version()}; {dp}"
+    if tools:
+        nginx_v = subprocess.run(["nginx", "-v"], capture_output=True, text=True).stderr.strip()
+        wrk_run = subprocess.run(["wrk", "-v"], capture_output=True, text=True)
+        wrk_v = (wrk_run.stdout or wrk_run.stderr).splitlines()[0].split(" Copyright")[0].strip()
+        versions = f"{nginx_v.replace('nginx version: ', '')}; {wrk_v}; {versions}"
+    return [
+        f"machine : {cpu}, {os.cpu_count()} cores, {platform.platform()}",
+        f"versions: {versions}",
+    ]
+
+
+def fmt_ms(v: float) -> str:
+    return f"{v:.3f}" if v < 10 else f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def print_table(
+    mode: str,
+    results: dict[tuple[str, int, str], Sample],
+    targets: list[Target],
+    concs: tuple[int, ...],
+) -> None:
+    print(
+        f"\n== {MODE_TITLE[mode]} ==  (req/s; latency in ms; xD, xN: req/s against direct"
+        f" and nginx; +p50: p50 added over direct, ms)"
+    )
+    cell = f"{'req/s':>8} {'p50':>7} {'p99':>7} {'xD':>5} {'xN':>5} {'+p50':>6}"
+    width = len(cell)
+    print(f"{'':9}" + " | ".join(f"{'c=' + str(c):^{width}}" for c in concs))
+    print(f"{'target':9}" + " | ".join(cell for _ in concs))
+    for target in targets:
+        cells = []
+        for c in concs:
+            s = results[(mode, c, target.name)]
+            d = results[(mode, c, "direct")]
+            n = results[(mode, c, "nginx")]
+            cells.append(
+                f"{s.rps:8.0f} {fmt_ms(s.p50):>7} {fmt_ms(s.p99):>7} "
+                f"{s.rps / d.rps:5.2f} {s.rps / n.rps:5.2f} {s.p50 - d.p50:+6.2f}"
+            )
+        print(f"{target.name:9}" + " | ".join(cells))
+
+
+def median_sample(samples: list[Sample]) -> Sample:
+    """Per-figure median over the rounds (with two rounds: their mean)."""
+    return Sample(
+        statistics.median(s.rps for s in samples),
+        statistics.median(s.p50 for s in samples),
+        statistics.median(s.p99 for s in samples),
+        sum(s.requests for s in samples),
+        sum(s.errors for s in samples),
+    )
+
+
+def _frame(frame: str) -> str:
+    # "func (path/to/file.py:123)" -> "func (file.py)": lines vary within one function.
+    m = re.match(r"(.*?) \((.*?)(?::\d+)?\)$", frame)
+    if not m:
+        return frame
+    path = m.group(2)
+    for marker in ("site-packages/", "/work/main/", "lib/python3"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    return f"{m.group(1)} ({path})"
+
+
+def profile(bench: Bench, target: Target, mode: str, conns: int, seconds: float, top: int) -> None:
+    """py-spy (sampling) on one detproxy process while wrk loads it; top frames by self and
+    total time, as shares of the samples taken while the process was busy."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).exists():
+        print("\n(--profile: py-spy not found; pip install py-spy into the venv)")
+        return
+    assert target.proc is not None
+    out = bench.tmp / f"profile-{target.name}.txt"
+    rec = subprocess.Popen(
+        [
+            spy,
+            "record",
+            "--pid",
+            str(target.proc.pid),
+            "--duration",
+            str(int(seconds) + 1),
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(0.5)
+    sample = run_wrk(bench, target, mode, conns, seconds)
+    rec.wait(timeout=seconds + 30)
+    selfs: dict[str, int] = {}
+    totals: dict[str, int] = {}
+    n = 0
+    idle = 0
+    for line in out.read_text().splitlines() if out.exists() else []:
+        stack, _, count = line.rpartition(" ")
+        frames = [_frame(f) for f in stack.split(";") if f]
+        k = int(count)
+        n += k
+        if frames and frames[-1].startswith(("select (", "poll (", "_run_once (")):
+            idle += k
+            continue
+        if frames:
+            selfs[frames[-1]] = selfs.get(frames[-1], 0) + k
+        for f in set(frames):
+            totals[f] = totals.get(f, 0) + k
+    busy = n - idle
+    print(
+        f"\n== py-spy: {target.name}, {MODE_TITLE[mode]}, c={conns}, {seconds:g}s: "
+        f"{sample.rps:.0f} req/s; {n} samples, {100 * busy / max(n, 1):.0f}% busy =="
+    )
+    if busy <= 0:
+        print("  (no busy samples: is ptrace allowed?)")
+        return
+    print("  self %  function (file)")
+    for f, k in sorted(selfs.items(), key=lambda x: -x[1])[:top]:
+        print(f"  {100 * k / busy:6.1f}  {f}")
+    print("  total %  function (file), detproxy's own frames")
+    own = {f: k for f, k in totals.items() if "(proxy/" in f or "(policies/" in f}
+    for f, k in sorted(own.items(), key=lambda x: -x[1])[:top]:
+        print(f"  {100 * k / busy:6.1f}  {f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=4.0, help="seconds per wrk run (default 4)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    ap.add_argument("--quick", action="store_true", help="1 round of 2 s: a smoke run")
+    ap.add_argument(
+        "--concurrency",
+        default=",".join(map(str, CONCURRENCY)),
+        help="comma-separated wrk connection counts (default 1,16,64)",
+    )
+    ap.add_argument("--modes", default="json,sse", help="json, sse or both (default)")
+    ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level (default WARNING)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    ap.add_argument(
+        "--profile",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="after the tables, py-spy dp-off and dp-loops on streams at c=16",
+    )
+    args = ap.parse_args()
+    if args.quick:
+        args.duration, args.rounds = 2.0, 1
+    concs = tuple(int(c) for c in args.concurrency.split(","))
+    modes = tuple(m for m in args.modes.split(",") if m)
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None:
+            print(f"{tool} not found on PATH: apt-get install -y nginx wrk", file=sys.stderr)
+            return 2
+    try:
+        import proxy.cli  # noqa: F401  (detproxy installed in this interpreter)
+    except ImportError:
+        print("run with the venv's python: detproxy (proxy.cli) is not importable", file=sys.stderr)
+        return 2
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < min(hard, 16384):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 16384), hard))
+
+    tmp = Path(tempfile.mkdtemp(prefix="detproxy-bench-"))
+    tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
+    bench = Bench(tmp)
+    runs = len(modes) * len(concs) * 5 * args.rounds
+    print("\n".join(machine()))
+    print(
+        f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
+        f" concurrency {','.join(map(str, concs))}, {args.rounds} interleaved round(s);"
+        f" about {runs * (args.duration + 0.3) + 15:.0f}s"
+    )
+    t_start = time.monotonic()
+    try:
+        bench.start(args.log_level)
+        check(bench)
+        print(
+            f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
+            f" {bench.events} events (~{len(bench.stream) // bench.events} B each)"
+        )
+        for t in bench.targets:
+            print(f"  {t.name:9} :{t.port:<5}  {t.what}")
+        # Warm-up: every target, both modes, so first-connection costs are not measured.
+        for t in bench.targets:
+            for mode in modes:
+                run_wrk(bench, t, mode, 16, 1)
+        rss_before = {t.name: rss_kb(t.proc.pid) for t in bench.targets if t.proc}
+        raw: dict[tuple[str, int, str], list[Sample]] = {}
+        order = list(bench.targets)
+        for mode in modes:
+            for c in concs:
+                for r in range(args.rounds):
+                    k = r % len(order)
+                    for t in order[k:] + order[:k]:  # rotate who goes first each round
+                        raw.setdefault((mode, c, t.name), []).append(
+                            run_wrk(bench, t, mode, c, args.duration)
+                        )
+                print(
+                    f"  ... {mode} c={c} done ({time.monotonic() - t_start:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        results = {k: median_sample(v) for k, v in raw.items()}
+        for mode in modes:
+            print_table(mode, results, bench.targets, concs)
+        errors = {k: v.errors for k, v in results.items() if v.errors}
+        print(f"\nerrors (non-2xx + socket errors, all rounds): {errors or 'none'}")
+        print(
+            "detproxy RSS (MB), after warm-up -> after the run: "
+            + ", ".join(
+                f"{t.name} {rss_before[t.name] / 1024:.0f} -> {rss_kb(t.proc.pid) / 1024:.0f}"
+                for t in bench.targets
+                if t.proc
+            )
+        )
+        audit = next(t for t in bench.targets if t.name == "dp-audit")
+        print("dp-audit metrics (non-zero):")
+        for line in metric_lines(
+            audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests")
+        ):
+            print(f"  {line}")
+        if args.profile > 0:
+            for mode in modes:
+                for t in bench.targets:
+                    if t.name == "dp-off" or (t.name == "dp-loops" and mode == "sse"):
+                        profile(bench, t, mode, 16, args.profile, 18)
+        print(f"total {time.monotonic() - t_start:.0f}s")
+    finally:
+        bench.stop()
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
