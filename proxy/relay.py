@@ -146,9 +146,8 @@ class StreamRelay:
                     return None
         raw = event.raw
         changed = False
-        if plan.strip_logprobs and "choices" in chunk:
-            strip_logprobs(chunk)  # logprobs detproxy injected: the client did not ask
-            changed = True
+        if plan.strip_logprobs and strip_logprobs(chunk):
+            changed = True  # logprobs detproxy injected: the client did not ask
         if plan.id_override is not None and chunk.get("id") != plan.id_override:
             chunk["id"] = plan.id_override
             changed = True

@@ -8,7 +8,7 @@ bounded: a partial event larger than ``max_event_bytes`` raises ``SSEOverflow``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 
@@ -24,8 +24,9 @@ class SSEOverflow(Exception):
         self.pending = pending
 
 
-@dataclass(frozen=True, slots=True)
-class SSEEvent:
+class SSEEvent(NamedTuple):
+    """One event. A NamedTuple, not a dataclass: one is built per streamed chunk."""
+
     raw: bytes  # the event's bytes as received, terminating blank line included
     data: bytes | None  # data lines joined with b"\n"; None when the event had no data field
     event: str | None = None
@@ -64,7 +65,10 @@ class SSEDecoder:
             start = end + 2
             if block:
                 # Stray blank lines before an event stay in its raw bytes, so none are lost.
-                events.append(_parse_block(buf[ev_start:start], block.split(b"\n")))
+                if block[:6] == b"data: " and b"\n" not in block:  # what every server sends
+                    events.append(SSEEvent(buf[ev_start:start], block[6:]))
+                else:
+                    events.append(_parse_block(buf[ev_start:start], block.split(b"\n")))
                 ev_start = start
         self._keep(buf, ev_start)
         return events

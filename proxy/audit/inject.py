@@ -39,13 +39,18 @@ def plan_logprobs(
     return LogprobPlan({**body, "logprobs": k}, injected=True)
 
 
-def strip_logprobs(answer: dict[str, Any]) -> None:
-    """Set every choice's logprobs back to null, in place (a chunk or a whole answer)."""
+def strip_logprobs(answer: dict[str, Any]) -> bool:
+    """Set every choice's logprobs back to null, in place (a chunk or a whole answer).
+
+    Returns whether anything changed, so an unchanged chunk keeps its original bytes."""
+    changed = False
     choices = answer.get("choices")
     if isinstance(choices, list):
         for choice in choices:
-            if isinstance(choice, dict) and "logprobs" in choice:
+            if isinstance(choice, dict) and choice.get("logprobs") is not None:
                 choice["logprobs"] = None
+                changed = True
+    return changed
 
 
 def logprob_params(body: dict[str, Any]) -> dict[str, Any]:
