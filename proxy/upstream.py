@@ -77,9 +77,21 @@ class AiohttpUpstream:
         if isinstance(body, bytes) and len(body) > LARGE_BODY:
             data = io.BytesIO(body)  # aiohttp streams it instead of one large write
         try:
-            resp = await self._session.request(
-                method, url, headers=headers, data=data, allow_redirects=False
-            )
+            try:
+                resp = await self._session.request(
+                    method, url, headers=headers, data=data, allow_redirects=False
+                )
+            except aiohttp.ServerDisconnectedError:
+                # A pooled keep-alive connection the upstream had already closed (seen with
+                # llama.cpp's server under load): nothing was answered, so try once more on a
+                # fresh connection. A streamed request body cannot be sent twice.
+                if not isinstance(body, bytes | None):
+                    raise
+                if isinstance(data, io.BytesIO):
+                    data.seek(0)
+                resp = await self._session.request(
+                    method, url, headers=headers, data=data, allow_redirects=False
+                )
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamFailure(
                 502, f"upstream refused the connection: {exc.os_error}", "refused"
@@ -104,7 +116,13 @@ def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         sock_connect=config.connect_timeout_s,
         sock_read=config.read_timeout_s,
     )
-    connector = aiohttp.TCPConnector(limit=config.max_connections, limit_per_host=0)
+    connector = aiohttp.TCPConnector(
+        limit=config.max_connections,
+        limit_per_host=0,
+        # Below the upstream's own idle timeout (uvicorn, hence vLLM: 5 s), so an idle pooled
+        # connection is dropped here before the upstream closes it under a new request.
+        keepalive_timeout=config.keepalive_timeout_s,
+    )
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,

@@ -218,3 +218,47 @@ async def test_client_disconnect_while_waiting_closes_upstream(
         metric(registry, "detproxy_client_disconnects_total", endpoint="chat", stream="false") == 1
     )
     assert metric(registry, "detproxy_inflight_requests") == 0
+
+
+async def test_a_stale_keepalive_connection_is_retried_once(make_proxy: Any) -> None:
+    """The upstream answers the first request, keeps the connection, then drops it when the
+    next request arrives on it without answering (a keep-alive it had given up on)."""
+    answer = b'{"choices":[{"index":0,"message":{"content":"ok"},"finish_reason":"stop"}]}'
+    seen: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = len(seen)
+        seen.append(0)
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(
+                next(
+                    line.split(b":")[1]
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+            )
+            await reader.readexactly(length)
+            seen[conn] += 1
+            if seen[conn] == 2:  # the second request on this connection: hang up, no answer
+                writer.close()
+                return
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(answer), answer)
+            )
+            await writer.drain()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        client = await make_proxy(
+            f"http://127.0.0.1:{port}", env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
+        )
+        for _ in range(2):
+            resp = await client.post(CHAT, json={"model": "m"})
+            assert resp.status == 200 and (await resp.json())["choices"][0]["message"]
+        assert seen == [2, 1]  # the dropped request went again, on a new connection
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -22,7 +22,8 @@ if [ ! -f "$out/llama-src.tar.gz" ]; then
     --exclude='ggml/src/ggml-vulkan' --exclude='ggml/src/ggml-hexagon' \
     --exclude='ggml/src/ggml-webgpu' --exclude='ggml/src/ggml-zdnn' --exclude='ggml/src/ggml-et' \
     --exclude='tools/server/webui' --exclude='*.png' --exclude='*.jpg' \
-    CMakeLists.txt cmake common ggml include src tools vendor licenses
+    CMakeLists.txt cmake common ggml include src tools vendor licenses app \
+    scripts/ui-assets.cmake
 fi
 if [ ! -d "$out/wheels" ]; then
   python3 -m pip download -q --only-binary :all: --python-version 3.12 \
