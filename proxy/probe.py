@@ -26,6 +26,9 @@ import orjson
 from proxy.audit.outcome import outcome_from_response
 
 Vector = tuple[str, tuple[tuple[str, float], ...]]
+# Short background requests: frequent prefills, so the probe's own prefill often shares a
+# batch with another one (decode-only company leaves some engines' first token unchanged).
+BACKGROUND_TOKENS = 16
 
 
 class ProbeError(Exception):
@@ -107,7 +110,9 @@ class Prober:
         """Keep one request in flight until told to stop (bounded by the probe's duration)."""
         while not stop.is_set():
             with contextlib.suppress(aiohttp.ClientError):
-                async with self._http.post(self._url, json=self._body(prompt, 64, False)) as r:
+                async with self._http.post(
+                    self._url, json=self._body(prompt, BACKGROUND_TOKENS, False)
+                ) as r:
                     await r.read()
 
     async def level(
@@ -128,6 +133,8 @@ class Prober:
             for i in range(level - 1)
         ]
         try:
+            if fillers:  # let the background load build up before measuring under it
+                await asyncio.sleep(self._args.load_settle)
             results = []
             for p, prompt in enumerate(prompts):
                 vectors = []
@@ -200,6 +207,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         help='JSON merged into every request, e.g. {"cache_prompt": false}',
     )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument(
+        "--load-settle",
+        type=float,
+        default=0.5,
+        help="seconds the background load runs before a level is measured",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:

@@ -209,7 +209,7 @@ def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> No
                     "--model",
                     engine.model,
                     "--runs",
-                    "4",
+                    "8",
                     "--prompt",
                     PROMPTS[0],
                     "--concurrency",
