@@ -58,3 +58,13 @@ async def detproxy_serve(
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 30)
+
+
+def own_tasks() -> int:
+    """Tasks in this loop other than aiohttp's per-connection handlers: idle keep-alive
+    connections keep theirs until the keep-alive timeout (pooled, not leaked)."""
+    return sum(
+        1
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__qualname__", "") != "RequestHandler.start"
+    )

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
 from tests.conftest import metric
+from tests.processes import own_tasks
 
 FAULTS = [
     "reset_mid_stream",
@@ -22,14 +23,6 @@ FAULTS = [
     "malformed_json",
     "inband_error",
 ]
-
-
-def own_tasks() -> int:
-    return sum(
-        1
-        for t in asyncio.all_tasks()
-        if getattr(t.get_coro(), "__qualname__", "") != "RequestHandler.start"
-    )
 
 
 @pytest.mark.parametrize("stream", [True, False])

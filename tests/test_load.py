@@ -13,18 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
 from tests.conftest import metric
+from tests.processes import own_tasks
 
 STREAMS = 300
-
-
-def own_tasks() -> int:
-    """Tasks other than aiohttp's per-connection handlers (idle keep-alive connections keep
-    theirs until the keep-alive timeout; they are pooled, not leaked)."""
-    return sum(
-        1
-        for t in asyncio.all_tasks()
-        if getattr(t.get_coro(), "__qualname__", "") != "RequestHandler.start"
-    )
 
 
 LOOP_SHARE = 3  # every third request makes the model loop
