@@ -10,17 +10,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry, Trigger
+from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry
 from policies.budget import RetryBudget
 from proxy.audit.auditor import Auditor, AuditTicket
 from proxy.audit.inject import strip_logprobs
-from proxy.audit.outcome import Outcome, StreamAccumulator, outcome_from_response
+from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.body import (
     BadRequest,
     ensure_json_content_type,
@@ -30,33 +30,28 @@ from proxy.body import (
 )
 from proxy.classify import ENDPOINTS, RequestView, classify
 from proxy.config import Settings
-from proxy.errors import UpstreamFailure, error_response, inband_error_event
+from proxy.errors import UpstreamFailure, error_response
 from proxy.events import (
     ClientDisconnected,
     EventBus,
     InspectionStopped,
     RequestFinished,
     RequestStarted,
-    StreamTimed,
     UpstreamFailed,
 )
 from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
-from proxy.inspect.base import InspectorFactory, InspectorSet, StreamInspector
-from proxy.recovery import Attempts, Recovery, abort_chunk, cut_answer, retry_comment
-from proxy.relay import StreamPlan, StreamRelay, StreamResult
-from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
+from proxy.inspect.base import InspectorFactory
+from proxy.recovery import Attempts, Recovery, cut_answer
+from proxy.streaming import CLIENT_GONE, INFLIGHT, MAX_ATTEMPTS, StreamResponses
+from proxy.upstream import Upstream, read_error_kind
 
 log = logging.getLogger(__name__)
 
-_CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
-# A hard stop under whatever the policies decide; their own budgets are tighter.
-MAX_ATTEMPTS = 8
 _FINISHED = web.RequestKey("detproxy_finished", bool)
 _VIEW = web.RequestKey("detproxy_view", RequestView)
-_INFLIGHT = web.RequestKey("detproxy_inflight_at_start", int)
 
 
-class Forwarder:
+class Forwarder(StreamResponses):
     """Handles client requests against one upstream. One instance per app."""
 
     def __init__(
@@ -89,7 +84,7 @@ class Forwarder:
         endpoint = ENDPOINTS.get(request.path)
         self.inflight += 1
         self.started += 1
-        request[_INFLIGHT] = self.inflight
+        request[INFLIGHT] = self.inflight
         self._bus.publish(RequestStarted(endpoint or "other"))
         t0 = time.monotonic()
         try:
@@ -183,7 +178,7 @@ class Forwarder:
                 )
             try:
                 payload = await upstream.read()
-            except _CLIENT_GONE:
+            except CLIENT_GONE:
                 upstream.close()
                 self._client_left(view, endpoint, t0, None, request)
                 raise
@@ -253,158 +248,6 @@ class Forwarder:
             log.exception("audit of %s failed", ticket.request_id)
             self._bus.publish(InspectionStopped(ticket.view.endpoint, "audit_error"))
 
-    async def _stream(
-        self,
-        request: web.Request,
-        upstream: UpstreamResponse,
-        view: RequestView,
-        rid: str,
-        t0: float,
-        ticket: AuditTicket | None,
-        attempts: Attempts,
-        headers: Mapping[str, str],
-        sent: dict[str, Any],
-    ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            status=upstream.status, headers=client_response_headers(upstream.headers, rid)
-        )
-        recovery = self._recovery
-        first_id: str | None = None
-        first_event_s: float | None = None
-        inspectors = InspectorSet([], on_failure=lambda name: None)
-        result = None
-        try:
-            await resp.prepare(request)
-            while True:
-                found: list[StreamInspector] = [
-                    i for f in self._inspector_factories if (i := f(view)) is not None
-                ]
-                accumulator = None
-                if ticket is not None:
-                    accumulator = StreamAccumulator(view.endpoint)
-                    found.append(accumulator)
-                inspectors = InspectorSet(
-                    found,
-                    on_failure=lambda name: self._bus.publish(
-                        InspectionStopped(view.endpoint, "inspector_error")
-                    ),
-                )
-                watch = recovery.watch(view.endpoint) if recovery is not None else None
-                plan = StreamPlan(
-                    strip_logprobs=ticket is not None and ticket.injected,
-                    id_override=first_id,
-                    hold_reasoning=recovery is not None and recovery.hold_reasoning,
-                    hold_max_bytes=recovery.hold_max_bytes if recovery is not None else 0,
-                    loop_watch=watch,
-                    on_trigger=(lambda trig: self._on_stream_trigger(attempts, trig))
-                    if recovery is not None
-                    else None,
-                )
-                relay = StreamRelay(
-                    view.endpoint,
-                    inspectors,
-                    self._bus,
-                    self._settings.server.max_sse_event_bytes,
-                    t0,
-                    plan,
-                )
-                result = await relay.run(upstream, resp)
-                upstream.close()  # an abandoned attempt's connection closes at once
-                first_id = first_id or result.first_id
-                first_event_s = first_event_s or result.first_event_s
-                if recovery is not None and result.trigger is None and result.complete:
-                    recovery.decide(attempts, None, 200)  # resolves a pending retry
-                if isinstance(result.decision, Retry) and attempts.count < MAX_ATTEMPTS:
-                    attempts.count += 1
-                    ticket = None
-                    await resp.write(retry_comment(attempts.count, result.decision.reason))
-                    nxt = await self._retry_stream(
-                        attempts, headers, sent, result.decision, request.raw_path
-                    )
-                    if nxt is None:
-                        await resp.write(inband_error_event(502, "retry after a loop failed"))
-                        break
-                    upstream = nxt
-                    continue
-                if isinstance(result.decision, Abort | Retry) and result.trigger is not None:
-                    await resp.write(
-                        abort_chunk(view.endpoint, first_id, view.model, result.trigger.choice)
-                    )
-                break
-            await resp.write_eof()
-        except _CLIENT_GONE as exc:
-            upstream.close()
-            inspectors.on_end(False)
-            self._client_left(view, view.endpoint, t0, first_event_s, request)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return resp
-        finally:
-            upstream.close()
-        complete = result is not None and (result.complete or result.decision is not None)
-        if (
-            ticket is not None
-            and accumulator is not None
-            and result is not None
-            and result.complete
-        ):
-            self._auditor_done(ticket, accumulator.outcome())
-        outcome = "ok" if complete else "upstream_error"
-        if result is not None and result.complete:
-            self._publish_speed(view, request[_INFLIGHT], result)
-        self._finish(view, view.endpoint, upstream.status, outcome, t0, first_event_s, request)
-        return resp
-
-    def _publish_speed(self, view: RequestView, inflight: int, result: StreamResult) -> None:
-        first, last = result.first_token_s, result.last_token_s
-        if first is None or last is None:
-            return
-        tokens = result.completion_tokens or result.token_events
-        decode_s = last - first
-        self._bus.publish(
-            StreamTimed(
-                endpoint=view.endpoint,
-                model=view.model,
-                inflight=inflight,
-                ttft_s=first,
-                inter_token_s=decode_s / (result.token_events - 1)
-                if result.token_events > 1
-                else None,
-                tokens=tokens,
-                tokens_per_s=(tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
-            )
-        )
-
-    def _on_stream_trigger(self, attempts: Attempts, trigger: Trigger) -> Decision:
-        assert self._recovery is not None
-        attempts.trigger = trigger
-        return self._recovery.decide(attempts, trigger, 200)
-
-    async def _retry_stream(
-        self,
-        attempts: Attempts,
-        headers: Mapping[str, str],
-        sent: dict[str, Any],
-        decision: Retry,
-        raw_path: str,
-    ) -> UpstreamResponse | None:
-        body = orjson.dumps({**sent, **decision.overrides})
-        try:
-            upstream = await self._upstream.send("POST", raw_path, headers, body)
-        except UpstreamFailure as exc:
-            self._bus.publish(UpstreamFailed(attempts.endpoint, exc.kind, "headers"))
-            assert self._recovery is not None
-            self._recovery.retry_failed(attempts)
-            return None
-        if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
-            "text/event-stream"
-        ):
-            upstream.close()
-            assert self._recovery is not None
-            self._recovery.retry_failed(attempts)
-            return None
-        return upstream
-
     def _client_left(
         self,
         view: RequestView | None,
@@ -441,7 +284,7 @@ class Forwarder:
             async for data in upstream.chunks():
                 await resp.write(data)
             await resp.write_eof()
-        except _CLIENT_GONE as exc:
+        except CLIENT_GONE as exc:
             self._client_left(None, "other", t0, first_byte_s, request)
             if isinstance(exc, asyncio.CancelledError):
                 raise
