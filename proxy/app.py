@@ -21,11 +21,12 @@ from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.audit.upstream_load import UpstreamLoad
-from proxy.config import Settings
+from proxy.config import Settings, UpstreamConfig
 from proxy.errors import error_response
 from proxy.events import EventBus
 from proxy.fingerprint import FingerprintPoller
 from proxy.forward import Forwarder
+from proxy.h1 import H1Upstream
 from proxy.incidents import IncidentLog
 from proxy.inspect.base import InspectorFactory
 from proxy.metrics import Metrics
@@ -64,19 +65,32 @@ def _duplicate_store(settings: Settings) -> DuplicateStore:
     return MemoryDuplicateStore(audit.duplicate_window_s, audit.duplicate_max_entries)
 
 
+def _make_upstream(
+    config: UpstreamConfig, session: aiohttp.ClientSession, url: str
+) -> AiohttpUpstream | H1Upstream:
+    if config.client == "aiohttp":
+        return AiohttpUpstream(session, url)
+    return H1Upstream(
+        url,
+        connect_timeout_s=config.connect_timeout_s,
+        read_timeout_s=config.read_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+        max_connections=config.max_connections,
+    )
+
+
 def _scheduler(
     settings: Settings,
     session: aiohttp.ClientSession,
     upstream: Upstream,
+    reference: Upstream | None,
     bus: EventBus,
     forwarder: Forwarder,
 ) -> ShadowScheduler | None:
     audit = settings.audit
     if audit.sample_rate <= 0 and not any(r > 0 for r in audit.model_rates.values()):
         return None
-    target = upstream
-    if audit.reference_url:
-        target = AiohttpUpstream(session, audit.reference_url)
+    target = reference or upstream
     load = UpstreamLoad(session, audit.reference_url or settings.upstream.url)
     return ShadowScheduler(
         audit,
@@ -127,9 +141,17 @@ def build_app(
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         session = make_session(settings.upstream)
-        target = upstream or AiohttpUpstream(session, settings.upstream.url)
+        owned: list[Upstream] = []  # the upstream clients this app made, closed with it
+        if upstream is None:
+            upstream_ = _make_upstream(settings.upstream, session, settings.upstream.url)
+            owned.append(upstream_)
+        target: Upstream = upstream if upstream is not None else owned[0]
+        reference: Upstream | None = None
+        if settings.audit.reference_url:
+            reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
+            owned.append(reference)
         forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, budget)
-        scheduler = _scheduler(settings, session, target, bus, forwarder)
+        scheduler = _scheduler(settings, session, target, reference, bus, forwarder)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None
         if scheduler is not None or store is not None:
@@ -166,6 +188,9 @@ def build_app(
         if settings.incidents.path:
             incidents.write(tally.summary())  # the last word of this process
         incidents.close()
+        for client in owned:
+            if isinstance(client, H1Upstream):
+                await client.close()
         await session.close()
 
     app.cleanup_ctx.append(upstream_ctx)

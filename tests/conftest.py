@@ -20,8 +20,17 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
+def upstream_client() -> str:
+    """``upstream.client`` for ``make_proxy``; modules that test forwarding override this
+    fixture to run under both clients."""
+    return "native"
+
+
+@pytest.fixture
 def make_proxy(
-    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], registry: CollectorRegistry
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    registry: CollectorRegistry,
+    upstream_client: str,
 ) -> ProxyFactory:
     """Start detproxy (real app, real sockets) in front of ``upstream_url``."""
     shared = registry
@@ -35,7 +44,8 @@ def make_proxy(
         **kwargs: Any,
     ) -> TestClient[Any, Any]:
         """The first proxy reports to the ``registry`` fixture; later ones to their own."""
-        settings = load_settings(env=env or {}, flags={"upstream": upstream_url})
+        env = {"DETPROXY_UPSTREAM__CLIENT": upstream_client, **(env or {})}
+        settings = load_settings(env=env, flags={"upstream": upstream_url})
         reg = registry or (shared if not used else CollectorRegistry())
         used.append(reg)
         app = build_app(settings, registry=reg, **kwargs)

@@ -14,6 +14,13 @@ from prometheus_client import CollectorRegistry
 from policies.base import Continue, PolicyChain, PolicyContext, Retry
 from tests.conftest import metric
 
+
+@pytest.fixture(params=["native", "aiohttp"])
+def upstream_client(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both upstream clients (proxy/h1.py and aiohttp's)."""
+    return str(request.param)
+
+
 CHAT = "/v1/chat/completions"
 ANSWER = {
     "id": "chatcmpl-1",

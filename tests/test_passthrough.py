@@ -5,10 +5,18 @@ from __future__ import annotations
 import gzip
 from typing import Any
 
+import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
 from tests.conftest import metric
+
+
+@pytest.fixture(params=["native", "aiohttp"])
+def upstream_client(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both upstream clients (proxy/h1.py and aiohttp's)."""
+    return str(request.param)
+
 
 SEEN: list[tuple[str, str, CIMultiDict[str], bytes]] = []
 

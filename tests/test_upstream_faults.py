@@ -6,11 +6,19 @@ import asyncio
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import ClientTimeout, web
 from prometheus_client import CollectorRegistry
 
 from tests.conftest import metric
 from tests.processes import free_port
+
+
+@pytest.fixture(params=["native", "aiohttp"])
+def upstream_client(request: pytest.FixtureRequest) -> str:
+    """Every test here runs with both upstream clients (proxy/h1.py and aiohttp's)."""
+    return str(request.param)
+
 
 CHAT = "/v1/chat/completions"
 EV1 = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
@@ -230,7 +238,11 @@ async def test_a_stale_keepalive_connection_is_retried_once(make_proxy: Any) -> 
         conn = len(seen)
         seen.append(0)
         while True:
-            head = await reader.readuntil(b"\r\n\r\n")
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                writer.close()  # detproxy closed its pooled connection
+                return
             length = int(
                 next(
                     line.split(b":")[1]
@@ -259,6 +271,7 @@ async def test_a_stale_keepalive_connection_is_retried_once(make_proxy: Any) -> 
             resp = await client.post(CHAT, json={"model": "m"})
             assert resp.status == 200 and (await resp.json())["choices"][0]["message"]
         assert seen == [2, 1]  # the dropped request went again, on a new connection
+        await client.close()  # before the server: its handlers end on detproxy's close
     finally:
         server.close()
         await server.wait_closed()

@@ -1,0 +1,407 @@
+"""The native upstream client (proxy/h1.py) against scripted HTTP/1.1 servers: framing,
+keep-alive reuse, retries, timeouts, aborts, flow control, the connection limit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.errors import UpstreamFailure
+from proxy.h1 import _HIGH_WATER, H1Upstream, UpstreamBodyError
+
+JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{"a":1}'
+
+
+@dataclass
+class Request:
+    conn: int  # which server-side connection it came on (0, 1, ...)
+    head: bytes
+    body: bytes
+
+    @property
+    def lines(self) -> list[bytes]:
+        return self.head.split(b"\r\n")
+
+    def header(self, name: bytes) -> bytes | None:
+        for line in self.lines[1:]:
+            key, _, value = line.partition(b":")
+            if key.strip().lower() == name.lower():
+                return value.strip()
+        return None
+
+
+# Gets the request and the writer; returns True to keep reading requests on the connection.
+Reply = Callable[[Request, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@dataclass
+class Scripted:
+    reply: Reply
+    requests: list[Request] = field(default_factory=list)
+    connections: int = 0
+    eofs: int = 0  # connections the client closed
+    server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = self.connections
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    self.eofs += 1
+                    return
+                req = Request(conn, head, b"")
+                length = req.header(b"content-length")
+                if length is not None:
+                    req.body = await reader.readexactly(int(length))
+                elif req.header(b"transfer-encoding") == b"chunked":
+                    req.body = await _read_chunked(reader)
+                self.requests.append(req)
+                if not await self.reply(req, writer):
+                    writer.close()
+                    return
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    out = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return out
+        out += data[:-2]
+
+
+def answer(raw: bytes) -> Reply:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(raw)
+        return True
+
+    return reply
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[Reply], Awaitable[Scripted]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(reply: Reply) -> Scripted:
+        s = Scripted(reply)
+        s.server = await asyncio.start_server(s.handle, "127.0.0.1", 0)
+        servers.append(s.server)
+        return s
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def client(url: str, **kw: Any) -> H1Upstream:
+    opts: dict[str, Any] = {
+        "connect_timeout_s": 2.0,
+        "read_timeout_s": 5.0,
+        "keepalive_timeout_s": 4.0,
+        "max_connections": 16,
+    }
+    opts.update(kw)
+    return H1Upstream(url, **opts)
+
+
+async def test_content_length_answers_reuse_one_connection(scripted: Any) -> None:
+    srv = await scripted(answer(JSON))
+    up = client(srv.url)
+    for _ in range(3):
+        resp = await up.send("POST", "/v1/chat/completions?x=1", {"X-Request-Id": "r1"}, b"{}")
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "application/json"
+        assert await resp.read() == b'{"a":1}'
+    assert srv.connections == 1 and len(srv.requests) == 3
+    req = srv.requests[0]
+    assert req.lines[0] == b"POST /v1/chat/completions?x=1 HTTP/1.1"
+    assert req.header(b"host") == srv.url.removeprefix("http://").encode()
+    assert req.header(b"x-request-id") == b"r1"
+    assert req.header(b"content-length") == b"2" and req.body == b"{}"
+    await up.close()
+    await asyncio.sleep(0.05)
+    assert srv.eofs == 1  # closing the client closes its idle connections
+
+
+async def test_chunked_body_is_decoded_and_streamed(scripted: Any) -> None:
+    parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    resp = await up.send("POST", "/s", {}, b"{}")
+    got = [chunk async for chunk in resp.chunks()]
+    assert b"".join(got) == b"".join(parts) and len(got) >= 2  # relayed as it came
+    assert await (await up.send("POST", "/s", {}, b"{}")).read() == b"".join(parts)
+    assert srv.connections == 1
+
+
+async def test_a_body_delimited_by_close_ends_with_the_connection(scripted: Any) -> None:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
+        return False  # close: that is the end of the body
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    for _ in range(2):
+        assert await (await up.send("GET", "/", {}, None)).read() == b"all of it"
+    assert srv.connections == 2  # never pooled
+
+
+async def test_connection_close_and_http10_are_not_reused(scripted: Any) -> None:
+    replies = [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    ]
+
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(replies[req.conn % 2])
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    for _ in range(3):
+        assert await (await up.send("GET", "/", {}, None)).read() == b"ok"
+    assert srv.connections == 3
+
+
+async def test_head_and_204_have_no_body(scripted: Any) -> None:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        if req.lines[0].startswith(b"HEAD"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    head = await asyncio.wait_for(up.send("HEAD", "/", {}, None), 2)
+    assert head.status == 200 and head.headers["content-length"] == "1234"
+    assert await asyncio.wait_for(head.read(), 2) == b""
+    for _ in range(2):
+        resp = await up.send("DELETE", "/x", {}, None)
+        assert resp.status == 204 and await resp.read() == b""
+    assert srv.connections == 2  # HEAD's connection is not reused; the 204s share one
+
+
+async def test_an_interim_100_continue_is_skipped(scripted: Any) -> None:
+    srv = await scripted(answer(b"HTTP/1.1 100 Continue\r\n\r\n" + JSON))
+    up = client(srv.url)
+    resp = await up.send("POST", "/", {"Expect": "100-continue"}, b"{}")
+    assert resp.status == 200 and await resp.read() == b'{"a":1}'
+
+
+async def test_request_framing(scripted: Any) -> None:
+    srv = await scripted(answer(JSON))
+    up = client(srv.url + "/prefix/")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"hello "
+        yield b""
+        yield b"world"
+
+    await (await up.send("POST", "/a", {}, body())).read()
+    await (await up.send("POST", "/b", {}, None)).read()
+    await (await up.send("GET", "/c", {}, None)).read()
+    streamed, empty, get = srv.requests
+    assert streamed.lines[0] == b"POST /prefix/a HTTP/1.1"
+    assert streamed.header(b"transfer-encoding") == b"chunked" and streamed.body == b"hello world"
+    assert empty.header(b"content-length") == b"0"
+    assert get.header(b"content-length") is None and get.header(b"transfer-encoding") is None
+
+
+async def test_a_stale_pooled_connection_is_retried_once(scripted: Any) -> None:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        if sum(r.conn == req.conn for r in srv.requests) == 2:
+            return False  # the second request on a connection: hang up without answering
+        writer.write(JSON)
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    for _ in range(2):
+        assert await (await up.send("POST", "/", {}, b"{}")).read() == b'{"a":1}'
+    assert [r.conn for r in srv.requests] == [0, 0, 1]
+
+
+async def test_a_streamed_body_is_not_sent_twice(scripted: Any) -> None:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        if sum(r.conn == req.conn for r in srv.requests) == 2:
+            return False
+        writer.write(JSON)
+        return True
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    await (await up.send("POST", "/", {}, b"{}")).read()
+    with pytest.raises(UpstreamFailure) as err:
+        await up.send("POST", "/", {}, body())
+    assert (err.value.status, err.value.kind) == (502, "reset")
+    assert len(srv.requests) == 2
+
+
+async def test_refused_and_timeouts_map_to_gateway_errors(scripted: Any) -> None:
+    up = client("http://127.0.0.1:9")  # discard port: nothing listens
+    with pytest.raises(UpstreamFailure) as err:
+        await up.send("GET", "/", {}, None)
+    assert (err.value.status, err.value.kind) == (502, "refused")
+
+    async def silent(req: Request, writer: asyncio.StreamWriter) -> bool:
+        if req.lines[0].startswith(b"GET /slow-body"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await asyncio.sleep(1)
+        return False
+
+    srv = await scripted(silent)
+    up = client(srv.url, read_timeout_s=0.2)
+    with pytest.raises(UpstreamFailure) as err:
+        await up.send("GET", "/slow-head", {}, None)
+    assert (err.value.status, err.value.kind) == (504, "timeout")
+    resp = await up.send("GET", "/slow-body", {}, None)
+    with pytest.raises(TimeoutError):
+        await resp.read()
+
+
+async def test_a_body_cut_short_raises_a_payload_error(scripted: Any) -> None:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        return False
+
+    srv = await scripted(reply)
+    resp = await client(srv.url).send("GET", "/", {}, None)
+    with pytest.raises(UpstreamBodyError) as err:
+        await resp.read()
+    assert isinstance(err.value, aiohttp.ClientPayloadError)  # what every reader handles
+
+
+async def test_a_malformed_response_is_a_bad_gateway(scripted: Any) -> None:
+    srv = await scripted(answer(b"NOT HTTP AT ALL\r\n\r\n"))
+    with pytest.raises(UpstreamFailure) as err:
+        await client(srv.url).send("GET", "/", {}, None)
+    assert err.value.status == 502
+
+
+async def test_closing_an_unfinished_response_closes_the_connection(scripted: Any) -> None:
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        return True  # a generation that goes on; the server waits for what comes next
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    resp = await up.send("POST", "/", {}, b"{}")
+    async for chunk in resp.chunks():
+        assert chunk == b"first"
+        break
+    resp.close()
+    for _ in range(50):
+        if srv.eofs:
+            break
+        await asyncio.sleep(0.02)
+    assert srv.eofs == 1  # the upstream saw the client go: it can abort the generation
+    assert up.idle_connections == 0
+
+
+async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None:
+    async def never(req: Request, writer: asyncio.StreamWriter) -> bool:
+        return True  # no answer; the server waits for what comes next
+
+    srv = await scripted(never)
+    up = client(srv.url, max_connections=1)
+    task = asyncio.create_task(up.send("POST", "/", {}, b"{}"))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    assert srv.eofs == 1
+    # The one connection slot was given back: a new request is not stuck behind it.
+    srv.reply = answer(JSON)
+    resp = await asyncio.wait_for(up.send("POST", "/", {}, b"{}"), 2)
+    assert await resp.read() == b'{"a":1}'
+
+
+async def test_the_connection_limit_queues_requests(scripted: Any) -> None:
+    gate = asyncio.Event()
+
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        await gate.wait()
+        writer.write(JSON)
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url, max_connections=2)
+
+    async def one() -> bytes:
+        resp = await up.send("POST", "/", {}, b"{}")
+        return await resp.read()
+
+    tasks = [asyncio.create_task(one()) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    assert srv.connections == 2 and not any(t.done() for t in tasks)
+    gate.set()
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 5) == [b'{"a":1}'] * 3
+    assert srv.connections == 2  # the third request waited for a pooled connection
+
+
+async def test_idle_connections_expire(scripted: Any) -> None:
+    srv = await scripted(answer(JSON))
+    up = client(srv.url, keepalive_timeout_s=0.05)
+    await (await up.send("GET", "/", {}, None)).read()
+    await (await up.send("GET", "/", {}, None)).read()
+    assert srv.connections == 1
+    await asyncio.sleep(0.15)
+    await (await up.send("GET", "/", {}, None)).read()
+    assert srv.connections == 2
+
+
+async def test_a_slow_reader_pauses_the_upstream(scripted: Any) -> None:
+    size = 8 * 1024 * 1024
+
+    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+        return True
+
+    srv = await scripted(reply)
+    resp = await client(srv.url).send("GET", "/big", {}, None)
+    await asyncio.sleep(0.3)  # nobody reads: the client must stop reading the socket
+    held = resp._conn.held
+    assert held <= _HIGH_WATER + 512 * 1024, held
+    total = 0
+    async for chunk in resp.chunks():
+        total += len(chunk)
+    assert total == size
