@@ -102,8 +102,7 @@ class _Conn(asyncio.Protocol):
             self._fail(_Closed())
         else:
             self._fail(UpstreamBodyError("upstream connection lost before the response ended"))
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(ConnectionResetError("upstream connection lost"))
+        self.resume_writing()  # a writer waiting to drain sees `closed` next
 
     def pause_writing(self) -> None:
         self._drain = self._loop.create_future()
@@ -226,6 +225,12 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+def _forget(future: asyncio.Future[None]) -> None:
+    """Mark a future's exception as seen: nobody will await it any more."""
+    if future.done() and not future.cancelled():
+        future.exception()
+
+
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError("upstream sent nothing within the read timeout"))
@@ -256,7 +261,7 @@ class H1Response:
                 if conn.complete:
                     break
                 if conn.error is not None:
-                    raise conn.error
+                    raise UpstreamBodyError(str(conn.error)) from conn.error
                 await conn.wait_data(self._timeout)
         except BaseException:
             self.close()
@@ -451,6 +456,9 @@ class H1Upstream:
             if body is not None:
                 async for piece in body:
                     if piece:
+                        if conn.closed:  # gone while the body was being sent
+                            _forget(headers_ready)
+                            raise _Closed()
                         transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                         await conn.drain()
                 transport.write(b"0\r\n\r\n")

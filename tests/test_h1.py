@@ -405,3 +405,26 @@ async def test_a_slow_reader_pauses_the_upstream(scripted: Any) -> None:
     async for chunk in resp.chunks():
         total += len(chunk)
     assert total == size
+
+
+async def test_an_upstream_gone_during_a_streamed_upload_is_a_bad_gateway(scripted: Any) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()  # before the body
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(20):
+            yield b"x" * 1024
+            await asyncio.sleep(0.02)
+
+    try:
+        up = client(f"http://127.0.0.1:{port}")
+        with pytest.raises(UpstreamFailure) as err:
+            await asyncio.wait_for(up.send("PUT", "/upload", {}, body()), 5)
+        assert err.value.status == 502
+    finally:
+        server.close()
+        await server.wait_closed()
