@@ -3,6 +3,11 @@
 Each event keeps the exact bytes it arrived as (``raw``), so the relay can forward
 unchanged events byte for byte and rewrite only the ones a stage changes. Memory is
 bounded: a partial event larger than ``max_event_bytes`` raises ``SSEOverflow``.
+
+``feed_data`` is the relay's fast path for the framing every OpenAI-compatible server uses
+(single-line ``data: ...`` events, LF line ends): it splits with bytes operations and hands back
+only the data fields, or declines (``None``, nothing consumed) so the caller uses ``feed``.
+``event_data`` reads the data field of one LF-framed block without a decoder.
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ import re
 from typing import NamedTuple
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+# Byte values, not one-byte strings: ``13 in data`` is a memchr, ``b"\r" in data`` costs
+# several times more on a short event.
+_CR, _LF = 13, 10
 
 
 class SSEOverflow(Exception):
@@ -50,9 +58,40 @@ class SSEDecoder:
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         buf = self._buf + chunk if self._buf else chunk
         # Fast path for the framing every OpenAI-compatible server uses: "data: ...\n\n".
-        if b"\r" not in buf:
+        if _CR not in buf:
             return self._feed_lf(buf)
         return self._feed_general(buf)
+
+    def feed_data(self, chunk: bytes) -> tuple[bytes, list[bytes]] | None:
+        """Like ``feed`` when every complete event buffered is one ``data: `` line.
+
+        Returns the complete events' bytes (exactly the ``raw`` of the events ``feed`` would
+        return, concatenated) and their data fields, each event being ``b"data: " + data +
+        b"\n\n"``; ``(b"", [])`` while no event is complete. Returns ``None`` and consumes
+        nothing when any of them is another shape (a comment, another field, several lines,
+        stray blank lines, CR line ends): ``feed(chunk)`` then decodes it. Raises
+        ``SSEOverflow`` exactly when ``feed`` would.
+        """
+        buf = self._buf + chunk if self._buf else chunk
+        if _CR in buf:
+            return None
+        end = buf.rfind(b"\n\n")
+        if end < 0:
+            self._keep(buf, 0)
+            return b"", []
+        datas = buf[:end].split(b"\n\ndata: ")
+        first = datas[0]
+        # Every event is single-line iff no data field holds a newline: a comment, a field
+        # other than data, a second line or a stray blank line leaves one inside a piece.
+        if first[:6] != b"data: " or _LF in b"".join(datas):
+            return None
+        datas[0] = first[6:]
+        end += 2
+        if end == len(buf):
+            self._buf = b""
+            return buf, datas
+        self._keep(buf, end)
+        return buf[:end], datas
 
     def _feed_lf(self, buf: bytes) -> list[SSEEvent]:
         events: list[SSEEvent] = []
@@ -65,7 +104,7 @@ class SSEDecoder:
             start = end + 2
             if block:
                 # Stray blank lines before an event stay in its raw bytes, so none are lost.
-                if block[:6] == b"data: " and b"\n" not in block:  # what every server sends
+                if block[:6] == b"data: " and _LF not in block:  # what every server sends
                     events.append(SSEEvent(buf[ev_start:start], block[6:]))
                 else:
                     events.append(_parse_block(buf[ev_start:start], block.split(b"\n")))
@@ -115,6 +154,14 @@ class SSEDecoder:
         rest, self._buf = self._buf, b""
         lines = [ln for ln in _LINE_END.split(rest) if ln]
         return _parse_block(rest, lines) if lines else None
+
+
+def event_data(block: bytes) -> bytes | None:
+    """The data field of one LF-framed event block (its blank line excluded), as ``feed``
+    would decode it; ``None`` when the block has no data line."""
+    if block[:6] == b"data: " and _LF not in block:
+        return block[6:]
+    return _parse_block(block, [ln for ln in block.split(b"\n") if ln]).data
 
 
 def _parse_block(raw: bytes, lines: list[bytes]) -> SSEEvent:

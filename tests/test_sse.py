@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow
+from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow, event_data
 
 STREAM = (
     b'data: {"id":"1","choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -95,3 +95,79 @@ def test_any_split_yields_the_same_events(data: st.DataObject) -> None:
     whole, _ = decode_all([stream])
     assert [(e.data, e.event, e.id) for e in events] == [(e.data, e.event, e.id) for e in whole]
     assert b"".join(e.raw for e in events) + pending == stream
+
+
+# --- feed_data: the relay's fast path for single-line data events ---------------------------
+
+SIMPLE = (
+    b'data: {"id":"1","choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
+    b'data: {"id":"1","choices":[{"delta":{"content":"Hi"}}]}\n\n'
+    b'data: {"id":"1","choices":[{"delta":{"content":" there"}}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def feed_data_all(chunks: list[bytes]) -> tuple[bytes, list[bytes], bytes]:
+    dec = SSEDecoder()
+    relayed, datas = b"", []
+    for chunk in chunks:
+        got = dec.feed_data(chunk)
+        assert got is not None
+        relayed += got[0]
+        datas += got[1]
+    return relayed, datas, dec.pending
+
+
+def test_feed_data_gives_the_events_bytes_and_data_fields() -> None:
+    relayed, datas, pending = feed_data_all([SIMPLE + b"data: {partial"])
+    assert relayed == SIMPLE and pending == b"data: {partial"
+    assert datas == [e.data for e in decode_all([SIMPLE])[0]]
+    assert b"".join(b"data: " + d + b"\n\n" for d in datas) == relayed
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        b": keep-alive\n\n",
+        b"event: note\ndata: x\n\n",
+        b"data: one\ndata: two\n\n",
+        b"data:no-space\n\n",
+        b"\n\n",  # a stray blank line
+        b"garbage\n\n",
+        b"data: crlf\r\n\r\n",
+    ],
+)
+def test_feed_data_declines_other_shapes_and_consumes_nothing(other: bytes) -> None:
+    dec = SSEDecoder()
+    assert dec.feed_data(SIMPLE[:20]) == (b"", [])
+    chunk = SIMPLE[20:] + other + b'data: {"a":1}\n\n'
+    assert dec.feed_data(chunk) is None
+    assert dec.pending == SIMPLE[:20]
+    events = dec.feed(chunk)  # the general decoder takes over with the same state
+    assert b"".join(e.raw for e in events) == SIMPLE + other + b'data: {"a":1}\n\n'
+
+
+def test_feed_data_overflows_like_feed() -> None:
+    for method in ("feed", "feed_data"):
+        dec = SSEDecoder(max_event_bytes=16)
+        with pytest.raises(SSEOverflow) as exc:
+            getattr(dec, method)(b"data: a\n\ndata: 0123456789abcdefghij")
+        assert exc.value.pending == b"data: a\n\ndata: 0123456789abcdefghij"
+        assert dec.pending == b""
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_feed_data_any_split_matches_feed(data: st.DataObject) -> None:
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(SIMPLE)), max_size=12)))
+    chunks = [SIMPLE[a:b] for a, b in zip([0, *cuts], [*cuts, len(SIMPLE)], strict=True)]
+    relayed, datas, pending = feed_data_all(chunks)
+    events, _ = decode_all([SIMPLE])
+    assert relayed == SIMPLE and pending == b""
+    assert datas == [e.data for e in events]
+
+
+def test_event_data_reads_one_block() -> None:
+    assert event_data(b'data: {"a":1}') == b'{"a":1}'
+    assert event_data(b"\nevent: x\ndata: a\ndata: b") == b"a\nb"
+    assert event_data(b": comment") is None

@@ -2,11 +2,17 @@
 engine says (finish_reason ``repetition``) and runaways (``length`` with no content after
 reasoning). Reads ``reasoning`` or, on older vLLM, ``reasoning_content`` (one of them when a
 delta carries both: they are duplicates).
+
+``on_chunk`` takes a fast path for the shape nearly every chunk has (one choice whose delta is a
+dict, for a choice already seen) and walks the general way otherwise. ``on_run`` feeds the text
+deltas of consecutive chunks at once: the detector is split-invariant, so the trigger is the one
+the chunks fed one by one would have given, and the chunk that would have fired it is located
+from the report's check offset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from policies.base import Trigger
@@ -65,7 +71,72 @@ class LoopWatch:
 
     def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
         """One parsed SSE chunk of a stream."""
+        choices = chunk.get("choices")
+        if self._chat and type(choices) is list and len(choices) == 1:
+            raw = choices[0]
+            if type(raw) is dict:
+                delta = raw.get("delta")
+                index = raw.get("index", 0)
+                # The common shape, for a choice already watched: what _choices_of does, inline.
+                if type(delta) is dict and type(index) is int:
+                    watch = self._choices.get(index)
+                    if watch is not None:
+                        return self._delta(watch, index, raw, delta)
         return self._choices_of(chunk, "delta")
+
+    def _delta(
+        self, watch: _ChoiceWatch, index: int, raw: dict[str, Any], delta: dict[str, Any]
+    ) -> Trigger | None:
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if reasoning and isinstance(reasoning, str):
+            watch.saw_reasoning = True
+            report = watch.reasoning.feed(reasoning)
+            if report is not None:
+                return _trigger("proxy", "reasoning", index, report)
+        content = delta.get("content")
+        if content and isinstance(content, str):
+            watch.saw_content = True
+            report = watch.content.feed(content)
+            if report is not None:
+                return _trigger("proxy", "content", index, report)
+        finish = raw.get("finish_reason")
+        if finish is not None:
+            return self._finished(watch, index, finish, raw.get("stop_reason"))
+        return None
+
+    def on_run(self, index: int, channel: str, texts: Sequence[str]) -> tuple[Trigger, int] | None:
+        """Text deltas of one ``channel`` of choice ``index``, from consecutive chunks that
+        carry nothing else this watch looks at (no other text, no finish_reason).
+
+        Returns the trigger ``on_chunk`` would have returned for one of those chunks, with that
+        chunk's position in ``texts``; ``None`` when none would have triggered.
+        """
+        watch = self._watch(index)
+        if watch is None:
+            return None
+        text = "".join(texts)
+        if not text:
+            return None
+        if channel == "reasoning":
+            watch.saw_reasoning = True
+            detector = watch.reasoning
+        else:
+            watch.saw_content = True
+            detector = watch.content
+        at = detector.total_chars
+        report = detector.feed(text)
+        if report is None:
+            return None
+        # The detector fires at the check at offset start_offset + covered_chars, during the
+        # feed of the first delta that reaches it.
+        check = report.start_offset + report.covered_chars
+        position = len(texts) - 1
+        for i, delta in enumerate(texts):
+            at += len(delta)
+            if at >= check:
+                position = i
+                break
+        return _trigger("proxy", channel, index, report), position
 
     def on_answer(self, answer: Mapping[str, Any]) -> Trigger | None:
         """A whole non-streamed answer: the same checks, all at once."""

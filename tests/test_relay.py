@@ -1,0 +1,368 @@
+"""The relay's three paths (raw, simple with templates, general) give the same client bytes,
+triggers and decisions, whatever the split of the upstream reads."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.base import Abort, Continue, Retry
+from proxy.events import EventBus, InspectionStopped, UpstreamFailed
+from proxy.inspect.base import InspectorSet
+from proxy.inspect.loops import LoopConfig
+from proxy.inspect.loopwatch import LoopWatch
+from proxy.relay import StreamPlan, StreamRelay, StreamResult
+
+UNIT = " and then the model says the same thing again."
+ID = "chatcmpl-1"
+
+
+def event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return event({"id": ID, "object": "chat.completion.chunk", "choices": [choice], **extra})
+
+
+def answer(
+    reasoning: list[str], content: list[str], key: str = "reasoning", usage: bool = True
+) -> bytes:
+    events = [chunk({"role": "assistant", "content": ""})]
+    keys = ("reasoning", "reasoning_content") if key == "both" else (key,)
+    events += [chunk(dict.fromkeys(keys, text)) for text in reasoning]
+    events += [chunk({"content": text}) for text in content]
+    events.append(chunk({"content": ""}, "stop"))
+    if usage:
+        events.append(event({"id": ID, "choices": [], "usage": {"completion_tokens": 9}}))
+    return b"".join([*events, b"data: [DONE]\n\n"])
+
+
+def words(n: int) -> list[str]:
+    return [f" word{i % 13}{'!' if i % 7 == 0 else ''}" for i in range(n)]
+
+
+CLEAN = answer(words(20), words(30))
+CONTENT_LOOP = answer(words(10), words(10) + [UNIT] * 15 + words(5))
+REASONING_LOOP = answer(words(5) + [UNIT[:9], UNIT[9:]] * 12, words(5))
+
+
+class Upstream:
+    def __init__(self, reads: list[bytes], fail: bool = False) -> None:
+        self.reads = reads
+        self.fail = fail
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for read in self.reads:
+            yield read
+        if self.fail:
+            raise aiohttp.ClientPayloadError("connection lost")
+
+
+class Client:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.writes)
+
+
+class GeneralRelay(StreamRelay):
+    """The general path only: the decoder, every event parsed, no templates."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._templates = None
+        self._decoder.feed_data = lambda chunk: None  # type: ignore[method-assign]
+
+    @property
+    def raw(self) -> bool:
+        return False
+
+
+class Run:
+    def __init__(self, relay: StreamRelay, client: Client, result: StreamResult) -> None:
+        self.relay, self.client, self.result = relay, client, result
+        self.stopped: list[str] = []
+        self.failed: list[str] = []
+        self.decided: list[Any] = []
+
+
+def relay(
+    reads: list[bytes],
+    *,
+    loops: bool = False,
+    decision: Any = None,
+    hold: bool = False,
+    inspectors: list[Any] | None = None,
+    fail: bool = False,
+    general: bool = False,
+    max_event_bytes: int = 1 << 20,
+    endpoint: str = "chat",
+    **plan: Any,
+) -> Run:
+    bus = EventBus()
+    decided: list[Any] = []
+
+    def on_trigger(trigger: Any) -> Any:
+        decided.append(trigger)
+        return decision or Continue()
+
+    stream_plan = StreamPlan(
+        loop_watch=LoopWatch(endpoint, LoopConfig()) if loops else None,
+        on_trigger=on_trigger if loops else None,
+        hold_reasoning=hold,
+        **plan,
+    )
+    dropped: list[str] = []
+    cls = GeneralRelay if general else StreamRelay
+    r = cls(
+        endpoint,
+        InspectorSet(inspectors or [], dropped.append),
+        bus,
+        max_event_bytes,
+        0.0,
+        stream_plan,
+    )
+    stopped: list[str] = []
+    failed: list[str] = []
+    bus.subscribe(InspectionStopped, lambda ev: stopped.append(ev.reason))
+    bus.subscribe(UpstreamFailed, lambda ev: failed.append(ev.kind))
+    client = Client()
+    result = asyncio.run(r.run(Upstream(reads, fail), client))  # type: ignore[arg-type]
+    run = Run(r, client, result)
+    run.stopped, run.failed, run.decided = stopped + dropped, failed, decided
+    return run
+
+
+def split(stream: bytes, cuts: list[int]) -> list[bytes]:
+    cuts = sorted(c for c in cuts if c <= len(stream))
+    return [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+
+
+def summary(run: Run, events: bool = True) -> tuple[Any, ...]:
+    """What must agree between paths; ``events`` counts whole reads, so a decision that stops
+    mid-read makes it depend on the split: compare it between runs of the same reads."""
+    r = run.result
+    return (
+        run.client.body,
+        r.complete,
+        r.trigger,
+        r.decision,
+        r.events if events else None,
+        r.first_id,
+        r.token_events,
+        r.completion_tokens,
+        run.stopped,
+        run.decided,
+    )
+
+
+# --- raw path ---------------------------------------------------------------------------------
+
+
+def test_nothing_inspects_takes_the_raw_path_with_the_same_result() -> None:
+    reads = split(CLEAN, [50, 51, 400, 2000])
+    raw = relay(reads)
+    assert raw.relay.raw
+    assert summary(raw) == summary(relay(reads, general=True))
+    r = raw.result
+    assert r.complete and r.events == 54 and r.first_id == ID
+    assert r.token_events == 50 and r.completion_tokens == 9
+    assert r.first_token_s is not None and r.last_token_s is not None
+    assert len(raw.client.writes) <= len(reads)  # one write per read at most
+
+
+@pytest.mark.parametrize("general", [False, True])
+def test_a_break_mid_event_ends_with_an_inband_error(general: bool) -> None:
+    events = CLEAN.split(b"\n\n")
+    cut = len(b"\n\n".join(events[:3])) + 2 + 20  # inside the fourth event
+    run = relay([CLEAN[:cut]], fail=True, general=general)
+    head = b"\n\n".join(events[:3]) + b"\n\n"
+    assert run.client.body.startswith(head)
+    error = run.client.body[len(head) :]
+    assert error.startswith(b'data: {"error"') and error.endswith(b"data: [DONE]\n\n")
+    assert not run.result.complete and run.failed == ["reset"]
+
+
+def test_a_break_after_an_oversized_event_starts_with_a_blank_line() -> None:
+    big = chunk({"content": "x" * 3000})
+    first = CLEAN.split(b"\n\n")[0] + b"\n\n"
+    for general in (False, True):
+        run = relay([first, big[:2000]], fail=True, max_event_bytes=1000, general=general)
+        assert run.client.body.startswith(first + big[:2000] + b"\n\ndata: {")
+
+
+# --- the inspected paths agree with the general one -----------------------------------------
+
+
+BOTH_LOOP = answer(words(5) + [UNIT[:9], UNIT[9:]] * 12, words(5), "both")
+STREAMS = [
+    CLEAN,
+    CONTENT_LOOP,
+    REASONING_LOOP,
+    BOTH_LOOP,
+    answer(words(5), words(8), "reasoning_content"),
+]
+DECISIONS = [None, Retry("loop", {}), Abort("loop")]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(STREAMS),
+    st.lists(st.integers(0, 12000), max_size=12),
+    st.sampled_from(DECISIONS),
+    st.booleans(),
+    st.sampled_from([1 << 20, 600]),
+)
+def test_any_split_gives_what_the_general_path_gives(
+    stream: bytes, cuts: list[int], decision: Any, hold: bool, hold_max: int
+) -> None:
+    kw = {"loops": True, "decision": decision, "hold": hold, "hold_max_bytes": hold_max}
+    reads = split(stream, cuts)
+    fast = relay(reads, **kw)
+    assert summary(fast) == summary(relay(reads, general=True, **kw))
+    assert summary(fast, False) == summary(relay([stream], general=True, **kw), False)
+
+
+def test_loops_are_found_on_the_fast_path_and_stop_at_the_same_event() -> None:
+    cases = ((CONTENT_LOOP, "content"), (REASONING_LOOP, "reasoning"), (BOTH_LOOP, "reasoning"))
+    for stream, channel in cases:
+        for decision in DECISIONS[1:]:
+            fast = relay([stream], loops=True, decision=decision)
+            general = relay([stream], loops=True, decision=decision, general=True)
+            assert fast.result.trigger is not None
+            assert fast.result.trigger.channel == channel
+            assert fast.relay._templates is not None and fast.relay._templates.hits > 10
+            assert summary(fast) == summary(general)
+            assert len(fast.client.body) < len(stream)
+
+
+def test_hold_reasoning_on_the_fast_path() -> None:
+    for stream in (CLEAN, REASONING_LOOP):
+        for decision in DECISIONS:
+            reads = split(stream, list(range(0, len(stream), 97)))
+            fast = relay(reads, loops=True, decision=decision, hold=True)
+            general = relay(reads, loops=True, decision=decision, hold=True, general=True)
+            assert summary(fast) == summary(general)
+    # A retried looping attempt never showed its reasoning.
+    run = relay([REASONING_LOOP], loops=True, decision=Retry("loop", {}), hold=True)
+    assert b"word" not in run.client.body.replace(b'"role"', b"")
+
+
+def test_a_literal_the_template_cannot_read_falls_back_and_stops_inspection() -> None:
+    good = chunk({"content": "fine"})
+    broken = good.replace(b'"fine"', b'"bad\x01"')  # a raw control character: not JSON
+    stream = chunk({"role": "assistant", "content": ""}) + good * 3 + broken + good * 3
+    for reads in ([stream], split(stream, [len(stream) - len(good) * 4])):
+        run = relay(reads, loops=True)
+        assert run.client.body == stream
+        assert run.stopped == ["malformed_json"]
+        assert run.result.token_events == 3
+        assert summary(run) == summary(relay(reads, loops=True, general=True))
+
+
+def test_other_framings_take_the_general_path_within_one_stream() -> None:
+    stream = CONTENT_LOOP
+    at = stream.index(UNIT.encode()) - 200
+    mixed = stream[:at] + b": keep-alive\n\n" + stream[at:]
+    for decision in DECISIONS:
+        reads = split(mixed, [at - 50, at + 300])
+        fast = relay(reads, loops=True, decision=decision)
+        assert summary(fast) == summary(relay(reads, loops=True, decision=decision, general=True))
+
+
+def test_restarted_attempt_keeps_the_first_id() -> None:
+    stream = answer(words(3), words(3)).replace(ID.encode(), b"chatcmpl-2")
+    run = relay([stream], loops=True, id_override=ID)
+    assert b"chatcmpl-2" not in run.client.body
+    assert summary(run) == summary(relay([stream], loops=True, id_override=ID, general=True))
+    same = relay([CLEAN], loops=True, id_override=ID)
+    assert same.client.body == CLEAN
+    assert same.relay._templates is not None and same.relay._templates.hits > 10
+
+
+class Collect:
+    name = "collect"
+
+    def __init__(self) -> None:
+        self.chunks: list[dict[str, Any]] = []
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        self.chunks.append(chunk)
+
+    def on_end(self, complete: bool) -> None:
+        pass
+
+
+class Explode:
+    name = "explode"
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        raise ValueError("inspector bug")
+
+    def on_end(self, complete: bool) -> None:
+        raise AssertionError("a dropped inspector is not called again")
+
+
+def test_inspectors_see_every_chunk_and_one_that_raises_is_dropped() -> None:
+    collect = Collect()
+    run = relay(split(CLEAN, [300, 301]), loops=True, inspectors=[Explode(), collect])
+    assert run.client.body == CLEAN
+    assert len(collect.chunks) == 53  # every data event but [DONE]
+    assert run.stopped == ["explode"]
+    assert run.relay._templates is not None and run.relay._templates.hits == 0
+
+
+def test_malformed_events_switch_inspection_off_and_bytes_flow() -> None:
+    for bad in (b"data: {not json\n\n", b"garbage\n\n"):
+        stream = CONTENT_LOOP.replace(b"\n\n", b"\n\n" + bad, 3)
+        for reads in ([stream], split(stream, list(range(0, len(stream), 50)))):
+            run = relay(reads, loops=True, decision=Abort("loop"))
+            assert run.client.body == stream
+            assert run.result.trigger is None and run.result.complete
+            assert len(run.stopped) == 1
+
+
+def events_of(stream: bytes) -> list[bytes]:
+    return [block + b"\n\n" for block in stream.split(b"\n\n") if block]
+
+
+def test_one_event_per_read_is_handled_whole_like_the_general_path() -> None:
+    for stream in STREAMS:
+        reads = events_of(stream)
+        for decision in DECISIONS:
+            for hold in (False, True):
+                kw = {"loops": True, "decision": decision, "hold": hold}
+                fast = relay(reads, **kw)
+                assert summary(fast) == summary(relay(reads, general=True, **kw))
+                assert fast.relay._templates is not None and fast.relay._templates.hits > 5
+    good = chunk({"content": "fine"})
+    reads = [chunk({"role": "assistant", "content": ""}), good, good, good.replace(b"fine", b"\t")]
+    run = relay(reads, loops=True)
+    assert run.client.body == b"".join(reads) and run.stopped == ["malformed_json"]
+
+
+def test_template_runs_that_only_parse_together_are_not_trusted() -> None:
+    good = chunk({"content": "fine"})
+    # Each alone is not a chunk of the template's shape; their literals would read together
+    # as two strings, ["a\",", ""], if they were decoded as one run without further checks.
+    first = good.replace(b'"fine"', b'"a\\"')
+    second = good.replace(b'"fine"', b'",""')
+    stream = chunk({"role": "assistant", "content": ""}) + good * 2 + first + second + good
+    for reads in ([stream], events_of(stream)):
+        run = relay(reads, loops=True)
+        assert summary(run) == summary(relay(reads, loops=True, general=True))
+        assert run.client.body == stream and run.stopped == ["malformed_json"]
