@@ -1,6 +1,6 @@
 """Micro-benchmarks of detproxy's per-chunk path, and memory per open stream.
 
-Run: ``.venv/bin/python tests/bench/bench_chunks.py [--tokens 2000] [--streams 1000]``
+Run: ``.venv/bin/python tests/bench/bench_chunks.py [--tokens 2000] [--streams 1000] [--micro]``
 Prints figures only (no assertions). Uses detproxy's own modules on vLLM-shaped chat chunks
 (``data: {...chat.completion.chunk...}\\n\\n``, one content token each):
 
@@ -9,6 +9,10 @@ Prints figures only (no assertions). Uses detproxy's own modules on vLLM-shaped 
   orjson parse, ``LoopWatch.on_chunk``, ``StreamAccumulator.on_chunk`` (with and without top-5
   logprobs), ``strip_logprobs`` and the re-serialisation of a stripped chunk, xxh3 of the text;
   next to baselines measured in the same run (an empty loop, ``bytes.split``, a no-op call);
+- microseconds per event of the relay itself (``StreamRelay.run`` over an in-memory upstream
+  and client): nothing inspects (the raw path), loops on (the simple path), in 64 KB reads and
+  one event per read, reasoning then content with and without ``hold_reasoning``, CRLF framing
+  (the general path), loops with an audit accumulator (``--micro`` stops after these);
 - tracemalloc of one open stream's state (decoder + loop watch + accumulator) after N tokens;
 - VmRSS of a detproxy process (a subprocess, loops on) before and while it holds 1,000 open
   streams: a tiny aiohttp upstream in this process sends the first chunk of each stream and
@@ -28,7 +32,7 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +299,87 @@ def micro(tokens: int) -> None:
     ]
     for name, us in rows:
         print(f"  {name:48} {us:7.3f} µs")
+    relay_rows(events)
+
+
+# ---------------------------------------------------------------------------------------------
+# The relay itself (StreamRelay.run over a fake upstream and a fake client)
+
+
+class _Upstream:
+    def __init__(self, reads: list[bytes]) -> None:
+        self._reads = reads
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for read in self._reads:
+            yield read
+
+
+class _Client:
+    async def write(self, data: bytes) -> None:
+        return None
+
+
+def _reads(stream: bytes, size: int) -> list[bytes]:
+    return [stream[i : i + size] for i in range(0, len(stream), size)]
+
+
+def _reasoning_events(events: list[bytes]) -> list[bytes]:
+    """The stream as a reasoning model sends it: the first half of the tokens as reasoning."""
+    half = len(events) // 2
+    return [e.replace(b'"content"', b'"reasoning"') for e in events[:half]] + events[half:]
+
+
+def relay_rows(events: list[bytes]) -> None:
+    """µs per event of ``StreamRelay.run`` on the whole stream: what detproxy does per event."""
+    from proxy.events import EventBus
+    from proxy.inspect.base import InspectorSet
+    from proxy.relay import StreamPlan, StreamRelay
+
+    config = LoopConfig()
+    stream = b"".join(events) + b"data: [DONE]\n\n"
+    n = len(events) + 1
+    by_64k = _reads(stream, 65536)
+    by_event = [*events, b"data: [DONE]\n\n"]
+    crlf = _reads(stream.replace(b"\n", b"\r\n"), 65536)
+    reasoning = _reads(b"".join(_reasoning_events(events)) + b"data: [DONE]\n\n", 65536)
+
+    def relay(reads: list[bytes], loops: bool, audit: bool = False, hold: bool = False) -> float:
+        loop = asyncio.new_event_loop()
+
+        async def once() -> None:
+            found: list[Any] = [StreamAccumulator("chat")] if audit else []
+            plan = StreamPlan(
+                loop_watch=LoopWatch("chat", config) if loops else None,
+                hold_reasoning=hold,
+            )
+            relay = StreamRelay(
+                "chat", InspectorSet(found, lambda name: None), EventBus(), 8 << 20, 0.0, plan
+            )
+            await relay.run(_Upstream(reads), _Client())  # type: ignore[arg-type]
+
+        def run() -> int:
+            loop.run_until_complete(once())
+            return n
+
+        try:
+            return per_item_us(run)
+        finally:
+            loop.close()
+
+    print(f"\n== the relay, StreamRelay.run per event ({n} events; best of {REPEAT}) ==")
+    rows = [
+        ("nothing inspects, 64 KB reads", relay(by_64k, False)),
+        ("nothing inspects, one event per read", relay(by_event, False)),
+        ("loops on, 64 KB reads", relay(by_64k, True)),
+        ("loops on, one event per read", relay(by_event, True)),
+        ("loops on, reasoning then content, 64 KB reads", relay(reasoning, True)),
+        ("loops + hold_reasoning, reasoning then content", relay(reasoning, True, hold=True)),
+        ("loops on, CRLF framing (general path), 64 KB", relay(crlf, True)),
+        ("loops + audit accumulator, 64 KB reads", relay(by_64k, True, audit=True)),
+    ]
+    for name, us in rows:
+        print(f"  {name:48} {us:7.3f} µs")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -524,6 +609,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2000, help="tokens per stream (default 2000)")
     ap.add_argument("--streams", type=int, default=1000, help="open streams for the RSS figure")
+    ap.add_argument("--micro", action="store_true", help="per-event figures only")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = min(hard, max(soft, 4 * args.streams + 1024))
@@ -531,6 +617,8 @@ def main() -> int:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     print("\n".join(machine(tools=False)))
     micro(args.tokens)
+    if args.micro:
+        return 0
     memory(args.tokens)
     print(f"\n== detproxy process RSS with {args.streams} concurrent open streams ==")
     for audit in (False, True):
