@@ -70,21 +70,30 @@ Decision = Continue | Retry | Abort
 
 
 class Policy(Protocol):
+    """A policy may also say, with a class attribute ``triggers_only = True``, that it always
+    answers ``Continue`` when there is no trigger: it is then not asked about clean answers."""
+
     name: str
 
     def decide(self, ctx: PolicyContext) -> Decision: ...
+
+
+CONTINUE = Continue()
 
 
 class PolicyChain:
     def __init__(self, policies: Sequence[Policy] = ()) -> None:
         self._policies = list(policies)
         self.failures: Counter[str] = Counter()
+        # Those asked about an answer that ended without a trigger.
+        self._clean = [p for p in self._policies if not getattr(p, "triggers_only", False)]
+        self.reads_clean_answers = bool(self._clean)
 
     def __bool__(self) -> bool:
         return bool(self._policies)
 
     def decide(self, ctx: PolicyContext) -> Decision:
-        for policy in self._policies:
+        for policy in self._policies if ctx.trigger is not None else self._clean:
             try:
                 decision = policy.decide(ctx)
             except Exception:
@@ -93,4 +102,4 @@ class PolicyChain:
                 continue
             if not isinstance(decision, Continue):
                 return decision
-        return Continue()
+        return CONTINUE

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from policies.base import Abort, Continue, Decision, PolicyContext, Retry
 from policies.budget import RetryBudget
@@ -51,6 +51,7 @@ class LoopLadderPolicy:
     max_attempts: int = 3
     name: str = "loop-ladder"
     exhausted: dict[str, int] = field(default_factory=dict)
+    triggers_only: ClassVar[bool] = True  # a clean answer is always Continue()
 
     def ladder_for(self, model: str) -> Ladder | None:
         return next((lad for lad in self.ladders if fnmatch.fnmatchcase(model, lad.models)), None)

@@ -26,20 +26,30 @@ def _local_port(request: web.Request) -> int | None:
     return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
 
 
+def admin_middlewares(config: ServerConfig) -> list[Middleware]:
+    """The guard where there is something to guard; none otherwise (it would only cost every
+    request a call)."""
+    if config.admin_token is None and config.admin_port is None:
+        return []
+    return [admin_guard(config)]
+
+
 def admin_guard(config: ServerConfig) -> Middleware:
-    token = config.admin_token.encode() if config.admin_token else None
+    expected = (b"Bearer " + config.admin_token.encode()) if config.admin_token else None
     admin_port = config.admin_port
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
-        is_admin = request.path.startswith(ADMIN_PREFIX)
-        if admin_port is not None and request.path != HEALTH:
+        path = request.path
+        if path == HEALTH:
+            return await handler(request)
+        is_admin = path.startswith(ADMIN_PREFIX)
+        if admin_port is not None:
             on_admin_listener = _local_port(request) == admin_port
             if is_admin != on_admin_listener:
-                return error_response(404, f"nothing at {request.path} on this listener")
-        if is_admin and token is not None and request.path != HEALTH:
+                return error_response(404, f"nothing at {path} on this listener")
+        if is_admin and expected is not None:
             given = request.headers.get("Authorization", "")
-            expected = b"Bearer " + token
             if not hmac.compare_digest(given.encode(), expected):
                 resp = error_response(401, "detproxy admin endpoints need a bearer token")
                 resp.headers["WWW-Authenticate"] = 'Bearer realm="detproxy"'

@@ -16,7 +16,7 @@ from policies.base import PolicyChain
 from policies.budget import RetryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
-from proxy.admin import ADMIN_PREFIX, admin_guard
+from proxy.admin import ADMIN_PREFIX, admin_middlewares
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
@@ -110,7 +110,8 @@ def build_app(
     policies: PolicyChain | None = None,
 ) -> web.Application:
     app = web.Application(
-        client_max_size=settings.server.max_body_bytes, middlewares=[admin_guard(settings.server)]
+        client_max_size=settings.server.max_body_bytes,
+        middlewares=admin_middlewares(settings.server),
     )
     bus = EventBus()
     metrics = Metrics(registry if registry is not None else CollectorRegistry())

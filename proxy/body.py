@@ -16,6 +16,8 @@ class BadRequest(Exception):
 
 
 def ensure_json_content_type(request: web.Request) -> None:
+    if request.headers.get("Content-Type") == "application/json":
+        return  # what clients send: no parameters to parse
     if request.content_type != "application/json":
         raise BadRequest(400, "Content-Type must be application/json")
     charset = request.charset
@@ -27,9 +29,16 @@ async def read_bounded(request: web.Request, limit: int) -> bytes:
     declared = request.content_length
     if declared is not None and declared > limit:
         raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+    content = request.content
+    if content.is_eof():
+        # The whole body is buffered already (a small body came with the headers).
+        body = content.read_nowait()
+        if len(body) > limit:
+            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+        return body
     parts: list[bytes] = []
     size = 0
-    async for part in request.content.iter_any():
+    async for part in content.iter_any():
         size += len(part)
         if size > limit:
             raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")

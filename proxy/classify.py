@@ -43,23 +43,19 @@ def classify(
     top_k_raw = body.get("top_k")
     seed = body.get("seed")
 
+    temperature = default_temperature if temperature_raw is None else _number(temperature_raw)
     well_typed = (
         (model is None or isinstance(model, str))
         and (stream is None or isinstance(stream, bool))
-        and (temperature_raw is None or _number(temperature_raw) is not None)
+        and (temperature_raw is None or temperature is not None)
         and (top_k_raw is None or (isinstance(top_k_raw, int) and not isinstance(top_k_raw, bool)))
         and (seed is None or (isinstance(seed, int) and not isinstance(seed, bool)))
     )
-    deterministic = False
-    if well_typed:
-        temperature = (
-            _number(temperature_raw) if temperature_raw is not None else default_temperature
-        )
-        deterministic = (
-            (temperature is not None and temperature < GREEDY_EPSILON)
-            or top_k_raw == 1
-            or (seeded_is_deterministic and seed is not None)
-        )
+    deterministic = well_typed and (
+        (temperature is not None and temperature < GREEDY_EPSILON)
+        or top_k_raw == 1
+        or (seeded_is_deterministic and seed is not None)
+    )
     return RequestView(
         endpoint=endpoint,
         model=model if isinstance(model, str) else "",

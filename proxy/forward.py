@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry
+from policies.base import CONTINUE, Abort, Decision, PolicyChain, PolicyContext, Retry
 from policies.budget import RetryBudget
 from proxy.audit.auditor import Auditor, AuditTicket
 from proxy.audit.inject import strip_logprobs
@@ -66,12 +66,17 @@ class Forwarder(StreamResponses):
     ) -> None:
         self._auditor: Auditor | None = None
         self._recovery = recovery
-        self._budget = budget
         self._settings = settings
         self._upstream = upstream
         self._bus = bus
         self._inspector_factories = list(inspector_factories)
         self._policies = policies or PolicyChain()
+        # Requests count towards the retry budget only where a loop can be seen at all.
+        self._budget = budget if recovery is not None and recovery.enabled else None
+        # Whether anything besides an audit reads a non-streamed answer: if not, it is not parsed.
+        self._reads_answers = (
+            recovery.reads_answers if recovery is not None else self._policies.reads_clean_answers
+        )
         self.inflight = 0
         self.started = 0  # client requests ever started: tells a shadow whether it overlapped
 
@@ -194,7 +199,7 @@ class Forwarder(StreamResponses):
                     request_id=rid,
                 )
             first_byte_s = time.monotonic() - t0
-            answer = parse_answer(payload)
+            answer = parse_answer(payload) if ticket is not None or self._reads_answers else None
             decision = self._decide_answer(attempts, upstream.status, answer)
             if isinstance(decision, Retry) and attempts.count < MAX_ATTEMPTS:
                 attempts.count += 1
@@ -226,8 +231,8 @@ class Forwarder(StreamResponses):
         """Loop checks on a whole non-streamed answer, then the policies' decision."""
         trigger = None
         if self._recovery is None:
-            if not self._policies:
-                return Continue()
+            if not self._policies.reads_clean_answers:
+                return CONTINUE
             return self._policies.decide(
                 PolicyContext(
                     attempts.endpoint, attempts.model, False, attempts.count, status, None, answer

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import Any, Generic, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -87,6 +87,30 @@ class BoundedLabel:
             return self._overflow
         self._seen.add(value)
         return value
+
+
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class _Children(Generic[M]):
+    """A labelled metric's children, cached by their label values.
+
+    prometheus_client's ``labels`` takes a lock and converts every value on each call: too
+    slow for the per-request path. Holds one entry per child the metric holds, so it is as
+    bounded as the metric's labels are; values are converted with ``str``, as ``labels`` does.
+    """
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: M) -> None:
+        self._metric: M = metric
+        self._children: dict[tuple[Hashable, ...], M] = {}
+
+    def __call__(self, *values: Hashable) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*map(str, values))
+        return child
 
 
 class _FailureCollector:
@@ -183,6 +207,8 @@ class Metrics:
         self.inflight = Gauge(
             "detproxy_inflight_requests", "Client requests in flight", registry=registry
         )
+        self._inflight = 0  # read at scrape time: a plain int costs nothing per request
+        self.inflight.set_function(lambda: self._inflight)
         self.upstream_errors = Counter(
             "detproxy_upstream_errors",
             "Upstream failures by kind and stage",
@@ -276,6 +302,15 @@ class Metrics:
             "detproxy_shadow_inflight", "Shadow replays in flight", registry=registry
         )
 
+        # The children the per-request (and per-stream) events update.
+        self._requests = _Children(self.requests)
+        self._responses = _Children(self.responses)
+        self._duration = _Children(self.duration)
+        self._first_byte = _Children(self.first_byte)
+        self._ttft = _Children(self.ttft)
+        self._itl = _Children(self.itl)
+        self._tokens_per_s = _Children(self.tokens_per_s)
+
     def watch_failures(self, sources: dict[str, Callable[[], dict[str, int]]]) -> None:
         self.registry.register(_FailureCollector(sources))
 
@@ -295,11 +330,11 @@ class Metrics:
 
     def _timed(self, ev: StreamTimed) -> None:
         labels = (self.model(ev.model), inflight_bucket(ev.inflight))
-        self.ttft.labels(*labels).observe(ev.ttft_s)
+        self._ttft(*labels).observe(ev.ttft_s)
         if ev.inter_token_s is not None:
-            self.itl.labels(*labels).observe(ev.inter_token_s)
+            self._itl(*labels).observe(ev.inter_token_s)
         if ev.tokens_per_s is not None:
-            self.tokens_per_s.labels(*labels).observe(ev.tokens_per_s)
+            self._tokens_per_s(*labels).observe(ev.tokens_per_s)
 
     def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
         self.upstream.current = ev.fingerprint
@@ -330,18 +365,18 @@ class Metrics:
         self.shadow_inflight.set(ev.running)
 
     def _started(self, ev: RequestStarted) -> None:
-        self.inflight.inc()
+        self._inflight += 1
 
     def _finished(self, ev: RequestFinished) -> None:
-        self.inflight.dec()
+        self._inflight -= 1
         stream = "true" if ev.stream else "false"
-        self.requests.labels(
+        self._requests(
             self.model(ev.model), ev.endpoint, stream, "true" if ev.deterministic else "false"
         ).inc()
-        self.responses.labels(ev.endpoint, str(ev.status), ev.outcome).inc()
-        self.duration.labels(ev.endpoint, stream).observe(ev.duration_s)
+        self._responses(ev.endpoint, ev.status, ev.outcome).inc()
+        self._duration(ev.endpoint, stream).observe(ev.duration_s)
         if ev.first_byte_s is not None:
-            self.first_byte.labels(ev.endpoint, stream).observe(ev.first_byte_s)
+            self._first_byte(ev.endpoint, stream).observe(ev.first_byte_s)
 
     def _upstream_failed(self, ev: UpstreamFailed) -> None:
         self.upstream_errors.labels(ev.endpoint, ev.kind, ev.stage).inc()

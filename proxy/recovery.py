@@ -10,7 +10,15 @@ from typing import Any
 
 import orjson
 
-from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry, Trigger
+from policies.base import (
+    CONTINUE,
+    Abort,
+    Decision,
+    PolicyChain,
+    PolicyContext,
+    Retry,
+    Trigger,
+)
 from proxy.config import LoopConfig
 from proxy.events import EventBus, LoopDetected, PolicyActed
 from proxy.inspect.loops import LoopConfig as DetectorConfig
@@ -48,6 +56,12 @@ class Recovery:
         return self._config.enabled
 
     @property
+    def reads_answers(self) -> bool:
+        """Whether a whole non-streamed answer is looked at: by the loop watch, or by a policy
+        that reads answers without a trigger."""
+        return self._config.enabled or self._chain.reads_clean_answers
+
+    @property
     def hold_reasoning(self) -> bool:
         return self._config.stream_mode == "hold_reasoning"
 
@@ -78,6 +92,8 @@ class Recovery:
         if attempts.pending_retry:
             attempts.pending_retry = False
             self._acted(attempts, "retry", "looped_again" if trigger else "recovered")
+        if trigger is None and (attempts.stream or not self._chain.reads_clean_answers):
+            return CONTINUE
         ctx = PolicyContext(
             attempts.endpoint,
             attempts.model,
@@ -89,7 +105,7 @@ class Recovery:
         )
         if trigger is None:
             # Nothing to recover from; a non-streamed answer may still interest a policy.
-            return Continue() if attempts.stream or not self._chain else self._chain.decide(ctx)
+            return self._chain.decide(ctx)
         decision = self._chain.decide(ctx)
         attempts.looped = True
         self._bus.publish(

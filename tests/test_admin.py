@@ -70,3 +70,12 @@ async def test_two_processes_on_one_machine() -> None:
         for base in (one, two):
             async with http.get(base + "/v1/models") as resp:
                 assert resp.status == 200
+
+
+def test_the_guard_is_installed_only_where_there_is_something_to_guard() -> None:
+    from proxy.admin import admin_middlewares
+    from proxy.config import ServerConfig
+
+    assert admin_middlewares(ServerConfig()) == []
+    assert len(admin_middlewares(ServerConfig(admin_token=TOKEN))) == 1
+    assert len(admin_middlewares(ServerConfig(admin_port=9090))) == 1

@@ -174,6 +174,20 @@ async def test_client_sees_the_same_answer_with_auditing_on_and_off(
     assert status["audit"]["verdicts"] == {"identical": 7}
 
 
+async def test_with_loops_off_non_streamed_answers_are_still_audited(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    env = {"DETPROXY_AUDIT__SAMPLE_RATE": "1", "DETPROXY_LOOPS__ENABLED": "false"}
+    client = await make_proxy(emulator.url, env=env)
+    for _ in range(2):  # the second one is also a passive duplicate of the first
+        resp = await client.post("/v1/chat/completions", json=chat("audit me", stream=False))
+        assert resp.status == 200
+        assert (await resp.json())["choices"][0]["logprobs"] is None  # injected, stripped
+    await settle(client)
+    assert audits(registry, "full", "identical") == 2
+    assert audits(registry, "duplicate", "identical") == 1
+
+
 async def test_prefill_mode_compares_the_first_token_only(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:

@@ -12,6 +12,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from policies.base import Continue, PolicyChain, PolicyContext, Retry
+from proxy import forward
 from tests.conftest import metric
 
 
@@ -295,3 +296,36 @@ async def test_stream_is_relayed_as_it_arrives(
     assert first == EVENTS[0]
     release.set()
     assert await resp.content.read() == b"".join(EVENTS[1:])
+
+
+LOOPS_OFF = {"DETPROXY_LOOPS__ENABLED": "false", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+
+
+class OnlyTriggers(RetryOnce):
+    name = "only-triggers"
+    triggers_only = True  # says it never acts on an answer without a trigger
+
+
+@pytest.mark.parametrize("env", [{}, LOOPS_OFF])
+async def test_policies_see_clean_answers_unless_they_only_act_on_triggers(
+    make_proxy: Any, upstream: Any, recorder: Recorder, env: dict[str, str]
+) -> None:
+    reads, ignores = RetryOnce(), OnlyTriggers()
+    client = await make_proxy(await upstream(), env=env, policies=PolicyChain([ignores, reads]))
+    resp = await client.post(CHAT, json={"model": "m", "temperature": 0})
+    assert resp.status == 200 and resp.headers["X-Detproxy-Attempts"] == "2"
+    assert [ctx.body for ctx in reads.seen] == [ANSWER, ANSWER]
+    assert ignores.seen == []
+
+
+async def test_with_loops_off_an_answer_nothing_reads_is_not_parsed(
+    make_proxy: Any, upstream: Any, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[bytes] = []
+    parse = forward.parse_answer
+    monkeypatch.setattr(forward, "parse_answer", lambda raw: parsed.append(raw) or parse(raw))
+    for env, times in ((LOOPS_OFF, 0), ({}, 1)):
+        client = await make_proxy(await upstream(), env=env)
+        resp = await client.post(CHAT, json={"model": "m", "temperature": 0})
+        assert await resp.read() == orjson.dumps(ANSWER)
+        assert len(parsed) == times

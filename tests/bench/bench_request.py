@@ -1,0 +1,345 @@
+"""Micro-benchmark of detproxy's own per-request work on the non-streamed path, no network.
+
+Run: ``.venv/bin/python tests/bench/bench_request.py [--n 10000] [--repeat 5]``. Prints figures
+only (no assertions): microseconds per request, best of ``--repeat`` runs of ``--n`` requests.
+
+The request is what the openai SDK sends (its headers, a small greedy chat body); the answer is
+bench_proxy.py's vLLM-shaped ~1 KB chat completion, with uvicorn's response headers. Steps, each
+timed alone on its own inputs:
+
+- the middlewares ``build_app`` installs with the default config (no admin token, no admin
+  port), around a handler that returns at once;
+- ``request_id_of``: the client sent no ``X-Request-Id`` (one is minted), then one it sent;
+- ``ensure_json_content_type + read_bounded``: the body already buffered, as for a small body;
+- ``parse_object``, ``classify``, ``upstream_request_headers``, ``client_response_headers``;
+- ``publish RequestStarted + RequestFinished``: the app's bus, with its real subscribers
+  (Metrics, IncidentLog, AuditTally as ``build_app`` wires them);
+- ``parse_answer``; ``Recovery.decide`` on a clean answer (the real ladder policy);
+- loops on only: ``Recovery.watch`` + ``LoopWatch.on_answer`` on the ~1 KB answer.
+
+Then the whole path, twice (``[loops] enabled = false``, then the default ``true``; audit off):
+the app's middlewares -> ``_dispatch`` -> ``Forwarder.handle`` against an in-memory upstream
+that answers at once, including aiohttp's ``web.Response``. What aiohttp's server does around
+a handler (parsing, routing, writing) is not in these figures.
+
+The inputs are built before the timing starts and frozen out of the garbage collector's reach
+(``gc.freeze``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from aiohttp import web  # noqa: E402
+from aiohttp.base_protocol import BaseProtocol  # noqa: E402
+from aiohttp.streams import StreamReader  # noqa: E402
+from aiohttp.test_utils import make_mocked_request  # noqa: E402
+from aiohttp.typedefs import Handler  # noqa: E402
+from bench_proxy import MODEL, PATH, make_json_answer, request_body  # noqa: E402
+from multidict import CIMultiDict, CIMultiDictProxy  # noqa: E402
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+import proxy  # noqa: E402
+from policies.base import PolicyChain  # noqa: E402
+from policies.budget import RetryBudget  # noqa: E402
+from policies.ladder import Ladder, LoopLadderPolicy  # noqa: E402
+from proxy.app import BUS, RUNTIME, Runtime, _dispatch, build_app  # noqa: E402
+from proxy.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
+from proxy.classify import classify  # noqa: E402
+from proxy.config import Settings, load_settings  # noqa: E402
+from proxy.events import RequestFinished, RequestStarted  # noqa: E402
+from proxy.forward import Forwarder  # noqa: E402
+from proxy.headers import (  # noqa: E402
+    client_response_headers,
+    request_id_of,
+    upstream_request_headers,
+)
+from proxy.recovery import Attempts, Recovery  # noqa: E402
+from proxy.upstream import Body, UpstreamResponse  # noqa: E402
+
+# What openai-python 1.x sends with a chat completion (httpx adds the first four).
+CLIENT_HEADERS = {
+    "Host": "127.0.0.1:8080",
+    "Accept-Encoding": "gzip, deflate",
+    "Connection": "keep-alive",
+    "Accept": "application/json",
+    "Content-Type": "application/json",
+    "User-Agent": "OpenAI/Python 1.54.0",
+    "X-Stainless-Lang": "python",
+    "X-Stainless-Package-Version": "1.54.0",
+    "X-Stainless-OS": "Linux",
+    "X-Stainless-Arch": "x64",
+    "X-Stainless-Runtime": "CPython",
+    "X-Stainless-Runtime-Version": "3.11.7",
+    "Authorization": "Bearer sk-not-a-real-key-0123456789",
+    "X-Stainless-Async": "false",
+    "X-Stainless-Retry-Count": "0",
+}
+# What vLLM (uvicorn) answers a non-streamed chat completion with.
+UPSTREAM_HEADERS = {
+    "date": "Tue, 01 Dec 2026 12:00:00 GMT",
+    "server": "uvicorn",
+    "content-length": "1024",
+    "content-type": "application/json",
+}
+
+
+class _Response:
+    __slots__ = ("_payload", "headers", "status")
+
+    def __init__(self, payload: bytes, headers: Mapping[str, str]) -> None:
+        self._payload = payload
+        self.status = 200
+        self.headers = headers
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        yield self._payload
+
+    async def read(self) -> bytes:
+        return self._payload
+
+    def close(self) -> None:
+        pass
+
+
+class InstantUpstream:
+    """Answers every request at once with the same non-streamed answer."""
+
+    def __init__(self, payload: bytes) -> None:
+        self._payload = payload
+        self._headers = CIMultiDictProxy(CIMultiDict(UPSTREAM_HEADERS))
+
+    async def send(
+        self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
+    ) -> UpstreamResponse:
+        return _Response(self._payload, self._headers)
+
+
+def best_us(run: Callable[[], None], n: int, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        t0 = time.perf_counter_ns()
+        run()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
+    return best
+
+
+async def best_us_async(
+    make: Callable[[int], list[Any]],
+    step: Callable[[Any], Awaitable[Any]],
+    n: int,
+    repeat: int,
+) -> float:
+    """Inputs are built (outside the timing) afresh for each run: steps that consume them."""
+    best = float("inf")
+    for _ in range(repeat):
+        inputs = make(n)
+        gc.collect()
+        gc.freeze()  # the prebuilt inputs are not this step's garbage to walk
+        t0 = time.perf_counter_ns()
+        for item in inputs:
+            await step(item)
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
+        gc.unfreeze()
+    return best
+
+
+def _payload(body: bytes, protocol: BaseProtocol) -> StreamReader:
+    reader = StreamReader(protocol, 2**16, loop=asyncio.get_running_loop())
+    reader.feed_data(body)
+    reader.feed_eof()
+    return reader
+
+
+def requests(app: web.Application, body: bytes, n: int) -> list[web.Request]:
+    """``n`` requests with the body buffered; the mocks they need are made once and shared."""
+    headers = {**CLIENT_HEADERS, "Content-Length": str(len(body))}
+    template = make_mocked_request("POST", PATH, headers, app=app)
+    shared = {
+        "app": app,
+        "protocol": template.protocol,
+        "transport": template.transport,
+        "writer": template.writer,
+        "loop": asyncio.get_running_loop(),
+        "client_max_size": 2**24,
+    }
+    protocol = BaseProtocol(asyncio.get_running_loop())
+    return [
+        make_mocked_request("POST", PATH, headers, payload=_payload(body, protocol), **shared)
+        for _ in range(n)
+    ]
+
+
+def chain(app: web.Application, handler: Handler) -> Handler:
+    """The handler wrapped in the app's middlewares, as aiohttp wraps it for each route."""
+    for middleware in reversed(app.middlewares):
+        handler = partial(middleware, handler=handler)
+    return handler
+
+
+def settings_for(loops: bool) -> Settings:
+    return load_settings(
+        env={
+            "DETPROXY_AUDIT__SAMPLE_RATE": "0",
+            "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+            "DETPROXY_LOOPS__ENABLED": "true" if loops else "false",
+        },
+        flags={"upstream": "http://127.0.0.1:8000"},
+    )
+
+
+def proxy_app(loops: bool, answer: bytes) -> web.Application:
+    """build_app's app, with its runtime made by hand as its cleanup context would (no
+    session: the upstream is in memory), and the same policy chain."""
+    settings = settings_for(loops)
+    app = build_app(settings, registry=CollectorRegistry())
+    config = settings.loops
+    budget = RetryBudget(config.retry_budget, min_retries=config.retry_budget_min)
+    ladders = [
+        Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
+        for lad in config.ladder_list()
+    ]
+    chain = PolicyChain([LoopLadderPolicy(ladders, budget, config.max_attempts)])
+    recovery = Recovery(config, chain, app[BUS])
+    upstream = InstantUpstream(answer)
+    forwarder = Forwarder(settings, upstream, app[BUS], (), chain, recovery, budget)
+    app[RUNTIME] = Runtime(forwarder, None, None, None)
+    return app
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=10_000, help="requests per run")
+    parser.add_argument("--repeat", type=int, default=5, help="runs per figure (best is kept)")
+    args = parser.parse_args()
+    n, repeat = args.n, args.repeat
+
+    body = request_body(False)
+    answer = make_json_answer()
+    parsed_answer = parse_answer(answer)
+    assert parsed_answer is not None
+    app_off = proxy_app(False, answer)
+    app_on = proxy_app(True, answer)
+    bus = app_on[BUS]
+    settings = settings_for(True)
+    forwarder_on = app_on[RUNTIME].forwarder
+    recovery: Recovery = forwarder_on._recovery  # type: ignore[assignment]
+    client = requests(web.Application(), body, 1)[0]
+    given = CIMultiDictProxy(CIMultiDict({**CLIENT_HEADERS, "X-Request-Id": "my-request-0001"}))
+    upstream_headers = CIMultiDictProxy(CIMultiDict(UPSTREAM_HEADERS))
+    rid = request_id_of(client.headers)
+    parsed = parse_object(body)
+    view = classify("chat", parsed)
+
+    rows: list[tuple[str, float]] = []
+
+    done = web.Response()
+
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return done
+
+    plain = web.Application()
+    middlewares = f"{len(app_on.middlewares)} middleware(s), the default config"
+    rows.append(
+        (
+            f"admin middleware ({middlewares})",
+            await best_us_async(lambda k: [client] * k, chain(app_on, ok), n, repeat),
+        )
+    )
+
+    def run_sync(label: str, fn: Callable[[], object]) -> None:
+        def run() -> None:
+            for _ in range(n):
+                fn()
+
+        rows.append((label, best_us(run, n, repeat)))
+
+    run_sync("request_id_of (minted)", lambda: request_id_of(client.headers))
+    run_sync("request_id_of (given)", lambda: request_id_of(given))
+
+    async def read(request: web.Request) -> bytes:
+        ensure_json_content_type(request)
+        return await read_bounded(request, settings.server.max_body_bytes)
+
+    rows.append(
+        (
+            "ensure_json_content_type + read_bounded",
+            await best_us_async(lambda k: requests(plain, body, k), read, n, repeat),
+        )
+    )
+    run_sync("parse_object (request body)", lambda: parse_object(body))
+    run_sync("classify", lambda: classify("chat", parsed))
+    run_sync(
+        "upstream_request_headers",
+        lambda: upstream_request_headers(client.headers, rid, proxy_reads_body=True),
+    )
+    run_sync("client_response_headers", lambda: client_response_headers(upstream_headers, rid))
+
+    def publish() -> None:
+        bus.publish(RequestStarted("chat"))
+        bus.publish(RequestFinished("chat", MODEL, False, True, 200, "ok", 0.0021, 0.002))
+
+    run_sync("publish RequestStarted + RequestFinished", publish)
+    run_sync("parse_answer (~1 KB)", lambda: parse_answer(answer))
+
+    def decide() -> None:
+        attempts = Attempts(rid, view.model, "chat", False)
+        recovery.decide(attempts, None, 200, parsed_answer)
+
+    run_sync("Attempts + Recovery.decide (clean answer)", decide)
+
+    def watch() -> None:
+        w = recovery.watch("chat")
+        assert w is not None
+        w.on_answer(parsed_answer)
+
+    run_sync("loops on: Recovery.watch + LoopWatch.on_answer", watch)
+
+    total_off = sum(v for k, v in rows if not k.startswith(("loops on", "request_id_of (given)")))
+    total_on = total_off + dict(rows)["loops on: Recovery.watch + LoopWatch.on_answer"]
+
+    whole: list[tuple[str, float]] = []
+    for label, app in (("loops off", app_off), ("loops on", app_on)):
+        whole.append(
+            (
+                f"middlewares -> _dispatch -> Forwarder.handle, {label}",
+                await best_us_async(
+                    lambda k, app=app: requests(app, body, k),  # type: ignore[misc]
+                    chain(app, _dispatch),
+                    n,
+                    repeat,
+                ),
+            )
+        )
+
+    width = max(len(k) for k, _ in rows + whole) + 2
+    loop = type(asyncio.get_running_loop())
+    where = Path(proxy.__file__).parent.parent
+    print(f"detproxy per-request work in {where}, event loop {loop.__module__}")
+    print(f"us per request, best of {repeat} runs of {n} requests")
+    print(f"{'step':<{width}}{'us':>8}")
+    for label, us in rows:
+        print(f"{label:<{width}}{us:>8.2f}")
+    print(f"{'sum of steps, loops off':<{width}}{total_off:>8.2f}")
+    print(f"{'sum of steps, loops on':<{width}}{total_on:>8.2f}")
+    print()
+    for label, us in whole:
+        print(f"{label:<{width}}{us:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
