@@ -26,6 +26,7 @@ import collections
 import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from typing import cast
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -80,8 +81,8 @@ class _Conn(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True

@@ -428,3 +428,24 @@ async def test_an_upstream_gone_during_a_streamed_upload_is_a_bad_gateway(script
     finally:
         server.close()
         await server.wait_closed()
+
+
+def test_under_uvloop() -> None:
+    """uvloop's transports are not asyncio.Transport subclasses: the client must not care."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> tuple[list[bytes], int]:
+        s = Scripted(answer(JSON))
+        s.server = await asyncio.start_server(s.handle, "127.0.0.1", 0)
+        up = client(s.url)
+        try:
+            bodies = [await (await up.send("POST", "/", {}, b"{}")).read() for _ in range(3)]
+            await up.close()
+            return bodies, s.connections
+        finally:
+            s.server.close()
+            await s.server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        bodies, connections = runner.run(scenario())
+    assert bodies == [b'{"a":1}'] * 3 and connections == 1
