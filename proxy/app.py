@@ -23,6 +23,7 @@ from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.audit.upstream_load import UpstreamLoad
 from proxy.config import Settings, UpstreamConfig
 from proxy.errors import error_response
+from proxy.eventloop import loop_name
 from proxy.events import EventBus
 from proxy.fingerprint import FingerprintPoller
 from proxy.forward import Forwarder
@@ -221,6 +222,7 @@ async def _status(request: web.Request) -> web.Response:
             "version": __version__,
             "upstream": settings.upstream.url,
             "uptime_s": round(time.time() - app[STARTED_AT], 3),
+            "event_loop": loop_name(asyncio.get_running_loop()),
             "inflight": app[RUNTIME].forwarder.inflight,
             "tasks": len(asyncio.all_tasks()),
             "audit": app[TALLY].snapshot(),

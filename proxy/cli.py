@@ -15,6 +15,7 @@ from aiohttp import web
 
 from proxy import __version__
 from proxy.config import ConfigError, load_settings
+from proxy.eventloop import loop_name, new_event_loop
 
 log = logging.getLogger("detproxy")
 
@@ -28,6 +29,11 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--sample-rate", type=float, help="share of deterministic requests audited")
     p.add_argument("--shadow-mode", choices=["full", "prefill"])
     p.add_argument("--loop-policy", choices=["retry", "abort", "observe"])
+    p.add_argument(
+        "--event-loop",
+        choices=["auto", "uvloop", "asyncio"],
+        help="auto (default): uvloop where it can be imported, else asyncio",
+    )
     p.add_argument("--log-level", default=os.environ.get("DETPROXY_LOG_LEVEL", "INFO"))
 
 
@@ -50,11 +56,13 @@ def _serve(args: argparse.Namespace) -> int:
         "sample_rate": args.sample_rate,
         "shadow_mode": args.shadow_mode,
         "loop_policy": args.loop_policy,
+        "event_loop": args.event_loop,
     }
     try:
         settings = load_settings(
             args.config or os.environ.get("DETPROXY_CONFIG"), os.environ, flags
         )
+        loop = new_event_loop(settings.server.event_loop)
     except ConfigError as exc:
         print(f"detproxy: {exc}", file=sys.stderr)
         return 2
@@ -63,11 +71,12 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(settings)
     server = settings.server
     log.info(
-        "detproxy %s listening on %s:%d, upstream %s",
+        "detproxy %s listening on %s:%d, upstream %s, event loop %s",
         __version__,
         server.host,
         server.port,
         settings.upstream.url,
+        loop_name(loop),
     )
     listeners = [server.port] + ([server.admin_port] if server.admin_port is not None else [])
     web.run_app(
@@ -80,6 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
         handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
         access_log=None,
         print=None,
+        loop=loop,
     )
     return 0
 

@@ -40,6 +40,8 @@ class ServerConfig(_Section):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     admin_token: str | None = Field(default=None, min_length=16)  # bearer token for /detproxy/*
     admin_port: int | None = Field(default=None, ge=0, le=65535)  # a separate admin listener
+    # auto: uvloop where it can be imported, else asyncio's own loop.
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
 
 
 class UpstreamConfig(_Section):
@@ -211,6 +213,7 @@ FLAT = {
     "sample_rate": ("audit", "sample_rate"),
     "shadow_mode": ("audit", "shadow_mode"),
     "loop_policy": ("loops", "policy"),
+    "event_loop": ("server", "event_loop"),
 }
 
 

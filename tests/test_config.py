@@ -73,3 +73,22 @@ def test_unreadable_and_invalid_toml(tmp_path: Path) -> None:
         load_settings(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_settings(write(tmp_path, "[server\n"))
+
+
+def test_event_loop_from_file_environment_and_flag(tmp_path: Path) -> None:
+    assert load_settings().server.event_loop == "auto"
+    path = write(tmp_path, '[server]\nevent_loop = "asyncio"\n')
+    assert load_settings(path).server.event_loop == "asyncio"
+    env = {"DETPROXY_SERVER__EVENT_LOOP": "uvloop"}
+    assert load_settings(path, env).server.event_loop == "uvloop"
+    assert load_settings(env={"DETPROXY_EVENT_LOOP": "asyncio"}).server.event_loop == "asyncio"
+    assert load_settings(path, env, {"event_loop": "auto"}).server.event_loop == "auto"
+
+
+def test_a_bad_event_loop_names_the_field_and_its_origin(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"server\.event_loop.*DETPROXY_SERVER__EVENT_LOOP"):
+        load_settings(env={"DETPROXY_SERVER__EVENT_LOOP": "tokio"})
+    path = write(tmp_path, '[server]\nevent_loop = "trio"\n')
+    with pytest.raises(ConfigError, match=r"server\.event_loop") as exc:
+        load_settings(path)
+    assert "'auto', 'uvloop' or 'asyncio'" in str(exc.value) and str(path) in str(exc.value)
