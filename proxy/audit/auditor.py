@@ -82,7 +82,11 @@ class Auditor:
         if not view.deterministic:
             return None
         key = canonical_request_key(body)
-        shadow = self._scheduler is not None and self._sampler.should_audit(view.model, key)
+        shadow = (
+            self._scheduler is not None
+            and self._sampler.should_audit(view.model, key)
+            and self._scheduler.admit(view.model)
+        )
         if not shadow and not self._audit.passive_checks:
             return None
         upstream_body, injected = body, False

@@ -118,15 +118,29 @@ class ShadowScheduler:
     def count_primary_tokens(self, tokens: int) -> None:
         self.primary_tokens += tokens
 
+    def admit(self, model: str) -> bool:
+        """Asked when a sampled primary starts: may a shadow follow it? The rate limit is
+        taken here, so that a primary that will not
+        be replayed goes out as the client sent it (no logprobs injected for the audit, which
+        the engine would have to compute) and is relayed without accumulating its output."""
+        reason = None
+        if self._config.max_token_share == 0:
+            reason = "token_budget"  # no shadow ever fits (the budget grows with primaries)
+        elif not self._bucket.take():
+            reason = "rate_limit"
+        if reason is not None:
+            self._bus.publish(ShadowDropped(model, reason))
+            return False
+        return True
+
     def submit(self, job: ShadowJob) -> bool:
+        """After an admitted primary: queue its shadow, within the token budget and the queue."""
         reason = None
         budget = self._config.max_token_share * self.primary_tokens
         if self.shadow_tokens + job.estimated_tokens > budget:
             reason = "token_budget"
         elif self._queue.full():
             reason = "queue_full"
-        elif not self._bucket.take():
-            reason = "rate_limit"
         if reason is not None:
             self._bus.publish(ShadowDropped(job.model, reason))
             return False

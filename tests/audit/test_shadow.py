@@ -306,3 +306,43 @@ async def test_shutdown_cancels_shadow_workers(
     after = {t.get_name() for t in asyncio.all_tasks()}
     assert not any(name.startswith("shadow:") for name in after)
     assert orjson.dumps(sorted(after))  # nothing else of detproxy's is left either
+
+
+async def test_a_primary_beyond_the_rate_limit_goes_out_untouched(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+) -> None:
+    """The rate limit is taken when the primary starts: a primary that will not be replayed is
+    forwarded as the client sent it (no logprobs injected) and is not accumulated."""
+    bodies: list[dict[str, Any]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return web.json_response(
+            {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "model": "m",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "same"},
+                        "logprobs": None,
+                        "finish_reason": "stop",
+                    }
+                ],
+            }
+        )
+
+    upstream_app.router.add_post("/v1/chat/completions", answer)
+    client = await make_proxy(
+        await upstream(), env=AUDIT_ALL | {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1"}
+    )
+    for i in range(3):
+        resp = await client.post("/v1/chat/completions", json=chat(f"r{i}"))
+        assert resp.status == 200
+    await settle(client)
+    assert dropped(registry, "rate_limit") == 2
+    asked = [b for b in bodies if b.get("logprobs")]
+    assert len(bodies) == 4 and len(asked) == 2  # the audited primary and its shadow
+    untouched = [b for b in bodies if "logprobs" not in b]
+    assert sorted(b["messages"][0]["content"] for b in untouched) == ["r1", "r2"]
