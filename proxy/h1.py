@@ -270,6 +270,11 @@ class H1Response:
         self._release()
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn.complete and not self._done:  # the usual small answer: all here already
+            data = conn.take() if conn.chunks else b""
+            self._release()
+            return data
         parts = [data async for data in self.chunks()]
         return parts[0] if len(parts) == 1 else b"".join(parts)
 

@@ -345,22 +345,8 @@ enabled = true
 }
 
 
-# ``detproxy serve`` as the CLI runs it, except for one thing: proxy/cli.py passes both
-# ``host=`` and ``sock=`` to aiohttp's run_app, and aiohttp then also binds host:8080 (its
-# default port), so a second detproxy on the machine fails to start. The launcher drops
-# ``host`` when ``sock`` is given; once the CLI stops passing it this changes nothing.
-LAUNCHER = """\
-import sys
-from aiohttp import web
-_run_app = web.run_app
-def run_app(app, *a, **kw):
-    if kw.get("sock") is not None:
-        kw.pop("host", None)
-    return _run_app(app, *a, **kw)
-web.run_app = run_app
-from proxy.cli import main
-sys.exit(main(sys.argv[1:]))
-"""
+# ``detproxy serve`` exactly as a user runs it, with the venv's interpreter.
+LAUNCHER = "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 @dataclass
