@@ -345,6 +345,32 @@ enabled = true
 }
 
 
+# --ceiling: aiohttp's HTTP server alone, answering the same bytes from memory (no upstream),
+# on the event loop detproxy picks (uvloop where installed). No proxy built on aiohttp's
+# server can be faster than this.
+AIOHTTP_STATIC = """\
+import sys
+from pathlib import Path
+from aiohttp import web
+from proxy.eventloop import new_event_loop
+www = Path(sys.argv[1])
+answer = (www / "chat.json").read_bytes()
+stream = (www / "chat.sse").read_bytes()
+async def handle(request):
+    await request.read()
+    if request.query.get("bench") == "sse":
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(stream)
+        await resp.write_eof()
+        return resp
+    return web.Response(body=answer, content_type="application/json")
+app = web.Application()
+app.router.add_post("/v1/chat/completions", handle)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), access_log=None, print=None,
+            loop=new_event_loop("auto"))
+"""
+
 # ``detproxy serve`` exactly as a user runs it, with the venv's interpreter.
 LAUNCHER = "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -382,7 +408,7 @@ class Bench:
         wait_port(port, proc, f"nginx ({name})")
         return proc
 
-    def start(self, log_level: str) -> None:
+    def start(self, log_level: str, ceiling: bool = False) -> None:
         tmp = self.tmp
         (tmp / "www").mkdir()
         (tmp / "tmp").mkdir()
@@ -406,6 +432,15 @@ class Bench:
         px = free_port()
         self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
         self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off"))
+        if ceiling:
+            port = free_port()
+            proc = self.spawn(
+                [sys.executable, "-c", AIOHTTP_STATIC, str(tmp / "www"), str(port)],
+                "aio-static.log",
+            )
+            wait_port(port, proc, "aiohttp static server")
+            what = "aiohttp's server alone, same bytes from memory: the ceiling"
+            self.targets.append(Target("aio-static", port, what, proc))
         for name, conf in DETPROXY_CONFIGS.items():
             port = free_port()
             cfg = tmp / f"{name}.toml"
@@ -766,6 +801,11 @@ def main() -> int:
         metavar="SECONDS",
         help="after the tables, py-spy dp-off and dp-loops on streams at c=16",
     )
+    ap.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="add aio-static: aiohttp's server alone answering from memory (no upstream)",
+    )
     args = ap.parse_args()
     if args.quick:
         args.duration, args.rounds = 2.0, 1
@@ -788,7 +828,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detproxy-bench-"))
     tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
     bench = Bench(tmp)
-    runs = len(modes) * len(concs) * 5 * args.rounds
+    runs = len(modes) * len(concs) * (5 + args.ceiling) * args.rounds
     print("\n".join(machine()))
     print(
         f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
@@ -797,7 +837,7 @@ def main() -> int:
     )
     t_start = time.monotonic()
     try:
-        bench.start(args.log_level)
+        bench.start(args.log_level, args.ceiling)
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
@@ -809,7 +849,8 @@ def main() -> int:
         for t in bench.targets:
             for mode in modes:
                 run_wrk(bench, t, mode, 16, 1)
-        rss_before = {t.name: rss_kb(t.proc.pid) for t in bench.targets if t.proc}
+        detproxies = [t for t in bench.targets if t.name.startswith("dp-")]
+        rss_before = {t.name: rss_kb(t.proc.pid) for t in detproxies if t.proc}
         raw: dict[tuple[str, int, str], list[Sample]] = {}
         order = list(bench.targets)
         for mode in modes:
@@ -834,7 +875,7 @@ def main() -> int:
             "detproxy RSS (MB), after warm-up -> after the run: "
             + ", ".join(
                 f"{t.name} {rss_before[t.name] / 1024:.0f} -> {rss_kb(t.proc.pid) / 1024:.0f}"
-                for t in bench.targets
+                for t in detproxies
                 if t.proc
             )
         )
