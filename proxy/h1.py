@@ -16,7 +16,7 @@ it is parsed. Its contract is ``proxy.upstream.Upstream``:
 - an idle connection is dropped after ``keepalive_timeout_s``, below uvicorn's (vLLM's) 5 s,
   so the pool does not hand out one the upstream is closing;
 - the body of a slow client is not buffered without bound: reading from the upstream pauses
-  above ``_HIGH_WATER`` bytes held and resumes when the consumer has taken them.
+  above ``HIGH_WATER`` bytes held and resumes when the consumer has taken them.
 """
 
 from __future__ import annotations
@@ -26,215 +26,22 @@ import collections
 import ssl
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
-from typing import cast
 from urllib.parse import urlsplit
 
-import aiohttp
-import httptools
 from multidict import CIMultiDict
 
 from proxy.errors import UpstreamFailure
+from proxy.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, expire, forget
 
 Body = bytes | AsyncIterable[bytes] | None
 
-_HIGH_WATER = 256 * 1024
+__all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
+
 _BODYLESS_REQUEST = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
-
-
-class UpstreamBodyError(aiohttp.ClientPayloadError):
-    """The upstream's body ended before it was complete (a subclass of aiohttp's error so
-    that every reader that handles a broken aiohttp body handles this one too)."""
-
-
-class _Closed(Exception):
-    """The connection closed before any byte of a response came back."""
 
 
 def _reset() -> UpstreamFailure:
     return UpstreamFailure(502, "upstream closed the connection before responding", "reset")
-
-
-class _Conn(asyncio.Protocol):
-    """One upstream connection; carries one response at a time."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.idle_since = 0.0
-        self._parser = httptools.HttpResponseParser(self)
-        self._head: asyncio.Future[None] | None = None
-        self._waiter: asyncio.Future[None] | None = None
-        self._drain: asyncio.Future[None] | None = None
-        self.method = "GET"
-        self.status = 0
-        self.header_list: list[tuple[bytes, bytes]] = []
-        self.chunks: collections.deque[bytes] = collections.deque()
-        self.held = 0
-        self.got_bytes = False
-        self.complete = False
-        self.until_close = False  # no length, not chunked: the body ends with the connection
-        self.keep_alive = False
-        self.error: BaseException | None = None
-        self._paused = False
-
-    # -- asyncio.Protocol ----------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement asyncio.Transport without subclassing it.
-        self.transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamBodyError(f"malformed response from the upstream: {exc}"))
-            self.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.complete:
-            return
-        if self.until_close and self._head is not None and self._head.done():
-            self.complete = True  # a body delimited by the end of the connection
-            self._wake()
-        elif not self.got_bytes:
-            self._fail(_Closed())
-        else:
-            self._fail(UpstreamBodyError("upstream connection lost before the response ended"))
-        self.resume_writing()  # a writer waiting to drain sees `closed` next
-
-    def pause_writing(self) -> None:
-        self._drain = self._loop.create_future()
-
-    def resume_writing(self) -> None:
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-        self._drain = None
-
-    # -- httptools callbacks -------------------------------------------------------------
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_list.append((name, value))
-
-    def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
-            self.header_list = []  # an interim response (100 Continue): wait for the real one
-            return
-        self.status = status
-        # Asked here: llhttp forgets the message's flags once it is complete.
-        self.keep_alive = self._parser.should_keep_alive()
-        if self.method == "HEAD" or status in (204, 304):
-            framing = False
-        else:
-            framing = any(
-                n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.header_list
-            )
-        self.until_close = not framing and self.method != "HEAD" and status not in (204, 304)
-        if self.method == "HEAD":
-            # llhttp would wait for the body the length announces; there is none.
-            self.complete = True
-            self.close()
-        if self._head is not None and not self._head.done():
-            self._head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.held += len(body)
-        if self.held > _HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self.status == 0:
-            return  # the end of an interim response
-        self.complete = True
-        self._wake()
-
-    # -- used by the pool and the response -----------------------------------------------
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None:
-            self.error = exc
-        head = self._head
-        if head is not None and not head.done():
-            head.set_exception(exc)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-
-    def start(self, method: str) -> asyncio.Future[None]:
-        self.method = method
-        self.status = 0
-        self.header_list = []
-        self.chunks.clear()
-        self.held = 0
-        self.got_bytes = False
-        self.complete = False
-        self.until_close = False
-        self.keep_alive = False
-        self.error = None
-        self._head = self._loop.create_future()
-        return self._head
-
-    async def drain(self) -> None:
-        if self._drain is not None:
-            await self._drain
-
-    async def wait_data(self, silence_s: float) -> None:
-        """Until a body chunk, the end of the body or an error (TimeoutError after
-        ``silence_s`` seconds of silence)."""
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(silence_s, _expire, waiter)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self._waiter = None
-
-    def take(self) -> bytes:
-        chunks = self.chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self.held = 0
-        if self._paused and self.transport is not None and not self.closed:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
-
-    def reusable(self) -> bool:
-        return (
-            self.complete
-            and not self.closed
-            and self.error is None
-            and not self.until_close
-            and self.method != "HEAD"
-            and self.keep_alive
-        )
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _forget(future: asyncio.Future[None]) -> None:
-    """Mark a future's exception as seen: nobody will await it any more."""
-    if future.done() and not future.cancelled():
-        future.exception()
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError("upstream sent nothing within the read timeout"))
 
 
 class H1Response:
@@ -242,7 +49,7 @@ class H1Response:
 
     __slots__ = ("_conn", "_done", "_pool", "_timeout", "headers", "status")
 
-    def __init__(self, conn: _Conn, pool: H1Upstream, timeout: float) -> None:
+    def __init__(self, conn: Conn, pool: H1Upstream, timeout: float) -> None:
         self._conn = conn
         self._pool = pool
         self._timeout = timeout
@@ -315,13 +122,13 @@ class H1Upstream:
         self._keepalive = keepalive_timeout_s
         self._max = max_connections
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self._tls else None
-        self._idle: collections.deque[_Conn] = collections.deque()
+        self._idle: collections.deque[Conn] = collections.deque()
         self._busy = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     # -- the pool ------------------------------------------------------------------------
 
-    async def _acquire(self, fresh: bool) -> tuple[_Conn, bool]:
+    async def _acquire(self, fresh: bool) -> tuple[Conn, bool]:
         """A connection and whether it came from the pool."""
         while self._busy >= self._max:
             waiter = asyncio.get_running_loop().create_future()
@@ -348,12 +155,12 @@ class H1Upstream:
             self._wake_one()
             raise
 
-    async def _connect(self) -> _Conn:
+    async def _connect(self) -> Conn:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(loop),
+                    lambda: Conn(loop),
                     self._host,
                     self._port,
                     ssl=self._ssl,
@@ -369,7 +176,7 @@ class H1Upstream:
             ) from exc
         return conn
 
-    def release(self, conn: _Conn) -> None:
+    def release(self, conn: Conn) -> None:
         """Called once per acquired connection, by its response."""
         self._busy -= 1
         if conn.reusable():
@@ -419,7 +226,7 @@ class H1Upstream:
         conn, pooled = await self._acquire(fresh=False)
         try:
             await self._attempt(conn, method, head, body)
-        except _Closed as exc:
+        except Closed as exc:
             # A pooled keep-alive connection the upstream had closed: nothing was answered,
             # so try once more on a fresh connection (a streamed body cannot be sent twice).
             if not pooled or not isinstance(body, bytes | None):
@@ -427,11 +234,11 @@ class H1Upstream:
             conn, _ = await self._acquire(fresh=True)
             try:
                 await self._attempt(conn, method, head, body)
-            except _Closed as again:
+            except Closed as again:
                 raise _reset() from again
         return H1Response(conn, self, self._read_timeout)
 
-    async def _attempt(self, conn: _Conn, method: str, head: bytes, body: Body) -> None:
+    async def _attempt(self, conn: Conn, method: str, head: bytes, body: Body) -> None:
         """Send the request, wait for the response head; on any failure the connection is
         closed and given back (cancelled included: closing it aborts the generation)."""
         try:
@@ -439,7 +246,7 @@ class H1Upstream:
         except BaseException as exc:
             conn.close()
             self.release(conn)
-            if isinstance(exc, _Closed | UpstreamFailure) or not isinstance(exc, Exception):
+            if isinstance(exc, Closed | UpstreamFailure) or not isinstance(exc, Exception):
                 raise
             if isinstance(exc, TimeoutError):
                 raise UpstreamFailure(
@@ -449,7 +256,7 @@ class H1Upstream:
                 raise UpstreamFailure(502, f"upstream error: {exc}", "reset") from exc
             raise UpstreamFailure(502, f"upstream error: {type(exc).__name__}", "error") from exc
 
-    async def _exchange(self, conn: _Conn, method: str, head: bytes, body: Body) -> None:
+    async def _exchange(self, conn: Conn, method: str, head: bytes, body: Body) -> None:
         transport = conn.transport
         assert transport is not None
         headers_ready = conn.start(method)
@@ -463,15 +270,15 @@ class H1Upstream:
                 async for piece in body:
                     if piece:
                         if conn.closed:  # gone while the body was being sent
-                            _forget(headers_ready)
-                            raise _Closed()
+                            forget(headers_ready)
+                            raise Closed()
                         transport.write(b"%x\r\n%s\r\n" % (len(piece), piece))
                         await conn.drain()
                 transport.write(b"0\r\n\r\n")
         await conn.drain()
         if conn.closed and not headers_ready.done():
-            raise _Closed()
-        timer = asyncio.get_running_loop().call_later(self._read_timeout, _expire, headers_ready)
+            raise Closed()
+        timer = asyncio.get_running_loop().call_later(self._read_timeout, expire, headers_ready)
         try:
             await headers_ready
         finally:

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from proxy.errors import UpstreamFailure
-from proxy.h1 import _HIGH_WATER, H1Upstream, UpstreamBodyError
+from proxy.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
 
 JSON = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{"a":1}'
 
@@ -400,7 +400,7 @@ async def test_a_slow_reader_pauses_the_upstream(scripted: Any) -> None:
     resp = await client(srv.url).send("GET", "/big", {}, None)
     await asyncio.sleep(0.3)  # nobody reads: the client must stop reading the socket
     held = resp._conn.held
-    assert held <= _HIGH_WATER + 512 * 1024, held
+    assert held <= HIGH_WATER + 512 * 1024, held
     total = 0
     async for chunk in resp.chunks():
         total += len(chunk)
