@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from proxy.audit.verdict import VERDICTS
 from proxy.events import (
     AuditCompleted,
     ClientDisconnected,
@@ -302,6 +303,7 @@ class Metrics:
             "detproxy_shadow_inflight", "Shadow replays in flight", registry=registry
         )
 
+        self._audit_series: set[tuple[str, str]] = set()  # (model, mode) with every verdict
         # The children the per-request (and per-stream) events update.
         self._requests = _Children(self.requests)
         self._responses = _Children(self.responses)
@@ -350,6 +352,13 @@ class Metrics:
     def _audited(self, ev: AuditCompleted) -> None:
         model = self.model(ev.model)
         verdict = ev.verdict
+        if (model, ev.mode) not in self._audit_series:
+            # Every verdict's series starts together, at 0: rate() cannot see what a counter
+            # counted before its first scrape, so series born at different times (the first
+            # divergence minutes after the first identical) would bias the ratios alerted on.
+            self._audit_series.add((model, ev.mode))
+            for name in VERDICTS:
+                self.audits.labels(model, ev.mode, name)
         self.audits.labels(model, ev.mode, verdict.verdict).inc()
         if verdict.verdict in ("text_divergence", "answer_divergence") and verdict.divergence:
             self.divergence_position.labels(model, ev.mode).observe(verdict.divergence.index)

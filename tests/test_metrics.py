@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from proxy.events import EventBus, RequestFinished, RequestStarted, StreamTimed
+from proxy.audit.verdict import VERDICTS, Verdict
+from proxy.events import AuditCompleted, EventBus, RequestFinished, RequestStarted, StreamTimed
 from proxy.metrics import Metrics
 from tests.conftest import metric
 
@@ -57,3 +58,18 @@ def test_stream_speed_by_model_and_concurrency() -> None:
     assert metric(registry, ttft, model="m", inflight="3-4") == 1
     itl = "detproxy_inter_token_latency_seconds_count"
     assert metric(registry, itl, model="m", inflight="1") == 2
+
+
+def test_every_verdict_series_of_a_model_and_mode_starts_together_at_zero() -> None:
+    registry = CollectorRegistry()
+    bus = EventBus()
+    Metrics(registry).subscribe(bus)
+    verdict = Verdict("identical", None, None, None, "h", "h", 3, 3)
+    bus.publish(
+        AuditCompleted("r1", "m", "chat", "full", 0, verdict, "k", 1, 0, 0.1, 0.1, "same", 0.0)
+    )
+    text = generate_latest(registry).decode()
+    for name in VERDICTS:
+        line = f'detproxy_audits_total{{mode="full",model="m",verdict="{name}"}}'
+        assert f"{line} {'1.0' if name == 'identical' else '0.0'}" in text, name
+    assert 'mode="prefill"' not in text  # only the mode that was seen

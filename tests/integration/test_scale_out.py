@@ -107,6 +107,13 @@ async def test_fleet_rate_through_prometheus(fleet: dict[str, Any]) -> None:
     }
     flip = {"X-Emulator-Knobs": orjson.dumps({"flip_probability": 1, "flip_position": 2}).decode()}
     async with aiohttp.ClientSession() as http:
+        # Traffic starts once Prometheus scrapes both replicas: what a counter counted before
+        # its first scrape is invisible to rate().
+        for _ in range(100):
+            up = await query(http, fleet["prom"], 'up{job="detproxy"} == 1')
+            if len(up) == 2:
+                break
+            await asyncio.sleep(0.1)
         for i in range(120):  # ~6 s of traffic, spread over both replicas by haproxy
             headers = flip if i % FLIPPED_EVERY == 0 else {}
             async with http.post(
