@@ -52,7 +52,7 @@ class UpstreamConfig(_Section):
     read_timeout_s: float = Field(default=3600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
     # native: detproxy's own lean HTTP/1.1 client (proxy/h1.py); aiohttp: aiohttp's client,
-    # several times slower per request, kept as a fallback.
+    # slower per request (tests/bench/bench_proxy.py --aiohttp-client), kept as a fallback.
     client: Literal["native", "aiohttp"] = "native"
     keepalive_timeout_s: float = Field(default=4.0, gt=0)  # idle pooled connections
     max_logprobs: int = Field(default=20, ge=0)

@@ -1,10 +1,10 @@
 """A lean HTTP/1.1 client for the upstream: asyncio protocols, llhttp (httptools) parsing.
 
 Why not aiohttp's client here: on a request the proxy relays, aiohttp's ``ClientSession``
-costs several times what the rest of detproxy does (URL objects, header defaults, tracing,
-timers; see tests/bench/bench_proxy.py). This client does only what a reverse proxy needs:
-a keep-alive pool per upstream, one request at a time per connection, the body relayed as
-it is parsed. Its contract is ``proxy.upstream.Upstream``:
+costs more than the rest of detproxy does (URL objects, header defaults, tracing, timers:
+``tests/bench/bench_proxy.py --aiohttp-client`` measures detproxy on both). This client does
+only what a reverse proxy needs: a keep-alive pool per upstream, one request at a time per
+connection, the body relayed as it is parsed. Its contract is ``proxy.upstream.Upstream``:
 
 - closing a response before it is complete closes its TCP connection (how vLLM learns that a
   client left, and aborts the generation); a complete response returns its connection to

@@ -408,7 +408,7 @@ class Bench:
         wait_port(port, proc, f"nginx ({name})")
         return proc
 
-    def start(self, log_level: str, ceiling: bool = False) -> None:
+    def start(self, log_level: str, ceiling: bool = False, aiohttp_client: bool = False) -> None:
         tmp = self.tmp
         (tmp / "www").mkdir()
         (tmp / "tmp").mkdir()
@@ -441,7 +441,10 @@ class Bench:
             wait_port(port, proc, "aiohttp static server")
             what = "aiohttp's server alone, same bytes from memory: the ceiling"
             self.targets.append(Target("aio-static", port, what, proc))
-        for name, conf in DETPROXY_CONFIGS.items():
+        configs = dict(DETPROXY_CONFIGS)
+        if aiohttp_client:
+            configs["dp-off-aio"] = '[upstream]\nclient = "aiohttp"\n' + DETPROXY_CONFIGS["dp-off"]
+        for name, conf in configs.items():
             port = free_port()
             cfg = tmp / f"{name}.toml"
             cfg.write_text(conf.format(shadow_url=f"http://{HOST}:{shadow}"))
@@ -470,6 +473,7 @@ class Bench:
                 "dp-off": "detproxy, audit off, loops disabled",
                 "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
                 "dp-loops": "detproxy, audit off, loop inspection on (default)",
+                "dp-off-aio": "dp-off on aiohttp's client (upstream.client = aiohttp)",
             }[name]
             self.targets.append(Target(name, port, what, proc))
 
@@ -806,6 +810,11 @@ def main() -> int:
         action="store_true",
         help="add aio-static: aiohttp's server alone answering from memory (no upstream)",
     )
+    ap.add_argument(
+        "--aiohttp-client",
+        action="store_true",
+        help='add dp-off-aio: dp-off with upstream.client = "aiohttp" (the native client\'s gain)',
+    )
     args = ap.parse_args()
     if args.quick:
         args.duration, args.rounds = 2.0, 1
@@ -828,7 +837,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detproxy-bench-"))
     tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
     bench = Bench(tmp)
-    runs = len(modes) * len(concs) * (5 + args.ceiling) * args.rounds
+    runs = len(modes) * len(concs) * (5 + args.ceiling + args.aiohttp_client) * args.rounds
     print("\n".join(machine()))
     print(
         f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
@@ -837,7 +846,7 @@ def main() -> int:
     )
     t_start = time.monotonic()
     try:
-        bench.start(args.log_level, args.ceiling)
+        bench.start(args.log_level, args.ceiling, args.aiohttp_client)
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
