@@ -115,7 +115,7 @@ class H1Upstream:
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or (443 if self._tls else 80)
         netloc = parts.netloc.rsplit("@", 1)[-1]
-        self._host_header = netloc.encode("idna")
+        self._host_header = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
         self._prefix = parts.path.rstrip("/")
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
@@ -138,6 +138,8 @@ class H1Upstream:
             except BaseException:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+                elif waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled: the freed slot goes to the next
                 raise
         self._busy += 1
         try:
@@ -179,9 +181,14 @@ class H1Upstream:
     def release(self, conn: Conn) -> None:
         """Called once per acquired connection, by its response."""
         self._busy -= 1
+        now = time.monotonic()
+        idle = self._idle
+        # The oldest idle connections are the ones the upstream closes first: let them go.
+        while idle and (idle[0].closed or now - idle[0].idle_since > self._keepalive):
+            idle.popleft().close()
         if conn.reusable():
-            conn.idle_since = time.monotonic()
-            self._idle.append(conn)
+            conn.idle_since = now
+            idle.append(conn)
         else:
             conn.close()
         self._wake_one()

@@ -449,3 +449,30 @@ def test_under_uvloop() -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         bodies, connections = runner.run(scenario())
     assert bodies == [b'{"a":1}'] * 3 and connections == 1
+
+
+async def test_a_waiter_woken_then_cancelled_passes_the_slot_on(scripted: Any) -> None:
+    srv = await scripted(answer(JSON))
+    up = client(srv.url, max_connections=1)
+    first = await up.send("GET", "/", {}, None)  # holds the one slot until read
+    woken = asyncio.create_task(up.send("GET", "/", {}, None))
+    next_in_line = asyncio.create_task(up.send("GET", "/", {}, None))
+    await asyncio.sleep(0.05)  # both wait for the slot
+    await first.read()  # frees it: `woken` gets it...
+    woken.cancel()  # ...and is cancelled before it runs
+    resp = await asyncio.wait_for(next_in_line, 2)
+    assert await resp.read() == b'{"a":1}'
+
+
+async def test_expired_idle_connections_are_closed_on_a_release(scripted: Any) -> None:
+    srv = await scripted(answer(JSON))
+    up = client(srv.url, keepalive_timeout_s=0.5)
+    a, b = await asyncio.gather(*(up.send("GET", "/", {}, None) for _ in range(2)))
+    await a.read()
+    await b.read()  # two idle connections
+    await asyncio.sleep(0.3)
+    await (await up.send("GET", "/", {}, None)).read()  # the newest is used again
+    await asyncio.sleep(0.3)  # the other one is now past the keep-alive time
+    await (await up.send("GET", "/", {}, None)).read()
+    await asyncio.sleep(0.05)
+    assert (srv.connections, srv.eofs, up.idle_connections) == (2, 1, 1)
