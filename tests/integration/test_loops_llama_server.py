@@ -3,6 +3,7 @@ some prompts. detproxy detects them and a retry ladder ends them with a normal f
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,19 @@ action = "retry"
 attempts = [{ presence_penalty = 1.5 },
             { temperature = 0.7, top_p = 0.95, presence_penalty = 1.5, seed = 1 }]
 """
+
+
+def loop_counts(counts: dict[str, float]) -> tuple[float, dict[str, float]]:
+    loops = sum(
+        v
+        for k, v in counts.items()
+        if k.startswith("detproxy_loops_total") and 'source="proxy"' in k
+    )
+    retries = {
+        o: sum(v for k, v in counts.items() if f'outcome="{o}"' in k)
+        for o in ("recovered", "looped_again", "error")
+    }
+    return loops, retries
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -72,19 +86,21 @@ def test_loops_are_detected_and_recovered(engine: Engine, tmp_path: Path) -> Non
             assert len({c.id for c in chunks}) == 1
             # Recovered: the last attempt ended without a loop (not cut by detproxy).
             assert chunks[-1].choices[0].finish_reason in ("stop", "length"), prompt
-        counts = metrics(proxy)
-    loops = sum(
-        v
-        for k, v in counts.items()
-        if k.startswith("detproxy_loops_total") and 'source="proxy"' in k
-    )
-    retries = {
-        o: sum(v for k, v in counts.items() if f'outcome="{o}"' in k)
-        for o in ("recovered", "looped_again", "error")
-    }
+        # A retry's outcome is counted when the upstream's response has ended, which can be
+        # a moment after the client read data: [DONE]: wait for the counts to settle.
+        deadline = time.monotonic() + 5
+        while True:
+            counts = metrics(proxy)
+            loops, retries = loop_counts(counts)
+            if retries["recovered"] + retries["looped_again"] >= loops:
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
     # Every loop led to a retry, and every looping request ended recovered (nothing aborted).
-    assert loops >= 2 and retries["recovered"] >= 2
-    assert retries["recovered"] + retries["looped_again"] == loops and retries["error"] == 0
+    assert loops >= 2 and retries["recovered"] >= 2, counts
+    assert retries["recovered"] + retries["looped_again"] == loops, counts
+    assert retries["error"] == 0, counts
     assert not any('action="abort"' in k for k in counts)
 
 
