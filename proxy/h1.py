@@ -25,15 +25,14 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
 from proxy.errors import UpstreamFailure
 from proxy.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, expire, forget
-
-Body = bytes | AsyncIterable[bytes] | None
+from proxy.upstream import Body
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
 
