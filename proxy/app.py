@@ -143,11 +143,10 @@ def build_app(
 
     async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         session = make_session(settings.upstream)
-        owned: list[Upstream] = []  # the upstream clients this app made, closed with it
-        if upstream is None:
-            upstream_ = _make_upstream(settings.upstream, session, settings.upstream.url)
-            owned.append(upstream_)
-        target: Upstream = upstream if upstream is not None else owned[0]
+        target: Upstream = upstream or _make_upstream(
+            settings.upstream, session, settings.upstream.url
+        )
+        owned = [] if upstream is not None else [target]  # closed with the app
         reference: Upstream | None = None
         if settings.audit.reference_url:
             reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)

@@ -120,9 +120,9 @@ class ShadowScheduler:
 
     def admit(self, model: str) -> bool:
         """Asked when a sampled primary starts: may a shadow follow it? The rate limit is
-        taken here, so that a primary that will not
-        be replayed goes out as the client sent it (no logprobs injected for the audit, which
-        the engine would have to compute) and is relayed without accumulating its output."""
+        taken here, so that a primary that will not be replayed goes out as the client sent
+        it (no logprobs injected for the audit, which the engine would have to compute) and
+        is relayed without accumulating its output."""
         reason = None
         if self._config.max_token_share == 0:
             reason = "token_budget"  # no shadow ever fits (the budget grows with primaries)
