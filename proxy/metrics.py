@@ -353,9 +353,8 @@ class Metrics:
         model = self.model(ev.model)
         verdict = ev.verdict
         if (model, ev.mode) not in self._audit_series:
-            # Every verdict's series starts together, at 0: rate() cannot see what a counter
-            # counted before its first scrape, so series born at different times (the first
-            # divergence minutes after the first identical) would bias the ratios alerted on.
+            # Every verdict's series starts at 0 together: rate() misses what a series counted
+            # before its first scrape, so series born at different times bias the ratios.
             self._audit_series.add((model, ev.mode))
             for name in VERDICTS:
                 self.audits.labels(model, ev.mode, name)

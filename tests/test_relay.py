@@ -19,6 +19,7 @@ from proxy.inspect.base import InspectorSet
 from proxy.inspect.loops import LoopConfig
 from proxy.inspect.loopwatch import LoopWatch
 from proxy.relay import StreamPlan, StreamRelay, StreamResult
+from tests.test_forward import Explode
 
 UNIT = " and then the model says the same thing again."
 ID = "chatcmpl-1"
@@ -305,16 +306,6 @@ class Collect:
 
     def on_end(self, complete: bool) -> None:
         pass
-
-
-class Explode:
-    name = "explode"
-
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
-        raise ValueError("inspector bug")
-
-    def on_end(self, complete: bool) -> None:
-        raise AssertionError("a dropped inspector is not called again")
 
 
 def test_inspectors_see_every_chunk_and_one_that_raises_is_dropped() -> None:

@@ -87,22 +87,11 @@ class LoopWatch:
     def _delta(
         self, watch: _ChoiceWatch, index: int, raw: dict[str, Any], delta: dict[str, Any]
     ) -> Trigger | None:
-        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
-        if reasoning and isinstance(reasoning, str):
-            watch.saw_reasoning = True
-            report = watch.reasoning.feed(reasoning)
-            if report is not None:
-                return _trigger("proxy", "reasoning", index, report)
-        content = delta.get("content")
-        if content and isinstance(content, str):
-            watch.saw_content = True
-            report = watch.content.feed(content)
-            if report is not None:
-                return _trigger("proxy", "content", index, report)
+        trigger = self._feed(watch, index, _reasoning(delta), delta.get("content"))
         finish = raw.get("finish_reason")
-        if finish is not None:
+        if trigger is None and finish is not None:
             return self._finished(watch, index, finish, raw.get("stop_reason"))
-        return None
+        return trigger
 
     def on_run(self, index: int, channel: str, texts: Sequence[str]) -> tuple[Trigger, int] | None:
         """Text deltas of one ``channel`` of choice ``index``, from consecutive chunks that
