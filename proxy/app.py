@@ -29,6 +29,7 @@ from proxy.fingerprint import FingerprintPoller
 from proxy.forward import Forwarder
 from proxy.h1 import H1Upstream
 from proxy.incidents import IncidentLog
+from proxy.injection import InjectionGuard
 from proxy.inspect.base import InspectorFactory
 from proxy.metrics import Metrics
 from proxy.recovery import Recovery
@@ -125,7 +126,8 @@ def build_app(
     ]
     ladder = LoopLadderPolicy(ladders, budget, loops.max_attempts)
     chain = policies or PolicyChain([ladder])
-    recovery = Recovery(loops, chain, bus)
+    guard = InjectionGuard(settings.injection, bus)
+    recovery = Recovery(loops, chain, bus, guard)
     metrics.watch_failures(
         {"subscriber": lambda: dict(bus.failures), "policy": lambda: dict(chain.failures)}
     )
@@ -151,7 +153,9 @@ def build_app(
         if settings.audit.reference_url:
             reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
             owned.append(reference)
-        forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, budget)
+        forwarder = Forwarder(
+            settings, target, bus, inspector_factories, chain, recovery, budget, guard
+        )
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None
@@ -163,6 +167,7 @@ def build_app(
                 store,
                 lambda: forwarder.inflight,
                 target=settings.audit.reference_url or "same",
+                guard=guard,
             )
             forwarder.attach_auditor(auditor)
         poller = None
@@ -228,6 +233,7 @@ async def _status(request: web.Request) -> web.Response:
             "shadow": _shadow_status(app[RUNTIME].scheduler),
             "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
             "passive_pending": _passive_pending(app[RUNTIME].auditor),
+            "injection": app[RUNTIME].forwarder.guard.snapshot(),
             "incidents": {
                 "recorded": len(app[INCIDENTS].recent(10**9)),
                 "written": app[INCIDENTS].written,

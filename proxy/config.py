@@ -191,9 +191,20 @@ class LoopConfig(_Section):
         return self.ladders or [LadderConfig(action=self.policy)]
 
 
+class InjectionConfig(_Section):
+    """When the upstream refuses what detproxy adds to requests (logprobs for an audit, vLLM's
+    repetition_detection): the client's own request is sent instead, and after this many
+    failures in a row for a model the addition is suspended for it, then tried again."""
+
+    failures_to_suspend: int = Field(default=3, ge=1)
+    suspend_s: float = Field(default=60.0, gt=0)  # doubled at each suspension in a row
+    max_suspend_s: float = Field(default=3600.0, gt=0)
+
+
 class Settings(_Section):
     server: ServerConfig = ServerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
+    injection: InjectionConfig = InjectionConfig()
     classify: ClassifyConfig = ClassifyConfig()
     audit: AuditConfig = AuditConfig()
     loops: LoopConfig = LoopConfig()

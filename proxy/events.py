@@ -122,6 +122,7 @@ class ShadowDropped:
 
     model: str
     # queue_full | rate_limit | token_budget | quiet_deadline | upstream_error | timeout | shutdown
+    # | injection_suspended | injection_failed (the upstream refused the logprobs a shadow needs)
     reason: str
 
 
@@ -187,3 +188,38 @@ class StreamTimed:
     inter_token_s: float | None
     tokens: int
     tokens_per_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class InjectionFailed:
+    """The upstream refused a request detproxy had altered (``kind``: logprobs |
+    repetition_detection) where the client's own request, sent instead, succeeded."""
+
+    model: str
+    endpoint: str
+    kind: str
+    status: int  # the altered request's status; 200 for a stream that failed before its first event
+    reason: str  # the upstream's error message, shortened
+
+
+@dataclass(frozen=True, slots=True)
+class InjectionSuspended:
+    """Adding ``kind`` to ``model``'s requests was suspended for ``seconds`` (``suspended``)
+    after repeated failures, or is being tried again (not ``suspended``)."""
+
+    model: str
+    kind: str
+    suspended: bool
+    seconds: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackSent:
+    """The client's own request went upstream in place of an altered one that failed;
+    ``outcome`` is ``recovered`` (it succeeded) or ``same_error`` (refused too: relayed)."""
+
+    model: str
+    endpoint: str
+    status: int
+    outcome: str

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -37,13 +37,16 @@ from proxy.events import (
     InspectionStopped,
     RequestFinished,
     RequestStarted,
+    ShadowDropped,
     UpstreamFailed,
 )
+from proxy.fallback import Altered, FallbackSender, is_event_stream
 from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.base import InspectorFactory
 from proxy.recovery import Attempts, Recovery, cut_answer
 from proxy.streaming import CLIENT_GONE, INFLIGHT, MAX_ATTEMPTS, StreamResponses
-from proxy.upstream import Upstream, read_error_kind
+from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +66,13 @@ class Forwarder(StreamResponses):
         policies: PolicyChain | None = None,
         recovery: Recovery | None = None,
         budget: RetryBudget | None = None,
+        guard: InjectionGuard | None = None,
     ) -> None:
         self._auditor: Auditor | None = None
+        self.guard = guard or InjectionGuard(settings.injection, bus)
+        self._sender = FallbackSender(
+            upstream, self.guard, bus, settings.server.max_sse_event_bytes
+        )
         self._recovery = recovery
         self._settings = settings
         self._upstream = upstream
@@ -158,29 +166,66 @@ class Forwarder(StreamResponses):
             if self._auditor is not None
             else None
         )
-        if ticket is not None and ticket.upstream_body is not body:
+        original = raw
+        kinds: list[str] = []
+        if ticket is not None and ticket.injected:
             raw = orjson.dumps(ticket.upstream_body)  # logprobs injected for the audit
-
+            kinds.append(LOGPROBS)
         sent = ticket.upstream_body if ticket is not None else body
+        # A retry starts from the client's request: the audit's logprobs are not asked again
+        # (an answer produced under overrides is not audited, and would not be stripped).
+        retry_base = body
         if self._recovery is not None and self._recovery.enabled:
-            prepared = self._recovery.prepare(sent)
+            prepared = self._recovery.prepare(sent, view.model)
             if prepared is not sent:
                 sent, raw = prepared, orjson.dumps(prepared)
+                retry_base = self._recovery.prepare(body, view.model)
+                kinds.append(REPETITION_DETECTION)
+        altered = Altered(kinds, original, view.model, endpoint) if kinds else None
         attempts = Attempts(rid, view.model, endpoint, view.stream)
         if self._budget is not None:
             self._budget.record_request()
 
+        try:
+            upstream, fell_back = await self._sender.send(request.raw_path, headers, raw, altered)
+        except UpstreamFailure as exc:
+            self._bus.publish(UpstreamFailed(endpoint, exc.kind, "headers"))
+            self._finish(view, endpoint, exc.status, "upstream_error", t0, None, request)
+            return error_response(exc.status, exc.message, request_id=rid)
+        if fell_back:
+            retry_base = body  # the upstream refused an addition: none in this request's retries
+            if ticket is not None and ticket.injected:
+                # The client's own request carries no logprobs: nothing to compare.
+                self._bus.publish(ShadowDropped(view.model, "injection_failed"))
+                ticket = None
+        if is_event_stream(upstream):
+            return await self._stream(
+                request, upstream, view, rid, t0, ticket, attempts, headers, retry_base, original
+            )
+        return await self._answer(
+            request, upstream, view, rid, t0, ticket, attempts, headers, retry_base
+        )
+
+    async def _answer(
+        self,
+        request: web.Request,
+        upstream: UpstreamResponse,
+        view: RequestView,
+        rid: str,
+        t0: float,
+        ticket: AuditTicket | None,
+        attempts: Attempts,
+        headers: Mapping[str, str],
+        retry_base: dict[str, Any],
+    ) -> web.StreamResponse:
+        """A non-streamed answer: read whole, looked at, retried while the policies say so."""
+        endpoint = view.endpoint
+        injected = ticket is not None and ticket.injected
+        outcome: Outcome | None = None
+        # The last answer that can be relayed: a retry that fails gives it back to the client.
+        kept: tuple[UpstreamResponse, bytes] | None = None
+        first_byte_s: float | None = None
         while True:
-            try:
-                upstream = await self._upstream.send("POST", request.raw_path, headers, raw)
-            except UpstreamFailure as exc:
-                self._bus.publish(UpstreamFailed(endpoint, exc.kind, "headers"))
-                self._finish(view, endpoint, exc.status, "upstream_error", t0, None, request)
-                return error_response(exc.status, exc.message, request_id=rid)
-            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                return await self._stream(
-                    request, upstream, view, rid, t0, ticket, attempts, headers, sent
-                )
             try:
                 payload = await upstream.read()
             except CLIENT_GONE:
@@ -191,6 +236,10 @@ class Forwarder(StreamResponses):
                 upstream.close()
                 kind = read_error_kind(exc)
                 self._bus.publish(UpstreamFailed(endpoint, kind, "body"))
+                if kept is not None:
+                    self._recovery_failed(attempts)
+                    upstream, payload = kept
+                    break
                 status = 504 if kind == "timeout" else 502
                 self._finish(view, endpoint, status, "upstream_error", t0, None, request)
                 return error_response(
@@ -198,25 +247,46 @@ class Forwarder(StreamResponses):
                     "upstream connection lost before the response was complete",
                     request_id=rid,
                 )
+            if kept is not None and upstream.status >= 400:
+                self._recovery_failed(attempts)  # the retry's overrides were refused
+                upstream, payload = kept
+                break
             first_byte_s = time.monotonic() - t0
             answer = parse_answer(payload) if ticket is not None or self._reads_answers else None
+            if injected and answer is not None and upstream.status == 200:
+                if ticket is not None:
+                    outcome = outcome_from_response(endpoint, answer)
+                if strip_logprobs(answer):
+                    payload = orjson.dumps(answer)
+            injected = False  # retries are sent without the audit's logprobs
             decision = self._decide_answer(attempts, upstream.status, answer)
             if isinstance(decision, Retry) and attempts.count < MAX_ATTEMPTS:
                 attempts.count += 1
                 ticket = None  # an answer produced under overrides is not audited
-                raw = orjson.dumps({**sent, **decision.overrides})
+                kept = (upstream, payload)
+                try:
+                    upstream = await self._upstream.send(
+                        "POST",
+                        request.raw_path,
+                        headers,
+                        orjson.dumps({**retry_base, **decision.overrides}),
+                    )
+                except UpstreamFailure as exc:
+                    self._bus.publish(UpstreamFailed(endpoint, exc.kind, "headers"))
+                    self._recovery_failed(attempts)
+                    upstream, payload = kept
+                    break
                 continue
             if isinstance(decision, Abort) and answer is not None and attempts.trigger:
                 cut_answer(answer, endpoint, attempts.trigger)
                 payload = orjson.dumps(answer)
             break
 
-        if ticket is not None and answer is not None and upstream.status == 200:
-            outcome = outcome_from_response(endpoint, answer)
-            if ticket.injected:
-                strip_logprobs(answer)
-                payload = orjson.dumps(answer)
-            self._auditor_done(ticket, outcome)
+        if ticket is not None and upstream.status == 200:
+            if outcome is None and answer is not None:
+                outcome = outcome_from_response(endpoint, answer)
+            if outcome is not None:
+                self._auditor_done(ticket, outcome)
         out_headers = client_response_headers(upstream.headers, rid)
         if attempts.count > 1 or attempts.looped:
             out_headers["X-Detproxy-Attempts"] = str(attempts.count)
@@ -224,6 +294,10 @@ class Forwarder(StreamResponses):
             out_headers["X-Detproxy-Recovered"] = "true" if attempts.recovered else "false"
         self._finish(view, endpoint, upstream.status, "ok", t0, first_byte_s, request)
         return web.Response(status=upstream.status, body=payload, headers=out_headers)
+
+    def _recovery_failed(self, attempts: Attempts) -> None:
+        if self._recovery is not None:
+            self._recovery.retry_failed(attempts)
 
     def _decide_answer(
         self, attempts: Attempts, status: int, answer: dict[str, Any] | None

@@ -15,6 +15,9 @@ from proxy.events import (
     AuditCompleted,
     ClientDisconnected,
     EventBus,
+    FallbackSent,
+    InjectionFailed,
+    InjectionSuspended,
     InspectionStopped,
     LoopDetected,
     PolicyActed,
@@ -302,6 +305,26 @@ class Metrics:
         self.shadow_inflight = Gauge(
             "detproxy_shadow_inflight", "Shadow replays in flight", registry=registry
         )
+        self.injection_failures = Counter(
+            "detproxy_injection_failures",
+            "Requests detproxy altered (kind: logprobs | repetition_detection) that the upstream"
+            " refused where the client's own request succeeded",
+            ["model", "endpoint", "kind", "status"],
+            registry=registry,
+        )
+        self.injection_suspended = Gauge(
+            "detproxy_injection_suspended",
+            "1 while adding kind to model's requests is suspended after repeated failures",
+            ["model", "kind"],
+            registry=registry,
+        )
+        self.fallbacks = Counter(
+            "detproxy_fallbacks",
+            "Client requests sent again as the client sent them after an altered one failed,"
+            " by outcome (recovered | same_error)",
+            ["model", "endpoint", "outcome"],
+            registry=registry,
+        )
 
         self._audit_series: set[tuple[str, str]] = set()  # (model, mode) with every verdict
         # The children the per-request (and per-stream) events update.
@@ -329,6 +352,20 @@ class Metrics:
         bus.subscribe(PolicyActed, self._policy)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
         bus.subscribe(StreamTimed, self._timed)
+        bus.subscribe(InjectionFailed, self._injection_failed)
+        bus.subscribe(InjectionSuspended, self._injection_suspended)
+        bus.subscribe(FallbackSent, self._fallback)
+
+    def _injection_failed(self, ev: InjectionFailed) -> None:
+        self.injection_failures.labels(
+            self.model(ev.model), ev.endpoint, ev.kind, str(ev.status)
+        ).inc()
+
+    def _injection_suspended(self, ev: InjectionSuspended) -> None:
+        self.injection_suspended.labels(self.model(ev.model), ev.kind).set(int(ev.suspended))
+
+    def _fallback(self, ev: FallbackSent) -> None:
+        self.fallbacks.labels(self.model(ev.model), ev.endpoint, ev.outcome).inc()
 
     def _timed(self, ev: StreamTimed) -> None:
         labels = (self.model(ev.model), inflight_bucket(ev.inflight))

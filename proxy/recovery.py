@@ -21,6 +21,7 @@ from policies.base import (
 )
 from proxy.config import LoopConfig
 from proxy.events import EventBus, LoopDetected, PolicyActed
+from proxy.injection import REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.loops import LoopConfig as DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
 
@@ -37,6 +38,7 @@ class Attempts:
     looped: bool = False  # some attempt had a trigger
     pending_retry: bool = False  # a retry's outcome is known when the next attempt ends
     trigger: Trigger | None = None  # the last attempt's
+    fell_back: bool = False  # a retry was refused: the client's own request was sent instead
     history: list[str] = field(default_factory=list)
 
     @property
@@ -45,8 +47,15 @@ class Attempts:
 
 
 class Recovery:
-    def __init__(self, config: LoopConfig, chain: PolicyChain, bus: EventBus) -> None:
+    def __init__(
+        self,
+        config: LoopConfig,
+        chain: PolicyChain,
+        bus: EventBus,
+        guard: InjectionGuard | None = None,
+    ) -> None:
         self._config = config
+        self._guard = guard
         self._chain = chain
         self._bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
@@ -74,10 +83,13 @@ class Recovery:
             return None
         return LoopWatch(endpoint, self._detector, runaway=self._config.runaway)
 
-    def prepare(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Add vLLM's repetition_detection where the operator says the upstream has it."""
+    def prepare(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """Add vLLM's repetition_detection where the operator says the upstream has it (and
+        it has not been refused for ``model`` lately)."""
         engine = self._config.engine_detection
         if engine is None or "repetition_detection" in body:
+            return body
+        if self._guard is not None and not self._guard.allows(model, REPETITION_DETECTION):
             return body
         return {**body, "repetition_detection": engine.model_dump()}
 

@@ -78,8 +78,11 @@ class StreamResponses:
         ticket: AuditTicket | None,
         attempts: Attempts,
         headers: Mapping[str, str],
-        sent: dict[str, Any],
+        retry_base: dict[str, Any],
+        original: bytes,
     ) -> web.StreamResponse:
+        """Relay a stream; a retry merges its overrides into ``retry_base``; when a retry is
+        refused, the client's ``original`` request is relayed instead, as it would have been."""
         resp = web.StreamResponse(
             status=upstream.status, headers=client_response_headers(upstream.headers, rid)
         )
@@ -104,7 +107,9 @@ class StreamResponses:
                         InspectionStopped(view.endpoint, "inspector_error")
                     ),
                 )
-                watch = recovery.watch(view.endpoint) if recovery is not None else None
+                # A fallback after a refused retry is relayed as it comes: nothing to recover to.
+                inspected = recovery is not None and not attempts.fell_back
+                watch = recovery.watch(view.endpoint) if inspected and recovery else None
                 plan = StreamPlan(
                     strip_logprobs=ticket is not None and ticket.injected,
                     id_override=first_id,
@@ -112,7 +117,7 @@ class StreamResponses:
                     hold_max_bytes=recovery.hold_max_bytes if recovery is not None else 0,
                     loop_watch=watch,
                     on_trigger=(lambda trig: self._on_stream_trigger(attempts, trig))
-                    if recovery is not None
+                    if inspected
                     else None,
                 )
                 relay = StreamRelay(
@@ -134,7 +139,7 @@ class StreamResponses:
                     ticket = None
                     await resp.write(retry_comment(attempts.count, result.decision.reason))
                     nxt = await self._retry_stream(
-                        attempts, headers, sent, result.decision, request.raw_path
+                        attempts, headers, retry_base, original, result.decision, request.raw_path
                     )
                     if nxt is None:
                         await resp.write(inband_error_event(502, "retry after a loop failed"))
@@ -199,23 +204,33 @@ class StreamResponses:
         self,
         attempts: Attempts,
         headers: Mapping[str, str],
-        sent: dict[str, Any],
+        retry_base: dict[str, Any],
+        original: bytes,
         decision: Retry,
         raw_path: str,
     ) -> UpstreamResponse | None:
-        body = orjson.dumps({**sent, **decision.overrides})
+        """The next attempt's stream; when the upstream refuses the retry's overrides, the
+        client's own request (the answer it would have had), or None when that fails too."""
+        assert self._recovery is not None
+        body = orjson.dumps({**retry_base, **decision.overrides})
+        upstream = await self._open_stream(attempts, headers, body, raw_path)
+        if upstream is not None:
+            return upstream
+        self._recovery.retry_failed(attempts)
+        attempts.fell_back = True
+        return await self._open_stream(attempts, headers, original, raw_path)
+
+    async def _open_stream(
+        self, attempts: Attempts, headers: Mapping[str, str], body: bytes, raw_path: str
+    ) -> UpstreamResponse | None:
         try:
             upstream = await self._upstream.send("POST", raw_path, headers, body)
         except UpstreamFailure as exc:
             self._bus.publish(UpstreamFailed(attempts.endpoint, exc.kind, "headers"))
-            assert self._recovery is not None
-            self._recovery.retry_failed(attempts)
             return None
         if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
             "text/event-stream"
         ):
             upstream.close()
-            assert self._recovery is not None
-            self._recovery.retry_failed(attempts)
             return None
         return upstream

@@ -18,15 +18,16 @@ import orjson
 
 from proxy.audit.compare import Verdict, compare_choices, output_hash
 from proxy.audit.extract import AnswerExtractor, build_extractor
-from proxy.audit.inject import plan_logprobs
+from proxy.audit.inject import needs_injection, plan_logprobs
 from proxy.audit.outcome import ChoiceOutcome, Outcome
 from proxy.audit.sampling import Sampler
 from proxy.audit.shadow import ShadowJob, ShadowResult, ShadowScheduler
 from proxy.audit.store import ChoiceDigest, DuplicateStore, digest_outcome
 from proxy.classify import RequestView
 from proxy.config import Settings
-from proxy.events import AuditCompleted, EventBus
+from proxy.events import AuditCompleted, EventBus, ShadowDropped
 from proxy.hashing import canonical_request_key
+from proxy.injection import LOGPROBS, InjectionGuard
 from proxy.tasks import TaskOwner
 
 SHADOW_HEADER = "X-Detproxy-Shadow"
@@ -55,8 +56,10 @@ class Auditor:
         store: DuplicateStore | None,
         inflight: Callable[[], int],
         target: str = "same",
+        guard: InjectionGuard | None = None,
     ) -> None:
         self._settings = settings
+        self._guard = guard
         self._audit = settings.audit
         self._bus = bus
         self._scheduler = scheduler
@@ -85,6 +88,7 @@ class Auditor:
         shadow = (
             self._scheduler is not None
             and self._sampler.should_audit(view.model, key)
+            and self._injection_allowed(view, body)
             and self._scheduler.admit(view.model)
         )
         if not shadow and not self._audit.passive_checks:
@@ -110,6 +114,16 @@ class Auditor:
             authorization=headers.get("Authorization"),
             started=time.monotonic(),
         )
+
+    def _injection_allowed(self, view: RequestView, body: dict[str, Any]) -> bool:
+        """A shadow needs the primary's logprobs: where the upstream lately refused them for
+        this model, only requests that carry their own are replayed (passive checks go on)."""
+        if self._guard is None or self._guard.allows(view.model, LOGPROBS):
+            return True
+        if not needs_injection(view.endpoint, body):
+            return True
+        self._bus.publish(ShadowDropped(view.model, "injection_suspended"))
+        return False
 
     @property
     def pending(self) -> int:

@@ -21,6 +21,13 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def needs_injection(endpoint: str, body: dict[str, Any]) -> bool:
+    """Whether an audit of this request must add logprobs the client did not ask for."""
+    if endpoint == "chat":
+        return body.get("logprobs") is not True
+    return not _is_int(body.get("logprobs"))
+
+
 def plan_logprobs(
     endpoint: str, body: dict[str, Any], top_k: int, max_logprobs: int
 ) -> LogprobPlan:

@@ -58,6 +58,7 @@ def test_every_alert_has_for_severity_annotations_and_a_unit_test() -> None:
         "DetproxyAnswerDivergence",
         "DetproxyLoopRateHigh",
         "DetproxyShadowsDropped",
+        "DetproxyInjectionSuspended",
         "DetproxyDown",
         "DetproxyUpstreamChanged",
     }

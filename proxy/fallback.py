@@ -1,0 +1,176 @@
+"""Sending a request detproxy altered, with the client's own request as the fallback.
+
+When the upstream answers an error (4xx or 5xx) to the altered request, or its stream fails
+before its first event (ends, breaks, or opens with an error event), the client's original
+bytes go upstream instead and that answer is relayed: the client gets what it would have got
+without detproxy. Nothing has reached the client by then: a streamed answer's first event is
+read before the client's response starts, then handed on with the rest (``Prefetched``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+
+from proxy.events import EventBus, FallbackSent
+from proxy.injection import InjectionGuard, error_reason
+from proxy.sse import SSEDecoder, SSEOverflow
+from proxy.upstream import Upstream, UpstreamResponse
+
+log = logging.getLogger(__name__)
+
+_READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+# An error body longer than this is not read to its end: only its message is wanted.
+_ERROR_BODY_BYTES = 64 * 1024
+
+
+def is_event_stream(upstream: UpstreamResponse) -> bool:
+    return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+@dataclass(frozen=True, slots=True)
+class Altered:
+    """A request detproxy changed: what it added, and the client's own bytes to fall back to."""
+
+    kinds: Sequence[str]  # logprobs | repetition_detection
+    original: bytes
+    model: str
+    endpoint: str
+
+
+class Prefetched:
+    """An upstream response whose first bytes were already read: ``chunks`` yields them, then
+    goes on with the same iterator (a second ``chunks()`` of the native client would start a
+    second reader, and the first one's clean-up would close the connection)."""
+
+    __slots__ = ("_head", "_inner", "_rest", "headers", "status")
+
+    def __init__(self, inner: UpstreamResponse, head: bytes, rest: AsyncIterator[bytes]) -> None:
+        self._inner = inner
+        self._head = head
+        self._rest = rest
+        self.status = inner.status
+        self.headers: Mapping[str, str] = inner.headers
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if self._head:
+            head, self._head = self._head, b""
+            yield head
+        async for data in self._rest:
+            yield data
+
+    async def read(self) -> bytes:
+        parts = [data async for data in self.chunks()]
+        return b"".join(parts)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+async def first_event(
+    upstream: UpstreamResponse, max_event_bytes: int
+) -> tuple[UpstreamResponse, str | None]:
+    """Read a stream up to its first data event. Returns the response to relay (the bytes read
+    kept in front) and ``None``, or a reason when the stream failed before that event."""
+    decoder = SSEDecoder(max_event_bytes)
+    head: list[bytes] = []
+    chunks = aiter(upstream.chunks())
+    try:
+        while True:
+            try:
+                data = await anext(chunks)
+            except StopAsyncIteration:
+                break
+            head.append(data)
+            for event in decoder.feed(data):
+                if event.data is None:
+                    continue  # a comment or a keep-alive
+                return Prefetched(upstream, b"".join(head), chunks), _error_event(event.data)
+    except SSEOverflow:
+        return Prefetched(upstream, b"".join(head), chunks), None  # the relay decides
+    except _READ_ERRORS as exc:
+        return upstream, f"stream broke before its first event ({type(exc).__name__})"
+    return upstream, "stream ended before its first event"
+
+
+def _error_event(data: bytes) -> str | None:
+    if not data.startswith(b"{") or b'"error"' not in data:
+        return None
+    try:
+        chunk = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+    if isinstance(chunk, dict) and chunk.get("error") is not None and "choices" not in chunk:
+        return "stream opened with an error event: " + error_reason(200, data)
+    return None
+
+
+class FallbackSender:
+    """Sends a request; an altered one that fails is sent again as the client sent it."""
+
+    def __init__(
+        self, upstream: Upstream, guard: InjectionGuard, bus: EventBus, max_event_bytes: int
+    ) -> None:
+        self._upstream = upstream
+        self._guard = guard
+        self._bus = bus
+        self._max_event_bytes = max_event_bytes
+
+    async def send(
+        self, raw_path: str, headers: Mapping[str, str], body: bytes, altered: Altered | None
+    ) -> tuple[UpstreamResponse, bool]:
+        """The response to relay, and whether it answers the client's own request in place
+        of the altered one. ``UpstreamFailure`` propagates (a transport fault is not the
+        alteration's)."""
+        upstream = await self._upstream.send("POST", raw_path, headers, body)
+        if altered is None:
+            return upstream, False
+        status = upstream.status
+        if status >= 400:
+            reason = error_reason(status, await _read_error(upstream))
+        elif is_event_stream(upstream):
+            upstream, failure = await first_event(upstream, self._max_event_bytes)
+            if failure is None:
+                self._guard.succeeded(altered.model, altered.kinds)
+                return upstream, False
+            upstream.close()
+            reason = failure
+        else:
+            self._guard.succeeded(altered.model, altered.kinds)
+            return upstream, False
+        again = await self._upstream.send("POST", raw_path, headers, altered.original)
+        if again.status < 400:
+            outcome = "recovered"
+            self._guard.failed(altered.model, altered.endpoint, altered.kinds, status, reason)
+            log.warning(
+                "upstream refused a request with %s added (%s: %s); sent the client's own",
+                "+".join(altered.kinds),
+                status,
+                reason,
+            )
+        else:
+            outcome = "same_error"  # the client's own request is refused too: its answer
+        self._bus.publish(FallbackSent(altered.model, altered.endpoint, again.status, outcome))
+        return again, True
+
+
+async def _read_error(upstream: UpstreamResponse) -> bytes:
+    """The start of an error body; the connection is closed either way."""
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for data in upstream.chunks():
+            parts.append(data)
+            size += len(data)
+            if size >= _ERROR_BODY_BYTES:
+                break
+    except _READ_ERRORS:
+        pass
+    finally:
+        upstream.close()
+    return b"".join(parts)[:_ERROR_BODY_BYTES]

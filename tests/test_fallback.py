@@ -1,0 +1,394 @@
+"""Requests detproxy altered that the upstream refuses: the client's own request goes instead.
+
+The scripted upstream below refuses exactly what real servers refuse: vLLM 0.23 answers 400
+("Out of range float values are not JSON compliant: nan") to a non-streamed request asking for
+logprobs a model computes as NaN, and streams them as ``null``; a server that fails a stream
+before its first event; a server that rejects ``repetition_detection``. Every client request
+through detproxy must answer as it does without detproxy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import ClientSession, web
+from prometheus_client import CollectorRegistry
+
+from tests.conftest import metric
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+NAN = "Out of range float values are not JSON compliant: nan"
+AUDIT_ALL = {"DETPROXY_AUDIT__SAMPLE_RATE": "1.0", "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
+
+
+def asks_logprobs(body: dict[str, Any]) -> bool:
+    value = body.get("logprobs")
+    return value is True or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def vllm_error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+def answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    if path == CHAT:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": "Paris."}}
+    else:
+        choice = {"index": 0, "text": " Paris."}
+    choice |= {"finish_reason": "stop", "logprobs": None}
+    return {"id": "x-1", "model": body.get("model"), "choices": [choice]}
+
+
+def chunk(path: str, text: str, finish: str | None, lp: bool) -> bytes:
+    logprobs = None
+    if lp and path == CHAT:
+        entry = {"token": text, "logprob": None, "top_logprobs": [{"token": text, "logprob": None}]}
+        logprobs = {"content": [entry]}
+    elif lp:
+        logprobs = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [{text: None}]}
+    c: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
+    c |= {"delta": {"content": text}} if path == CHAT else {"text": text}
+    return b"data: " + orjson.dumps({"id": "x-1", "choices": [c]}) + b"\n\n"
+
+
+class Refusing:
+    """A scripted vLLM: ``mode`` says what it refuses. Records every body it was sent."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post(CHAT, self.handle)
+        app.router.add_post(COMPLETIONS, self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        lp = asks_logprobs(body)
+        if body.get("model") == "unknown":
+            return vllm_error(404, "The model `unknown` does not exist.")
+        if self.mode == "repetition" and "repetition_detection" in body:
+            return vllm_error(400, "repetition_detection: Extra inputs are not permitted")
+        if body.get("presence_penalty") is not None and self.mode == "no_overrides":
+            return vllm_error(400, "presence_penalty is not supported")
+        if not body.get("stream"):
+            if lp and self.mode == "nan":
+                return vllm_error(400, NAN)
+            return web.json_response(answer(request.path, body))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if lp and self.mode == "stream_error_first":
+            await resp.write(b'data: {"error": {"message": "internal error", "code": 500}}\n\n')
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+        if lp and self.mode == "stream_cut_first":
+            assert request.transport is not None
+            request.transport.close()  # headers sent, then the connection is gone
+            return resp
+        nan = lp and self.mode == "nan"
+        await resp.write(chunk(request.path, " Paris", None, nan))
+        await resp.write(chunk(request.path, ".", "stop", nan))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def direct(url: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    async with ClientSession() as session, session.post(url + path, json=body) as resp:
+        return resp.status, await resp.read()
+
+
+def request_body(path: str, stream: bool, model: str = "m") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "temperature": 0, "max_tokens": 8, "stream": stream}
+    if path == CHAT:
+        body["messages"] = [{"role": "user", "content": "Capital of France?"}]
+    else:
+        body["prompt"] = "The capital of France is"
+    return body
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize(
+    ("mode", "stream"),
+    [("nan", False), ("nan", True), ("stream_error_first", True), ("stream_cut_first", True)],
+)
+async def test_audited_requests_answer_as_without_detproxy(
+    aiohttp_server: Any,
+    make_proxy: Any,
+    registry: CollectorRegistry,
+    path: str,
+    mode: str,
+    stream: bool,
+) -> None:
+    scripted = Refusing(mode)
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=AUDIT_ALL)
+    body = request_body(path, stream)
+    expected_status, expected = await direct(url, path, body)
+    assert expected_status == 200
+    scripted.bodies.clear()
+    for _ in range(5):
+        resp = await proxy.post(path, json=body)
+        got = await resp.read()
+        assert resp.status == 200, got
+        assert got == expected  # byte for byte: the scripted answers carry no ids or times
+    endpoint = "chat" if path == CHAT else "completions"
+    refused = mode != "nan" or not stream  # vLLM streams NaN logprobs as null: no refusal
+    failures = metric(
+        registry,
+        "detproxy_injection_failures_total",
+        model="m",
+        endpoint=endpoint,
+        kind="logprobs",
+        status="200" if stream else "400",
+    )
+    assert failures == (3 if refused else 0)  # then suspended: the 4th and 5th are not altered
+    suspended = metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs")
+    assert suspended == (1 if refused else 0)
+    status = await (await proxy.get("/detproxy/status")).json()
+    if refused:
+        state = status["injection"]["m"]["logprobs"]
+        assert state["suspended"] is True
+        assert state["failures_total"] == 3
+        assert state["last_reason"]
+        # Three refused altered requests, each followed by the client's own (no shadow: the
+        # client's own answer has no logprobs to compare), then two sent as the client sent them.
+        assert len(scripted.bodies) == 3 * 2 + 2
+        assert [asks_logprobs(b) for b in scripted.bodies] == [True, False] * 3 + [False] * 2
+    else:
+        assert status["injection"] == {}
+
+
+async def test_suspension_stops_injecting(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    scripted = Refusing("nan")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    env = AUDIT_ALL | {"DETPROXY_INJECTION__FAILURES_TO_SUSPEND": "2"}
+    proxy = await make_proxy(url, env=env)
+    body = request_body(CHAT, stream=False)
+    for _ in range(2):
+        assert (await proxy.post(CHAT, json=body)).status == 200
+    scripted.bodies.clear()
+    for _ in range(3):
+        resp = await proxy.post(CHAT, json=body)
+        assert resp.status == 200
+    # Suspended: each request went upstream once, as the client sent it; no shadows either.
+    assert len(scripted.bodies) == 3
+    assert not any(asks_logprobs(b) for b in scripted.bodies)
+    assert metric(registry, "detproxy_shadow_dropped_total", reason="injection_suspended") == 3
+    assert (
+        metric(
+            registry, "detproxy_fallbacks_total", model="m", endpoint="chat", outcome="recovered"
+        )
+        == 2
+    )
+
+
+async def test_a_client_that_asks_logprobs_itself_is_still_audited_while_suspended(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    scripted = Refusing("stream_error_first")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    env = AUDIT_ALL | {"DETPROXY_INJECTION__FAILURES_TO_SUSPEND": "1"}
+    proxy = await make_proxy(url, env=env)
+    await (await proxy.post(CHAT, json=request_body(CHAT, stream=True))).read()
+    assert metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs") == 1
+    scripted.bodies.clear()
+    own = request_body(CHAT, stream=False) | {"logprobs": True}
+    resp = await proxy.post(CHAT, json=own)
+    assert resp.status == 200
+    await resp.read()
+    # Its own logprobs need no injection: the primary and its shadow both went upstream.
+    await _wait_for(lambda: len(scripted.bodies) == 2)
+
+
+async def test_an_error_the_clients_own_request_gets_too_is_relayed_and_not_blamed(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    scripted = Refusing("nan")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=AUDIT_ALL)
+    body = request_body(CHAT, stream=False, model="unknown")
+    expected_status, expected = await direct(url, CHAT, body)
+    for _ in range(4):
+        resp = await proxy.post(CHAT, json=body)
+        assert (resp.status, await resp.read()) == (expected_status, expected)
+    assert (
+        metric(
+            registry,
+            "detproxy_fallbacks_total",
+            model="unknown",
+            endpoint="chat",
+            outcome="same_error",
+        )
+        == 4
+    )
+    assert (
+        metric(
+            registry,
+            "detproxy_injection_failures_total",
+            model="unknown",
+            endpoint="chat",
+            kind="logprobs",
+            status="404",
+        )
+        == 0
+    )
+    assert (await (await proxy.get("/detproxy/status")).json())["injection"] == {}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_rejected_repetition_detection_falls_back_and_is_suspended(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry, stream: bool
+) -> None:
+    scripted = Refusing("repetition")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    env = {
+        "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
+        "DETPROXY_LOOPS__ENGINE_DETECTION": "{}",
+        "DETPROXY_AUDIT__SAMPLE_RATE": "1.0",
+    }
+    proxy = await make_proxy(url, env=env)
+    body = request_body(CHAT, stream)
+    _, expected = await direct(url, CHAT, body)
+    for _ in range(4):
+        resp = await proxy.post(CHAT, json=body)
+        assert resp.status == 200
+        assert await resp.read() == expected
+    # Both additions went together; the error names repetition_detection only.
+    labels = {"model": "m", "endpoint": "chat", "status": "400"}
+    assert (
+        metric(registry, "detproxy_injection_failures_total", kind="repetition_detection", **labels)
+        == 3
+    )
+    assert metric(registry, "detproxy_injection_failures_total", kind="logprobs", **labels) == 0
+    assert (
+        metric(registry, "detproxy_injection_suspended", model="m", kind="repetition_detection")
+        == 1
+    )
+    assert "repetition_detection" not in scripted.bodies[-1]
+
+
+async def _wait_for(check: Any, tries: int = 200) -> None:
+    import asyncio
+
+    for _ in range(tries):
+        if check():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+UNIT = " and then the model says the same thing again."
+
+
+class Looping(Refusing):
+    """Loops under greedy decoding; a presence penalty ends the loop (``mode="ok"``) or is
+    refused (``mode="no_overrides"``). Answers logprobs when asked."""
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        penalised = body.get("presence_penalty") is not None
+        if penalised and self.mode == "no_overrides":
+            return vllm_error(400, "presence_penalty is not supported by this model")
+        texts = ["Fine."] if penalised else ["Well,"] + [UNIT] * 40
+        finish = "stop" if penalised else "length"
+        lp = asks_logprobs(body)
+        if not body.get("stream"):
+            reply = answer(CHAT, body)
+            choice = reply["choices"][0]
+            choice["message"]["content"] = "".join(texts)
+            choice["finish_reason"] = finish
+            if lp:
+                choice["logprobs"] = {
+                    "content": [{"token": t, "logprob": -0.5, "top_logprobs": []} for t in texts]
+                }
+            return web.json_response(reply)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, text in enumerate(texts):
+            last = i == len(texts) - 1
+            event = orjson.loads(chunk(CHAT, text, finish if last else None, False)[6:])
+            if lp:
+                event["choices"][0]["logprobs"] = {
+                    "content": [{"token": text, "logprob": -0.5, "top_logprobs": []}]
+                }
+            try:
+                await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+            except ConnectionResetError:
+                return resp  # detproxy closed the looping attempt
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+LOOP_RETRY = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0", "DETPROXY_LOOPS__POLICY": "retry"}
+
+
+async def test_a_refused_retry_gives_the_client_the_answer_it_had(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    scripted = Looping("no_overrides")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=LOOP_RETRY)
+    body = request_body(CHAT, stream=False)
+    _, expected = await direct(url, CHAT, body)
+    resp = await proxy.post(CHAT, json=body)
+    assert resp.status == 200
+    assert await resp.read() == expected  # the looping answer, as without detproxy
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+    assert (
+        metric(
+            registry, "detproxy_policy_actions_total", model="m", action="retry", outcome="error"
+        )
+        == 1
+    )
+
+
+async def test_a_refused_streamed_retry_relays_the_clients_own_request(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    scripted = Looping("no_overrides")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=LOOP_RETRY)
+    body = request_body(CHAT, stream=True)
+    _, expected = await direct(url, CHAT, body)
+    scripted.bodies.clear()
+    resp = await proxy.post(CHAT, json=body)
+    assert resp.status == 200
+    got = await resp.read()
+    assert b'"error"' not in got
+    # The looping attempt, the restart marker, then the client's own request relayed whole.
+    marker = b": detproxy retry attempt=2 reason=loop (proxy, content)\n\n"
+    assert marker in got
+    assert got.split(marker, 1)[1] == expected
+    assert [b.get("presence_penalty") for b in scripted.bodies] == [None, 1.5, None]
+    assert (
+        metric(
+            registry, "detproxy_policy_actions_total", model="m", action="retry", outcome="error"
+        )
+        == 1
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_retried_answer_carries_no_logprobs_the_client_did_not_ask_for(
+    aiohttp_server: Any, make_proxy: Any, stream: bool
+) -> None:
+    scripted = Looping("ok")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=LOOP_RETRY | {"DETPROXY_AUDIT__SAMPLE_RATE": "1.0"})
+    resp = await proxy.post(CHAT, json=request_body(CHAT, stream))
+    assert resp.status == 200
+    got = await resp.read()
+    assert b"Fine." in got
+    assert b'"logprob"' not in got
+    # The first attempt carried the audit's logprobs; the retry asked for none.
+    assert [asks_logprobs(b) for b in scripted.bodies[:2]] == [True, False]
