@@ -42,6 +42,7 @@ class PolicyContext:
     status: int
     trigger: Trigger | None  # None: the attempt ended without a trigger
     body: Mapping[str, Any] | None = None  # the parsed non-streamed answer, when there is one
+    max_tokens: int | None = None  # the client request's limit, when it set one
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +58,7 @@ class Retry:
 
     reason: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
+    reserved_tokens: int = 0  # taken from the recovery budget; settled when the attempt ends
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 Ladders are chosen per model by glob pattern (first match wins). Attempt ``k`` that looped
 is followed by attempt ``k + 1`` with ``attempts[k - 1]``'s overrides, within the request's
-attempt limit and the global retry budget. What happens when retrying is not possible is
-the ladder's ``on_exhausted`` action: ``abort`` (end cleanly) or ``observe`` (let it run).
+attempt limit and the model's recovery budget (extra generated tokens, ``policies.budget``).
+What happens when retrying is not possible is the ladder's ``on_exhausted`` action: ``abort``
+(end cleanly) or ``observe`` (let it run).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from policies.base import Abort, Continue, Decision, PolicyContext, Retry
-from policies.budget import RetryBudget
+from policies.budget import RecoveryBudget
 
 # What ended the loops tried on llama-server with SmolLM2 (reference/real-engines.md):
 # presence_penalty alone at temperature 0 ends most; adding temperature and top_p ends all.
@@ -22,6 +23,9 @@ DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
     {"presence_penalty": 1.5},
     {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
 )
+# What a retry of a request without max_tokens is assumed to cost until it ends (then the
+# budget is settled with what it generated).
+DEFAULT_RETRY_TOKENS = 4096
 SAMPLING_FIELDS = frozenset(
     {
         "temperature",
@@ -47,7 +51,7 @@ class Ladder:
 @dataclass
 class LoopLadderPolicy:
     ladders: Sequence[Ladder]
-    budget: RetryBudget
+    budget: RecoveryBudget
     max_attempts: int = 3
     name: str = "loop-ladder"
     exhausted: dict[str, int] = field(default_factory=dict)
@@ -67,10 +71,13 @@ class LoopLadderPolicy:
         step = ctx.attempt - 1
         if step >= len(ladder.attempts) or ctx.attempt >= self.max_attempts:
             return self._give_up(ladder, "attempts_exhausted")
-        if not self.budget.try_spend():
+        estimate = ctx.max_tokens or DEFAULT_RETRY_TOKENS
+        if not self.budget.try_reserve(ctx.model, estimate):
             return self._give_up(ladder, "budget_exhausted")
         return Retry(
-            f"loop ({ctx.trigger.source}, {ctx.trigger.channel})", dict(ladder.attempts[step])
+            f"loop ({ctx.trigger.source}, {ctx.trigger.channel})",
+            dict(ladder.attempts[step]),
+            reserved_tokens=estimate,
         )
 
     def _give_up(self, ladder: Ladder, why: str) -> Decision:

@@ -13,7 +13,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from policies.base import PolicyChain
-from policies.budget import RetryBudget
+from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
 from proxy.admin import ADMIN_PREFIX, admin_middlewares
@@ -53,6 +53,7 @@ class Runtime:
     scheduler: ShadowScheduler | None
     auditor: Auditor | None
     fingerprint: FingerprintPoller | None
+    recovery_budget: RecoveryBudget
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -119,7 +120,9 @@ def build_app(
     metrics = Metrics(registry if registry is not None else CollectorRegistry())
     metrics.subscribe(bus)
     loops = settings.loops
-    budget = RetryBudget(loops.retry_budget, min_retries=loops.retry_budget_min)
+    budget = RecoveryBudget(
+        loops.recovery_token_share, loops.recovery_token_floor, loops.recovery_window_s
+    )
     ladders = [
         Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
         for lad in loops.ladder_list()
@@ -127,7 +130,7 @@ def build_app(
     ladder = LoopLadderPolicy(ladders, budget, loops.max_attempts)
     chain = policies or PolicyChain([ladder])
     guard = InjectionGuard(settings.injection, bus)
-    recovery = Recovery(loops, chain, bus, guard)
+    recovery = Recovery(loops, chain, bus, guard, budget if loops.enabled else None)
     metrics.watch_failures(
         {"subscriber": lambda: dict(bus.failures), "policy": lambda: dict(chain.failures)}
     )
@@ -153,9 +156,7 @@ def build_app(
         if settings.audit.reference_url:
             reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
             owned.append(reference)
-        forwarder = Forwarder(
-            settings, target, bus, inspector_factories, chain, recovery, budget, guard
-        )
+        forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, guard)
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None
@@ -175,7 +176,7 @@ def build_app(
             poller = FingerprintPoller(
                 session, settings.upstream.url, bus, settings.upstream.fingerprint_interval_s
             )
-        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller)
+        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, budget)
         if scheduler is not None:
             scheduler.start()
         tasks = TaskOwner("app")
@@ -234,6 +235,7 @@ async def _status(request: web.Request) -> web.Response:
             "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
             "passive_pending": _passive_pending(app[RUNTIME].auditor),
             "injection": app[RUNTIME].forwarder.guard.snapshot(),
+            "recovery_budget": app[RUNTIME].recovery_budget.snapshot(),
             "incidents": {
                 "recorded": len(app[INCIDENTS].recent(10**9)),
                 "written": app[INCIDENTS].written,

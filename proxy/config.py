@@ -171,12 +171,30 @@ class LoopConfig(_Section):
     stream_mode: Literal["restart", "hold_reasoning"] = "restart"
     hold_max_bytes: int = Field(default=256 * 1024, gt=0)
     max_attempts: int = Field(default=3, ge=1)
-    retry_budget: float = Field(default=0.1, ge=0)  # retries per request, over a minute
-    retry_budget_min: int = Field(default=3, ge=0)  # retries always allowed per minute
+    # The recovery budget (policies/budget.py): per model, the extra tokens recoveries make the
+    # engine generate over recovery_window_s are at most recovery_token_share of what its client
+    # requests generated, and recovery_token_floor is always allowed.
+    recovery_token_share: float = Field(default=1.0, ge=0)
+    recovery_token_floor: int = Field(default=32768, ge=0)
+    recovery_window_s: int = Field(default=300, ge=1)
     runaway: bool = True
     ladders: list[LadderConfig] = Field(default_factory=list)
     engine_detection: EngineDetectionConfig | None = None  # inject repetition_detection
     detector: dict[str, int | None] = Field(default_factory=dict)  # LoopDetector thresholds
+
+    # Replaced by the token budget above: accepted only to say so at start.
+    retry_budget: float | None = None
+    retry_budget_min: int | None = None
+
+    @field_validator("retry_budget", "retry_budget_min")
+    @classmethod
+    def _replaced(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(
+                "replaced by the token budget: recovery_token_share, recovery_token_floor,"
+                " recovery_window_s"
+            )
+        return value
 
     @field_validator("detector")
     @classmethod

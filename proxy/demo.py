@@ -113,7 +113,6 @@ async def run(requests: int, workdir: Path, out: Any) -> int:
             "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000",
             "DETPROXY_LOOPS__POLICY": "retry",
             "DETPROXY_LOOPS__STREAM_MODE": "hold_reasoning",
-            "DETPROXY_LOOPS__RETRY_BUDGET": "0.5",
             "DETPROXY_INCIDENTS__PATH": str(incidents),
         },
         flags={"upstream": upstream},

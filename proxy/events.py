@@ -223,3 +223,13 @@ class FallbackSent:
     endpoint: str
     status: int
     outcome: str
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryBudgetUsed:
+    """A model's recovery budget after an attempt ended: tokens its recoveries generated (or
+    hold reserved) over the window, and what the window allows."""
+
+    model: str
+    spent: int
+    allowed: int

@@ -17,7 +17,6 @@ import orjson
 from aiohttp import web
 
 from policies.base import CONTINUE, Abort, Decision, PolicyChain, PolicyContext, Retry
-from policies.budget import RetryBudget
 from proxy.audit.auditor import Auditor, AuditTicket
 from proxy.audit.inject import strip_logprobs
 from proxy.audit.outcome import Outcome, outcome_from_response
@@ -65,7 +64,6 @@ class Forwarder(StreamResponses):
         inspector_factories: Sequence[InspectorFactory] = (),
         policies: PolicyChain | None = None,
         recovery: Recovery | None = None,
-        budget: RetryBudget | None = None,
         guard: InjectionGuard | None = None,
     ) -> None:
         self._auditor: Auditor | None = None
@@ -79,8 +77,6 @@ class Forwarder(StreamResponses):
         self._bus = bus
         self._inspector_factories = list(inspector_factories)
         self._policies = policies or PolicyChain()
-        # Requests count towards the retry budget only where a loop can be seen at all.
-        self._budget = budget if recovery is not None and recovery.enabled else None
         # Whether anything besides an audit reads a non-streamed answer: if not, it is not parsed.
         self._reads_answers = (
             recovery.reads_answers if recovery is not None else self._policies.reads_clean_answers
@@ -182,9 +178,7 @@ class Forwarder(StreamResponses):
                 retry_base = self._recovery.prepare(body, view.model)
                 kinds.append(REPETITION_DETECTION)
         altered = Altered(kinds, original, view.model, endpoint) if kinds else None
-        attempts = Attempts(rid, view.model, endpoint, view.stream)
-        if self._budget is not None:
-            self._budget.record_request()
+        attempts = Attempts(rid, view.model, endpoint, view.stream, max_tokens=max_tokens_of(body))
 
         try:
             upstream, fell_back = await self._sender.send(request.raw_path, headers, raw, altered)
@@ -260,6 +254,8 @@ class Forwarder(StreamResponses):
                     payload = orjson.dumps(answer)
             injected = False  # retries are sent without the audit's logprobs
             decision = self._decide_answer(attempts, upstream.status, answer)
+            if self._recovery is not None and upstream.status == 200:
+                self._recovery.attempt_ended(attempts, completion_tokens(answer))
             if isinstance(decision, Retry) and attempts.count < MAX_ATTEMPTS:
                 attempts.count += 1
                 ticket = None  # an answer produced under overrides is not audited
@@ -379,3 +375,19 @@ class Forwarder(StreamResponses):
             upstream.close()
         self._finish(None, "other", upstream.status, "ok", t0, first_byte_s, request)
         return resp
+
+
+def max_tokens_of(body: dict[str, Any]) -> int | None:
+    """The output limit a request set (``max_completion_tokens`` is chat's newer name)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = body.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def completion_tokens(answer: dict[str, Any] | None) -> int:
+    """What a non-streamed answer generated, from its ``usage`` (0 when it has none)."""
+    usage = answer.get("usage") if answer is not None else None
+    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -21,6 +21,7 @@ from proxy.events import (
     InspectionStopped,
     LoopDetected,
     PolicyActed,
+    RecoveryBudgetUsed,
     RequestFinished,
     RequestStarted,
     ShadowDropped,
@@ -318,6 +319,13 @@ class Metrics:
             ["model", "kind"],
             registry=registry,
         )
+        self.recovery_budget = Gauge(
+            "detproxy_recovery_budget_tokens",
+            "Per model over the budget's window: tokens loop recoveries generated or hold"
+            " reserved (kind=spent), and what the window allows (kind=allowed)",
+            ["model", "kind"],
+            registry=registry,
+        )
         self.fallbacks = Counter(
             "detproxy_fallbacks",
             "Client requests sent again as the client sent them after an altered one failed,"
@@ -355,6 +363,12 @@ class Metrics:
         bus.subscribe(InjectionFailed, self._injection_failed)
         bus.subscribe(InjectionSuspended, self._injection_suspended)
         bus.subscribe(FallbackSent, self._fallback)
+        bus.subscribe(RecoveryBudgetUsed, self._recovery_budget)
+
+    def _recovery_budget(self, ev: RecoveryBudgetUsed) -> None:
+        model = self.model(ev.model)
+        self.recovery_budget.labels(model, "spent").set(ev.spent)
+        self.recovery_budget.labels(model, "allowed").set(ev.allowed)
 
     def _injection_failed(self, ev: InjectionFailed) -> None:
         self.injection_failures.labels(

@@ -19,8 +19,9 @@ from policies.base import (
     Retry,
     Trigger,
 )
+from policies.budget import RecoveryBudget
 from proxy.config import LoopConfig
-from proxy.events import EventBus, LoopDetected, PolicyActed
+from proxy.events import EventBus, LoopDetected, PolicyActed, RecoveryBudgetUsed
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.loops import LoopConfig as DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
@@ -39,6 +40,9 @@ class Attempts:
     pending_retry: bool = False  # a retry's outcome is known when the next attempt ends
     trigger: Trigger | None = None  # the last attempt's
     fell_back: bool = False  # a retry was refused: the client's own request was sent instead
+    max_tokens: int | None = None  # the client request's limit, when it set one
+    reserved: int = 0  # recovery-budget tokens the next attempt holds (a pending retry)
+    reserved_for: int = 0  # which attempt they are for
     history: list[str] = field(default_factory=list)
 
     @property
@@ -53,9 +57,11 @@ class Recovery:
         chain: PolicyChain,
         bus: EventBus,
         guard: InjectionGuard | None = None,
+        budget: RecoveryBudget | None = None,
     ) -> None:
         self._config = config
         self._guard = guard
+        self._budget = budget
         self._chain = chain
         self._bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
@@ -114,6 +120,7 @@ class Recovery:
             status,
             trigger,
             body,
+            attempts.max_tokens,
         )
         if trigger is None:
             # Nothing to recover from; a non-streamed answer may still interest a policy.
@@ -133,6 +140,8 @@ class Recovery:
         )
         if isinstance(decision, Retry):
             attempts.pending_retry = True
+            attempts.reserved = decision.reserved_tokens
+            attempts.reserved_for = attempts.count + 1
         elif isinstance(decision, Abort):
             self._acted(attempts, "abort", decision.reason or "loop")
         else:
@@ -143,6 +152,26 @@ class Recovery:
         if attempts.pending_retry:
             attempts.pending_retry = False
             self._acted(attempts, "retry", "error")
+        self._settle(attempts, 0)
+
+    def attempt_ended(self, attempts: Attempts, tokens: int) -> None:
+        """An attempt ended (or was stopped) after generating ``tokens``: the client's own
+        request adds to what the model generated, a recovery's settles what it reserved."""
+        if self._budget is None:
+            return
+        if attempts.count == 1:
+            self._budget.record_generated(attempts.model, tokens)
+        self._settle(attempts, tokens, attempts.count)
+
+    def _settle(self, attempts: Attempts, tokens: int, attempt: int | None = None) -> None:
+        """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""
+        if self._budget is None:
+            return
+        if attempts.reserved and attempt in (None, attempts.reserved_for):
+            self._budget.settle(attempts.model, attempts.reserved, tokens)
+            attempts.reserved = 0
+        use = self._budget.use(attempts.model)
+        self._bus.publish(RecoveryBudgetUsed(attempts.model, use.spent, use.allowed))
 
     def _acted(self, attempts: Attempts, action: str, outcome: str) -> None:
         attempts.history.append(outcome)

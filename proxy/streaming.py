@@ -130,6 +130,10 @@ class StreamResponses:
                 )
                 result = await relay.run(upstream, resp)
                 upstream.close()  # an abandoned attempt's connection closes at once
+                if recovery is not None:
+                    recovery.attempt_ended(
+                        attempts, result.completion_tokens or result.token_events
+                    )
                 first_id = first_id or result.first_id
                 first_event_s = first_event_s or result.first_event_s
                 if recovery is not None and result.trigger is None and result.complete:

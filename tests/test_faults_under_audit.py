@@ -35,7 +35,7 @@ async def test_faults_while_audits_and_retries_run(
             env={
                 "DETPROXY_AUDIT__SAMPLE_RATE": "1",
                 "DETPROXY_LOOPS__POLICY": "retry",
-                "DETPROXY_LOOPS__RETRY_BUDGET_MIN": "100",
+                "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": "10000000",
             },
         )
         await client.get("/detproxy/health")

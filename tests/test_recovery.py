@@ -186,18 +186,27 @@ async def test_engine_repetition_and_runaway_are_triggers(
         assert loops(registry, "reasoning", "runaway") == 1
 
 
-async def test_the_retry_budget_holds(
+async def test_the_recovery_budget_holds(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
-    client = await make_proxy(
-        emulator.url,
-        env=RETRY | {"DETPROXY_LOOPS__RETRY_BUDGET": "0", "DETPROXY_LOOPS__RETRY_BUDGET_MIN": "2"},
-    )
+    # No share of generated tokens, a floor of one retry's reservation (max_tokens 200): the
+    # first loop's retry fits; once it has generated tokens, no second one does.
+    env = {
+        "DETPROXY_LOOPS__RECOVERY_TOKEN_SHARE": "0",
+        "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": "200",
+    }
+    client = await make_proxy(emulator.url, env=RETRY | env)
     for _ in range(5):
         await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
-    assert actions(registry, "retry", "recovered") == 2
-    assert actions(registry, "abort", "budget_exhausted") == 3
-    assert emulator.stats()["requests"] == 7  # 5 requests, 2 retries: load not multiplied
+    retried = actions(registry, "retry", "recovered") + actions(registry, "retry", "looped_again")
+    assert retried == 1
+    assert actions(registry, "abort", "budget_exhausted") == 4
+    assert emulator.stats()["requests"] == 6  # 5 requests, 1 retry: load not multiplied
+    spent = metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="spent")
+    assert 0 < spent <= 200  # the retry's reservation was settled with what it generated
+    assert metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="allowed") == 200
+    status = await (await client.get("/detproxy/status")).json()
+    assert status["recovery_budget"][MODEL]["spent"] == spent
 
 
 async def test_a_loop_that_persists_exhausts_the_ladder(

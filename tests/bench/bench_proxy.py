@@ -13,8 +13,9 @@ What it does, all bound to 127.0.0.1, everything in a temp dir that is removed a
   (``proxy_buffering off``, HTTP/1.1, keepalive upstream pool): "nginx";
 - starts three detproxy processes in front of nginx #1:
   ``dp-off`` (audit off, passive checks off, loops disabled: the bare relay),
-  ``dp-audit`` (100% of greedy requests audited; shadows also hit nginx #1, within the
-  default shadow budgets), ``dp-loops`` (audit off, loop inspection on: the default);
+  ``dp-audit`` (100% of greedy requests sampled, the shadow budgets raised so that each is
+  replayed; shadows hit a second nginx listener; the run prints the share audited),
+  ``dp-loops`` (audit off, loop inspection on: the default);
 - for each mode (non-streaming, streaming) and concurrency (1, 16, 64) runs wrk against every
   target back to back, ``--rounds`` times with a rotated order, and keeps the median round;
 - prints, per mode, requests/s, p50 and p99 latency per target and concurrency, the throughput
@@ -332,6 +333,11 @@ enabled = false
 sample_rate = 1.0
 reference_url = "{shadow_url}"
 passive_checks = false
+# Every request audited: the shadow budgets raised so that the row measures auditing, not the
+# default rate limit of 100 shadows/s (the run prints the share actually audited).
+max_shadows_per_s = 1000000.0
+max_concurrent_shadows = 16
+queue_size = 100000
 [loops]
 enabled = false
 """,
@@ -890,10 +896,18 @@ def main() -> int:
         )
         audit = next(t for t in bench.targets if t.name == "dp-audit")
         print("dp-audit metrics (non-zero):")
-        for line in metric_lines(
-            audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests")
-        ):
+        lines = metric_lines(audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests"))
+        for line in lines:
             print(f"  {line}")
+        audited = sum(
+            float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("detproxy_audits_total")
+        )
+        requests = sum(
+            float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("detproxy_requests_total")
+        )
+        if requests:
+            share = f"{audited:.0f} of {requests:.0f} requests ({audited / requests:.1%})"
+            print(f"dp-audit: audited {share}")
         if args.profile > 0:
             for mode in modes:
                 for t in bench.targets:

@@ -53,7 +53,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 import proxy  # noqa: E402
 from policies.base import PolicyChain  # noqa: E402
-from policies.budget import RetryBudget  # noqa: E402
+from policies.budget import RecoveryBudget  # noqa: E402
 from policies.ladder import Ladder, LoopLadderPolicy  # noqa: E402
 from proxy.app import BUS, RUNTIME, Runtime, _dispatch, build_app  # noqa: E402
 from proxy.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
@@ -207,16 +207,18 @@ def proxy_app(loops: bool, answer: bytes) -> web.Application:
     settings = settings_for(loops)
     app = build_app(settings, registry=CollectorRegistry())
     config = settings.loops
-    budget = RetryBudget(config.retry_budget, min_retries=config.retry_budget_min)
+    budget = RecoveryBudget(
+        config.recovery_token_share, config.recovery_token_floor, config.recovery_window_s
+    )
     ladders = [
         Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
         for lad in config.ladder_list()
     ]
     chain = PolicyChain([LoopLadderPolicy(ladders, budget, config.max_attempts)])
-    recovery = Recovery(config, chain, app[BUS])
+    recovery = Recovery(config, chain, app[BUS], budget=budget)
     upstream = InstantUpstream(answer)
-    forwarder = Forwarder(settings, upstream, app[BUS], (), chain, recovery, budget)
-    app[RUNTIME] = Runtime(forwarder, None, None, None)
+    forwarder = Forwarder(settings, upstream, app[BUS], (), chain, recovery)
+    app[RUNTIME] = Runtime(forwarder, None, None, None, budget)
     return app
 
 

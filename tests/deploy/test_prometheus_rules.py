@@ -59,6 +59,7 @@ def test_every_alert_has_for_severity_annotations_and_a_unit_test() -> None:
         "DetproxyLoopRateHigh",
         "DetproxyShadowsDropped",
         "DetproxyInjectionSuspended",
+        "DetproxyRecoveryBudgetExhausted",
         "DetproxyDown",
         "DetproxyUpstreamChanged",
     }

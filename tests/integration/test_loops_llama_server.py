@@ -27,7 +27,6 @@ COLD = {"cache_prompt": False}
 LADDER = """
 [loops]
 stream_mode = "restart"
-retry_budget_min = 10  # three prompts, up to four retries: all within the budget
 [[loops.ladders]]
 models = "*"
 action = "retry"

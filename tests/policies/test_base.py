@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Trigger
-from policies.budget import RetryBudget
+from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 
 LOOP = Trigger("proxy", "content", 0)
@@ -39,6 +39,6 @@ def test_policies_that_only_act_on_triggers_are_not_asked_about_clean_answers() 
 
 
 def test_the_loop_ladder_only_acts_on_triggers() -> None:
-    ladder = LoopLadderPolicy([Ladder(action="abort")], RetryBudget(0.1))
+    ladder = LoopLadderPolicy([Ladder(action="abort")], RecoveryBudget())
     assert ladder.decide(ctx(None)) == Continue()
     assert not PolicyChain([ladder]).reads_clean_answers

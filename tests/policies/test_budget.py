@@ -1,18 +1,62 @@
 from __future__ import annotations
 
-from policies.budget import RetryBudget
+from policies.budget import MAX_MODELS, BudgetUse, RecoveryBudget
 
 
-def test_retries_are_a_share_of_recent_requests() -> None:
-    now = [1000.0]
-    budget = RetryBudget(0.1, window_s=60, min_retries=2, clock=lambda: now[0])
-    for _ in range(50):
-        budget.record_request()
-    assert [budget.try_spend() for _ in range(6)] == [True] * 5 + [False]  # 10% of 50
-    now[0] += 61  # the window moved on: the old requests and retries no longer count
-    assert [budget.try_spend() for _ in range(3)] == [True, True, False]  # the floor of 2
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_no_requests_no_ratio_only_the_floor() -> None:
-    budget = RetryBudget(0.5, min_retries=0, clock=lambda: 5.0)
-    assert not budget.try_spend()
+def test_recoveries_spend_at_most_a_share_of_what_the_model_generated() -> None:
+    clock = Clock()
+    budget = RecoveryBudget(share=0.5, floor_tokens=100, window_s=60, clock=clock)
+    budget.record_generated("m", 1000)
+    assert budget.use("m") == BudgetUse(generated=1000, spent=0, allowed=500)
+    assert budget.try_reserve("m", 300)
+    assert not budget.try_reserve("m", 300)  # 600 > 500
+    assert budget.try_reserve("m", 200)
+    assert budget.try_reserve("other", 100)  # another model's account: the floor
+    assert not budget.try_reserve("other", 1)
+
+
+def test_the_floor_always_allows_recoveries() -> None:
+    budget = RecoveryBudget(share=0.0, floor_tokens=1024, clock=Clock())
+    assert budget.try_reserve("m", 1024)
+    assert not budget.try_reserve("m", 1)
+
+
+def test_settling_replaces_the_estimate_with_what_was_generated() -> None:
+    budget = RecoveryBudget(share=0.0, floor_tokens=1000, clock=Clock())
+    assert budget.try_reserve("m", 800)
+    assert not budget.try_reserve("m", 800)
+    budget.settle("m", reserved=800, actual=150)  # the retry stopped early
+    assert budget.use("m").spent == 150
+    assert budget.try_reserve("m", 800)
+    budget.settle("m", reserved=800, actual=0)  # a retry never sent gives it all back
+    assert budget.use("m").spent == 150
+
+
+def test_the_window_slides() -> None:
+    clock = Clock()
+    budget = RecoveryBudget(share=1.0, floor_tokens=0, window_s=10, clock=clock)
+    budget.record_generated("m", 100)
+    assert budget.try_reserve("m", 100)
+    clock.now += 5
+    assert not budget.try_reserve("m", 1)
+    clock.now += 6  # the first second left the window: nothing generated, nothing spent
+    assert budget.use("m") == BudgetUse(0, 0, 0)
+    budget.record_generated("m", 10)
+    assert budget.try_reserve("m", 10)
+
+
+def test_models_are_capped() -> None:
+    budget = RecoveryBudget(share=0.0, floor_tokens=1, clock=Clock())
+    for i in range(MAX_MODELS):
+        assert budget.try_reserve(f"m{i}", 1)
+    assert budget.try_reserve("new-1", 1)  # the overflow account
+    assert not budget.try_reserve("new-2", 1)  # shares it
+    assert len(budget.snapshot()) == MAX_MODELS + 1
