@@ -81,7 +81,8 @@ class AuditConfig(_Section):
     shadow_mode: Literal["full", "prefill"] = "full"
     schedule: Literal["immediate", "quiet"] = "immediate"
     quiet_max_inflight: int = Field(default=0, ge=0)  # detproxy's own in-flight requests
-    quiet_max_upstream_running: int | None = Field(default=None, ge=0)  # vllm:num_requests_running
+    # vllm:num_requests_running, or llama-server's llamacpp:requests_processing
+    quiet_max_upstream_running: int | None = Field(default=None, ge=0)
     quiet_deadline_s: float = Field(default=30.0, gt=0)
     quiet_poll_s: float = Field(default=0.05, gt=0)
     # Quiet must last this long: back-to-back client requests leave gaps of milliseconds.

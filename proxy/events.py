@@ -28,6 +28,18 @@ class RequestStarted:
 
 
 @dataclass(frozen=True, slots=True)
+class RequestClassified:
+    """Fires once per client request, as soon as its labels are known: when its body has been
+    classified (chat, completions), when it starts (any other path), or when it is refused
+    before that (a bad request: model "", stream and deterministic false)."""
+
+    endpoint: str  # "chat" | "completions" | "other"
+    model: str
+    stream: bool
+    deterministic: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RequestFinished:
     """Fires once per client request, after the last byte was sent (or the client left)."""
 

@@ -1,17 +1,26 @@
 """What runs behind detproxy: the upstream's own account of itself, read at start and
 periodically.
 
-vLLM: ``/version``, ``/v1/models`` (ids, ``max_model_len``) and ``/metrics`` (speculative
-decoding counters, prefix cache hits, running and waiting requests). llama.cpp's server:
-``/props`` (build, slots, model file, context) and its ``llamacpp:*`` metrics. Whatever an
-upstream lacks is simply absent. The identity fields (not the load) hash to a short
-fingerprint; a new fingerprint under the same detproxy is a redeploy or a silent change.
+vLLM: ``/version``, ``/v1/models`` (ids, ``max_model_len``), ``/metrics`` (speculative
+decoding counters, prefix cache hits, running and waiting requests) and, in its dev mode,
+``/server_info`` (its config). llama.cpp's server: ``/props`` (build, slots, model file,
+context, speculative types) and its ``llamacpp:*`` metrics. Whatever an upstream lacks is
+simply absent. The identity fields (not the load) hash to a short fingerprint; a new
+fingerprint under the same detproxy is a redeploy or a silent change.
+
+``speculative`` is what the server says it runs, never what its counters have counted so far
+(a fresh server has drafted nothing): vLLM's ``/server_info`` (``speculative_config``) where it
+answers, llama.cpp's ``speculative.types`` in ``/props``, else whether vLLM exports any
+``vllm:spec_decode_*`` series (it does, at 0, from its start exactly when speculative decoding
+is configured). ``None`` when nothing says; a reading that cannot tell (``/metrics`` did not
+answer) keeps the previous reading's value.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -42,6 +51,11 @@ _COUNTERS = {
     "waiting": ("vllm:num_requests_waiting", "llamacpp:requests_deferred"),
 }
 
+# Any series of these prefixes (vLLM V1's counters, V0's gauges) means speculative decoding is on.
+_SPEC_PREFIXES = ("vllm:spec_decode_", "llamacpp:spec_decode_")
+SPEC_SERIES = "spec_decode_series"  # parse_metrics' key: how many such samples were read
+_SPEC_TEXT = re.compile(r"speculative_config=([A-Za-z_]\w*)")
+
 
 @dataclass(frozen=True, slots=True)
 class Fingerprint:
@@ -63,13 +77,16 @@ class Fingerprint:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Sum each metric of interest over its label sets."""
+    """Sum each metric of interest over its label sets; ``SPEC_SERIES`` counts the samples of
+    speculative-decoding series (present, even at 0, when the server runs it)."""
     wanted = {name: key for key, names in _COUNTERS.items() for name in names}
     totals: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name.startswith(_SPEC_PREFIXES):
+            totals[SPEC_SERIES] = totals.get(SPEC_SERIES, 0.0) + 1
         key = wanted.get(name)
         if key is None:
             continue
@@ -81,13 +98,60 @@ def parse_metrics(text: str) -> dict[str, float]:
     return totals
 
 
+def _speculative_of_server_info(info: Any) -> bool | None:
+    """vLLM's ``/server_info``: ``vllm_config`` as JSON (``?config_format=json``) or as the
+    config's text (older servers, which ignore the query)."""
+    config = info.get("vllm_config") if isinstance(info, dict) else None
+    if isinstance(config, dict) and "speculative_config" in config:
+        return config["speculative_config"] is not None
+    if isinstance(config, str):
+        found = _SPEC_TEXT.search(config)
+        if found is not None:
+            return found.group(1) != "None"
+    return None
+
+
+def _speculative_of_props(props: Any) -> bool | None:
+    """llama.cpp's ``/props``: ``speculative.types`` ("none", or the draft kinds it runs) in
+    the default generation settings (newer builds nest them under ``params``). Older builds
+    show only ``speculative.n_max`` and the like, the same with or without a draft model."""
+    settings = props.get("default_generation_settings") if isinstance(props, dict) else None
+    if not isinstance(settings, dict):
+        return None
+    params = settings.get("params")
+    for source in (params, settings) if isinstance(params, dict) else (settings,):
+        for key in ("speculative.types", "speculative.type"):
+            types = source.get(key)
+            if isinstance(types, str):
+                return types.strip().lower() not in ("", "none")
+    return None
+
+
+def speculative(
+    kind: str, server_info: Any, props: Any, metrics: Mapping[str, float]
+) -> bool | None:
+    """Whether the upstream runs speculative decoding, from what it says it runs."""
+    for said in (_speculative_of_server_info(server_info), _speculative_of_props(props)):
+        if said is not None:
+            return said
+    if metrics.get(SPEC_SERIES):
+        return True
+    if kind == "vllm" and metrics:
+        return False  # vLLM's /metrics answered without any spec-decode series
+    return None
+
+
 def build(
     version: Any,
     models: Any,
     props: Any,
     metrics: Mapping[str, float],
     previous: Mapping[str, float] | None,
+    server_info: Any = None,
+    speculative_before: bool | None = None,
 ) -> Fingerprint:
+    """One reading; ``speculative_before`` is the previous reading's flag, kept when this one
+    cannot tell."""
     identity: dict[str, Any] = {}
     kind = "unknown"
     version_str = None
@@ -115,8 +179,9 @@ def build(
         "version": version_str,
         "models": sorted(ids),
         "max_model_len": limits,
-        "speculative": metrics.get("draft_tokens", 0.0) > 0,
     }
+    spec = speculative(kind, server_info, props, metrics)
+    identity["speculative"] = speculative_before if spec is None else spec
     load = {k: metrics[k] for k in ("running", "waiting") if k in metrics}
     prev = previous or {}
 
@@ -169,14 +234,16 @@ class FingerprintPoller:
             return None
 
     async def poll(self) -> Fingerprint:
-        version, models, props, metrics = await asyncio.gather(
+        version, models, props, metrics, server_info = await asyncio.gather(
             self._get("/version"),
             self._get("/v1/models"),
             self._get("/props"),
             self._get("/metrics", as_json=False),
+            self._get("/server_info?config_format=json"),  # vLLM with VLLM_SERVER_DEV_MODE=1
         )
         counters = parse_metrics(metrics) if isinstance(metrics, str) else {}
-        fp = build(version, models, props, counters, self._counters)
+        before = self.current.identity.get("speculative") if self.current else None
+        fp = build(version, models, props, counters, self._counters, server_info, before)
         self._counters = counters
         previous, self.current = self.current, fp
         changed = previous is not None and previous.fingerprint != fp.fingerprint

@@ -34,6 +34,7 @@ from proxy.events import (
     ClientDisconnected,
     EventBus,
     InspectionStopped,
+    RequestClassified,
     RequestFinished,
     RequestStarted,
     ShadowDropped,
@@ -50,6 +51,7 @@ from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
 log = logging.getLogger(__name__)
 
 _FINISHED = web.RequestKey("detproxy_finished", bool)
+_COUNTED = web.RequestKey("detproxy_counted", bool)  # detproxy_requests_total has it
 _VIEW = web.RequestKey("detproxy_view", RequestView)
 
 
@@ -122,6 +124,8 @@ class Forwarder(StreamResponses):
         request: web.Request,
     ) -> None:
         request[_FINISHED] = True
+        if not request.get(_COUNTED):  # refused or failed before it was classified
+            self._count(view, endpoint, request)
         self._bus.publish(
             RequestFinished(
                 endpoint=endpoint,
@@ -132,6 +136,18 @@ class Forwarder(StreamResponses):
                 outcome=outcome,
                 duration_s=time.monotonic() - t0,
                 first_byte_s=first_byte_s,
+            )
+        )
+
+    def _count(self, view: RequestView | None, endpoint: str, request: web.Request) -> None:
+        """``detproxy_requests_total`` counts a request once, when its labels are known."""
+        request[_COUNTED] = True
+        self._bus.publish(
+            RequestClassified(
+                endpoint,
+                view.model if view else "",
+                view.stream if view else False,
+                view.deterministic if view else False,
             )
         )
 
@@ -156,6 +172,7 @@ class Forwarder(StreamResponses):
         )
         headers = upstream_request_headers(request.headers, rid, proxy_reads_body=True)
         request[_VIEW] = view
+        self._count(view, endpoint, request)
 
         ticket = (
             self._auditor.plan(view, body, rid, request.raw_path, request.headers)
@@ -338,6 +355,7 @@ class Forwarder(StreamResponses):
 
     async def _passthrough(self, request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
+        self._count(None, "other", request)
         rid = request_id_of(request.headers)
         headers = upstream_request_headers(request.headers, rid, proxy_reads_body=False)
         body: AsyncIterator[bytes] | None = (

@@ -22,6 +22,7 @@ from proxy.events import (
     LoopDetected,
     PolicyActed,
     RecoveryBudgetUsed,
+    RequestClassified,
     RequestFinished,
     RequestStarted,
     ShadowDropped,
@@ -349,6 +350,7 @@ class Metrics:
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(RequestStarted, self._started)
+        bus.subscribe(RequestClassified, self._classified)
         bus.subscribe(RequestFinished, self._finished)
         bus.subscribe(UpstreamFailed, self._upstream_failed)
         bus.subscribe(InspectionStopped, self._inspection_stopped)
@@ -426,12 +428,15 @@ class Metrics:
     def _started(self, ev: RequestStarted) -> None:
         self._inflight += 1
 
-    def _finished(self, ev: RequestFinished) -> None:
-        self._inflight -= 1
+    def _classified(self, ev: RequestClassified) -> None:
         stream = "true" if ev.stream else "false"
         self._requests(
             self.model(ev.model), ev.endpoint, stream, "true" if ev.deterministic else "false"
         ).inc()
+
+    def _finished(self, ev: RequestFinished) -> None:
+        self._inflight -= 1
+        stream = "true" if ev.stream else "false"
         self._responses(ev.endpoint, ev.status, ev.outcome).inc()
         self._duration(ev.endpoint, stream).observe(ev.duration_s)
         if ev.first_byte_s is not None:

@@ -17,7 +17,12 @@ framing (what every OpenAI-compatible server sends):
   ``reasoning`` with events sending only ``reasoning_content``;
 - ``first_token_s`` / ``last_token_s``: the time of the read (all its events arrived together);
 - ``completion_tokens``: from the last event of a read that has ``"completion_tokens"``,
-  found by a bytes search; only that event is parsed.
+  found by a bytes search; only that event is parsed;
+- ``tokens`` (and ``first_tokens``, those of the first read with text): what the read's token
+  events carry, which can be several tokens an event (vLLM's stream interval, speculative
+  decoding): the growth of ``completion_tokens`` over the read where it grew (continuous usage
+  stats), else the entries of the ``logprobs`` of its text events (a read with a logprobs
+  object is parsed event by event for them), else its token events.
 
 Any CR in the stream switches to the decoder (``SSEDecoder``) and parses every event: exact,
 and as slow as the inspected path, for a framing no engine uses. An event larger than
@@ -43,9 +48,20 @@ _CR = 13  # ``13 in data``: a memchr (``b"\r" in data`` costs more on a short re
 _USAGE = b'"completion_tokens"'
 
 
-def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], float]) -> None:
-    """Token timing and usage of one parsed chunk (the inspected path's per-event count)."""
+def _listed(logprobs: Any) -> int:
+    """The tokens a chunk's logprobs list: chat's ``content``, completions' ``tokens``."""
+    if type(logprobs) is not dict:
+        return 0
+    entries = logprobs.get("content")
+    if type(entries) is not list:
+        entries = logprobs.get("tokens")
+    return len(entries) if type(entries) is list else 0
+
+
+def _text_tokens(chunk: dict[str, Any]) -> tuple[bool, int]:
+    """Whether a parsed chunk carries text, and the logprobs entries of its choices with text."""
     choices = chunk.get("choices")
+    found, listed = False, 0
     if type(choices) is list:
         for choice in choices:
             if type(choice) is not dict:
@@ -58,18 +74,41 @@ def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], f
             else:
                 text = choice.get("text")
             if text:
-                count_tokens(result, 1, now())
-                break
+                found = True
+                listed += _listed(choice.get("logprobs"))
+    return found, listed
+
+
+def _usage_of(chunk: dict[str, Any]) -> int | None:
     usage = chunk.get("usage")
-    if type(usage) is dict and isinstance(usage.get("completion_tokens"), int):
-        result.completion_tokens = usage["completion_tokens"]
+    if type(usage) is dict:
+        tokens = usage.get("completion_tokens")
+        if type(tokens) is int:
+            return tokens
+    return None
 
 
-def count_tokens(result: StreamResult, events: int, at: float) -> None:
+def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], float]) -> None:
+    """Token timing and usage of one parsed chunk (the inspected path's per-event count)."""
+    found, listed = _text_tokens(chunk)
+    before = result.completion_tokens
+    usage = _usage_of(chunk)
+    if usage is not None:
+        result.completion_tokens = usage
+    if found:
+        grown = usage - (before or 0) if usage is not None else 0
+        count_tokens(result, 1, now(), grown if grown > 0 else listed or 1)
+
+
+def count_tokens(result: StreamResult, events: int, at: float, tokens: int | None = None) -> None:
+    """``events`` token events at ``at``, carrying ``tokens`` tokens (one each unless known)."""
+    n = events if tokens is None else tokens
     if result.first_token_s is None:
         result.first_token_s = at
+        result.first_tokens = n
     result.last_token_s = at
     result.token_events += events
+    result.tokens += n
 
 
 class _Patterns:
@@ -90,6 +129,7 @@ class _Patterns:
 
 _COMPACT = _Patterns(b":")
 _SPACED = _Patterns(b": ")
+_LOGPROBS = {_COMPACT: b'"logprobs":{', _SPACED: b'"logprobs": {'}
 
 
 def _nonempty(buf: bytes, end: int, pattern: tuple[bytes, bytes]) -> int:
@@ -180,7 +220,9 @@ class RawTally:
         return buf
 
     def _count_text(self, buf: bytes, end: int, now: float | None) -> None:
-        """Token events and usage in ``buf[:end]``."""
+        """Token events, their tokens and usage in ``buf[:end]``."""
+        before = self._result.completion_tokens
+        self._count_usage(buf, end)
         patterns = self._patterns
         if self._chat:
             field, empty = patterns.content
@@ -194,8 +236,36 @@ class RawTally:
                 )
         else:
             tokens = _nonempty(buf, end, patterns.text)
-        if tokens:
-            count_tokens(self._result, tokens, self._now() if now is None else now)
+        if not tokens:
+            return
+        usage = self._result.completion_tokens
+        grown = usage - (before or 0) if usage is not None and usage != before else 0
+        if grown <= 0 and buf.find(_LOGPROBS[patterns], 0, end) >= 0:
+            grown = self._listed(buf, end)
+        at = self._now() if now is None else now
+        count_tokens(self._result, tokens, at, grown if grown > 0 else None)
+
+    def _listed(self, buf: bytes, end: int) -> int:
+        """The logprobs entries of the text events in ``buf[:end]``, each event parsed."""
+        listed, pos = 0, 0
+        while pos < end:
+            stop = buf.find(b"\n\n", pos, end)
+            stop = end if stop < 0 else stop
+            data = event_data(buf[pos:stop])
+            pos = stop + 2
+            if data is None or data == b"[DONE]":
+                continue
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue
+            if type(chunk) is dict:
+                found, n = _text_tokens(chunk)
+                listed += n if found else 0
+        return listed
+
+    def _count_usage(self, buf: bytes, end: int) -> None:
+        """``completion_tokens`` from the last event in ``buf[:end]`` that has it."""
         at = buf.rfind(_USAGE, 0, end)
         while at >= 0:
             sep = buf.rfind(b"\n\n", 0, at)
@@ -211,11 +281,9 @@ class RawTally:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
             return False
-        if type(chunk) is not dict:
-            return False
-        usage = chunk.get("usage")
-        if type(usage) is dict and isinstance(usage.get("completion_tokens"), int):
-            self._result.completion_tokens = usage["completion_tokens"]
+        usage = _usage_of(chunk) if type(chunk) is dict else None
+        if usage is not None:
+            self._result.completion_tokens = usage
             return True
         return False
 

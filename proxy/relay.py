@@ -75,6 +75,33 @@ class StreamResult:
     first_token_s: float | None = None
     last_token_s: float | None = None
     completion_tokens: int | None = None  # from a usage chunk, when the upstream sends one
+    # The tokens the token events carried (a chunk can carry several: vLLM's stream interval,
+    # speculative decoding), from usage growth, else logprobs entries, else one an event.
+    tokens: int = 0
+    first_tokens: int = 0  # those of the first token event (read, on the raw path)
+
+    def speed(self) -> StreamSpeed | None:
+        """The stream's speed in tokens; None when no token came."""
+        first, last = self.first_token_s, self.last_token_s
+        if first is None or last is None:
+            return None
+        total = self.completion_tokens or self.tokens
+        after = total - self.first_tokens  # the tokens that came after the first token event
+        decode_s = last - first
+        return StreamSpeed(
+            ttft_s=first,
+            tokens=total,
+            inter_token_s=decode_s / after if after > 0 else None,
+            tokens_per_s=after / decode_s if after > 0 and decode_s > 0 else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpeed:
+    ttft_s: float
+    tokens: int  # the usage's completion_tokens when the upstream sent it
+    inter_token_s: float | None  # mean time between the tokens after the first token event
+    tokens_per_s: float | None  # decode rate between the first and the last token event
 
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:

@@ -131,9 +131,7 @@ class StreamResponses:
                 result = await relay.run(upstream, resp)
                 upstream.close()  # an abandoned attempt's connection closes at once
                 if recovery is not None:
-                    recovery.attempt_ended(
-                        attempts, result.completion_tokens or result.token_events
-                    )
+                    recovery.attempt_ended(attempts, result.completion_tokens or result.tokens)
                 first_id = first_id or result.first_id
                 first_event_s = first_event_s or result.first_event_s
                 if recovery is not None and result.trigger is None and result.complete:
@@ -180,22 +178,18 @@ class StreamResponses:
         return resp
 
     def _publish_speed(self, view: RequestView, inflight: int, result: StreamResult) -> None:
-        first, last = result.first_token_s, result.last_token_s
-        if first is None or last is None:
+        speed = result.speed()  # in tokens, not events: a chunk can carry several
+        if speed is None:
             return
-        tokens = result.completion_tokens or result.token_events
-        decode_s = last - first
         self._bus.publish(
             StreamTimed(
                 endpoint=view.endpoint,
                 model=view.model,
                 inflight=inflight,
-                ttft_s=first,
-                inter_token_s=decode_s / (result.token_events - 1)
-                if result.token_events > 1
-                else None,
-                tokens=tokens,
-                tokens_per_s=(tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else None,
+                ttft_s=speed.ttft_s,
+                inter_token_s=speed.inter_token_s,
+                tokens=speed.tokens,
+                tokens_per_s=speed.tokens_per_s,
             )
         )
 

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
-from proxy.fingerprint import build, parse_metrics
+from proxy.events import EventBus, UpstreamFingerprinted
+from proxy.fingerprint import FingerprintPoller, build, parse_metrics
 from tests.conftest import metric
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
@@ -52,6 +53,95 @@ def test_vllm_reading_and_what_it_implies() -> None:
         {"version": "0.18.0"}, {"data": [{"id": "m", "max_model_len": 32768}]}, None, counters, None
     )
     assert other.fingerprint != fp.fingerprint
+
+
+MODELS = {"data": [{"id": "m", "max_model_len": 32768}]}
+# A fresh vLLM started with --speculative-config: its spec-decode series exist, at 0.
+FRESH_SPECULATIVE = """vllm:num_requests_running{engine="0",model_name="m"} 0.0
+vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 0.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 0.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 0.0
+"""
+PLAIN = 'vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+
+
+def test_speculative_is_what_the_server_runs_not_whether_it_drafted_yet() -> None:
+    fresh = build({"version": "0.23.0"}, MODELS, None, parse_metrics(FRESH_SPECULATIVE), None)
+    assert fresh.identity["speculative"] is True
+    drafted = parse_metrics(FRESH_SPECULATIVE.replace(" 0.0\nvllm:spec", " 7.0\nvllm:spec"))
+    later = build({"version": "0.23.0"}, MODELS, None, drafted, parse_metrics(FRESH_SPECULATIVE))
+    assert later.fingerprint == fresh.fingerprint  # the first draft is no upstream change
+    plain = build({"version": "0.23.0"}, MODELS, None, parse_metrics(PLAIN), None)
+    assert plain.identity["speculative"] is False  # no spec-decode series: none configured
+    assert plain.fingerprint != fresh.fingerprint
+
+
+def test_vllm_server_info_says_what_runs() -> None:
+    """/server_info (vLLM's dev mode): its vllm_config, as JSON or as the config's text."""
+    on = {"vllm_config": {"model": "m", "speculative_config": {"method": "ngram"}}}
+    off = {"vllm_config": {"model": "m", "speculative_config": None}}
+    text_on = {"vllm_config": "model='m', speculative_config=SpeculativeConfig(method='eagle')"}
+    text_off = {"vllm_config": "model='m', speculative_config=None, tokenizer='m'"}
+    version = {"version": "0.23.0"}
+    for info, expected in ((on, True), (off, False), (text_on, True), (text_off, False)):
+        # It wins over the metrics, which a server may not have exported yet.
+        fp = build(version, MODELS, None, {}, None, server_info=info)
+        assert fp.identity["speculative"] is expected, info
+        with_metrics = build(version, MODELS, None, parse_metrics(PLAIN), None, server_info=info)
+        assert with_metrics.fingerprint == fp.fingerprint
+
+
+def test_llama_cpp_props_say_whether_it_drafts() -> None:
+    def props(params: dict[str, Any]) -> dict[str, Any]:
+        settings = {"n_ctx": 4096, "params": params}
+        return {"build_info": "b7000", "default_generation_settings": settings}
+
+    metrics = {"running": 0.0}  # llama-server exports no spec-decode series
+    draft = build(None, None, props({"speculative.types": "draft"}), metrics, None)
+    assert draft.identity["speculative"] is True
+    none = build(None, None, props({"speculative.types": "none"}), metrics, None)
+    assert none.identity["speculative"] is False
+    # Older builds list only n_max/n_min/p_min, the same with or without a draft model.
+    older = props({"speculative.n_max": 16, "speculative.n_min": 0})
+    assert build(None, None, older, metrics, None).identity["speculative"] is None
+
+
+async def test_a_fresh_speculative_vllm_reads_the_same_before_and_after_its_first_draft(
+    aiohttp_server: Any,
+) -> None:
+    state = {"drafts": 0, "metrics_up": True}
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.23.0"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(MODELS)
+
+    async def metrics(request: web.Request) -> web.Response:
+        if not state["metrics_up"]:
+            return web.Response(status=503)
+        n = state["drafts"]
+        text = FRESH_SPECULATIVE.replace(" 0.0\nvllm:spec", f" {n}.0\nvllm:spec")
+        return web.Response(text=text, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    server = await aiohttp_server(app)
+    bus = EventBus()
+    readings: list[UpstreamFingerprinted] = []
+    bus.subscribe(UpstreamFingerprinted, readings.append)
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, str(server.make_url("")), bus, interval_s=0)
+        first = await poller.poll()
+        state["drafts"] = 12  # the first requests drafted
+        await poller.poll()
+        state["metrics_up"] = False  # a reading without /metrics knows nothing new
+        await poller.poll()
+    assert first.identity["speculative"] is True
+    assert [r.changed for r in readings] == [False, False, False]
+    assert readings[-1].fingerprint.fingerprint == first.fingerprint
 
 
 def test_llama_cpp_reading() -> None:

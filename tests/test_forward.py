@@ -298,6 +298,48 @@ async def test_stream_is_relayed_as_it_arrives(
     assert await resp.content.read() == b"".join(EVENTS[1:])
 
 
+async def test_a_request_is_counted_when_it_starts_not_when_it_ends(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+) -> None:
+    """An hour-long stream shows in ``detproxy_requests_total`` from its start, once."""
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(EVENTS[0])
+        await release.wait()
+        for event in EVENTS[1:]:
+            await resp.write(event)
+        return resp
+
+    upstream_app.router.add_post(CHAT, slow)
+    client = await make_proxy(await upstream())
+    labels = {"model": "m", "endpoint": "chat", "stream": "true", "deterministic": "true"}
+    resp = await client.post(CHAT, json={"model": "m", "temperature": 0, "stream": True})
+    try:
+        assert await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=5) == EVENTS[0]
+        assert metric(registry, "detproxy_requests_total", **labels) == 1  # still streaming
+    finally:
+        release.set()
+    await resp.read()
+    assert metric(registry, "detproxy_requests_total", **labels) == 1
+    assert metric(registry, "detproxy_responses_total", endpoint="chat", code="200", outcome="ok")
+
+
+async def test_a_bad_request_is_counted_once_with_unknown_labels(
+    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+) -> None:
+    """Refused before its body was classified: model "", stream and deterministic false."""
+    client = await make_proxy(await upstream())
+    resp = await client.post(CHAT, data=b"not json", headers={"Content-Type": "application/json"})
+    assert resp.status == 400
+    labels = {"model": "", "endpoint": "chat", "stream": "false", "deterministic": "false"}
+    assert metric(registry, "detproxy_requests_total", **labels) == 1
+    code = {"endpoint": "chat", "code": "400", "outcome": "bad_request"}
+    assert metric(registry, "detproxy_responses_total", **code) == 1
+
+
 LOOPS_OFF = {"DETPROXY_LOOPS__ENABLED": "false", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
 
 

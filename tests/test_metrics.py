@@ -5,7 +5,14 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proxy.audit.verdict import VERDICTS, Verdict
-from proxy.events import AuditCompleted, EventBus, RequestFinished, RequestStarted, StreamTimed
+from proxy.events import (
+    AuditCompleted,
+    EventBus,
+    RequestClassified,
+    RequestFinished,
+    RequestStarted,
+    StreamTimed,
+)
 from proxy.metrics import Metrics
 from tests.conftest import metric
 
@@ -18,11 +25,16 @@ def test_requests_responses_and_durations_by_label() -> None:
     registry = CollectorRegistry()
     bus = EventBus()
     Metrics(registry).subscribe(bus)
-    for ev in (finished(), finished(), finished(502), finished(model="n", stream=True)):
-        bus.publish(ev)
     requests = "detproxy_requests_total"
     labels = {"endpoint": "chat", "deterministic": "true"}
+    for ev in (finished(), finished(), finished(502), finished(model="n", stream=True)):
+        bus.publish(RequestClassified(ev.endpoint, ev.model, ev.stream, ev.deterministic))
+    # Counted as they start: before any of them has finished.
     assert metric(registry, requests, model="m", stream="false", **labels) == 3
+    assert metric(registry, requests, model="n", stream="true", **labels) == 1
+    for ev in (finished(), finished(), finished(502), finished(model="n", stream=True)):
+        bus.publish(ev)
+    assert metric(registry, requests, model="m", stream="false", **labels) == 3  # not again
     assert metric(registry, requests, model="n", stream="true", **labels) == 1
     responses = "detproxy_responses_total"
     assert metric(registry, responses, endpoint="chat", code="200", outcome="ok") == 3

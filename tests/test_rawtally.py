@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from proxy.rawtally import RawTally
 from proxy.relay import StreamResult
+from tests.audit._build import grouped_chat_chunks, tokens
 
 
 def event(obj: Any) -> bytes:
@@ -126,3 +127,37 @@ def test_documented_approximations() -> None:
     # first_id comes from the first data event only.
     _, result, _, _ = tally([event({"choices": []}) + event(chunk({"content": "a"}))])
     assert result.first_id is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(["logprobs", "continuous_usage", "spaced"]),
+    st.lists(st.integers(0, 6000), max_size=8),
+)
+def test_tokens_of_several_a_chunk_in_any_split(shape: str, cuts: list[int]) -> None:
+    """Twelve tokens, four a chunk: counted from the usage growth or the logprobs entries."""
+    chunks = grouped_chat_chunks(
+        tokens(12), 4, logprobs=shape != "continuous_usage", final_usage=False,
+        continuous_usage=shape == "continuous_usage",
+    )  # fmt: skip
+    if shape == "spaced":  # Python's json spacing: '"logprobs": {'
+        stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    else:
+        stream = b"".join(event(c) for c in chunks)
+    stream += b"data: [DONE]\n\n"
+    relayed, result, _, _ = tally(cut(stream, [c for c in cuts if c <= len(stream)]))
+    assert relayed == stream
+    assert result.token_events == 3 and result.tokens == 12
+    assert result.first_tokens in (4, 8, 12)  # the first read with text: one chunk or more
+
+
+def test_completions_logprobs_list_their_tokens() -> None:
+    def piece(text: str, n: int) -> bytes:
+        logprobs = {"tokens": [text] * n, "token_logprobs": [-0.5] * n}
+        return event(
+            {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "logprobs": logprobs}]}
+        )
+
+    reads = [piece("ab", 2), piece("cde", 3) + piece("f", 1)]
+    _, result, _, _ = tally(reads, endpoint="completions")
+    assert (result.token_events, result.tokens, result.first_tokens) == (3, 6, 2)

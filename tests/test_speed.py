@@ -6,11 +6,20 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import orjson
+import pytest
 from prometheus_client import CollectorRegistry
 
+from proxy.classify import classify
 from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.events import EventBus, StreamTimed
 from proxy.metrics import inflight_bucket
+from proxy.relay import StreamResult
+from proxy.sse import encode_event
+from proxy.streaming import StreamResponses
+from tests.audit._build import grouped_chat_chunks, tokens
 from tests.conftest import metric
+from tests.test_relay import relay
 
 
 def test_inflight_buckets() -> None:
@@ -59,3 +68,71 @@ async def test_speed_by_concurrency(make_proxy: Any, registry: CollectorRegistry
     assert 0.008 < itl < 0.1  # the emulator's 10 ms per token, as seen through detproxy
     rate = metric(registry, "detproxy_output_tokens_per_second_sum", **alone) / n
     assert 10 < rate < 120
+
+
+class _Publisher(StreamResponses):
+    """The speed a finished stream publishes (``StreamResponses._publish_speed``) on its own."""
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+
+
+def published_speed(result: StreamResult, first_s: float, last_s: float) -> StreamTimed:
+    """Its first and last token at the given times: an injected clock."""
+    result.first_token_s, result.last_token_s = first_s, last_s
+    bus = EventBus()
+    timed: list[StreamTimed] = []
+    bus.subscribe(StreamTimed, timed.append)
+    view = classify("chat", {"model": "m", "stream": True, "temperature": 0})
+    _Publisher(bus)._publish_speed(view, 1, result)
+    (ev,) = timed
+    return ev
+
+
+PATHS: dict[str, dict[str, Any]] = {
+    "raw": {},
+    "simple": {"loops": True},
+    "general": {"general": True},
+    "stripped": {"strip_logprobs": True},  # logprobs detproxy injected for an audit
+}
+# Twelve tokens, four a chunk: what --stream-interval 4 or speculative decoding sends.
+GROUPED = {
+    "logprobs": dict(logprobs=True, final_usage=False),
+    "continuous_usage": dict(logprobs=False, continuous_usage=True),
+    "both": dict(logprobs=True, continuous_usage=True),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("shape", GROUPED)
+def test_several_tokens_a_chunk_count_as_tokens(path: str, shape: str) -> None:
+    """Chunks of four tokens over 2 s: the eight tokens after the first chunk took 0.25 s
+    each (not the 1 s a chunk takes), 4 tokens/s."""
+    events = [
+        encode_event(orjson.dumps(c)) for c in grouped_chat_chunks(tokens(12), 4, **GROUPED[shape])
+    ]
+    run = relay([*events, b"data: [DONE]\n\n"], **PATHS[path])
+    assert run.result.token_events == 3
+    ev = published_speed(run.result, 1.0, 3.0)
+    assert ev.tokens == 12
+    assert ev.inter_token_s == pytest.approx(0.25)
+    assert ev.tokens_per_s == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_without_logprobs_or_running_usage_the_final_usage_counts(path: str) -> None:
+    """Only the last usage chunk says how many tokens came; the first chunk counts as one."""
+    chunks = grouped_chat_chunks(tokens(12), 4, logprobs=False)
+    events = [encode_event(orjson.dumps(c)) for c in chunks]
+    run = relay([*events, b"data: [DONE]\n\n"], **PATHS[path])
+    ev = published_speed(run.result, 1.0, 3.0)
+    assert ev.tokens == 12
+    assert ev.inter_token_s == pytest.approx(2.0 / 11)
+    assert ev.tokens_per_s == pytest.approx(11 / 2.0)
+    # Nothing says: the chunks are all there is to count.
+    bare = grouped_chat_chunks(tokens(12), 4, logprobs=False, final_usage=False)
+    run = relay(
+        [*(encode_event(orjson.dumps(c)) for c in bare), b"data: [DONE]\n\n"], **PATHS[path]
+    )
+    ev = published_speed(run.result, 1.0, 3.0)
+    assert (ev.tokens, ev.inter_token_s, ev.tokens_per_s) == (3, 1.0, 1.0)

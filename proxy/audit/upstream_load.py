@@ -1,4 +1,6 @@
-"""How busy the upstream says it is: the sum of ``vllm:num_requests_running`` over engines."""
+"""How busy the upstream says it is, from its /metrics: the sum of vLLM's
+``vllm:num_requests_running`` over engines, or llama-server's ``llamacpp:requests_processing``
+(exported with ``--metrics``: the slots busy with a request)."""
 
 from __future__ import annotations
 
@@ -8,18 +10,23 @@ import aiohttp
 
 log = logging.getLogger(__name__)
 
-RUNNING = "vllm:num_requests_running"
+RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
 
 
 def parse_running(text: str) -> float | None:
+    """The sum of the running gauges' samples; None when the text has none of them."""
     total, seen = 0.0, False
     for line in text.splitlines():
-        if line.startswith(RUNNING) and line[len(RUNNING) : len(RUNNING) + 1] in ("{", " "):
-            try:
-                total += float(line.rsplit(None, 1)[-1])
-            except ValueError:
-                continue
-            seen = True
+        if not line.startswith(RUNNING):
+            continue
+        name = line.split("{", 1)[0].split(None, 1)[0]
+        if name not in RUNNING:
+            continue  # a longer name that starts with one of them
+        try:
+            total += float(line.rsplit(None, 1)[-1])
+        except ValueError:
+            continue
+        seen = True
     return total if seen else None
 
 

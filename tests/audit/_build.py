@@ -156,3 +156,45 @@ CONTENT: list[Token] = [
     ("!", -0.5, [("!", -0.5), (".", -1.0)]),
     (" ok", -9999.0, [(" ok", -9999.0), (" no", -9999.0)]),
 ]
+
+
+def grouped_chat_chunks(
+    content: list[Token],
+    per_chunk: int,
+    logprobs: bool = True,
+    continuous_usage: bool = False,
+    final_usage: bool = True,
+) -> list[dict[str, Any]]:
+    """A chat answer streamed ``per_chunk`` tokens a chunk, as vLLM's stream interval and
+    speculative decoding send it: the role chunk, then the tokens (their logprobs entries in
+    ``logprobs.content``, ``usage`` growing by the chunk's tokens with ``continuous_usage``),
+    the last of them in the chunk that carries ``finish_reason``, then the usage chunk."""
+
+    def chunk(choice: dict[str, Any], done: int) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk"}
+        out["choices"] = [choice]
+        if continuous_usage:
+            out["usage"] = {"prompt_tokens": 7, "completion_tokens": done}
+        return out
+
+    role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+    out = [chunk({**role, "finish_reason": None}, 0)]
+    for start in range(0, len(content), per_chunk):
+        group = content[start : start + per_chunk]
+        last = start + per_chunk >= len(content)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "delta": {"content": "".join(t for t, _, _ in group)},
+            "logprobs": {"content": [chat_entry(*t) for t in group]} if logprobs else None,
+            "finish_reason": "stop" if last else None,
+        }
+        out.append(chunk(choice, start + len(group)))
+    if final_usage:
+        usage = {"prompt_tokens": 7, "completion_tokens": len(content)}
+        out.append({"id": "chatcmpl-1", "choices": [], "usage": usage})
+    return out
+
+
+def tokens(n: int) -> list[Token]:
+    """``n`` distinct content tokens."""
+    return [(f" t{i}", -0.5, [(f" t{i}", -0.5), (" x", -2.0)]) for i in range(n)]

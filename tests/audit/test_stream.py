@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from proxy.audit.auditor import _completion_tokens
 from proxy.audit.outcome import (
     ChoiceOutcome,
     StreamAccumulator,
@@ -19,6 +20,8 @@ from tests.audit._build import (
     chat_entry,
     completion_body,
     completion_chunks,
+    grouped_chat_chunks,
+    tokens,
 )
 
 
@@ -109,6 +112,22 @@ def test_usage_chunk_and_continuous_usage() -> None:
     chunks[1]["usage"] = {"prompt_tokens": 7, "completion_tokens": 1}
     out = _run("chat", chunks[:-1]).outcome()
     assert (out.prompt_tokens, out.completion_tokens) == (7, 1)
+
+
+def test_several_tokens_a_chunk_are_counted_as_tokens_not_chunks() -> None:
+    """The audit's own token accounting (the shadow token budget, the shadow's estimate)
+    follows usage, else the logprobs entries: right when a chunk carries several tokens."""
+    content = tokens(12)
+    for continuous in (False, True):
+        chunks = grouped_chat_chunks(content, 4, continuous_usage=continuous)
+        assert len(chunks) == 5  # role, three chunks of four tokens, usage
+        out = _run("chat", chunks).outcome()
+        assert out.completion_tokens == 12 and _completion_tokens(out) == 12
+        (choice,) = out.choices
+        assert choice.tokens is not None and len(choice.tokens) == 12
+    # Without a usage chunk, the logprobs entries count.
+    out = _run("chat", grouped_chat_chunks(content, 4, final_usage=False)).outcome()
+    assert out.completion_tokens is None and _completion_tokens(out) == 12
 
 
 def test_inband_error_and_incomplete() -> None:

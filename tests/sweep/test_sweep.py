@@ -184,6 +184,23 @@ async def test_fingerprint_change_exits_1(
     )
 
 
+async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
+    aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its spec-decode counters read 0 after the test request and rise during the sweep: the
+    same upstream."""
+    script = Script(speculative=True)
+    url = await serve(aiohttp_server, script)
+    code, report = await sweep_json(
+        capsys, "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2",
+        "--repeats", "1",
+    )  # fmt: skip
+    assert script.chat_calls > 2  # the counters did rise between the two readings
+    fp = report["fingerprint"]
+    assert fp["changed"] is False and fp["before"] == fp["after"]
+    assert code == 0 and report["warnings"] == []
+
+
 async def test_upstream_change_shows_in_the_table(
     aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:

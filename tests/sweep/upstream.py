@@ -18,6 +18,10 @@ class Script:
     change_version: bool = False  # /version says 0.1.0 once, then 0.2.0
     alternate_speed: bool = False  # slow after every second /version read (between runs)
     fail_every: int = 0  # every n-th chat request (not the first) answers HTTP 500
+    # /metrics of a vLLM with speculative decoding: its spec-decode counters start at 0 and
+    # rise with the chat requests after the first (drafts of 3 tokens, 2 accepted); the first
+    # drafts nothing, as vLLM's n-gram proposer when the prompt has no match.
+    speculative: bool = False
     version_calls: int = 0
     chat_calls: int = 0
     bodies: list[dict[str, Any]] = field(default_factory=list)
@@ -63,7 +67,19 @@ def scripted_app(script: Script) -> web.Application:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    async def metrics(request: web.Request) -> web.Response:
+        n = max(0, script.chat_calls - 1)
+        lines = [
+            'vllm:num_requests_running{engine="0",model_name="m"} 0.0',
+            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {n}.0',
+            f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {3 * n}.0',
+            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {2 * n}.0',
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
     app = web.Application()
+    if script.speculative:
+        app.router.add_get("/metrics", metrics)
     app.router.add_get("/version", version)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)

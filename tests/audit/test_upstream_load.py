@@ -1,0 +1,62 @@
+"""How busy the upstream says it is, read from its /metrics: vLLM's and llama-server's gauges."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestServer
+
+from proxy.audit.upstream_load import UpstreamLoad, parse_running
+
+VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_running_other 7.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+"""
+
+# llama-server --metrics: no labels, integers (the ``llamacpp:`` names of its metrics handler).
+LLAMA = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 120
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 3
+"""
+
+
+def test_vllm_running_is_summed_over_engines() -> None:
+    assert parse_running(VLLM) == 3.0
+
+
+def test_llama_server_processing_counts_as_running() -> None:
+    assert parse_running(LLAMA) == 1.0
+    assert parse_running(LLAMA.replace("requests_processing 1", "requests_processing 0")) == 0.0
+
+
+def test_no_such_gauge_is_unknown() -> None:
+    assert parse_running("llamacpp:requests_deferred 3\nother 1\n") is None
+
+
+async def test_a_quiet_llama_server_reads_as_quiet(
+    aiohttp_server: Callable[..., Awaitable[TestServer]],
+) -> None:
+    """What ``schedule = "quiet"`` with ``quiet_max_upstream_running`` asks between polls."""
+    app = web.Application()
+    state = {"text": LLAMA}
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text=state["text"], content_type="text/plain")
+
+    app.router.add_get("/metrics", metrics)
+    server = await aiohttp_server(app)
+    async with ClientSession() as session:
+        load = UpstreamLoad(session, str(server.make_url("")))
+        assert await load.running() == 1
+        state["text"] = LLAMA.replace("requests_processing 1", "requests_processing 0")
+        assert await load.running() == 0

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Runs on the lent H200 machine (see README.md for the call sequence). Everything it makes
+# lives outside the repository copy (a path not carried by the next call is removed there):
+#   /root/payload  the parts as they arrive      /root/site   the installed wheels
+#   /root/model    bf16 checkpoint + tokenizer   /root/work   logs, state, results
+#   bash tests/gpu/vllm/on_device.sh receive        # moves the carried .gpu/vllm/* away
+#   bash tests/gpu/vllm/on_device.sh setup          # install, patch, convert, start vLLM x4
+#   bash tests/gpu/vllm/on_device.sh validate ARGS  # tests/gpu/vllm/validate.py; results in $OUT
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+repo=$PWD
+P=/root/payload S=/root/site M=/root/model W=/root/work
+mkdir -p "$P" "$W"
+export PYTHONPATH="$S:$repo" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+  VLLM_HOST_IP=127.0.0.1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
+  NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# name port extra-env extra-args...: one vLLM OpenAI server, in its own session so it outlives
+# the call that starts it. --kv-cache-memory-bytes fixes the KV cache, so the four instances
+# can start at once without one's memory profiling counting another's allocations.
+start() {
+  local name=$1 port=$2 envs=$3; shift 3
+  ( cd "$W" && setsid env $envs python3 -m vllm.entrypoints.openai.api_server \
+      --served-model-name smollm2 --max-model-len 4096 --host 127.0.0.1 --port "$port" \
+      --max-logprobs 20 --enforce-eager --gpu-memory-utilization 0.15 \
+      --kv-cache-memory-bytes 4294967296 "$@" > "$W/vllm-$name.log" 2>&1 < /dev/null & \
+    echo $! > "$W/vllm-$name.pid" )
+}
+case "${1:-}" in
+receive)
+  shopt -s nullglob
+  for f in .gpu/vllm/part-* .gpu/vllm/payload.sha256; do mv "$f" "$P/"; done
+  ls -l "$P"; df -h /root | tail -1
+  ;;
+info)
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+  python3 -c 'import sys, torch, transformers, numba, typing_extensions as t; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available(), transformers.__version__, numba.__version__)'
+  python3 -m pip list 2>/dev/null | grep -iE '^(typing.extensions|aiohttp|uvloop|xxhash|prometheus.client|numpy|safetensors|anyio|httpx|idna|h11|click) ' | tr -s ' ' | tr '\n' ';'; echo
+  nproc; free -g | head -2
+  ;;
+setup)
+  t0=$(date +%s)
+  (cd "$P" && ls part-* >/dev/null) || { echo "no parts in $P"; exit 1; }
+  got=$(cat "$P"/part-? | sha256sum | cut -d' ' -f1)
+  [ "$got" = "$(cat "$P/payload.sha256")" ] || { echo "payload sha256 mismatch: $got"; exit 1; }
+  cat "$P"/part-? | tar -x -C "$P" || exit 1
+  echo "payload verified and unpacked in $(( $(date +%s) - t0 )) s"
+  rm -f "$P"/part-?
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$S" \
+    "$P"/wheels/*.whl "$P"/vllm/*.whl > "$W/pip.log" 2>&1 || { tail -20 "$W/pip.log"; exit 1; }
+  echo "installed in $(( $(date +%s) - t0 )) s"
+  python3 tests/gpu/vllm/patch_vllm.py "$S/vllm" || exit 1
+  python3 tests/gpu/vllm/convert.py "$P/model/model.gguf" "$M" 2>&1 | grep -v Warning | tail -12
+  [ -f "$M/model.safetensors" ] || { echo "conversion failed"; exit 1; }
+  echo "converted in $(( $(date +%s) - t0 )) s"
+  start stock 8001 "X=1" --model "$M" --tokenizer "$M" --dtype bfloat16
+  start bi 8002 "VLLM_BATCH_INVARIANT=1" --model "$M" --tokenizer "$M" --dtype bfloat16
+  start spec 8003 "X=1" --model "$M" --tokenizer "$M" --dtype bfloat16 --speculative-config \
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+  start gguf 8004 "X=1" --model "$P/model/model.gguf" --tokenizer "$M"
+  echo "4 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004"
+  python3 - <<'PY'
+import time, urllib.request
+t0 = time.time()
+left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004}
+while left and time.time() - t0 < 60:
+    for name, port in list(left.items()):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+            print(f"{name} up after {time.time() - t0:.0f} s", flush=True)
+            del left[name]
+        except Exception:
+            pass
+    time.sleep(1)
+print("not yet up:", sorted(left))
+PY
+  tail -3 "$W"/vllm-*.log
+  ;;
+validate)
+  shift
+  python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
+    --stock http://127.0.0.1:8001 --bi http://127.0.0.1:8002 --spec http://127.0.0.1:8003 \
+    --gguf http://127.0.0.1:8004 --logs "$W" "$@"
+  ;;
+*) echo "usage: $0 receive|info|setup|validate" >&2; exit 2 ;;
+esac
