@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-after-tokens", type=int)
     p.add_argument("--loop-unit")
     p.add_argument("--engine-repetition-detection", action="store_true", default=None)
+    p.add_argument("--nan-logprobs", action="store_true", default=None)
     p.add_argument("--fault", choices=get_args(FaultKind))
     p.add_argument("--fault-after-tokens", type=int)
     p.add_argument("--fault-probability", type=float)

@@ -61,6 +61,11 @@ class EmulatorConfig(BaseModel):
     loop_unit: str = Field(default=" and then the model repeats itself.", min_length=1)
     engine_repetition_detection: bool = False
 
+    # A model whose logprobs come out NaN (seen on real vLLM with a broken GGUF checkpoint): a
+    # non-streamed request that asks for logprobs gets vLLM's 400 (the JSON encoder refuses NaN),
+    # a streamed one gets ``"logprob": null`` values. Requests without logprobs answer normally.
+    nan_logprobs: bool = False
+
     # Speed.
     token_latency_s: float = Field(default=0.0, ge=0.0)
     headers_delay_s: float = Field(default=0.0, ge=0.0)

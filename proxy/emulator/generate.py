@@ -16,6 +16,7 @@ from .injections import EmulatorState, InjectionRecord
 from .model import ChoiceGenerator, Step
 from .plan import Endpoint, Job, build_chat_job, build_completion_job, choice_rng
 from .responses import (
+    NAN_LOGPROBS_MESSAGE,
     SSE_DONE,
     ChunkBuilder,
     chat_logprob_entry,
@@ -203,6 +204,10 @@ class Run:
                 "Injected generation error.", code=500, err_type="InternalServerError"
             )
             return error_response(err, self.job.request_id)
+        if self._nan_logprobs():
+            # vLLM generated the answer, then failed to serialise its NaN logprobs.
+            err = RequestError(NAN_LOGPROBS_MESSAGE)
+            return error_response(err, self.job.request_id)
         body = orjson.dumps(self._full_body())
         if self.fault == "malformed_json":
             self._record_fault(self.tokens)
@@ -213,6 +218,18 @@ class Run:
             content_type="application/json",
             headers={REQUEST_ID_HEADER: self.job.request_id},
         )
+
+    def _nan_logprobs(self) -> bool:
+        """True (and recorded) when this request's logprobs come out NaN."""
+        job = self.job
+        if not job.nan_logprobs or job.logprobs is None:
+            return False
+        status = 200 if job.stream else 400
+        rec = InjectionRecord(
+            job.request_id, "nan_logprobs", None, None, {"status": status}, self.state.running
+        )
+        self.state.record(rec)
+        return True
 
     def _full_body(self) -> dict[str, Any]:
         job = self.job
@@ -226,7 +243,9 @@ class Run:
                 choice["message"] = chat_message(job, reasoning, content)
                 lps = None
                 if job.logprobs is not None:
-                    lps = {"content": [chat_logprob_entry(s, job.logprobs) for s in shown]}
+                    k = job.logprobs
+                    entries = [chat_logprob_entry(s, k, job.nan_logprobs) for s in shown]
+                    lps = {"content": entries}
                 choice["logprobs"] = lps
             else:
                 choice["text"] = "".join(s.text for s in steps)
@@ -254,6 +273,7 @@ class Run:
             }
         )
         await resp.prepare(self.request)
+        self._nan_logprobs()
         chunks = ChunkBuilder(job, self.created)
         if job.endpoint == "chat":
             for gen in self.gens:

@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 InjectionKind = Literal[
-    "flip", "logprob_jitter", "batch_divergence", "loop", "engine_repetition", "fault"
+    "flip",
+    "logprob_jitter",
+    "batch_divergence",
+    "loop",
+    "engine_repetition",
+    "fault",
+    "nan_logprobs",
 ]
 
 

@@ -45,6 +45,8 @@ class Job:
     reasoning_active: bool
     include_reasoning: bool
     reasoning_style: ReasoningStyle
+    # The model's logprobs are NaN (EmulatorConfig.nan_logprobs).
+    nan_logprobs: bool = False
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -224,6 +226,7 @@ def build_chat_job(
         reasoning_active=parser,
         include_reasoning=req.include_reasoning,
         reasoning_style=cfg.reasoning_style,
+        nan_logprobs=cfg.nan_logprobs,
     )
 
 
@@ -261,4 +264,5 @@ def build_completion_job(
         reasoning_active=False,
         include_reasoning=False,
         reasoning_style=cfg.reasoning_style,
+        nan_logprobs=cfg.nan_logprobs,
     )

@@ -10,6 +10,9 @@ from .model import Candidate, Step
 from .plan import Job
 
 LOGPROB_FLOOR = -9999.0
+# What vLLM answers (HTTP 400) when a non-streamed body holds a NaN logprob: Python's JSON encoder
+# refuses it. Streamed chunks are serialised by pydantic, which writes NaN as null.
+NAN_LOGPROBS_MESSAGE = "Out of range float values are not JSON compliant: nan"
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> bytes:
@@ -35,35 +38,38 @@ def _top(step: Step, k: int) -> list[Candidate]:
     return ordered[:k]
 
 
-def _lp(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
+def _lp(value: float, nan: bool = False) -> float | None:
+    """The reported value: clamped like vLLM; None (JSON null) for a NaN model's value."""
+    return None if nan else max(value, LOGPROB_FLOOR)
 
 
-def chat_logprob_entry(step: Step, k: int) -> dict[str, Any]:
+def chat_logprob_entry(step: Step, k: int, nan: bool = False) -> dict[str, Any]:
     return {
         "token": step.text,
-        "logprob": _lp(step.logprob),
+        "logprob": _lp(step.logprob, nan),
         "bytes": list(step.text.encode()),
         "top_logprobs": [
-            {"token": c.text, "logprob": _lp(c.logprob), "bytes": list(c.text.encode())}
+            {"token": c.text, "logprob": _lp(c.logprob, nan), "bytes": list(c.text.encode())}
             for c in _top(step, k)
         ],
     }
 
 
-def completion_logprobs(steps: list[Step], n_top: int, offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    steps: list[Step], n_top: int, offset: int, nan: bool = False
+) -> dict[str, Any]:
     """Legacy completions logprobs; ``offset`` is the text offset of the first step."""
     tokens: list[str] = []
-    token_lps: list[float] = []
-    tops: list[dict[str, float]] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float | None]] = []
     offsets: list[int] = []
     for step in steps:
         tokens.append(step.text)
-        token_lps.append(_lp(step.logprob))
+        token_lps.append(_lp(step.logprob, nan))
         ranked = step.candidates if n_top < 0 else step.candidates[:n_top]
         chosen = next(c for c in step.candidates if c.token_id == step.token_id)
         entries = [chosen, *(c for c in ranked if c.token_id != step.token_id)]
-        tops.append({c.text: _lp(c.logprob) for c in entries})
+        tops.append({c.text: _lp(c.logprob, nan) for c in entries})
         offsets.append(offset)
         offset += len(step.text)
     return {
@@ -134,7 +140,7 @@ class ChunkBuilder:
         lps: dict[str, Any] | None = None
         if job.endpoint == "chat":
             if job.logprobs is not None:
-                lps = {"content": [chat_logprob_entry(step, job.logprobs)]}
+                lps = {"content": [chat_logprob_entry(step, job.logprobs, job.nan_logprobs)]}
             choice = {
                 "index": index,
                 "delta": chat_delta(job, step),
@@ -143,7 +149,7 @@ class ChunkBuilder:
             }
             return self._wrap([choice])
         if job.logprobs is not None:
-            lps = completion_logprobs([step], job.logprobs, offset)
+            lps = completion_logprobs([step], job.logprobs, offset, job.nan_logprobs)
         return self._wrap(
             [
                 {
