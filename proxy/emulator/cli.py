@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-logprobs", type=int)
     p.add_argument("--version", dest="version")
     p.add_argument("--default-temperature", type=float)
+    p.add_argument("--api-key")
+    p.add_argument("--enable-request-id-headers", action="store_true", default=None)
     p.add_argument("--reasoning-style", choices=get_args(ReasoningStyle))
     p.add_argument("--reasoning-tokens", type=int)
     p.add_argument("--token-latency", type=float, dest="token_latency_s")

@@ -44,6 +44,10 @@ class EmulatorConfig(BaseModel):
     version: str = "0.17.1"
     seed: int = 0
     default_temperature: float = Field(default=1.0, ge=0.0)
+    # vLLM's --api-key: /v1/* requests without ``Authorization: Bearer <key>`` get its 401.
+    api_key: str | None = Field(default=None, min_length=1)
+    # vLLM's --enable-request-id-headers: responses carry X-Request-Id only when it is on.
+    enable_request_id_headers: bool = False
 
     # Reasoning channel (chat only).
     reasoning_tokens: int = Field(default=0, ge=0)

@@ -39,13 +39,11 @@ _HTTP_FAULTS: dict[str, tuple[int, str]] = {
 }
 
 
-def error_response(err: RequestError, request_id: str | None = None) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+def error_response(err: RequestError) -> web.Response:
     return web.Response(
         body=error_body(err.message, err.err_type, err.code, err.param),
         status=err.code,
         content_type="application/json",
-        headers=headers,
     )
 
 
@@ -79,7 +77,7 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
         build = build_chat_job if endpoint == "chat" else build_completion_job
         job = build(cfg, body, rid, rng)
     except RequestError as err:
-        return error_response(err, rid)
+        return error_response(err)
     state.requests += 1
     state.prompt_tokens += job.prompt_tokens
     fault: FaultKind = cfg.fault
@@ -162,7 +160,7 @@ class Run:
             code, err_type = http_fault
             self._record_fault(None, code=code)
             err = RequestError(f"Injected {code} by the emulator.", code=code, err_type=err_type)
-            return error_response(err, self.job.request_id)
+            return error_response(err)
         if self.job.stream:
             return await self._stream()
         return await self._full()
@@ -203,21 +201,17 @@ class Run:
             err = RequestError(
                 "Injected generation error.", code=500, err_type="InternalServerError"
             )
-            return error_response(err, self.job.request_id)
+            return error_response(err)
         if self._nan_logprobs():
             # vLLM generated the answer, then failed to serialise its NaN logprobs.
             err = RequestError(NAN_LOGPROBS_MESSAGE)
-            return error_response(err, self.job.request_id)
+            return error_response(err)
         body = orjson.dumps(self._full_body())
         if self.fault == "malformed_json":
             self._record_fault(self.tokens)
             body = body[: len(body) // 2]
         self.state.completed += 1
-        return web.Response(
-            body=body,
-            content_type="application/json",
-            headers={REQUEST_ID_HEADER: self.job.request_id},
-        )
+        return web.Response(body=body, content_type="application/json")
 
     def _nan_logprobs(self) -> bool:
         """True (and recorded) when this request's logprobs come out NaN."""
@@ -269,7 +263,6 @@ class Run:
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                REQUEST_ID_HEADER: job.request_id,
             }
         )
         await resp.prepare(self.request)
