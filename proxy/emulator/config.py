@@ -70,9 +70,20 @@ class EmulatorConfig(BaseModel):
     # a streamed one gets ``"logprob": null`` values. Requests without logprobs answer normally.
     nan_logprobs: bool = False
 
-    # Speed.
+    # Speed (token_latency_s is the time of one engine step).
     token_latency_s: float = Field(default=0.0, ge=0.0)
     headers_delay_s: float = Field(default=0.0, ge=0.0)
+
+    # Stream chunking. vLLM sends the tokens of one engine step in one chunk; the last token
+    # shares its chunk with finish_reason. tokens_per_chunk > 1 is vLLM's --stream-interval:
+    # a chunk waits for that many tokens (its logprobs list all of them).
+    tokens_per_chunk: int = Field(default=1, ge=1)
+    # Speculative decoding: every engine step drafts speculative_tokens tokens and accepts each
+    # in turn with speculative_acceptance (seeded), emitting 1 + accepted tokens; the
+    # vllm:spec_decode_* counters exist only when it is on (and start at 0).
+    speculative: bool = False
+    speculative_tokens: int = Field(default=3, ge=1)
+    speculative_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
 
     # Transport and protocol faults.
     fault: FaultKind = "none"

@@ -9,12 +9,20 @@ import time
 from typing import Any
 
 import orjson
+import xxhash
 from aiohttp import web
 
 from .config import KNOBS_HEADER, EmulatorConfig, FaultKind, KnobsError
 from .injections import EmulatorState, InjectionRecord
 from .model import ChoiceGenerator, Step
-from .plan import Endpoint, Job, build_chat_job, build_completion_job, choice_rng
+from .plan import (
+    PREFIX_BLOCK_SIZE,
+    Endpoint,
+    Job,
+    build_chat_job,
+    build_completion_job,
+    choice_rng,
+)
 from .responses import (
     NAN_LOGPROBS_MESSAGE,
     SSE_DONE,
@@ -80,6 +88,8 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
         return error_response(err)
     state.requests += 1
     state.prompt_tokens += job.prompt_tokens
+    for tokens, blocks in job.prompts:
+        state.prefix_lookup(tokens, blocks, PREFIX_BLOCK_SIZE)
     fault: FaultKind = cfg.fault
     if fault != "none" and cfg.fault_probability < 1.0 and rng.random() >= cfg.fault_probability:
         fault = "none"
@@ -113,6 +123,10 @@ class Run:
         ]
         self.steps: list[list[Step]] = [[] for _ in self.gens]
         self.tokens = 0
+        self.spec_rngs = [
+            random.Random(xxhash.xxh64_intdigest(f"{cfg.seed}:{job.request_id}:{p.index}".encode()))
+            for p in job.plans
+        ]
 
     async def execute(self) -> web.StreamResponse:
         state = self.state
@@ -180,19 +194,52 @@ class Run:
         self.state.generation_tokens += 1
         return step
 
+    def _engine_step(self, i: int) -> list[Step]:
+        """One engine step of choice ``i``: one token, or 1 + accepted drafts with speculative
+        decoding. The choice is finalised (finish_reason set) as soon as it ends with them."""
+        cfg = self.cfg
+        gen = self.gens[i]
+        size = 1
+        if cfg.speculative:
+            rng = self.spec_rngs[i]
+            while size <= cfg.speculative_tokens and rng.random() < cfg.speculative_acceptance:
+                size += 1
+        out: list[Step] = []
+        while len(out) < size:
+            step = self._step(i)
+            if step is None:
+                break
+            out.append(step)
+            if gen.finish_due():
+                self._step(i)
+                break
+        if cfg.speculative and out:
+            self.state.spec_step(len(out) - 1, cfg.speculative_tokens)
+        return out
+
+    def _chunk(self, i: int) -> tuple[list[Step], int]:
+        """The tokens of choice ``i``'s next stream chunk (at least tokens_per_chunk unless it
+        ends) and the number of engine steps they took."""
+        out: list[Step] = []
+        steps = 0
+        while len(out) < self.cfg.tokens_per_chunk and not self.gens[i].done:
+            out += self._engine_step(i)
+            steps += 1
+        return out, steps
+
     def _usage(self) -> dict[str, Any]:
         reasoning = sum(1 for steps in self.steps for s in steps if s.channel == "reasoning")
         return usage(self.job, self.tokens, reasoning)
 
-    async def _tick(self) -> None:
-        if self.cfg.token_latency_s > 0:
-            await asyncio.sleep(self.cfg.token_latency_s)
+    async def _tick(self, engine_steps: int = 1) -> None:
+        if self.cfg.token_latency_s > 0 and engine_steps > 0:
+            await asyncio.sleep(self.cfg.token_latency_s * engine_steps)
 
     async def _full(self) -> web.Response:
         while any(not g.done for g in self.gens):
             for i, gen in enumerate(self.gens):
                 if not gen.done:
-                    self._step(i)
+                    self._engine_step(i)
             await self._tick()
         if self.fault == "reset_mid_stream":
             self._reset()
@@ -244,7 +291,9 @@ class Run:
             else:
                 choice["text"] = "".join(s.text for s in steps)
                 choice["logprobs"] = (
-                    None if job.logprobs is None else completion_logprobs(steps, job.logprobs, 0)
+                    None
+                    if job.logprobs is None
+                    else completion_logprobs(steps, job.logprobs, 0, job.nan_logprobs)
                 )
                 choice["prompt_logprobs"] = None
             choice["finish_reason"] = gen.finish_reason
@@ -273,22 +322,28 @@ class Run:
                 await self._emit(resp, chunks.role(gen.plan.index))
         offsets = [0] * len(self.gens)
         while any(not g.done for g in self.gens):
+            most = 0
             for i, gen in enumerate(self.gens):
                 if gen.done:
                     continue
                 if await self._stream_fault(resp):
                     return resp
-                step = self._step(i)
+                group, engine_steps = self._chunk(i)
+                most = max(most, engine_steps)
+                shown = [s for s in group if s.channel == "content" or job.include_reasoning]
                 idx = gen.plan.index
-                if step is None:
+                if gen.done:
                     assert gen.finish_reason is not None
-                    await self._emit(resp, chunks.finish(idx, gen.finish_reason, gen.stop_reason))
+                    payload = chunks.tokens(
+                        idx, shown, offsets[i], gen.finish_reason, gen.stop_reason
+                    )
+                elif shown:
+                    payload = chunks.tokens(idx, shown, offsets[i])
+                else:
                     continue
-                if step.channel == "reasoning" and not job.include_reasoning:
-                    continue
-                await self._emit(resp, chunks.token(idx, step, offsets[i]))
-                offsets[i] += len(step.text)
-            await self._tick()
+                await self._emit(resp, payload)
+                offsets[i] += sum(len(s.text) for s in shown)
+            await self._tick(most)
         if job.include_usage:
             await resp.write(sse(chunks.usage(self._usage())))
         await resp.write(SSE_DONE)
@@ -300,7 +355,7 @@ class Run:
         """Fire the stream fault when due; True when the stream is over."""
         if self.fault_fired or self.fault not in _STREAM_FAULTS:
             return False
-        if self.tokens != self.cfg.fault_after_tokens:
+        if self.tokens < self.cfg.fault_after_tokens:
             return False
         if self.fault == "reset_mid_stream":
             self._reset()

@@ -182,14 +182,11 @@ class ChoiceGenerator:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def step(self, inflight: int) -> Step | None:
-        """Produce the next token, or None (and set finish_reason) when the choice is over."""
-        if self.done:
-            return None
+    def _due(self) -> tuple[str, str | None] | None:
+        """The (finish_reason, stop_reason) the choice ends with before its next token, if any."""
         plan = self.plan
         if self.position >= plan.max_tokens:
-            self._finish("length")
-            return None
+            return ("length", None)
         channel = self._channel()
         piece = self._loop_piece(channel)
         loop = plan.loop
@@ -197,18 +194,36 @@ class ChoiceGenerator:
         endless = loop is not None and (piece is not None or loop.channel == channel)
         stop_at = None if endless or natural is None else plan.reasoning_tokens + natural
         if stop_at is not None and self.position >= stop_at:
-            self._finish("stop")
-            return None
+            return ("stop", None)
         repeats = None if loop is None or piece is None else loop.detect_repeats
         if (
             loop is not None
             and repeats is not None
             and self._loop_emitted >= len(loop.unit) * repeats
         ):
-            self._event("engine_repetition", {"repeats": repeats}, inflight)
-            self._finish("repetition", "repetition_detected")
+            return ("repetition", "repetition_detected")
+        return None
+
+    def finish_due(self) -> bool:
+        """Whether the choice is over (or ends before producing another token): the engine
+        knows this with the last token, so that token's chunk carries ``finish_reason``."""
+        return self.done or self._due() is not None
+
+    def step(self, inflight: int) -> Step | None:
+        """Produce the next token, or None (and set finish_reason) when the choice is over."""
+        if self.done:
             return None
-        return self._generate(channel, piece, inflight)
+        due = self._due()
+        if due is not None:
+            if due[0] == "repetition":
+                assert self.plan.loop is not None
+                self._event(
+                    "engine_repetition", {"repeats": self.plan.loop.detect_repeats}, inflight
+                )
+            self._finish(*due)
+            return None
+        channel = self._channel()
+        return self._generate(channel, self._loop_piece(channel), inflight)
 
     def _generate(self, channel: Channel, piece: Piece | None, inflight: int) -> Step:
         plan = self.plan

@@ -27,6 +27,19 @@ from .vocab import encode_pieces, split_text, vocabulary
 
 Endpoint = Literal["chat", "completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+PREFIX_BLOCK_SIZE = 16  # vLLM's default KV block size
+
+
+def prefix_blocks(model: str, pieces: list[str], salt: str | None) -> tuple[int, ...]:
+    """Chained hashes of the prompt's full KV blocks (vLLM's prefix-cache keys; ``cache_salt``
+    goes into the first block's hash, so tenants with different salts share nothing)."""
+    out: list[int] = []
+    parent = int(xxhash.xxh64_intdigest(f"{model}\x00{salt or ''}".encode()))
+    for start in range(0, len(pieces) - PREFIX_BLOCK_SIZE + 1, PREFIX_BLOCK_SIZE):
+        block = "\x00".join(pieces[start : start + PREFIX_BLOCK_SIZE])
+        parent = int(xxhash.xxh64_intdigest(block.encode(), seed=parent))
+        out.append(parent)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,8 @@ class Job:
     reasoning_style: ReasoningStyle
     # The model's logprobs are NaN (EmulatorConfig.nan_logprobs).
     nan_logprobs: bool = False
+    # Per prompt: (its token count, its prefix-cache block hashes).
+    prompts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -198,7 +213,8 @@ def build_chat_job(
     if req.logprobs:
         _check_logprobs(cfg, top, "top_logprobs")
     prompt = render_messages(req.messages)
-    prompt_tokens = len(split_text(prompt))
+    pieces = split_text(prompt)
+    prompt_tokens = len(pieces)
     max_tokens = _check_length(cfg, prompt_tokens, req.max_completion_tokens or req.max_tokens)
     sampling = _sampling(cfg, req)
     kwargs = req.chat_template_kwargs or {}
@@ -220,6 +236,7 @@ def build_chat_job(
         include_usage=usage,
         continuous_usage=continuous,
         prompt_tokens=prompt_tokens,
+        prompts=((prompt_tokens, prefix_blocks(model, pieces, req.cache_salt)),),
         sampling=sampling,
         plans=plans,
         logprobs=top if req.logprobs else None,
@@ -239,7 +256,8 @@ def build_completion_job(
     if req.logprobs is not None:
         _check_logprobs(cfg, req.logprobs, "logprobs")
     prompts = completion_prompts(req.prompt)
-    counts = [len(split_text(p)) for p in prompts]
+    split = [split_text(p) for p in prompts]
+    counts = [len(p) for p in split]
     max_req = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     max_tokens = min(_check_length(cfg, c, max_req) for c in counts)
     sampling = _sampling(cfg, req)
@@ -258,6 +276,7 @@ def build_completion_job(
         include_usage=usage,
         continuous_usage=continuous,
         prompt_tokens=sum(counts),
+        prompts=tuple((len(p), prefix_blocks(model, p, req.cache_salt)) for p in split),
         sampling=sampling,
         plans=plans,
         logprobs=req.logprobs,
