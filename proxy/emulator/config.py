@@ -54,12 +54,21 @@ class EmulatorConfig(BaseModel):
     reasoning_style: ReasoningStyle = "reasoning"
 
     # Injected nondeterminism (greedy requests only).
+    # flip: the rank-2 token at flip_position.
     flip_probability: float = Field(default=0.0, ge=0.0, le=1.0)
     flip_position: int = Field(default=0, ge=0)
+    # Logprob drift: from a position among the first ten to the end, every reported logprob
+    # moves by up to ~1 nat (chosen token) / ~3 nats (top-k), the text unchanged.
     logprob_jitter_probability: float = Field(default=0.0, ge=0.0, le=1.0)
-    batch_divergence_threshold: int | None = Field(default=None, ge=0)
+    # Batch effects: with N requests in flight a greedy choice diverges (rank-2 token at one
+    # position among the first ten, drifting logprobs after) with p = min(1, slope * (N - 1)).
+    batch_divergence_slope: float = Field(default=0.0, ge=0.0)
 
-    # Repetition loops.
+    # Repetition loops. Greedy requests without a penalty always loop; an attempt with a
+    # presence/frequency/repetition penalty or temperature > 0 escapes with this probability,
+    # drawn from (seed, prompt, sampling parameters, choice) — and, for sampling without a
+    # request seed, how often this emulator has seen that request.
+    loop_escape_probability: float = Field(default=0.7, ge=0.0, le=1.0)
     loop_channel: LoopChannel = "none"
     loop_after_tokens: int = Field(default=5, ge=0)
     loop_unit: str = Field(default=" and then the model repeats itself.", min_length=1)

@@ -83,7 +83,7 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
             rid = body_rid if isinstance(body_rid, str) and body_rid else secrets.token_hex(16)
         rng = state.rng if cfg.seed == base.seed else random.Random(cfg.seed)
         build = build_chat_job if endpoint == "chat" else build_completion_job
-        job = build(cfg, body, rid, rng)
+        job = build(cfg, body, rid, rng, state.seen)
     except RequestError as err:
         return error_response(err)
     state.requests += 1
@@ -123,6 +123,13 @@ class Run:
         ]
         self.steps: list[list[Step]] = [[] for _ in self.gens]
         self.tokens = 0
+        for plan in job.plans:
+            if plan.loop_escaped:
+                detail = {"probability": cfg.loop_escape_probability}
+                rec = InjectionRecord(
+                    job.request_id, "loop_escape", plan.index, None, detail, state.running
+                )
+                state.record(rec)
         self.spec_rngs = [
             random.Random(xxhash.xxh64_intdigest(f"{cfg.seed}:{job.request_id}:{p.index}".encode()))
             for p in job.plans

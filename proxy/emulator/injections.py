@@ -15,6 +15,7 @@ InjectionKind = Literal[
     "engine_repetition",
     "fault",
     "nan_logprobs",
+    "loop_escape",
 ]
 
 
@@ -63,6 +64,8 @@ class EmulatorState:
     prefix_queries: int = 0
     prefix_hits: int = 0
     cached_blocks: set[int] = field(default_factory=set)
+    # How often each sampled (unseeded) request content was seen: the loop-escape "attempt".
+    seen: Counter[int] = field(default_factory=Counter)
     # Speculative decoding: engine steps that drafted, tokens drafted, drafts accepted (and by
     # draft position).
     spec_drafts: int = 0
@@ -122,5 +125,6 @@ class EmulatorState:
         self.records.clear()
         self.prefix_queries = self.prefix_hits = 0
         self.cached_blocks.clear()
+        self.seen.clear()
         self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
         self.spec_accepted_per_pos.clear()

@@ -7,6 +7,7 @@ here, before generation starts, so generation itself is a pure function of the p
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -121,12 +122,9 @@ def _sampling(cfg: EmulatorConfig, req: ChatRequest | CompletionRequest) -> Samp
 
 def _loop_plan(
     cfg: EmulatorConfig,
-    sampling: Sampling,
     channel: Literal["reasoning", "content"],
     detection: RepetitionDetection | None,
-) -> LoopPlan | None:
-    if not sampling.greedy or sampling.penalised:
-        return None
+) -> LoopPlan:
     unit = tuple(encode_pieces(cfg.loop_unit))
     repeats: int | None = None
     if cfg.engine_repetition_detection and detection is not None:
@@ -137,9 +135,38 @@ def _loop_plan(
     return LoopPlan(channel, cfg.loop_after_tokens, unit, repeats)
 
 
+_TWO64 = float(1 << 64)
+DIVERGENCE_WINDOW = 10  # first divergent token index 0-9 on GPUs (gpu-llama-server.md)
+
+
+def _escapes(cfg: EmulatorConfig, sampling: Sampling, content: int, index: int) -> bool:
+    """Whether choice ``index`` of a request that would loop escapes it (see EmulatorConfig)."""
+    if sampling.greedy and not sampling.penalised:
+        return False
+    u = xxhash.xxh64_intdigest(f"{cfg.seed}:{content}:{index}".encode()) / _TWO64
+    return u < cfg.loop_escape_probability
+
+
+def content_key(key: int, sampling: Sampling, max_tokens: int, seen: Counter[int]) -> int:
+    """What a request's tokens are a function of; for sampling without a seed, also how often
+    this emulator has seen it (each such attempt draws anew, deterministically)."""
+    base = int(xxhash.xxh64_intdigest(f"{key}:{sampling!r}:{max_tokens}".encode()))
+    attempt = 0
+    if not sampling.greedy and sampling.seed is None:
+        if len(seen) > MAX_SEEN:
+            seen.clear()
+        attempt = seen[base]
+        seen[base] += 1
+    return int(xxhash.xxh64_intdigest(f"{base}:{attempt}".encode()))
+
+
+MAX_SEEN = 100_000
+
+
 def _choice_plans(
     cfg: EmulatorConfig,
     rng: random.Random,
+    seen: Counter[int],
     request_id: str,
     keys: list[int],
     n: int,
@@ -152,16 +179,20 @@ def _choice_plans(
     plans: list[ChoicePlan] = []
     for p_idx, key in enumerate(keys):
         natural = natural_length(key)
-        expected = min(max_tokens, reasoning_tokens + natural)
+        content = content_key(key, sampling, max_tokens, seen) if loop is not None else 0
         for i in range(n):
-            flip = jitter = None
+            index = p_idx * n + i
+            flip = drift = None
             if sampling.greedy:
                 if cfg.flip_probability > 0 and rng.random() < cfg.flip_probability:
                     flip = cfg.flip_position
                 if cfg.logprob_jitter_probability > 0 and rng.random() < (
                     cfg.logprob_jitter_probability
                 ):
-                    jitter = rng.randrange(max(expected, 1))
+                    expected = min(max_tokens, reasoning_tokens + natural, DIVERGENCE_WINDOW)
+                    drift = rng.randrange(max(expected, 1))
+            batch = sampling.greedy and cfg.batch_divergence_slope > 0
+            escaped = loop is not None and _escapes(cfg, sampling, content, index)
             plans.append(
                 ChoicePlan(
                     request_id=request_id,
@@ -171,11 +202,13 @@ def _choice_plans(
                     reasoning_tokens=reasoning_tokens,
                     natural_tokens=None if ignore_eos else natural,
                     flip_position=flip,
-                    jitter_position=jitter,
-                    loop=loop,
-                    divergence_threshold=cfg.batch_divergence_threshold
-                    if sampling.greedy
-                    else None,
+                    drift_from=drift,
+                    loop=None if escaped else loop,
+                    batch_slope=cfg.batch_divergence_slope if batch else None,
+                    batch_draw=rng.random() if batch else 1.0,
+                    batch_from=rng.randrange(DIVERGENCE_WINDOW) if batch else 0,
+                    drift_seed=rng.getrandbits(64) if drift is not None or batch else 0,
+                    loop_escaped=escaped,
                 )
             )
     return tuple(plans)
@@ -200,7 +233,11 @@ def _stream_flags(req: ChatRequest | CompletionRequest) -> tuple[bool, bool, boo
 
 
 def build_chat_job(
-    cfg: EmulatorConfig, body: dict[str, Any], request_id: str, rng: random.Random
+    cfg: EmulatorConfig,
+    body: dict[str, Any],
+    request_id: str,
+    rng: random.Random,
+    seen: Counter[int],
 ) -> Job:
     req = parse(ChatRequest, body)
     model = resolve_model(cfg, req.model)
@@ -223,10 +260,20 @@ def build_chat_job(
     reasoning = cfg.reasoning_tokens if parser and thinking else 0
     loop = None
     if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and parser and thinking):
-        loop = _loop_plan(cfg, sampling, cfg.loop_channel, req.repetition_detection)
+        loop = _loop_plan(cfg, cfg.loop_channel, req.repetition_detection)
     keys = [prompt_key(model, prompt)]
     plans = _choice_plans(
-        cfg, rng, request_id, keys, req.n, max_tokens, reasoning, loop, sampling, req.ignore_eos
+        cfg,
+        rng,
+        seen,
+        request_id,
+        keys,
+        req.n,
+        max_tokens,
+        reasoning,
+        loop,
+        sampling,
+        req.ignore_eos,
     )
     return Job(
         endpoint="chat",
@@ -248,7 +295,11 @@ def build_chat_job(
 
 
 def build_completion_job(
-    cfg: EmulatorConfig, body: dict[str, Any], request_id: str, rng: random.Random
+    cfg: EmulatorConfig,
+    body: dict[str, Any],
+    request_id: str,
+    rng: random.Random,
+    seen: Counter[int],
 ) -> Job:
     req = parse(CompletionRequest, body)
     model = resolve_model(cfg, req.model)
@@ -263,10 +314,10 @@ def build_completion_job(
     sampling = _sampling(cfg, req)
     loop = None
     if cfg.loop_channel != "none":
-        loop = _loop_plan(cfg, sampling, "content", req.repetition_detection)
+        loop = _loop_plan(cfg, "content", req.repetition_detection)
     keys = [prompt_key(model, p) for p in prompts]
     plans = _choice_plans(
-        cfg, rng, request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos
+        cfg, rng, seen, request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos
     )
     return Job(
         endpoint="completion",
