@@ -60,8 +60,9 @@ class EmulatorConfig(BaseModel):
     # Logprob drift: from a position among the first ten to the end, every reported logprob
     # moves by up to ~1 nat (chosen token) / ~3 nats (top-k), the text unchanged.
     logprob_jitter_probability: float = Field(default=0.0, ge=0.0, le=1.0)
-    # Batch effects: with N requests in flight a greedy choice diverges (rank-2 token at one
-    # position among the first ten, drifting logprobs after) with p = min(1, slope * (N - 1)).
+    # Batch effects: with N requests in flight a greedy choice is hit with p = min(1, slope *
+    # (N - 1)): its logprobs drift from then on and its text diverges (the rank-2 token) at a
+    # position among the first ten (answers shorter than that keep their text).
     batch_divergence_slope: float = Field(default=0.0, ge=0.0)
 
     # Repetition loops. Greedy requests without a penalty always loop; an attempt with a

@@ -10,6 +10,7 @@ from typing import Any, Literal
 InjectionKind = Literal[
     "flip",
     "logprob_jitter",
+    "batch_drift",
     "batch_divergence",
     "loop",
     "engine_repetition",

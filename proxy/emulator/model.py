@@ -10,9 +10,9 @@ Injections, as measured on GPUs (shared/reference/gpu-llama-server.md):
 - logprob drift: from one position to the end of the answer every reported logprob moves (the
   chosen token's by up to about 1 nat, typically 0.05-0.5; others in the top-k by up to about
   3), while the chosen tokens, and so the text, stay the same;
-- batch divergence: under concurrency a greedy choice takes the rank-2 token at one position
-  (with a probability that grows with the number of requests in flight) and its logprobs drift
-  from there on;
+- batch effects: under concurrency a greedy choice's logprobs drift from the step the batch
+  hit it (with a probability that grows with the number of requests in flight), and its text
+  diverges (the rank-2 token becomes the argmax) at a position among the first ten;
 - a flip: the rank-2 token at a fixed position.
 """
 
@@ -179,7 +179,8 @@ class ChoiceGenerator:
         self._channel_counts: Counter[str] = Counter()
         self._loop_emitted = 0
         self._drift_from = plan.drift_from
-        self._batch_at: int | None = None
+        self._batch_p: float | None = None  # the batch effect's probability, once it hit
+        self._batch_at: int | None = None  # where its text diverged
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.events: list[InjectionRecord] = []
@@ -310,15 +311,20 @@ class ChoiceGenerator:
         if pos == plan.flip_position:
             self._event("flip", self._flip_detail(order), inflight)
             return order[1]
-        if self._batch_at is None and pos >= plan.batch_from:
+        if self._batch_p is None:
             p = self.batch_probability(inflight)
             if plan.batch_draw < p:
-                self._batch_at = pos
-                detail = self._flip_detail(order) | {"probability": p}
-                self._event("batch_divergence", detail, inflight)
+                # The batch changed this request's numerics: its logprobs drift from here on,
+                # and its text diverges at the first near-tie (position batch_from or later).
+                self._batch_p = p
+                self._event("batch_drift", {"probability": p}, inflight)
                 if self._drift_from is None or self._drift_from > pos:
                     self._drift_from = pos
-                return order[1]
+        if self._batch_p is not None and self._batch_at is None and pos >= plan.batch_from:
+            self._batch_at = pos
+            detail = self._flip_detail(order) | {"probability": self._batch_p}
+            self._event("batch_divergence", detail, inflight)
+            return order[1]
         return order[0]
 
     def _flip_detail(self, order: list[int]) -> dict[str, Any]:
