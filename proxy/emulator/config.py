@@ -95,7 +95,8 @@ class EmulatorConfig(BaseModel):
     speculative_tokens: int = Field(default=3, ge=1)
     speculative_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
 
-    # Transport and protocol faults.
+    # Transport and protocol faults. Stream faults fire once fault_after_tokens tokens were
+    # sent; at 0, before the first event (a stream that fails right after its 200 header).
     fault: FaultKind = "none"
     fault_after_tokens: int = Field(default=3, ge=0)
     fault_probability: float = Field(default=1.0, ge=0.0, le=1.0)

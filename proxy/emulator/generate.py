@@ -324,6 +324,9 @@ class Run:
         await resp.prepare(self.request)
         self._nan_logprobs()
         chunks = ChunkBuilder(job, self.created)
+        # fault_after_tokens 0: the stream fails before its first event (the role chunk).
+        if await self._stream_fault(resp):
+            return resp
         if job.endpoint == "chat":
             for gen in self.gens:
                 await self._emit(resp, chunks.role(gen.plan.index))
