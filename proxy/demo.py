@@ -133,6 +133,11 @@ async def run(requests: int, workdir: Path, out: Any) -> int:
         await runner.cleanup()
         await emulator.stop()
     injected = Counter(r["kind"] for r in emulator.injections())
+    # What the model did on the client requests and their retries (not the shadows): each
+    # looping attempt, and each retry whose penalty or temperature ended the loop.
+    primary = Counter(
+        r["kind"] for r in emulator.injections() if not r["request_id"].endswith("-shadow")
+    )
     audit = status["audit"]
     rate = audit["nondeterminism_rate"]
     out.write(f"\ndone in {time.monotonic() - t0:.1f} s; client outcomes: {dict(outcomes)}\n\n")
@@ -151,6 +156,10 @@ async def run(requests: int, workdir: Path, out: Any) -> int:
             f"({d['primary_token']!r} vs {d['shadow_token']!r}), "
             f"max |delta| {item['max_abs_logprob_delta']}\n"
         )
+    out.write(
+        f"The model looped on {primary['loop']} attempts of client requests and retries; "
+        f"{primary['loop_escape']} retries escaped the loop\n"
+    )
     loops = [i for i in recent if i["kind"] == "loop"]
     out.write(
         f"Loops detected: {len(loops)} "

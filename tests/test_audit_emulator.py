@@ -117,7 +117,8 @@ async def test_every_injected_divergence_is_found_with_its_position(
             assert incident["divergence"]["index"] == position
             assert incident["divergence"]["primary_token"] != incident["divergence"]["shadow_token"]
         else:
-            assert 0 < incident["max_abs_logprob_delta"] < 1e-6  # last-bits perturbation
+            # Drift at GPU magnitudes (tenths of a nat up to a few), from the injected position on.
+            assert 0.05 < incident["max_abs_logprob_delta"] < 3.5, incident
     counts = {
         v: audits(registry, "full", v)
         for v in ("identical", "text_divergence", "logprob_drift", "incomparable")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,21 @@ def test_demo_detects_recovers_and_leaves_nothing_running(tmp_path: Path) -> Non
     )
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert "Loops detected: 4" in out and 'outcome="recovered"} 4.0' in out
+    # What detproxy reports matches what the emulator did (its loops end with probability 0.7
+    # per retry, seeded): every looping attempt detected, every escape counted as recovered,
+    # and each of the 4 looping client requests ends one way.
+    truth = re.search(r"The model looped on (\d+) attempts .*; (\d+) retries escaped", out)
+    assert truth, out
+    looped, escaped = int(truth[1]), int(truth[2])
+    assert looped >= 4 and f"Loops detected: {looped} " in out
+
+    def action(outcome: str) -> float:
+        found = re.search(rf'outcome="{outcome}"}} ([\d.]+)', out)
+        return float(found[1]) if found else 0.0
+
+    assert action("recovered") == escaped > 0
+    assert action("looped_again") == looped - 4
+    assert escaped + action("attempts_exhausted") + action("budget_exhausted") == 4
     assert "text_divergence" in out and "Everything the demo started has stopped." in out
     lines = [orjson.loads(x) for x in (tmp_path / "incidents.jsonl").read_bytes().splitlines()]
     kinds = {x["kind"] for x in lines}

@@ -84,22 +84,25 @@ async def test_hundreds_of_streams_audited_with_a_loop_storm(
         await asyncio.sleep(0.1)
         tasks_after = own_tasks()
         stats = emu.stats()
+        records = [r for r in emu.injections() if not r["request_id"].endswith("-shadow")]
 
     assert all(status == 200 for status, _ in results)
     assert all(raw.endswith(b"data: [DONE]\n\n") for _, raw in results)  # every stream ended
     assert not any(b'"error"' in raw for _, raw in results)
     assert peak_queue <= 64  # the bound held
     loops = STREAMS // LOOP_SHARE
-    retried = sum(
-        metric(
+
+    def acted(action: str, outcome: str) -> float:
+        return metric(
             registry,
             "detproxy_policy_actions_total",
             model="emulator-model",
-            action="retry",
-            outcome=o,
+            action=action,
+            outcome=outcome,
         )
-        for o in ("recovered", "looped_again")
-    )
+
+    recovered = acted("retry", "recovered")
+    retried = recovered + acted("retry", "looped_again")
     # The budget holds under the storm: the first ten reservations fit, and what the retries
     # generated (their reservations settled) never went past the floor.
     assert retried >= 10
@@ -107,15 +110,28 @@ async def test_hundreds_of_streams_audited_with_a_loop_storm(
         registry, "detproxy_recovery_budget_tokens", model="emulator-model", kind="spent"
     )
     assert 0 < spent <= 10 * MAX_TOKENS
-    exhausted = metric(
-        registry,
-        "detproxy_policy_actions_total",
-        model="emulator-model",
-        action="abort",
-        outcome="budget_exhausted",
+    assert acted("abort", "budget_exhausted") > 0
+    # Every looping client request ends one way: recovered, out of attempts, or out of budget.
+    ended = acted("abort", "attempts_exhausted") + acted("abort", "budget_exhausted")
+    assert recovered + ended == loops
+    # And the counts are what the emulator did: each looping attempt was seen as a loop, each
+    # retry whose penalty or temperature ended the loop (probability 0.7) as a recovery.
+    looping = sum(1 for r in records if r["kind"] == "loop")
+    assert looping == loops + retried - recovered
+    assert (
+        sum(
+            metric(
+                registry,
+                "detproxy_loops_total",
+                model="emulator-model",
+                channel="content",
+                source=s,
+            )
+            for s in ("proxy", "engine", "runaway")
+        )
+        == looping
     )
-    assert retried + exhausted == loops
-    assert exhausted > 0
+    assert sum(1 for r in records if r["kind"] == "loop_escape") == recovered > 0
     audited = sum(
         metric(registry, "detproxy_audits_total", model="emulator-model", mode="full", verdict=v)
         for v in ("identical", "logprob_drift", "text_divergence")

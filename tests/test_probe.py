@@ -86,14 +86,16 @@ def test_intrinsic_nondeterminism_exits_1(
     assert code == 1 and not report["stable"]
     assert [r["prompt"] for r in report["results"]] == ["first prompt", "second prompt"]
     assert all(r["distinct_vectors"] >= 2 for r in report["results"])
-    assert all(0 < r["max_abs_delta"] < 1e-6 for r in report["results"])  # last-bit jitter
+    # Drift at GPU magnitudes (tenths of a nat to a few nats), not a rounding nudge.
+    assert all(0.05 < r["max_abs_delta"] < 3.5 for r in report["results"])
     assert not any(r["first_token_flips"] for r in report["results"])
 
 
 def test_concurrency_separates_batch_effects(
     start_emulator: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = start_emulator("--batch-divergence-threshold", "2", "--token-latency", "0.01")
+    # With 3 in flight a request is hit with p = min(1, 0.5 * 2) = 1; alone, never.
+    url = start_emulator("--batch-divergence-slope", "0.5", "--token-latency", "0.01")
     code = main(
         [
             "--upstream",

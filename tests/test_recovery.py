@@ -33,8 +33,12 @@ def knobs(**fields: Any) -> dict[str, str]:
     return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
 
 
-CONTENT_LOOP = knobs(loop_channel="content", loop_after_tokens=5)
-REASONING_LOOP = knobs(loop_channel="reasoning", loop_after_tokens=3, reasoning_tokens=6)
+# A model that loops at temperature 0 and whose loop a presence penalty always ends
+# (loop_escape_probability 1): these tests are about what detproxy does with one retry; how the
+# counts follow a retry that may loop again is test_recovery_counts_follow_the_upstream.
+ESCAPES = {"loop_escape_probability": 1.0}
+CONTENT_LOOP = knobs(loop_channel="content", loop_after_tokens=5, **ESCAPES)
+REASONING_LOOP = knobs(loop_channel="reasoning", loop_after_tokens=3, reasoning_tokens=6, **ESCAPES)
 
 
 def loops(registry: CollectorRegistry, channel: str, source: str) -> float:
@@ -87,7 +91,7 @@ async def test_streaming_restart_continues_under_the_original_id(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
     client = await make_proxy(emulator.url, env=RETRY)
-    slow_loop = knobs(loop_channel="content", loop_after_tokens=5, token_latency_s=0.005)
+    slow_loop = knobs(loop_channel="content", loop_after_tokens=5, token_latency_s=0.005, **ESCAPES)
     resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=slow_loop)
     chunks, comments = sse(await resp.read())
     assert comments == [b": detproxy retry attempt=2 reason=loop (proxy, content)"]
@@ -212,8 +216,8 @@ async def test_the_recovery_budget_holds(
 async def test_a_loop_that_persists_exhausts_the_ladder(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
-    # The emulator only escapes its loop at temperature > 0 or with a presence penalty;
-    # a ladder that changes neither keeps looping.
+    # A loop at temperature 0 without a penalty holds whatever the seed (on the emulator as on
+    # real models); a ladder that changes neither keeps looping even where a penalty would help.
     ladder = '[{"models": "*", "attempts": [{"seed": 1}, {"seed": 2}]}]'
     client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": ladder})
     resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
@@ -221,3 +225,64 @@ async def test_a_loop_that_persists_exhausts_the_ladder(
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert actions(registry, "retry", "looped_again") == 2
     assert actions(registry, "abort", "attempts_exhausted") == 1
+
+
+async def test_recovery_counts_follow_the_upstream(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    """With the default ladder (a presence penalty, then temperature 0.7 with it) and a model
+    whose loop each such retry ends only with probability 0.7 (seeded), every count detproxy
+    reports matches what the emulator says each attempt did."""
+    client = await make_proxy(
+        emulator.url, env=RETRY | {"DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": "10000000"}
+    )
+    loop = knobs(loop_channel="content", loop_after_tokens=5, loop_escape_probability=0.7)
+    seen: dict[str, tuple[int, bool]] = {}  # request id: (attempts, recovered) as the client saw
+    for i in range(24):
+        rid = f"loop-{i}"
+        stream = i % 2 == 1
+        resp = await client.post(
+            "/v1/chat/completions",
+            json=chat(f"story number {i}", stream=stream),
+            headers=loop | {"X-Request-Id": rid},
+        )
+        assert resp.status == 200
+        if stream:
+            chunks, comments = sse(await resp.read())
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+            seen[rid] = (1 + len(comments), finish == "stop")
+        else:
+            await resp.read()
+            seen[rid] = (
+                int(resp.headers["X-Detproxy-Attempts"]),
+                resp.headers["X-Detproxy-Recovered"] == "true",
+            )
+    looped = dict.fromkeys(seen, 0)
+    escaped = dict.fromkeys(seen, 0)
+    for rec in emulator.injections():
+        assert rec["request_id"] in seen, rec
+        if rec["kind"] == "loop":
+            looped[rec["request_id"]] += 1
+        elif rec["kind"] == "loop_escape":
+            escaped[rec["request_id"]] += 1
+    recovered = [rid for rid in seen if escaped[rid]]
+    exhausted = [rid for rid in seen if not escaped[rid]]
+    retries_looped = sum(looped.values()) - len(seen)
+    # What the emulator did (seeded, the same every run): some first retries recovered, some
+    # looped again, and some requests looped on every attempt.
+    assert recovered and exhausted and retries_looped > len(exhausted)
+    for rid, (attempts, was_recovered) in seen.items():
+        assert escaped[rid] <= 1 and looped[rid] >= 1
+        assert attempts == looped[rid] + escaped[rid], rid  # each attempt, as it went
+        assert was_recovered == bool(escaped[rid]), rid
+        if not escaped[rid]:
+            assert attempts == 3  # the ladder ran out
+    for _ in range(100):  # outcomes are counted when the upstream response has ended
+        if actions(registry, "abort", "attempts_exhausted") == len(exhausted):
+            break
+        await asyncio.sleep(0.05)
+    assert actions(registry, "retry", "recovered") == len(recovered)
+    assert actions(registry, "retry", "looped_again") == retries_looped
+    assert actions(registry, "abort", "attempts_exhausted") == len(exhausted)
+    assert loops(registry, "content", "proxy") == sum(looped.values())
+    assert emulator.stats()["requests"] == sum(looped.values()) + len(recovered)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import secrets
 import time
+import uuid
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from .config import EmulatorConfig
 from .generate import (
     CONFIG_KEY,
+    REQUEST_ID_HEADER,
     STATE_KEY,
     error_response,
     handle_generation,
@@ -105,10 +109,37 @@ async def reset(request: web.Request) -> web.Response:
     return _json({"ok": True})
 
 
+UNAUTHORIZED_BODY = orjson.dumps({"error": "Unauthorized"})
+
+
+def _auth_middleware(api_key: str) -> Middleware:
+    """vLLM's AuthenticationMiddleware: only paths under /v1 need the key; 401 otherwise."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method != "OPTIONS" and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not secrets.compare_digest(given, expected):
+                return web.Response(
+                    body=UNAUTHORIZED_BODY, status=401, content_type="application/json"
+                )
+        return await handler(request)
+
+    return check
+
+
+async def _add_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """vLLM's XRequestIdMiddleware: echo the request's X-Request-Id, else a fresh uuid."""
+    response.headers[REQUEST_ID_HEADER] = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
 def build_emulator_app(config: EmulatorConfig | None = None) -> web.Application:
     """A fresh emulator application with its own state (nothing is shared between apps)."""
     cfg = config or EmulatorConfig()
-    app = web.Application()
+    app = web.Application(middlewares=[_auth_middleware(cfg.api_key)] if cfg.api_key else [])
+    if cfg.enable_request_id_headers:
+        app.on_response_prepare.append(_add_request_id)
     app[CONFIG_KEY] = cfg
     app[STATE_KEY] = EmulatorState(seed=cfg.seed)
     app[CREATED_KEY] = int(time.time())

@@ -44,28 +44,59 @@ class EmulatorConfig(BaseModel):
     version: str = "0.17.1"
     seed: int = 0
     default_temperature: float = Field(default=1.0, ge=0.0)
+    # vLLM's --api-key: /v1/* requests without ``Authorization: Bearer <key>`` get its 401.
+    api_key: str | None = Field(default=None, min_length=1)
+    # vLLM's --enable-request-id-headers: responses carry X-Request-Id only when it is on.
+    enable_request_id_headers: bool = False
 
     # Reasoning channel (chat only).
     reasoning_tokens: int = Field(default=0, ge=0)
     reasoning_style: ReasoningStyle = "reasoning"
 
     # Injected nondeterminism (greedy requests only).
+    # flip: the rank-2 token at flip_position.
     flip_probability: float = Field(default=0.0, ge=0.0, le=1.0)
     flip_position: int = Field(default=0, ge=0)
+    # Logprob drift: from a position among the first ten to the end, every reported logprob
+    # moves by up to ~1 nat (chosen token) / ~3 nats (top-k), the text unchanged.
     logprob_jitter_probability: float = Field(default=0.0, ge=0.0, le=1.0)
-    batch_divergence_threshold: int | None = Field(default=None, ge=0)
+    # Batch effects: with N requests in flight a greedy choice is hit with p = min(1, slope *
+    # (N - 1)): its logprobs drift from then on and its text diverges (the rank-2 token) at a
+    # position among the first ten (answers shorter than that keep their text).
+    batch_divergence_slope: float = Field(default=0.0, ge=0.0)
 
-    # Repetition loops.
+    # Repetition loops. Greedy requests without a penalty always loop; an attempt with a
+    # presence/frequency/repetition penalty or temperature > 0 escapes with this probability,
+    # drawn from (seed, prompt, sampling parameters, choice) — and, for sampling without a
+    # request seed, how often this emulator has seen that request.
+    loop_escape_probability: float = Field(default=0.7, ge=0.0, le=1.0)
     loop_channel: LoopChannel = "none"
     loop_after_tokens: int = Field(default=5, ge=0)
     loop_unit: str = Field(default=" and then the model repeats itself.", min_length=1)
     engine_repetition_detection: bool = False
 
-    # Speed.
+    # A model whose logprobs come out NaN (seen on real vLLM with a broken GGUF checkpoint): a
+    # non-streamed request that asks for logprobs gets vLLM's 400 (the JSON encoder refuses NaN),
+    # a streamed one gets ``"logprob": null`` values. Requests without logprobs answer normally.
+    nan_logprobs: bool = False
+
+    # Speed (token_latency_s is the time of one engine step).
     token_latency_s: float = Field(default=0.0, ge=0.0)
     headers_delay_s: float = Field(default=0.0, ge=0.0)
 
-    # Transport and protocol faults.
+    # Stream chunking. vLLM sends the tokens of one engine step in one chunk; the last token
+    # shares its chunk with finish_reason. tokens_per_chunk > 1 is vLLM's --stream-interval:
+    # a chunk waits for that many tokens (its logprobs list all of them).
+    tokens_per_chunk: int = Field(default=1, ge=1)
+    # Speculative decoding: every engine step drafts speculative_tokens tokens and accepts each
+    # in turn with speculative_acceptance (seeded), emitting 1 + accepted tokens; the
+    # vllm:spec_decode_* counters exist only when it is on (and start at 0).
+    speculative: bool = False
+    speculative_tokens: int = Field(default=3, ge=1)
+    speculative_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
+
+    # Transport and protocol faults. Stream faults fire once fault_after_tokens tokens were
+    # sent; at 0, before the first event (a stream that fails right after its 200 header).
     fault: FaultKind = "none"
     fault_after_tokens: int = Field(default=3, ge=0)
     fault_probability: float = Field(default=1.0, ge=0.0, le=1.0)

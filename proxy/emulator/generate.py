@@ -9,13 +9,22 @@ import time
 from typing import Any
 
 import orjson
+import xxhash
 from aiohttp import web
 
 from .config import KNOBS_HEADER, EmulatorConfig, FaultKind, KnobsError
 from .injections import EmulatorState, InjectionRecord
 from .model import ChoiceGenerator, Step
-from .plan import Endpoint, Job, build_chat_job, build_completion_job, choice_rng
+from .plan import (
+    PREFIX_BLOCK_SIZE,
+    Endpoint,
+    Job,
+    build_chat_job,
+    build_completion_job,
+    choice_rng,
+)
 from .responses import (
+    NAN_LOGPROBS_MESSAGE,
     SSE_DONE,
     ChunkBuilder,
     chat_logprob_entry,
@@ -38,13 +47,11 @@ _HTTP_FAULTS: dict[str, tuple[int, str]] = {
 }
 
 
-def error_response(err: RequestError, request_id: str | None = None) -> web.Response:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+def error_response(err: RequestError) -> web.Response:
     return web.Response(
         body=error_body(err.message, err.err_type, err.code, err.param),
         status=err.code,
         content_type="application/json",
-        headers=headers,
     )
 
 
@@ -76,11 +83,13 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
             rid = body_rid if isinstance(body_rid, str) and body_rid else secrets.token_hex(16)
         rng = state.rng if cfg.seed == base.seed else random.Random(cfg.seed)
         build = build_chat_job if endpoint == "chat" else build_completion_job
-        job = build(cfg, body, rid, rng)
+        job = build(cfg, body, rid, rng, state.seen)
     except RequestError as err:
-        return error_response(err, rid)
+        return error_response(err)
     state.requests += 1
     state.prompt_tokens += job.prompt_tokens
+    for tokens, blocks in job.prompts:
+        state.prefix_lookup(tokens, blocks, PREFIX_BLOCK_SIZE)
     fault: FaultKind = cfg.fault
     if fault != "none" and cfg.fault_probability < 1.0 and rng.random() >= cfg.fault_probability:
         fault = "none"
@@ -114,6 +123,17 @@ class Run:
         ]
         self.steps: list[list[Step]] = [[] for _ in self.gens]
         self.tokens = 0
+        for plan in job.plans:
+            if plan.loop_escaped:
+                detail = {"probability": cfg.loop_escape_probability}
+                rec = InjectionRecord(
+                    job.request_id, "loop_escape", plan.index, None, detail, state.running
+                )
+                state.record(rec)
+        self.spec_rngs = [
+            random.Random(xxhash.xxh64_intdigest(f"{cfg.seed}:{job.request_id}:{p.index}".encode()))
+            for p in job.plans
+        ]
 
     async def execute(self) -> web.StreamResponse:
         state = self.state
@@ -161,7 +181,7 @@ class Run:
             code, err_type = http_fault
             self._record_fault(None, code=code)
             err = RequestError(f"Injected {code} by the emulator.", code=code, err_type=err_type)
-            return error_response(err, self.job.request_id)
+            return error_response(err)
         if self.job.stream:
             return await self._stream()
         return await self._full()
@@ -181,19 +201,52 @@ class Run:
         self.state.generation_tokens += 1
         return step
 
+    def _engine_step(self, i: int) -> list[Step]:
+        """One engine step of choice ``i``: one token, or 1 + accepted drafts with speculative
+        decoding. The choice is finalised (finish_reason set) as soon as it ends with them."""
+        cfg = self.cfg
+        gen = self.gens[i]
+        size = 1
+        if cfg.speculative:
+            rng = self.spec_rngs[i]
+            while size <= cfg.speculative_tokens and rng.random() < cfg.speculative_acceptance:
+                size += 1
+        out: list[Step] = []
+        while len(out) < size:
+            step = self._step(i)
+            if step is None:
+                break
+            out.append(step)
+            if gen.finish_due():
+                self._step(i)
+                break
+        if cfg.speculative and out:
+            self.state.spec_step(len(out) - 1, cfg.speculative_tokens)
+        return out
+
+    def _chunk(self, i: int) -> tuple[list[Step], int]:
+        """The tokens of choice ``i``'s next stream chunk (at least tokens_per_chunk unless it
+        ends) and the number of engine steps they took."""
+        out: list[Step] = []
+        steps = 0
+        while len(out) < self.cfg.tokens_per_chunk and not self.gens[i].done:
+            out += self._engine_step(i)
+            steps += 1
+        return out, steps
+
     def _usage(self) -> dict[str, Any]:
         reasoning = sum(1 for steps in self.steps for s in steps if s.channel == "reasoning")
         return usage(self.job, self.tokens, reasoning)
 
-    async def _tick(self) -> None:
-        if self.cfg.token_latency_s > 0:
-            await asyncio.sleep(self.cfg.token_latency_s)
+    async def _tick(self, engine_steps: int = 1) -> None:
+        if self.cfg.token_latency_s > 0 and engine_steps > 0:
+            await asyncio.sleep(self.cfg.token_latency_s * engine_steps)
 
     async def _full(self) -> web.Response:
         while any(not g.done for g in self.gens):
             for i, gen in enumerate(self.gens):
                 if not gen.done:
-                    self._step(i)
+                    self._engine_step(i)
             await self._tick()
         if self.fault == "reset_mid_stream":
             self._reset()
@@ -202,17 +255,29 @@ class Run:
             err = RequestError(
                 "Injected generation error.", code=500, err_type="InternalServerError"
             )
-            return error_response(err, self.job.request_id)
+            return error_response(err)
+        if self._nan_logprobs():
+            # vLLM generated the answer, then failed to serialise its NaN logprobs.
+            err = RequestError(NAN_LOGPROBS_MESSAGE)
+            return error_response(err)
         body = orjson.dumps(self._full_body())
         if self.fault == "malformed_json":
             self._record_fault(self.tokens)
             body = body[: len(body) // 2]
         self.state.completed += 1
-        return web.Response(
-            body=body,
-            content_type="application/json",
-            headers={REQUEST_ID_HEADER: self.job.request_id},
+        return web.Response(body=body, content_type="application/json")
+
+    def _nan_logprobs(self) -> bool:
+        """True (and recorded) when this request's logprobs come out NaN."""
+        job = self.job
+        if not job.nan_logprobs or job.logprobs is None:
+            return False
+        status = 200 if job.stream else 400
+        rec = InjectionRecord(
+            job.request_id, "nan_logprobs", None, None, {"status": status}, self.state.running
         )
+        self.state.record(rec)
+        return True
 
     def _full_body(self) -> dict[str, Any]:
         job = self.job
@@ -226,12 +291,16 @@ class Run:
                 choice["message"] = chat_message(job, reasoning, content)
                 lps = None
                 if job.logprobs is not None:
-                    lps = {"content": [chat_logprob_entry(s, job.logprobs) for s in shown]}
+                    k = job.logprobs
+                    entries = [chat_logprob_entry(s, k, job.nan_logprobs) for s in shown]
+                    lps = {"content": entries}
                 choice["logprobs"] = lps
             else:
                 choice["text"] = "".join(s.text for s in steps)
                 choice["logprobs"] = (
-                    None if job.logprobs is None else completion_logprobs(steps, job.logprobs, 0)
+                    None
+                    if job.logprobs is None
+                    else completion_logprobs(steps, job.logprobs, 0, job.nan_logprobs)
                 )
                 choice["prompt_logprobs"] = None
             choice["finish_reason"] = gen.finish_reason
@@ -250,32 +319,41 @@ class Run:
             headers={
                 "Content-Type": "text/event-stream",
                 "Cache-Control": "no-cache",
-                REQUEST_ID_HEADER: job.request_id,
             }
         )
         await resp.prepare(self.request)
+        self._nan_logprobs()
         chunks = ChunkBuilder(job, self.created)
+        # fault_after_tokens 0: the stream fails before its first event (the role chunk).
+        if await self._stream_fault(resp):
+            return resp
         if job.endpoint == "chat":
             for gen in self.gens:
                 await self._emit(resp, chunks.role(gen.plan.index))
         offsets = [0] * len(self.gens)
         while any(not g.done for g in self.gens):
+            most = 0
             for i, gen in enumerate(self.gens):
                 if gen.done:
                     continue
                 if await self._stream_fault(resp):
                     return resp
-                step = self._step(i)
+                group, engine_steps = self._chunk(i)
+                most = max(most, engine_steps)
+                shown = [s for s in group if s.channel == "content" or job.include_reasoning]
                 idx = gen.plan.index
-                if step is None:
+                if gen.done:
                     assert gen.finish_reason is not None
-                    await self._emit(resp, chunks.finish(idx, gen.finish_reason, gen.stop_reason))
+                    payload = chunks.tokens(
+                        idx, shown, offsets[i], gen.finish_reason, gen.stop_reason
+                    )
+                elif shown:
+                    payload = chunks.tokens(idx, shown, offsets[i])
+                else:
                     continue
-                if step.channel == "reasoning" and not job.include_reasoning:
-                    continue
-                await self._emit(resp, chunks.token(idx, step, offsets[i]))
-                offsets[i] += len(step.text)
-            await self._tick()
+                await self._emit(resp, payload)
+                offsets[i] += sum(len(s.text) for s in shown)
+            await self._tick(most)
         if job.include_usage:
             await resp.write(sse(chunks.usage(self._usage())))
         await resp.write(SSE_DONE)
@@ -287,7 +365,7 @@ class Run:
         """Fire the stream fault when due; True when the stream is over."""
         if self.fault_fired or self.fault not in _STREAM_FAULTS:
             return False
-        if self.tokens != self.cfg.fault_after_tokens:
+        if self.tokens < self.cfg.fault_after_tokens:
             return False
         if self.fault == "reset_mid_stream":
             self._reset()

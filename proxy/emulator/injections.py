@@ -8,8 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 InjectionKind = Literal[
-    "flip", "logprob_jitter", "batch_divergence", "loop", "engine_repetition", "fault"
+    "flip",
+    "logprob_jitter",
+    "batch_drift",
+    "batch_divergence",
+    "loop",
+    "engine_repetition",
+    "fault",
+    "nan_logprobs",
+    "loop_escape",
 ]
+
+
+MAX_CACHED_BLOCKS = 200_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +60,50 @@ class EmulatorState:
     generation_tokens: int = 0
     finished: Counter[str] = field(default_factory=Counter)
     records: list[InjectionRecord] = field(default_factory=list)
+    # Prefix cache (vLLM counts tokens): queried prompt tokens, tokens found cached, and the
+    # cached block hashes.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    cached_blocks: set[int] = field(default_factory=set)
+    # How often each sampled (unseeded) request content was seen: the loop-escape "attempt".
+    seen: Counter[int] = field(default_factory=Counter)
+    # Speculative decoding: engine steps that drafted, tokens drafted, drafts accepted (and by
+    # draft position).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted: int = 0
+    spec_accepted_per_pos: Counter[int] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
 
     def record(self, rec: InjectionRecord) -> None:
         self.records.append(rec)
+
+    def prefix_lookup(self, tokens: int, blocks: tuple[int, ...], block_size: int) -> int:
+        """Count one prompt's prefix-cache lookup and cache its blocks; return the hit tokens.
+
+        Like vLLM, a hit is a run of leading full blocks, and the last prompt token is always
+        computed (so a prompt is never wholly a hit)."""
+        hits = 0
+        for i, h in enumerate(blocks):
+            if (i + 1) * block_size > tokens - 1 or h not in self.cached_blocks:
+                break
+            hits += block_size
+        if len(self.cached_blocks) > MAX_CACHED_BLOCKS:
+            self.cached_blocks.clear()  # eviction, crudely
+        self.cached_blocks.update(blocks)
+        self.prefix_queries += tokens
+        self.prefix_hits += hits
+        return hits
+
+    def spec_step(self, accepted: int, drafted: int) -> None:
+        """One engine step of one request with speculative decoding."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += drafted
+        self.spec_accepted += accepted
+        for pos in range(accepted):
+            self.spec_accepted_per_pos[pos] += 1
 
     def stats(self) -> dict[str, int]:
         return {
@@ -75,3 +124,8 @@ class EmulatorState:
         self.prompt_tokens = self.generation_tokens = 0
         self.finished.clear()
         self.records.clear()
+        self.prefix_queries = self.prefix_hits = 0
+        self.cached_blocks.clear()
+        self.seen.clear()
+        self.spec_drafts = self.spec_draft_tokens = self.spec_accepted = 0
+        self.spec_accepted_per_pos.clear()

@@ -4,6 +4,16 @@ At every position the candidate set and its pseudo-logits are a pure function of
 position, previous token id, recently generated tokens), so the same request always produces the
 same tokens and bit-identical logprobs unless an injection fires. Reported logprobs are the raw
 distribution (vLLM's default ``raw_logprobs`` mode: before penalties and temperature).
+
+Injections, as measured on GPUs (shared/reference/gpu-llama-server.md):
+
+- logprob drift: from one position to the end of the answer every reported logprob moves (the
+  chosen token's by up to about 1 nat, typically 0.05-0.5; others in the top-k by up to about
+  3), while the chosen tokens, and so the text, stay the same;
+- batch effects: under concurrency a greedy choice's logprobs drift from the step the batch
+  hit it (with a probability that grows with the number of requests in flight), and its text
+  diverges (the rank-2 token becomes the argmax) at a position among the first ten;
+- a flip: the rank-2 token at a fixed position.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ Channel = Literal["reasoning", "content"]
 
 CANDIDATES = 24
 RECENT = 3
-JITTER_ULPS = 4
+DRIFT_AMPLITUDE = 1.5  # nats of logit noise at most (see the module docstring)
 GREEDY_EPS = 1e-5
 _LOOP_MARGIN = 2.5
 _TWO53 = float(1 << 53)
@@ -86,9 +96,15 @@ class ChoicePlan:
     reasoning_tokens: int
     natural_tokens: int | None
     flip_position: int | None = None
-    jitter_position: int | None = None
+    drift_from: int | None = None  # logprob drift from this position on
     loop: LoopPlan | None = None
-    divergence_threshold: int | None = None
+    # Batch effects: per-in-flight-request slope of the divergence probability (None: off),
+    # the choice's uniform draw, and the first position they can hit.
+    batch_slope: float | None = None
+    batch_draw: float = 1.0
+    batch_from: int = 0
+    drift_seed: int = 0
+    loop_escaped: bool = False  # a loop was due, and a penalty or temperature ended it
 
 
 def prompt_key(model: str, text: str) -> int:
@@ -128,10 +144,25 @@ def log_softmax(logits: dict[int, float]) -> list[tuple[int, float]]:
     return sorted(((t, v - lse) for t, v in logits.items()), key=lambda tv: (-tv[1], tv[0]))
 
 
-def _nudge(value: float) -> float:
-    for _ in range(JITTER_ULPS):
-        value = math.nextafter(value, -math.inf)
-    return value
+def _unit(seed: int, position: int, token_id: int) -> float:
+    return (int(xxhash.xxh64_intdigest(f"{position}:{token_id}".encode(), seed=seed)) >> 11) / (
+        _TWO53
+    )
+
+
+def drifted(
+    logits: dict[int, float], seed: int, position: int, keep: int, force: bool = False
+) -> dict[int, float]:
+    """Logits moved by seeded noise of up to DRIFT_AMPLITUDE nats, token ``keep`` still the
+    highest when it was (a greedy choice stays the argmax), or made the highest (``force``)."""
+    amp = DRIFT_AMPLITUDE * (0.4 + 0.6 * _unit(seed, position, -1))
+    out = {t: v + (2.0 * _unit(seed, position, t) - 1.0) * amp for t, v in logits.items()}
+    if force or logits[keep] >= max(logits.values()):
+        cap = out[keep] - 0.01
+        for t, v in out.items():
+            if t != keep and v > cap:
+                out[t] = cap
+    return out
 
 
 class ChoiceGenerator:
@@ -147,8 +178,9 @@ class ChoiceGenerator:
         self._recent: tuple[int, ...] = ()
         self._channel_counts: Counter[str] = Counter()
         self._loop_emitted = 0
-        self._diverge_at: int | None = None
-        self._diverge_inflight = 0
+        self._drift_from = plan.drift_from
+        self._batch_p: float | None = None  # the batch effect's probability, once it hit
+        self._batch_at: int | None = None  # where its text diverged
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
         self.events: list[InjectionRecord] = []
@@ -182,14 +214,11 @@ class ChoiceGenerator:
         self.finish_reason = reason
         self.stop_reason = stop_reason
 
-    def step(self, inflight: int) -> Step | None:
-        """Produce the next token, or None (and set finish_reason) when the choice is over."""
-        if self.done:
-            return None
+    def _due(self) -> tuple[str, str | None] | None:
+        """The (finish_reason, stop_reason) the choice ends with before its next token, if any."""
         plan = self.plan
         if self.position >= plan.max_tokens:
-            self._finish("length")
-            return None
+            return ("length", None)
         channel = self._channel()
         piece = self._loop_piece(channel)
         loop = plan.loop
@@ -197,18 +226,36 @@ class ChoiceGenerator:
         endless = loop is not None and (piece is not None or loop.channel == channel)
         stop_at = None if endless or natural is None else plan.reasoning_tokens + natural
         if stop_at is not None and self.position >= stop_at:
-            self._finish("stop")
-            return None
+            return ("stop", None)
         repeats = None if loop is None or piece is None else loop.detect_repeats
         if (
             loop is not None
             and repeats is not None
             and self._loop_emitted >= len(loop.unit) * repeats
         ):
-            self._event("engine_repetition", {"repeats": repeats}, inflight)
-            self._finish("repetition", "repetition_detected")
+            return ("repetition", "repetition_detected")
+        return None
+
+    def finish_due(self) -> bool:
+        """Whether the choice is over (or ends before producing another token): the engine
+        knows this with the last token, so that token's chunk carries ``finish_reason``."""
+        return self.done or self._due() is not None
+
+    def step(self, inflight: int) -> Step | None:
+        """Produce the next token, or None (and set finish_reason) when the choice is over."""
+        if self.done:
             return None
-        return self._generate(channel, piece, inflight)
+        due = self._due()
+        if due is not None:
+            if due[0] == "repetition":
+                assert self.plan.loop is not None
+                self._event(
+                    "engine_repetition", {"repeats": self.plan.loop.detect_repeats}, inflight
+                )
+            self._finish(*due)
+            return None
+        channel = self._channel()
+        return self._generate(channel, self._loop_piece(channel), inflight)
 
     def _generate(self, channel: Channel, piece: Piece | None, inflight: int) -> Step:
         plan = self.plan
@@ -225,11 +272,14 @@ class ChoiceGenerator:
                     "after_tokens": plan.loop.after_tokens,
                 }
                 self._event("loop", detail, inflight)
+        chosen = self._choose(logits, inflight, piece)
+        if pos == plan.drift_from:
+            amplitude = {"from_position": pos, "amplitude_nats": DRIFT_AMPLITUDE}
+            self._event("logprob_jitter", amplitude, inflight)
+        if self._drift_from is not None and pos >= self._drift_from:
+            # A batch divergence is drift that made the rank-2 token the argmax.
+            logits = drifted(logits, plan.drift_seed, pos, chosen, pos == self._batch_at)
         dist = log_softmax(logits)
-        chosen = self._choose(logits, inflight)
-        if pos == plan.jitter_position:
-            dist = [(t, _nudge(lp)) for t, lp in dist]
-            self._event("logprob_jitter", {"ulps": JITTER_ULPS}, inflight)
         vocab = vocabulary()
 
         def text_of(tid: int) -> str:
@@ -241,23 +291,39 @@ class ChoiceGenerator:
         self._advance(step, piece is not None)
         return step
 
-    def _choose(self, logits: dict[int, float], inflight: int) -> int:
+    def batch_probability(self, inflight: int) -> float:
+        """The chance that batch composition changes this choice: min(1, slope * others)."""
+        slope = self.plan.batch_slope
+        if slope is None:
+            return 0.0
+        return min(1.0, slope * max(inflight - 1, 0))
+
+    def _choose(self, logits: dict[int, float], inflight: int, piece: Piece | None) -> int:
+        if piece is not None:
+            return piece.token_id  # stuck in the loop: a penalty or temperature did not help
         s = self.sampling
         processed = self._penalised(logits)
         order = sorted(processed, key=lambda t: (-processed[t], t))
         if not s.greedy:
             return self._sample(processed, order)
         pos = self.position
-        threshold = self.plan.divergence_threshold
-        if threshold is not None and self._diverge_at is None and inflight > threshold:
-            self._diverge_at = pos + (inflight - threshold - 1)
-            self._diverge_inflight = inflight
-        if pos == self.plan.flip_position:
+        plan = self.plan
+        if pos == plan.flip_position:
             self._event("flip", self._flip_detail(order), inflight)
             return order[1]
-        if pos == self._diverge_at:
-            detail = self._flip_detail(order) | {"threshold": threshold}
-            self._event("batch_divergence", detail, self._diverge_inflight)
+        if self._batch_p is None:
+            p = self.batch_probability(inflight)
+            if plan.batch_draw < p:
+                # The batch changed this request's numerics: its logprobs drift from here on,
+                # and its text diverges at the first near-tie (position batch_from or later).
+                self._batch_p = p
+                self._event("batch_drift", {"probability": p}, inflight)
+                if self._drift_from is None or self._drift_from > pos:
+                    self._drift_from = pos
+        if self._batch_p is not None and self._batch_at is None and pos >= plan.batch_from:
+            self._batch_at = pos
+            detail = self._flip_detail(order) | {"probability": self._batch_p}
+            self._event("batch_divergence", detail, inflight)
             return order[1]
         return order[0]
 

@@ -7,6 +7,7 @@ here, before generation starts, so generation itself is a pure function of the p
 from __future__ import annotations
 
 import random
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -27,6 +28,19 @@ from .vocab import encode_pieces, split_text, vocabulary
 
 Endpoint = Literal["chat", "completion"]
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+PREFIX_BLOCK_SIZE = 16  # vLLM's default KV block size
+
+
+def prefix_blocks(model: str, pieces: list[str], salt: str | None) -> tuple[int, ...]:
+    """Chained hashes of the prompt's full KV blocks (vLLM's prefix-cache keys; ``cache_salt``
+    goes into the first block's hash, so tenants with different salts share nothing)."""
+    out: list[int] = []
+    parent = int(xxhash.xxh64_intdigest(f"{model}\x00{salt or ''}".encode()))
+    for start in range(0, len(pieces) - PREFIX_BLOCK_SIZE + 1, PREFIX_BLOCK_SIZE):
+        block = "\x00".join(pieces[start : start + PREFIX_BLOCK_SIZE])
+        parent = int(xxhash.xxh64_intdigest(block.encode(), seed=parent))
+        out.append(parent)
+    return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +59,10 @@ class Job:
     reasoning_active: bool
     include_reasoning: bool
     reasoning_style: ReasoningStyle
+    # The model's logprobs are NaN (EmulatorConfig.nan_logprobs).
+    nan_logprobs: bool = False
+    # Per prompt: (its token count, its prefix-cache block hashes).
+    prompts: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -104,12 +122,9 @@ def _sampling(cfg: EmulatorConfig, req: ChatRequest | CompletionRequest) -> Samp
 
 def _loop_plan(
     cfg: EmulatorConfig,
-    sampling: Sampling,
     channel: Literal["reasoning", "content"],
     detection: RepetitionDetection | None,
-) -> LoopPlan | None:
-    if not sampling.greedy or sampling.penalised:
-        return None
+) -> LoopPlan:
     unit = tuple(encode_pieces(cfg.loop_unit))
     repeats: int | None = None
     if cfg.engine_repetition_detection and detection is not None:
@@ -120,9 +135,38 @@ def _loop_plan(
     return LoopPlan(channel, cfg.loop_after_tokens, unit, repeats)
 
 
+_TWO64 = float(1 << 64)
+DIVERGENCE_WINDOW = 10  # first divergent token index 0-9 on GPUs (gpu-llama-server.md)
+
+
+def _escapes(cfg: EmulatorConfig, sampling: Sampling, content: int, index: int) -> bool:
+    """Whether choice ``index`` of a request that would loop escapes it (see EmulatorConfig)."""
+    if sampling.greedy and not sampling.penalised:
+        return False
+    u = xxhash.xxh64_intdigest(f"{cfg.seed}:{content}:{index}".encode()) / _TWO64
+    return u < cfg.loop_escape_probability
+
+
+def content_key(key: int, sampling: Sampling, max_tokens: int, seen: Counter[int]) -> int:
+    """What a request's tokens are a function of; for sampling without a seed, also how often
+    this emulator has seen it (each such attempt draws anew, deterministically)."""
+    base = int(xxhash.xxh64_intdigest(f"{key}:{sampling!r}:{max_tokens}".encode()))
+    attempt = 0
+    if not sampling.greedy and sampling.seed is None:
+        if len(seen) > MAX_SEEN:
+            seen.clear()
+        attempt = seen[base]
+        seen[base] += 1
+    return int(xxhash.xxh64_intdigest(f"{base}:{attempt}".encode()))
+
+
+MAX_SEEN = 100_000
+
+
 def _choice_plans(
     cfg: EmulatorConfig,
     rng: random.Random,
+    seen: Counter[int],
     request_id: str,
     keys: list[int],
     n: int,
@@ -135,16 +179,20 @@ def _choice_plans(
     plans: list[ChoicePlan] = []
     for p_idx, key in enumerate(keys):
         natural = natural_length(key)
-        expected = min(max_tokens, reasoning_tokens + natural)
+        content = content_key(key, sampling, max_tokens, seen) if loop is not None else 0
         for i in range(n):
-            flip = jitter = None
+            index = p_idx * n + i
+            flip = drift = None
             if sampling.greedy:
                 if cfg.flip_probability > 0 and rng.random() < cfg.flip_probability:
                     flip = cfg.flip_position
                 if cfg.logprob_jitter_probability > 0 and rng.random() < (
                     cfg.logprob_jitter_probability
                 ):
-                    jitter = rng.randrange(max(expected, 1))
+                    expected = min(max_tokens, reasoning_tokens + natural, DIVERGENCE_WINDOW)
+                    drift = rng.randrange(max(expected, 1))
+            batch = sampling.greedy and cfg.batch_divergence_slope > 0
+            escaped = loop is not None and _escapes(cfg, sampling, content, index)
             plans.append(
                 ChoicePlan(
                     request_id=request_id,
@@ -154,11 +202,13 @@ def _choice_plans(
                     reasoning_tokens=reasoning_tokens,
                     natural_tokens=None if ignore_eos else natural,
                     flip_position=flip,
-                    jitter_position=jitter,
-                    loop=loop,
-                    divergence_threshold=cfg.batch_divergence_threshold
-                    if sampling.greedy
-                    else None,
+                    drift_from=drift,
+                    loop=None if escaped else loop,
+                    batch_slope=cfg.batch_divergence_slope if batch else None,
+                    batch_draw=rng.random() if batch else 1.0,
+                    batch_from=rng.randrange(DIVERGENCE_WINDOW) if batch else 0,
+                    drift_seed=rng.getrandbits(64) if drift is not None or batch else 0,
+                    loop_escaped=escaped,
                 )
             )
     return tuple(plans)
@@ -183,7 +233,11 @@ def _stream_flags(req: ChatRequest | CompletionRequest) -> tuple[bool, bool, boo
 
 
 def build_chat_job(
-    cfg: EmulatorConfig, body: dict[str, Any], request_id: str, rng: random.Random
+    cfg: EmulatorConfig,
+    body: dict[str, Any],
+    request_id: str,
+    rng: random.Random,
+    seen: Counter[int],
 ) -> Job:
     req = parse(ChatRequest, body)
     model = resolve_model(cfg, req.model)
@@ -196,7 +250,8 @@ def build_chat_job(
     if req.logprobs:
         _check_logprobs(cfg, top, "top_logprobs")
     prompt = render_messages(req.messages)
-    prompt_tokens = len(split_text(prompt))
+    pieces = split_text(prompt)
+    prompt_tokens = len(pieces)
     max_tokens = _check_length(cfg, prompt_tokens, req.max_completion_tokens or req.max_tokens)
     sampling = _sampling(cfg, req)
     kwargs = req.chat_template_kwargs or {}
@@ -205,10 +260,20 @@ def build_chat_job(
     reasoning = cfg.reasoning_tokens if parser and thinking else 0
     loop = None
     if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and parser and thinking):
-        loop = _loop_plan(cfg, sampling, cfg.loop_channel, req.repetition_detection)
+        loop = _loop_plan(cfg, cfg.loop_channel, req.repetition_detection)
     keys = [prompt_key(model, prompt)]
     plans = _choice_plans(
-        cfg, rng, request_id, keys, req.n, max_tokens, reasoning, loop, sampling, req.ignore_eos
+        cfg,
+        rng,
+        seen,
+        request_id,
+        keys,
+        req.n,
+        max_tokens,
+        reasoning,
+        loop,
+        sampling,
+        req.ignore_eos,
     )
     return Job(
         endpoint="chat",
@@ -218,17 +283,23 @@ def build_chat_job(
         include_usage=usage,
         continuous_usage=continuous,
         prompt_tokens=prompt_tokens,
+        prompts=((prompt_tokens, prefix_blocks(model, pieces, req.cache_salt)),),
         sampling=sampling,
         plans=plans,
         logprobs=top if req.logprobs else None,
         reasoning_active=parser,
         include_reasoning=req.include_reasoning,
         reasoning_style=cfg.reasoning_style,
+        nan_logprobs=cfg.nan_logprobs,
     )
 
 
 def build_completion_job(
-    cfg: EmulatorConfig, body: dict[str, Any], request_id: str, rng: random.Random
+    cfg: EmulatorConfig,
+    body: dict[str, Any],
+    request_id: str,
+    rng: random.Random,
+    seen: Counter[int],
 ) -> Job:
     req = parse(CompletionRequest, body)
     model = resolve_model(cfg, req.model)
@@ -236,16 +307,17 @@ def build_completion_job(
     if req.logprobs is not None:
         _check_logprobs(cfg, req.logprobs, "logprobs")
     prompts = completion_prompts(req.prompt)
-    counts = [len(split_text(p)) for p in prompts]
+    split = [split_text(p) for p in prompts]
+    counts = [len(p) for p in split]
     max_req = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     max_tokens = min(_check_length(cfg, c, max_req) for c in counts)
     sampling = _sampling(cfg, req)
     loop = None
     if cfg.loop_channel != "none":
-        loop = _loop_plan(cfg, sampling, "content", req.repetition_detection)
+        loop = _loop_plan(cfg, "content", req.repetition_detection)
     keys = [prompt_key(model, p) for p in prompts]
     plans = _choice_plans(
-        cfg, rng, request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos
+        cfg, rng, seen, request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos
     )
     return Job(
         endpoint="completion",
@@ -255,10 +327,12 @@ def build_completion_job(
         include_usage=usage,
         continuous_usage=continuous,
         prompt_tokens=sum(counts),
+        prompts=tuple((len(p), prefix_blocks(model, p, req.cache_salt)) for p in split),
         sampling=sampling,
         plans=plans,
         logprobs=req.logprobs,
         reasoning_active=False,
         include_reasoning=False,
         reasoning_style=cfg.reasoning_style,
+        nan_logprobs=cfg.nan_logprobs,
     )

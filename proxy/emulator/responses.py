@@ -10,6 +10,9 @@ from .model import Candidate, Step
 from .plan import Job
 
 LOGPROB_FLOOR = -9999.0
+# What vLLM answers (HTTP 400) when a non-streamed body holds a NaN logprob: Python's JSON encoder
+# refuses it. Streamed chunks are serialised by pydantic, which writes NaN as null.
+NAN_LOGPROBS_MESSAGE = "Out of range float values are not JSON compliant: nan"
 
 
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> bytes:
@@ -35,35 +38,38 @@ def _top(step: Step, k: int) -> list[Candidate]:
     return ordered[:k]
 
 
-def _lp(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
+def _lp(value: float, nan: bool = False) -> float | None:
+    """The reported value: clamped like vLLM; None (JSON null) for a NaN model's value."""
+    return None if nan else max(value, LOGPROB_FLOOR)
 
 
-def chat_logprob_entry(step: Step, k: int) -> dict[str, Any]:
+def chat_logprob_entry(step: Step, k: int, nan: bool = False) -> dict[str, Any]:
     return {
         "token": step.text,
-        "logprob": _lp(step.logprob),
+        "logprob": _lp(step.logprob, nan),
         "bytes": list(step.text.encode()),
         "top_logprobs": [
-            {"token": c.text, "logprob": _lp(c.logprob), "bytes": list(c.text.encode())}
+            {"token": c.text, "logprob": _lp(c.logprob, nan), "bytes": list(c.text.encode())}
             for c in _top(step, k)
         ],
     }
 
 
-def completion_logprobs(steps: list[Step], n_top: int, offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    steps: list[Step], n_top: int, offset: int, nan: bool = False
+) -> dict[str, Any]:
     """Legacy completions logprobs; ``offset`` is the text offset of the first step."""
     tokens: list[str] = []
-    token_lps: list[float] = []
-    tops: list[dict[str, float]] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float | None]] = []
     offsets: list[int] = []
     for step in steps:
         tokens.append(step.text)
-        token_lps.append(_lp(step.logprob))
+        token_lps.append(_lp(step.logprob, nan))
         ranked = step.candidates if n_top < 0 else step.candidates[:n_top]
         chosen = next(c for c in step.candidates if c.token_id == step.token_id)
         entries = [chosen, *(c for c in ranked if c.token_id != step.token_id)]
-        tops.append({c.text: _lp(c.logprob) for c in entries})
+        tops.append({c.text: _lp(c.logprob, nan) for c in entries})
         offsets.append(offset)
         offset += len(step.text)
     return {
@@ -95,12 +101,15 @@ def reasoning_fields(job: Job, text: str | None) -> dict[str, Any]:
     return {"reasoning": text, "reasoning_content": text}
 
 
-def chat_delta(job: Job, step: Step) -> dict[str, Any]:
-    if step.channel == "reasoning":
-        return reasoning_fields(job, step.text)
-    delta: dict[str, Any] = {"content": step.text}
-    if job.reasoning_style == "both":
-        delta["reasoning_content"] = None
+def chat_delta(job: Job, steps: list[Step]) -> dict[str, Any]:
+    """The delta of a chunk holding ``steps`` (reasoning first, then content; ``{}`` if none)."""
+    reasoning = "".join(s.text for s in steps if s.channel == "reasoning")
+    content = "".join(s.text for s in steps if s.channel == "content")
+    delta: dict[str, Any] = reasoning_fields(job, reasoning) if reasoning else {}
+    if content:
+        delta["content"] = content
+        if job.reasoning_style == "both" and not reasoning:
+            delta["reasoning_content"] = None
     return delta
 
 
@@ -129,40 +138,36 @@ class ChunkBuilder:
             [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}]
         )
 
-    def token(self, index: int, step: Step, offset: int) -> dict[str, Any]:
+    def tokens(
+        self,
+        index: int,
+        steps: list[Step],
+        offset: int,
+        finish_reason: str | None = None,
+        stop_reason: str | None = None,
+    ) -> dict[str, Any]:
+        """One chunk with ``steps`` (possibly none); the last one of a choice carries its
+        ``finish_reason`` and ``stop_reason``. ``offset``: text offset of the first step."""
         job = self.job
         lps: dict[str, Any] | None = None
-        if job.endpoint == "chat":
-            if job.logprobs is not None:
-                lps = {"content": [chat_logprob_entry(step, job.logprobs)]}
-            choice = {
-                "index": index,
-                "delta": chat_delta(job, step),
-                "logprobs": lps,
-                "finish_reason": None,
-            }
-            return self._wrap([choice])
-        if job.logprobs is not None:
-            lps = completion_logprobs([step], job.logprobs, offset)
-        return self._wrap(
-            [
-                {
-                    "index": index,
-                    "text": step.text,
-                    "logprobs": lps,
-                    "finish_reason": None,
-                    "stop_reason": None,
-                }
-            ]
-        )
-
-    def finish(self, index: int, reason: str, stop_reason: str | None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index}
-        if self.job.endpoint == "chat":
-            choice["delta"] = {}
-        else:
-            choice["text"] = ""
-        choice |= {"logprobs": None, "finish_reason": reason, "stop_reason": stop_reason}
+        if job.endpoint == "chat":
+            if job.logprobs is not None and steps:
+                k, nan = job.logprobs, job.nan_logprobs
+                lps = {"content": [chat_logprob_entry(s, k, nan) for s in steps]}
+            choice |= {"delta": chat_delta(job, steps), "logprobs": lps}
+            choice["finish_reason"] = finish_reason
+            if finish_reason is not None:
+                choice["stop_reason"] = stop_reason
+            return self._wrap([choice])
+        if job.logprobs is not None and steps:
+            lps = completion_logprobs(steps, job.logprobs, offset, job.nan_logprobs)
+        choice |= {
+            "text": "".join(s.text for s in steps),
+            "logprobs": lps,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
         return self._wrap([choice])
 
     def usage(self, body: dict[str, Any]) -> dict[str, Any]:

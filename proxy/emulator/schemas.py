@@ -63,6 +63,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     repetition_detection: RepetitionDetection | None = None
     stop: str | list[str] | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
 
 class ChatRequest(_Common):

@@ -43,6 +43,25 @@ async def test_reset_mid_stream(make_client: MakeClient) -> None:
     assert stats["faulted"] == 1 and stats["running"] == 0 and stats["aborted"] == 0
 
 
+@pytest.mark.parametrize("endpoint", [CHAT, "/v1/completions"])
+async def test_stream_fails_before_its_first_event(make_client: MakeClient, endpoint: str) -> None:
+    client, server = await make_client(fault="reset_mid_stream", fault_after_tokens=0)
+    received = b""
+    body = chat(stream=True) if endpoint == CHAT else completion(stream=True)
+    with pytest.raises(aiohttp.ClientPayloadError):
+        async with client.session.post(client.base + endpoint, json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"].startswith("text/event-stream")
+            async for data in resp.content.iter_any():
+                received += data
+    assert received == b""
+    (rec,) = server.injections()
+    assert rec["position"] == 0 and rec["detail"] == {"fault": "reset_mid_stream"}
+    inband, _ = await make_client(fault="inband_error", fault_after_tokens=0)
+    events = parse_sse((await inband.chat(chat(stream=True))).raw)
+    assert events[0]["error"]["code"] == 500 and events[1:] == ["[DONE]"]
+
+
 async def test_reset_non_stream(make_client: MakeClient) -> None:
     client, server = await make_client(fault="reset_mid_stream")
     with pytest.raises(aiohttp.ServerDisconnectedError):

@@ -61,9 +61,11 @@ def test_cli_config() -> None:
         [
             "--port", "9000", "--model", "a", "--model", "b", "--reasoning-style", "both",
             "--reasoning-tokens", "4", "--token-latency", "0.01", "--flip-probability", "0.5",
-            "--flip-position", "2", "--logprob-jitter", "0.1", "--batch-divergence-threshold",
-            "3", "--loop-channel", "reasoning", "--loop-after-tokens", "7", "--fault",
-            "malformed_sse", "--seed", "5",
+            "--flip-position", "2", "--logprob-jitter", "0.1", "--batch-divergence-slope",
+            "0.25", "--loop-channel", "reasoning", "--loop-after-tokens", "7", "--fault",
+            "malformed_sse", "--seed", "5", "--loop-escape-probability", "0.4",
+            "--stream-interval", "2", "--speculative", "--speculative-tokens", "5",
+            "--speculative-acceptance", "0.5",
         ]
     )  # fmt: skip
     cfg = config_from_args(args)
@@ -76,7 +78,12 @@ def test_cli_config() -> None:
         flip_probability=0.5,
         flip_position=2,
         logprob_jitter_probability=0.1,
-        batch_divergence_threshold=3,
+        batch_divergence_slope=0.25,
+        loop_escape_probability=0.4,
+        tokens_per_chunk=2,
+        speculative=True,
+        speculative_tokens=5,
+        speculative_acceptance=0.5,
         loop_channel="reasoning",
         loop_after_tokens=7,
         fault="malformed_sse",

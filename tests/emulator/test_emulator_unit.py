@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 
 from proxy.emulator import EmulatorConfig, KnobsError
 from proxy.emulator.model import (
+    DRIFT_AMPLITUDE,
     ChoiceGenerator,
     ChoicePlan,
     Sampling,
+    drifted,
     log_softmax,
     natural_length,
     prompt_key,
@@ -67,3 +69,30 @@ def test_knobs_header_validation() -> None:
         cfg.with_knobs_header('{"fault": "nope"}')
     with pytest.raises(KnobsError):
         cfg.with_knobs_header('{"token_latency_s": -1}')
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=40), st.integers(0, 300), st.integers(0, 2**63))
+def test_drift_keeps_a_greedy_argmax_and_is_gpu_sized(prompt: str, pos: int, seed: int) -> None:
+    logits = raw_logits(prompt_key("m", prompt), pos, -1, ())
+    top = max(logits, key=lambda t: (logits[t], -t))
+    moved = drifted(logits, seed, pos, top)
+    assert moved == drifted(logits, seed, pos, top)  # seeded
+    assert max(moved, key=lambda t: (moved[t], -t)) == top
+    before, after = dict(log_softmax(logits)), dict(log_softmax(moved))
+    deltas = [abs(after[t] - before[t]) for t in logits]
+    assert 0 < max(deltas) < 2 * DRIFT_AMPLITUDE + 1
+    # Forcing another token makes it the argmax (a batch divergence).
+    second = sorted(logits, key=lambda t: (-logits[t], t))[1]
+    forced = drifted(logits, seed, pos, second, force=True)
+    assert max(forced, key=lambda t: (forced[t], -t)) == second
+
+
+def test_batch_probability_grows_with_inflight() -> None:
+    plan = ChoicePlan("r", 0, 1, 10, 0, 10, batch_slope=0.2)
+    gen = ChoiceGenerator(plan, Sampling(temperature=0.0), random.Random())
+    assert [gen.batch_probability(n) for n in (1, 2, 3, 6, 20)] == pytest.approx(
+        [0.0, 0.2, 0.4, 1.0, 1.0]
+    )
+    off = ChoiceGenerator(ChoicePlan("r", 0, 1, 10, 0, 10), Sampling(0.0), random.Random())
+    assert off.batch_probability(50) == 0.0
