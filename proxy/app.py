@@ -89,6 +89,7 @@ def _scheduler(
     reference: Upstream | None,
     bus: EventBus,
     forwarder: Forwarder,
+    guard: InjectionGuard,
 ) -> ShadowScheduler | None:
     audit = settings.audit
     if audit.sample_rate <= 0 and not any(r > 0 for r in audit.model_rates.values()):
@@ -101,6 +102,7 @@ def _scheduler(
         bus,
         forwarder,
         load.running if audit.quiet_max_upstream_running is not None else None,
+        guard,
     )
 
 
@@ -157,7 +159,7 @@ def build_app(
             reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
             owned.append(reference)
         forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, guard)
-        scheduler = _scheduler(settings, session, target, reference, bus, forwarder)
+        scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None
         if scheduler is not None or store is not None:

@@ -18,7 +18,7 @@ import aiohttp
 import orjson
 
 from proxy.events import EventBus, FallbackSent
-from proxy.injection import InjectionGuard, error_reason
+from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 from proxy.sse import SSEDecoder, SSEOverflow
 from proxy.upstream import Upstream, UpstreamResponse
 
@@ -136,7 +136,11 @@ class FallbackSender:
         elif is_event_stream(upstream):
             upstream, failure = await first_event(upstream, self._max_event_bytes)
             if failure is None:
-                self._guard.succeeded(altered.model, altered.kinds)
+                # A stream carrying the audit's logprobs does not show that its shadow will
+                # work: shadows are non-streamed, and vLLM refuses NaN logprobs there while it
+                # streams them as null. The shadow's own answer tells (proxy.audit.shadow).
+                worked = [k for k in altered.kinds if k != LOGPROBS]
+                self._guard.succeeded(altered.model, worked)
                 return upstream, False
             upstream.close()
             reason = failure

@@ -310,7 +310,8 @@ class Metrics:
         self.injection_failures = Counter(
             "detproxy_injection_failures",
             "Requests detproxy altered (kind: logprobs | repetition_detection) that the upstream"
-            " refused where the client's own request succeeded",
+            " refused where the client's own request succeeded (shadows included: a replay"
+            " refused where its primary was answered)",
             ["model", "endpoint", "kind", "status"],
             registry=registry,
         )

@@ -116,7 +116,7 @@ def request_body(path: str, stream: bool, model: str = "m") -> dict[str, Any]:
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 @pytest.mark.parametrize(
     ("mode", "stream"),
-    [("nan", False), ("nan", True), ("stream_error_first", True), ("stream_cut_first", True)],
+    [("nan", False), ("stream_error_first", True), ("stream_cut_first", True)],
 )
 async def test_audited_requests_answer_as_without_detproxy(
     aiohttp_server: Any,
@@ -139,7 +139,6 @@ async def test_audited_requests_answer_as_without_detproxy(
         assert resp.status == 200, got
         assert got == expected  # byte for byte: the scripted answers carry no ids or times
     endpoint = "chat" if path == CHAT else "completions"
-    refused = mode != "nan" or not stream  # vLLM streams NaN logprobs as null: no refusal
     failures = metric(
         registry,
         "detproxy_injection_failures_total",
@@ -148,21 +147,46 @@ async def test_audited_requests_answer_as_without_detproxy(
         kind="logprobs",
         status="200" if stream else "400",
     )
-    assert failures == (3 if refused else 0)  # then suspended: the 4th and 5th are not altered
-    suspended = metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs")
-    assert suspended == (1 if refused else 0)
-    status = await (await proxy.get("/detproxy/status")).json()
-    if refused:
-        state = status["injection"]["m"]["logprobs"]
-        assert state["suspended"] is True
-        assert state["failures_total"] == 3
-        assert state["last_reason"]
-        # Three refused altered requests, each followed by the client's own (no shadow: the
-        # client's own answer has no logprobs to compare), then two sent as the client sent them.
-        assert len(scripted.bodies) == 3 * 2 + 2
-        assert [asks_logprobs(b) for b in scripted.bodies] == [True, False] * 3 + [False] * 2
-    else:
-        assert status["injection"] == {}
+    assert failures == 3  # then suspended: the 4th and 5th are not altered
+    assert metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs") == 1
+    state = (await (await proxy.get("/detproxy/status")).json())["injection"]["m"]["logprobs"]
+    assert state["suspended"] is True
+    assert state["failures_total"] == 3
+    assert state["last_reason"]
+    # Three refused altered requests, each followed by the client's own (no shadow: the
+    # client's own answer has no logprobs to compare), then two sent as the client sent them.
+    assert len(scripted.bodies) == 3 * 2 + 2
+    assert [asks_logprobs(b) for b in scripted.bodies] == [True, False] * 3 + [False] * 2
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_streamed_nan_logprobs_are_relayed_and_refused_shadows_suspend_the_audit(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry, path: str
+) -> None:
+    """vLLM streams NaN logprobs as null (the stream works) but refuses them non-streamed, so
+    every shadow fails: three in a row suspend the model's logprob injection."""
+    scripted = Refusing("nan")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=AUDIT_ALL)
+    body = request_body(path, stream=True)
+    _, expected = await direct(url, path, body)
+    for _ in range(3):
+        resp = await proxy.post(path, json=body)
+        assert resp.status == 200
+        assert await resp.read() == expected
+        # One at a time: each shadow is answered before the next request is planned.
+        await _wait_for(lambda: any(not b.get("stream") for b in scripted.bodies[-1:]))
+    endpoint = "chat" if path == CHAT else "completions"
+    await _wait_for(
+        lambda: metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs") == 1
+    )
+    labels = {"model": "m", "endpoint": endpoint, "kind": "logprobs", "status": "400"}
+    assert metric(registry, "detproxy_injection_failures_total", **labels) == 3
+    assert metric(registry, "detproxy_shadow_dropped_total", reason="upstream_error") == 3
+    scripted.bodies.clear()
+    resp = await proxy.post(path, json=body)
+    assert await resp.read() == expected
+    assert [asks_logprobs(b) for b in scripted.bodies] == [False]  # suspended: sent as is
 
 
 async def test_suspension_stops_injecting(
@@ -392,3 +416,63 @@ async def test_a_retried_answer_carries_no_logprobs_the_client_did_not_ask_for(
     assert b'"logprob"' not in got
     # The first attempt carried the audit's logprobs; the retry asked for none.
     assert [asks_logprobs(b) for b in scripted.bodies[:2]] == [True, False]
+
+
+async def test_the_sdk_gets_no_error_from_an_emulated_vllm_with_nan_logprobs(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    """The H200 finding, against the emulator's NaN mode (vLLM 0.23 with a GGUF model): every
+    request audited, chat and completions, streamed and not, 0 client-visible errors."""
+    import openai
+
+    from proxy.emulator import EmulatorConfig, EmulatorServer
+
+    async with EmulatorServer(EmulatorConfig(nan_logprobs=True)) as emulator:
+        proxy = await make_proxy(emulator.url, env=AUDIT_ALL)
+        through = openai.AsyncOpenAI(
+            base_url=str(proxy.make_url("/v1")), api_key="x", max_retries=0
+        )
+        direct_sdk = openai.AsyncOpenAI(base_url=emulator.url + "/v1", api_key="x", max_retries=0)
+        model = "emulator-model"
+        messages: Any = [{"role": "user", "content": "What is the capital of France?"}]
+
+        async def texts(sdk: openai.AsyncOpenAI, i: int) -> list[str]:
+            chat = {"model": model, "messages": messages, "temperature": 0, "max_tokens": 16}
+            prompt = {"model": model, "prompt": f"Say {i}", "temperature": 0, "max_tokens": 16}
+            answer = await sdk.chat.completions.create(**chat)
+            completion = await sdk.completions.create(**prompt)
+            streamed = await sdk.chat.completions.create(**chat, stream=True)
+            chunks = [c async for c in streamed]
+            streamed_completion = await sdk.completions.create(**prompt, stream=True)
+            parts = [c async for c in streamed_completion]
+            return [
+                answer.choices[0].message.content or "",
+                completion.choices[0].text,
+                "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+                "".join(c.choices[0].text for c in parts if c.choices),
+            ]
+
+        try:
+            for i in range(6):
+                assert await texts(through, i) == await texts(direct_sdk, i)
+            status = await (await proxy.get("/detproxy/status")).json()
+        finally:
+            await through.close()
+            await direct_sdk.close()
+    refused = sum(
+        metric(
+            registry,
+            "detproxy_injection_failures_total",
+            model=model,
+            endpoint=e,
+            kind="logprobs",
+            status="400",
+        )
+        for e in ("chat", "completions")
+    )
+    # Non-streamed primaries fell back, streamed ones' shadows were refused: three of either in
+    # a row suspend the model's logprobs (shadows already queued may still add theirs).
+    assert refused >= 3
+    assert metric(registry, "detproxy_injection_suspended", model=model, kind="logprobs") == 1
+    assert status["injection"][model]["logprobs"]["last_reason"] == NAN
+    assert status["injection"][model]["logprobs"]["suspended"] is True

@@ -22,6 +22,7 @@ from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.config import AuditConfig
 from proxy.errors import UpstreamFailure
 from proxy.events import EventBus, ShadowDropped, ShadowQueue
+from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 from proxy.tasks import TaskOwner
 from proxy.upstream import Upstream
 
@@ -84,8 +85,10 @@ class ShadowScheduler:
         bus: EventBus,
         load: ProxyLoad,
         upstream_running: Callable[[], Awaitable[int | None]] | None = None,
+        guard: InjectionGuard | None = None,
     ) -> None:
         self._config = config
+        self._guard = guard
         self._upstream = upstream
         self._bus = bus
         self._load = load
@@ -222,6 +225,14 @@ class ShadowScheduler:
             parsed = None
         if resp.status != 200 or not isinstance(parsed, dict):
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
+            if self._guard is not None and 400 <= resp.status < 500 and resp.status != 429:
+                # The same request with its primary's logprobs was answered; replayed
+                # non-streamed it is refused (vLLM: NaN logprobs). Shadows cannot work for the
+                # model: the guard suspends them rather than spend a generation on each.
+                reason = error_reason(resp.status, payload)
+                self._guard.failed(job.model, job.endpoint, [LOGPROBS], resp.status, reason)
             return
+        if self._guard is not None:
+            self._guard.succeeded(job.model, [LOGPROBS])
         outcome = outcome_from_response(job.endpoint, parsed)
         job.on_result(ShadowResult(outcome, latency, inflight, overlapped))
