@@ -59,6 +59,9 @@ class Retry:
     reason: str
     overrides: Mapping[str, Any] = field(default_factory=dict)
     reserved_tokens: int = 0  # taken from the recovery budget; settled when the attempt ends
+    # restart: the request again from scratch; continue: the output up to the loop's onset (and
+    # one unit) given back to the engine to go on from, so the work before the loop is kept.
+    strategy: str = "restart"
 
 
 @dataclass(frozen=True, slots=True)

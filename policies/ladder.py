@@ -26,6 +26,8 @@ DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
 # What a retry of a request without max_tokens is assumed to cost until it ends (then the
 # budget is settled with what it generated).
 DEFAULT_RETRY_TOKENS = 4096
+# How an attempt recovers (an attempt's "strategy" key; restart when absent).
+STRATEGIES = frozenset({"restart", "continue"})
 SAMPLING_FIELDS = frozenset(
     {
         "temperature",
@@ -74,10 +76,13 @@ class LoopLadderPolicy:
         estimate = ctx.max_tokens or DEFAULT_RETRY_TOKENS
         if not self.budget.try_reserve(ctx.model, estimate):
             return self._give_up(ladder, "budget_exhausted")
+        overrides = dict(ladder.attempts[step])
+        strategy = str(overrides.pop("strategy", "restart"))
         return Retry(
             f"loop ({ctx.trigger.source}, {ctx.trigger.channel})",
-            dict(ladder.attempts[step]),
+            overrides,
             reserved_tokens=estimate,
+            strategy=strategy,
         )
 
     def _give_up(self, ladder: Ladder, why: str) -> Decision:

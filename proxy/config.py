@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from yarl import URL
 
-from policies.ladder import DEFAULT_ATTEMPTS, SAMPLING_FIELDS
+from policies.ladder import DEFAULT_ATTEMPTS, SAMPLING_FIELDS, STRATEGIES
 from proxy.inspect.loops import LoopConfig as DetectorConfig
 
 
@@ -151,9 +151,13 @@ class LadderConfig(_Section):
     @classmethod
     def _overrides(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for overrides in value:
-            unknown = set(overrides) - SAMPLING_FIELDS
+            unknown = set(overrides) - SAMPLING_FIELDS - {"strategy"}
             if unknown:
                 raise ValueError(f"not a sampling field: {', '.join(sorted(unknown))}")
+            strategy = overrides.get("strategy", "restart")
+            if strategy not in STRATEGIES:
+                known = ", ".join(sorted(STRATEGIES))
+                raise ValueError(f"strategy {strategy!r} is not one of {known}")
         return value
 
 

@@ -174,6 +174,7 @@ class PolicyActed:
     action: str
     outcome: str
     attempt: int
+    strategy: str = ""  # for retry: restart | continue (how the attempt recovered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,3 +246,14 @@ class RecoveryBudgetUsed:
     model: str
     spent: int
     allowed: int
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryTokens:
+    """A recovery's attempt ended: what it made the engine generate, and (``continue``) the
+    tokens before the loop it kept instead of generating them again."""
+
+    model: str
+    strategy: str  # restart | continue
+    generated: int
+    kept: int

@@ -29,6 +29,7 @@ from proxy.body import (
 )
 from proxy.classify import ENDPOINTS, RequestView, classify
 from proxy.config import Settings
+from proxy.continuation import content_of, merge_answer
 from proxy.errors import UpstreamFailure, error_response
 from proxy.events import (
     ClientDisconnected,
@@ -236,6 +237,8 @@ class Forwarder(StreamResponses):
         # The last answer that can be relayed: a retry that fails gives it back to the client.
         kept: tuple[UpstreamResponse, bytes] | None = None
         first_byte_s: float | None = None
+        continued: str | None = None  # the prefix the pending attempt continues
+        prompt_tokens: Any = None  # the client request's, from its first answer
         while True:
             try:
                 payload = await upstream.read()
@@ -270,19 +273,29 @@ class Forwarder(StreamResponses):
                 if strip_logprobs(answer):
                     payload = orjson.dumps(answer)
             injected = False  # retries are sent without the audit's logprobs
+            generated = completion_tokens(answer)
+            if attempts.count == 1 and answer is not None:
+                prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
+            if continued is not None and answer is not None and upstream.status == 200:
+                merge_answer(endpoint, answer, continued, prompt_tokens)  # prefix + continuation
+                payload = orjson.dumps(answer)
             decision = self._decide_answer(attempts, upstream.status, answer)
             if self._recovery is not None and upstream.status == 200:
-                self._recovery.attempt_ended(attempts, completion_tokens(answer))
+                self._recovery.attempt_ended(attempts, generated)
             if isinstance(decision, Retry) and attempts.count < MAX_ATTEMPTS:
+                body: dict[str, Any] = {**retry_base, **decision.overrides}
+                continued = None
+                if self._recovery is not None:
+                    text = content_of(endpoint, answer)
+                    body, continued = self._recovery.next_attempt(
+                        attempts, decision, retry_base, text
+                    )
                 attempts.count += 1
                 ticket = None  # an answer produced under overrides is not audited
                 kept = (upstream, payload)
                 try:
                     upstream = await self._upstream.send(
-                        "POST",
-                        request.raw_path,
-                        headers,
-                        orjson.dumps({**retry_base, **decision.overrides}),
+                        "POST", request.raw_path, headers, orjson.dumps(body)
                     )
                 except UpstreamFailure as exc:
                     self._bus.publish(UpstreamFailed(endpoint, exc.kind, "headers"))
@@ -305,6 +318,8 @@ class Forwarder(StreamResponses):
             out_headers["X-Detproxy-Attempts"] = str(attempts.count)
         if attempts.looped:
             out_headers["X-Detproxy-Recovered"] = "true" if attempts.recovered else "false"
+        if attempts.count > 1:
+            out_headers["X-Detproxy-Strategy"] = attempts.strategy
         self._finish(view, endpoint, upstream.status, "ok", t0, first_byte_s, request)
         return web.Response(status=upstream.status, body=payload, headers=out_headers)
 

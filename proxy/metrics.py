@@ -22,6 +22,7 @@ from proxy.events import (
     LoopDetected,
     PolicyActed,
     RecoveryBudgetUsed,
+    RecoveryTokens,
     RequestClassified,
     RequestFinished,
     RequestStarted,
@@ -328,6 +329,20 @@ class Metrics:
             ["model", "kind"],
             registry=registry,
         )
+        self.recoveries = Counter(
+            "detproxy_recoveries",
+            "Loop retries by how they recovered (strategy: restart | continue) and how that"
+            " ended (recovered, looped_again, error)",
+            ["model", "strategy", "outcome"],
+            registry=registry,
+        )
+        self.recovery_tokens = Counter(
+            "detproxy_recovery_tokens",
+            "Tokens of loop recoveries: generated (extra work for the engine) and, when"
+            " continuing, kept (generated before the loop, not generated again)",
+            ["model", "strategy", "kind"],
+            registry=registry,
+        )
         self.fallbacks = Counter(
             "detproxy_fallbacks",
             "Client requests sent again as the client sent them after an altered one failed,"
@@ -367,6 +382,12 @@ class Metrics:
         bus.subscribe(InjectionSuspended, self._injection_suspended)
         bus.subscribe(FallbackSent, self._fallback)
         bus.subscribe(RecoveryBudgetUsed, self._recovery_budget)
+        bus.subscribe(RecoveryTokens, self._recovery_tokens)
+
+    def _recovery_tokens(self, ev: RecoveryTokens) -> None:
+        model = self.model(ev.model)
+        self.recovery_tokens.labels(model, ev.strategy, "generated").inc(ev.generated)
+        self.recovery_tokens.labels(model, ev.strategy, "kept").inc(ev.kept)
 
     def _recovery_budget(self, ev: RecoveryBudgetUsed) -> None:
         model = self.model(ev.model)
@@ -401,7 +422,10 @@ class Metrics:
         self.loops.labels(self.model(ev.model), ev.trigger.channel, ev.trigger.source).inc()
 
     def _policy(self, ev: PolicyActed) -> None:
-        self.policy_actions.labels(self.model(ev.model), ev.action, ev.outcome).inc()
+        model = self.model(ev.model)
+        self.policy_actions.labels(model, ev.action, ev.outcome).inc()
+        if ev.action == "retry":
+            self.recoveries.labels(model, ev.strategy, ev.outcome).inc()
 
     def _audited(self, ev: AuditCompleted) -> None:
         model = self.model(ev.model)

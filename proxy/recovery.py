@@ -21,7 +21,14 @@ from policies.base import (
 )
 from policies.budget import RecoveryBudget
 from proxy.config import LoopConfig
-from proxy.events import EventBus, LoopDetected, PolicyActed, RecoveryBudgetUsed
+from proxy.continuation import can_continue, continuation_body, estimate_tokens, prefix_of
+from proxy.events import (
+    EventBus,
+    LoopDetected,
+    PolicyActed,
+    RecoveryBudgetUsed,
+    RecoveryTokens,
+)
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.loops import LoopConfig as DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
@@ -43,6 +50,9 @@ class Attempts:
     max_tokens: int | None = None  # the client request's limit, when it set one
     reserved: int = 0  # recovery-budget tokens the next attempt holds (a pending retry)
     reserved_for: int = 0  # which attempt they are for
+    strategy: str = "restart"  # how the pending (or last) retry recovers
+    kept_tokens: int = 0  # the tokens a continuation kept
+    generated: int = 0  # what the last attempt generated (set when it ended)
     history: list[str] = field(default_factory=list)
 
     @property
@@ -65,6 +75,12 @@ class Recovery:
         self._chain = chain
         self._bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
+        # Whether some ladder continues: then a stream's content is kept for its prefix.
+        self._continues = any(
+            attempt.get("strategy") == "continue"
+            for ladder in config.ladder_list()
+            for attempt in ladder.attempts
+        )
 
     @property
     def enabled(self) -> bool:
@@ -87,7 +103,9 @@ class Recovery:
     def watch(self, endpoint: str) -> LoopWatch | None:
         if not self._config.enabled:
             return None
-        return LoopWatch(endpoint, self._detector, runaway=self._config.runaway)
+        return LoopWatch(
+            endpoint, self._detector, runaway=self._config.runaway, keep=self._continues
+        )
 
     def prepare(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Add vLLM's repetition_detection where the operator says the upstream has it (and
@@ -157,11 +175,41 @@ class Recovery:
     def attempt_ended(self, attempts: Attempts, tokens: int) -> None:
         """An attempt ended (or was stopped) after generating ``tokens``: the client's own
         request adds to what the model generated, a recovery's settles what it reserved."""
+        attempts.generated = tokens
+        if attempts.count > 1:
+            self._bus.publish(
+                RecoveryTokens(attempts.model, attempts.strategy, tokens, attempts.kept_tokens)
+            )
         if self._budget is None:
             return
         if attempts.count == 1:
             self._budget.record_generated(attempts.model, tokens)
         self._settle(attempts, tokens, attempts.count)
+
+    def next_attempt(
+        self, attempts: Attempts, decision: Retry, base: dict[str, Any], text: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The body of the attempt a retry sends, and the prefix it continues (None for a
+        restart). ``text`` is what the looping attempt generated in the trigger's channel
+        (None when it was not kept); ``base`` the client's request."""
+        trigger = attempts.trigger
+        if (
+            decision.strategy == "continue"
+            and trigger is not None
+            and text is not None
+            and can_continue(attempts.endpoint, base, trigger)
+        ):
+            prefix = prefix_of(text, trigger)
+            if prefix:
+                # A continued attempt generated the text after its own prefix only.
+                generated = attempts.generated + attempts.kept_tokens
+                kept = estimate_tokens(prefix, text, generated)
+                body = continuation_body(attempts.endpoint, base, decision.overrides, prefix, kept)
+                if body is not None:
+                    attempts.strategy, attempts.kept_tokens = "continue", kept
+                    return body, prefix
+        attempts.strategy, attempts.kept_tokens = "restart", 0
+        return {**base, **decision.overrides}, None
 
     def _settle(self, attempts: Attempts, tokens: int, attempt: int | None = None) -> None:
         """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""
@@ -175,8 +223,16 @@ class Recovery:
 
     def _acted(self, attempts: Attempts, action: str, outcome: str) -> None:
         attempts.history.append(outcome)
+        retry = action == "retry"
         self._bus.publish(
-            PolicyActed(attempts.request_id, attempts.model, action, outcome, attempts.count)
+            PolicyActed(
+                attempts.request_id,
+                attempts.model,
+                action,
+                outcome,
+                attempts.count,
+                attempts.strategy if retry else "",
+            )
         )
 
 

@@ -137,12 +137,23 @@ class StreamResponses:
                 if recovery is not None and result.trigger is None and result.complete:
                     recovery.decide(attempts, None, 200)  # resolves a pending retry
                 if isinstance(result.decision, Retry) and attempts.count < MAX_ATTEMPTS:
+                    assert recovery is not None
+                    text = (
+                        watch.content(result.trigger.choice) if watch and result.trigger else None
+                    )
+                    body, prefix = recovery.next_attempt(
+                        attempts, result.decision, retry_base, text
+                    )
                     attempts.count += 1
                     ticket = None
-                    await resp.write(retry_comment(attempts.count, result.decision.reason))
+                    marker = retry_comment(attempts.count, result.decision.reason)
+                    if prefix is None:  # a restart: the client sees the answer start again
+                        await resp.write(marker)
                     nxt = await self._retry_stream(
-                        attempts, headers, retry_base, original, result.decision, request.raw_path
+                        attempts, headers, orjson.dumps(body), original, request.raw_path
                     )
+                    if nxt is not None and attempts.fell_back and prefix is not None:
+                        await resp.write(marker)  # the client's own request, from its start
                     if nxt is None:
                         await resp.write(inband_error_event(502, "retry after a loop failed"))
                         break
@@ -202,15 +213,13 @@ class StreamResponses:
         self,
         attempts: Attempts,
         headers: Mapping[str, str],
-        retry_base: dict[str, Any],
+        body: bytes,
         original: bytes,
-        decision: Retry,
         raw_path: str,
     ) -> UpstreamResponse | None:
-        """The next attempt's stream; when the upstream refuses the retry's overrides, the
-        client's own request (the answer it would have had), or None when that fails too."""
+        """The next attempt's stream; when the upstream refuses the retry, the client's own
+        request (the answer it would have had), or None when that fails too."""
         assert self._recovery is not None
-        body = orjson.dumps({**retry_base, **decision.overrides})
         upstream = await self._open_stream(attempts, headers, body, raw_path)
         if upstream is not None:
             return upstream

@@ -28,14 +28,29 @@ def _reasoning(obj: Mapping[str, Any]) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-class _ChoiceWatch:
-    __slots__ = ("content", "reasoning", "saw_content", "saw_reasoning")
+# The most content kept per choice for a continuation (chars); past it, a loop restarts.
+MAX_KEPT_CHARS = 4 * 1024 * 1024
 
-    def __init__(self, config: LoopConfig) -> None:
+
+class _ChoiceWatch:
+    __slots__ = ("content", "kept", "kept_chars", "reasoning", "saw_content", "saw_reasoning")
+
+    def __init__(self, config: LoopConfig, keep: bool) -> None:
         self.reasoning = LoopDetector(config)
         self.content = LoopDetector(config)
         self.saw_reasoning = False
         self.saw_content = False
+        # The content seen, when a recovery may continue from it.
+        self.kept: list[str] | None = [] if keep else None
+        self.kept_chars = 0
+
+    def keep(self, text: str) -> None:
+        if self.kept is not None:
+            self.kept_chars += len(text)
+            if self.kept_chars > MAX_KEPT_CHARS:
+                self.kept = None
+            else:
+                self.kept.append(text)
 
 
 def _trigger(source: str, channel: str, choice: int, report: LoopReport | None = None) -> Trigger:
@@ -55,10 +70,13 @@ def _trigger(source: str, channel: str, choice: int, report: LoopReport | None =
 class LoopWatch:
     """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind."""
 
-    def __init__(self, endpoint: str, config: LoopConfig, runaway: bool = True) -> None:
+    def __init__(
+        self, endpoint: str, config: LoopConfig, runaway: bool = True, keep: bool = False
+    ) -> None:
         self._chat = endpoint == "chat"
         self._config = config
         self._runaway = runaway
+        self._keep = keep  # keep the first choice's content, for a continuation
         self._choices: dict[int, _ChoiceWatch] = {}
 
     def _watch(self, index: Any) -> _ChoiceWatch | None:
@@ -66,8 +84,15 @@ class LoopWatch:
             index = 0
         watch = self._choices.get(index)
         if watch is None and len(self._choices) < MAX_CHOICES:
-            watch = self._choices[index] = _ChoiceWatch(self._config)
+            watch = self._choices[index] = _ChoiceWatch(self._config, self._keep and index == 0)
         return watch
+
+    def content(self, index: int = 0) -> str | None:
+        """The content choice ``index`` streamed so far, when it was kept."""
+        watch = self._choices.get(index)
+        if watch is None or watch.kept is None:
+            return None
+        return "".join(watch.kept)
 
     def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
         """One parsed SSE chunk of a stream."""
@@ -111,6 +136,7 @@ class LoopWatch:
             detector = watch.reasoning
         else:
             watch.saw_content = True
+            watch.keep(text)
             detector = watch.content
         at = detector.total_chars
         report = detector.feed(text)
@@ -165,6 +191,7 @@ class LoopWatch:
                 return _trigger("proxy", "reasoning", index, report)
         if isinstance(content, str) and content:
             watch.saw_content = True
+            watch.keep(content)
             report = watch.content.feed(content)
             if report is not None:
                 return _trigger("proxy", "content", index, report)
