@@ -12,7 +12,14 @@ import uuid
 from collections import Counter
 from typing import Any
 
-from proxy.events import AuditCompleted, EventBus, LoopDetected, PolicyActed, ShadowDropped
+from proxy.events import (
+    AuditCompleted,
+    EventBus,
+    LoopDetected,
+    PolicyActed,
+    RecoveryTokens,
+    ShadowDropped,
+)
 
 MAX_KEYS = 4096  # labels come from clients (model names): keep the tally bounded
 
@@ -34,6 +41,8 @@ class AuditTally:
         self.audits: Counter[tuple[str, ...]] = Counter()  # (model, mode, verdict)
         self.loops: Counter[tuple[str, ...]] = Counter()  # (model, channel, source)
         self.actions: Counter[tuple[str, ...]] = Counter()  # (model, action, outcome)
+        self.recoveries: Counter[tuple[str, ...]] = Counter()  # (model, strategy, outcome)
+        self.recovery_tokens: Counter[tuple[str, ...]] = Counter()  # (model, strategy, kind)
         self.dropped: Counter[str] = Counter()
 
     def subscribe(self, bus: EventBus) -> None:
@@ -41,6 +50,7 @@ class AuditTally:
         bus.subscribe(ShadowDropped, self._dropped)
         bus.subscribe(LoopDetected, self._loop)
         bus.subscribe(PolicyActed, self._acted)
+        bus.subscribe(RecoveryTokens, self._recovery_tokens)
 
     @staticmethod
     def _add(counter: Counter[tuple[str, ...]], key: tuple[str, ...]) -> None:
@@ -55,6 +65,14 @@ class AuditTally:
 
     def _acted(self, ev: PolicyActed) -> None:
         self._add(self.actions, (ev.model, ev.action, ev.outcome))
+        if ev.action == "retry":
+            self._add(self.recoveries, (ev.model, ev.strategy, ev.outcome))
+
+    def _recovery_tokens(self, ev: RecoveryTokens) -> None:
+        for kind, n in (("generated", ev.generated), ("kept", ev.kept)):
+            key = (ev.model, ev.strategy, kind)
+            if key in self.recovery_tokens or len(self.recovery_tokens) < MAX_KEYS:
+                self.recovery_tokens[key] += n
 
     def _dropped(self, ev: ShadowDropped) -> None:
         self.dropped[ev.reason] += 1
@@ -86,5 +104,7 @@ class AuditTally:
             "audits": _nest(self.audits),
             "loops": _nest(self.loops),
             "policy_actions": _nest(self.actions),
+            "recoveries": _nest(self.recoveries),
+            "recovery_tokens": _nest(self.recovery_tokens),
             "shadows_dropped": dict(self.dropped),
         }

@@ -56,6 +56,8 @@ class Tally:
     loops: dict[Key3, int]  # (model, channel, source)
     actions: dict[Key3, int]  # (model, action, outcome)
     dropped: dict[str, int]  # reason
+    recoveries: dict[Key3, int] = field(default_factory=dict)  # (model, strategy, outcome)
+    recovery_tokens: dict[Key3, int] = field(default_factory=dict)  # (model, strategy, kind)
 
     @property
     def weight(self) -> int:
@@ -165,7 +167,20 @@ def parse_tally(obj: dict[str, Any]) -> Tally | None:
     if audits is None or loops is None or actions is None or dropped is None:
         return None
     started = _num(obj.get("started"))
-    return Tally(process, ts, ts if started is None else started, audits, loops, actions, dropped)
+    # Tallies of detproxy 0.1.0 have no recoveries: counted as none.
+    recoveries = _nested3(obj.get("recoveries") or {}) or {}
+    recovery_tokens = _nested3(obj.get("recovery_tokens") or {}) or {}
+    return Tally(
+        process,
+        ts,
+        ts if started is None else started,
+        audits,
+        loops,
+        actions,
+        dropped,
+        recoveries,
+        recovery_tokens,
+    )
 
 
 def _lines(path: str) -> Iterator[bytes]:

@@ -156,6 +156,26 @@ def _loops(sec: dict[str, Any]) -> list[Block]:
             f" aborts: {aborts}; observed {acts['observed']}."
         )
     )
+    strategies = sec.get("recovery_strategies") or {}
+    by_strategy = tuple(
+        (
+            str(name),
+            str(st["retried"]),
+            str(st["recovered"]),
+            pct(st["recovery"]["rate"]),
+            "-" if st["generated_per_retry"] is None else f"{st['generated_per_retry']:.0f}",
+            str(st["kept_tokens"]),
+        )
+        for name, st in strategies.items()
+    )
+    if by_strategy:
+        out.append(
+            Table(
+                ("strategy", "retried", "recovered", "rate", "tokens per retry", "tokens kept"),
+                by_strategy,
+                (False, True, True, True, True, True),
+            )
+        )
     return out
 
 

@@ -15,7 +15,9 @@ primary_token, shadow_token, margin, delta, ts, time}]``, ``notes [str]``. ``S``
 without tallies), ``incident_lines {audit, loop}``, ``positions {count, min, median, p90, max,
 histogram [{bucket, count}], near_tie {threshold_nats, count, with_margin, share}}``,
 ``logprob_delta {count, null, p50, p90, p99, max}``, ``loops {counts_from, total,
-by_channel_source}``, ``policy_actions {by_action, retried, recovered, recovery P, aborts,
+by_channel_source}``, ``recovery_strategies {strategy: {retried, recovered, looped_again,
+recovery P, generated_tokens, generated_per_retry, kept_tokens}}`` (null without tallies),
+``policy_actions {by_action, retried, recovered, recovery P, aborts,
 observed} | null``.
 """
 
@@ -116,17 +118,45 @@ def _actions(by_action: dict[str, dict[str, int]]) -> dict[str, Any]:
     }
 
 
+def _strategies(
+    recoveries: dict[str, dict[str, int]], tokens: dict[str, dict[str, int]]
+) -> dict[str, Any]:
+    """Per recovery strategy: how often its retries recovered, and what they cost."""
+    out = {}
+    for strategy in sorted(set(recoveries) | set(tokens)):
+        outcomes = recoveries.get(strategy, {})
+        retried = sum(outcomes.values())
+        recovered = outcomes.get("recovered", 0)
+        generated = tokens.get(strategy, {}).get("generated", 0)
+        out[strategy] = {
+            "retried": retried,
+            "recovered": recovered,
+            "looped_again": outcomes.get("looped_again", 0),
+            "recovery": proportion(recovered, retried, "retried"),
+            "generated_tokens": generated,
+            "generated_per_retry": generated / retried if retried else None,
+            "kept_tokens": tokens.get(strategy, {}).get("kept", 0),
+        }
+    return out
+
+
 def model_section(
     audits: list[AuditLine],
     loops: list[LoopLine],
-    tally: tuple[Counter[Key3], Counter[Key3], Counter[Key3]] | None,
+    tally: tuple[Counter[Key3], ...] | None,
 ) -> dict[str, Any]:
-    """One model's (or all models') figures; ``tally``: summed audits, loops and actions."""
+    """One model's (or all models') figures; ``tally``: summed audits, loops, actions,
+    recoveries and recovery tokens."""
+    strategies: dict[str, Any] | None = None
     if tally is not None:
         by_mode = _nest(((mode, v), n) for (_, mode, v), n in tally[0].items())
         loop_counts = _nest(((ch, src), n) for (_, ch, src), n in tally[1].items())
         actions: dict[str, Any] | None = _actions(
             _nest(((a, o), n) for (_, a, o), n in tally[2].items())
+        )
+        strategies = _strategies(
+            _nest(((st, o), n) for (_, st, o), n in tally[3].items()),
+            _nest(((st, k), n) for (_, st, k), n in tally[4].items()),
         )
     else:
         by_mode = _nest(((a.mode, a.verdict), 1) for a in audits)
@@ -157,6 +187,7 @@ def model_section(
             "by_channel_source": loop_counts,
         },
         "policy_actions": actions,
+        "recovery_strategies": strategies,
     }
     if tally is not None:
         section.update(_rates(verdicts))
@@ -234,6 +265,8 @@ def build_report(
         _sum(tallies, lambda t: t.audits),
         _sum(tallies, lambda t: t.loops),
         _sum(tallies, lambda t: t.actions),
+        _sum(tallies, lambda t: t.recoveries),
+        _sum(tallies, lambda t: t.recovery_tokens),
     )
     models = sorted(
         {a.model for a in audits} | {lp.model for lp in loops} | {k[0] for c in summed for k in c}
@@ -244,8 +277,7 @@ def build_report(
         pick = _only(model) if model is not None else keep
         tally = None
         if tallies:
-            a, lp, ac = (Counter({k: n for k, n in c.items() if pick(k[0])}) for c in summed)
-            tally = (a, lp, ac)
+            tally = tuple(Counter({k: n for k, n in c.items() if pick(k[0])}) for c in summed)
         mine = [a for a in audits if pick(a.model)]
         return model_section(mine, [lp for lp in loops if pick(lp.model)], tally)
 

@@ -87,6 +87,7 @@ def tally(process: str, ts: float, audits: dict[str, Any], **rest: Any) -> dict[
         "loops": rest.get("loops", {}),
         "policy_actions": rest.get("policy_actions", {}),
         "shadows_dropped": rest.get("shadows_dropped", {}),
+        **{k: rest[k] for k in ("recoveries", "recovery_tokens") if k in rest},
     }
 
 

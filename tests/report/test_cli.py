@@ -316,3 +316,40 @@ def test_time_range_and_control_characters(
         assert main([str(path), *flags]) == 0
         out = capsys.readouterr().out
         assert "\x1b" not in out and "m\\x1b[31m" in out and "r\\x1b[2J" in out
+
+
+def test_recovery_rate_and_cost_per_strategy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recoveries = {
+        "m": {
+            "restart": {"recovered": 6, "looped_again": 2},
+            "continue": {"recovered": 9, "looped_again": 1},
+        }
+    }
+    tokens = {
+        "m": {
+            "restart": {"generated": 8000, "kept": 0},
+            "continue": {"generated": 3000, "kept": 4500},
+        }
+    }
+    line = tally("p1", 1000.0, {}, recoveries=recoveries, recovery_tokens=tokens)
+    path = write(tmp_path / "inc.jsonl", [line])
+    report = run_json(capsys, str(path))
+    strategies = report["models"]["m"]["recovery_strategies"]
+    assert strategies["restart"]["recovery"]["rate"] == 0.75
+    assert strategies["restart"]["generated_per_retry"] == 1000
+    assert strategies["continue"]["recovery"]["rate"] == 0.9
+    assert strategies["continue"]["generated_per_retry"] == 300
+    assert strategies["continue"]["kept_tokens"] == 4500
+    assert main([str(path)]) == 0
+    text = capsys.readouterr().out
+    row = next(ln for ln in text.splitlines() if ln.strip().startswith("continue"))
+    assert row.split() == ["continue", "10", "9", "90.00%", "300", "4500"]
+
+
+def test_a_tally_without_recoveries_reads_as_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path / "old.jsonl", [tally("p1", 1000.0, {})])
+    assert run_json(capsys, str(path))["lines"]["tally"] == 1
