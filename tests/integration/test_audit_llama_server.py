@@ -239,7 +239,7 @@ def test_stock_llama_server_instability_matches_ground_truth(tmp_path: Path) -> 
     for incident in incidents:
         prompt, got, finish = received[incident["request_id"]]
         ref, ref_finish = reference[prompt]
-        where = f"{incident}\nclient got {got}\nreference {ref}"
+        where = f"{incident['request_id']}: {incident['verdict']} {incident['divergence']}"
         # the shadow reproduced the serial reference, the primary is what the client got
         assert incident["shadow_hash"] == output_hash(ChoiceOutcome(0, ref[0], "", None, None))
         assert incident["primary_hash"] == output_hash(ChoiceOutcome(0, got[0], "", None, None))
