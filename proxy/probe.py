@@ -25,7 +25,7 @@ import orjson
 
 from proxy.audit.outcome import outcome_from_response
 
-Vector = tuple[str, tuple[tuple[str, float], ...]]
+Vector = tuple[str, tuple[tuple[str, float | None], ...]]  # None: an unknown (NaN) logprob
 # Short background requests: frequent prefills, so the probe's own prefill often shares a
 # batch with another one (decode-only company leaves some engines' first token unchanged).
 BACKGROUND_TOKENS = 16
@@ -51,8 +51,13 @@ class PromptResult:
 
 
 def max_delta(a: Vector, b: Vector) -> float:
+    """Over the tokens both vectors list with known values."""
     la, lb = dict(a[1]), dict(b[1])
-    deltas = [abs(la[t] - lb[t]) for t in la.keys() & lb.keys()]
+    deltas = [
+        abs(x - y)
+        for x, y in ((la[t], lb[t]) for t in la.keys() & lb.keys())
+        if x is not None and y is not None
+    ]
     return max(deltas, default=0.0)
 
 

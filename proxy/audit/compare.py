@@ -6,6 +6,12 @@ incomparable (errors, missing choices, different lengths for reasons other than 
 
 Logprobs compare by exact float equality; -9999.0 (vLLM's minus infinity, and anything below)
 counts as minus infinity in deltas: both sides -> 0, one side only -> inf.
+
+An unknown logprob (None: vLLM's NaN, sent as null; or any non-finite float) proves neither
+sameness nor drift. Tokens still compare, so a flip is still text_divergence at its index; drift
+needs a difference between values known on both sides; same tokens with nothing but unknown
+values to tell them apart are incomparable (reason ``unknown_logprobs``). A max |delta| over
+positions with unknown values, and a margin over a top-k with one, are unknown: None.
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ from __future__ import annotations
 import math
 
 from proxy.audit.extract import AnswerExtractor
+from proxy.audit.logprobs import known
 from proxy.audit.outcome import NEG_INF_LOGPROB, ChoiceOutcome, Outcome, TokenLogprob
 from proxy.audit.verdict import VERDICTS, Divergence, Verdict, output_hash
 
 __all__ = [
+    "UNKNOWN_LOGPROBS",
     "VERDICTS",
     "Divergence",
     "Verdict",
@@ -31,54 +39,74 @@ _ENDED = ("stop", "length")
 # What one comparison found: verdict, reason, divergence, max |delta logprob|.
 _Found = tuple[str, str | None, Divergence | None, float | None]
 
+# The reason (or note) of a verdict over logprob values some of which were unknown.
+UNKNOWN_LOGPROBS = "unknown_logprobs"
 
-def _same(a: float, b: float) -> bool:
-    return a == b or (a != a and b != b)  # exact; NaN only ever equals NaN
-
-
-def _same_position(a: TokenLogprob, b: TokenLogprob) -> bool:
-    if a.logprob == b.logprob and a.top == b.top:
-        return True
-    if not _same(a.logprob, b.logprob) or len(a.top) != len(b.top):
-        return False
-    return all(ta == tb and _same(la, lb) for (ta, la), (tb, lb) in zip(a.top, b.top, strict=True))
+_Top = tuple[tuple[str, float | None], ...]
 
 
 def _delta(a: float, b: float) -> float:
-    if _same(a, b):
+    """|a - b| of two known values, -9999.0 and below counting as minus infinity."""
+    if a == b:
         return 0.0
     a_inf = a <= NEG_INF_LOGPROB
     b_inf = b <= NEG_INF_LOGPROB
     if a_inf and b_inf:
         return 0.0
-    if a_inf or b_inf or a != a or b != b:
+    if a_inf or b_inf:
         return math.inf
     return abs(a - b)
 
 
-def _position_delta(a: TokenLogprob, b: TokenLogprob) -> float:
-    """|delta| of the chosen token's logprob and of the top-k entries both sides list."""
-    worst = _delta(a.logprob, b.logprob)
+def _top_known(top: _Top) -> bool:
+    return all(known(value) for _, value in top)
+
+
+def _position(a: TokenLogprob, b: TokenLogprob) -> tuple[bool, bool, float]:
+    """Two entries of the same token: (a known difference, a value unknown, the largest
+    |delta| over the values known on both sides: the chosen token's and the top-k entries
+    both sides list). Where a value is unknown, only known pairs can show a difference."""
+    unknown = not (
+        known(a.logprob) and known(b.logprob) and _top_known(a.top) and _top_known(b.top)
+    )
+    if not unknown and a.logprob == b.logprob and a.top == b.top:
+        return False, False, 0.0
+    differs = False
+    worst = 0.0
+    if known(a.logprob) and known(b.logprob):
+        assert a.logprob is not None and b.logprob is not None
+        if a.logprob != b.logprob:
+            differs = True
+            worst = _delta(a.logprob, b.logprob)
     if a.top and b.top:
-        theirs: dict[str, float] = {}
+        theirs: dict[str, float | None] = {}
         for token, value in b.top:
             theirs.setdefault(token, value)
         seen: set[str] = set()
         for token, value in a.top:
-            if token in seen:
+            if token in seen or token not in theirs:
                 continue
             seen.add(token)
-            other = theirs.get(token)
-            if other is not None:
-                worst = max(worst, _delta(value, other))
-    return worst
+            other = theirs[token]
+            if known(value) and known(other):
+                assert value is not None and other is not None
+                if value != other:
+                    differs = True
+                    worst = max(worst, _delta(value, other))
+    if not unknown:
+        differs = True  # the top-k lists differ in membership, order or length
+    return differs, unknown, worst
 
 
-def _margin(top: tuple[tuple[str, float], ...]) -> float | None:
+def _margin(top: _Top) -> float | None:
+    """Top-1 minus top-2; unknown (None) when a value of the list is."""
     if len(top) < 2:
         return None
     first = second = -math.inf
     for _, value in top:
+        if not known(value):
+            return None
+        assert value is not None
         if value > first:
             first, second = value, first
         elif value > second:
@@ -131,28 +159,42 @@ def _compare_tokens(
 ) -> _Found:
     delta = 0.0
     drift_at = -1
+    unknown = False
     common = min(len(primary), len(shadow))
     for i in range(common):
         a = primary[i]
         b = shadow[i]
         if a.token != b.token:
-            return ("text_divergence", None, _token_divergence(i, primary, shadow), delta)
-        if not _same_position(a, b):
-            if drift_at < 0:
-                drift_at = i
-            delta = max(delta, _position_delta(a, b))
+            divergence = _token_divergence(i, primary, shadow)
+            if unknown:
+                return ("text_divergence", UNKNOWN_LOGPROBS, divergence, None)
+            return ("text_divergence", None, divergence, delta)
+        differs, unknown_here, worst = _position(a, b)
+        if differs and drift_at < 0:
+            drift_at = i
+        unknown = unknown or unknown_here
+        delta = max(delta, worst)
+    note = UNKNOWN_LOGPROBS if unknown else None
+    found_delta = None if unknown else delta
     if len(primary) == len(shadow):
-        if drift_at < 0:
-            return ("identical", None, None, 0.0)
-        return ("logprob_drift", None, _token_divergence(drift_at, primary, shadow), delta)
+        if drift_at >= 0:
+            divergence = _token_divergence(drift_at, primary, shadow)
+            return ("logprob_drift", note, divergence, found_delta)
+        if unknown:
+            return ("incomparable", UNKNOWN_LOGPROBS, None, None)
+        return ("identical", None, None, 0.0)
     divergence = _token_divergence(common, primary, shadow)
     if len(primary) < len(shadow):
-        return _prefix_found(
-            primary_finish, shadow_finish, len(primary), len(shadow), divergence, delta
+        found = _prefix_found(
+            primary_finish, shadow_finish, len(primary), len(shadow), divergence, found_delta
         )
-    return _prefix_found(
-        shadow_finish, primary_finish, len(shadow), len(primary), divergence, delta
-    )
+    else:
+        found = _prefix_found(
+            shadow_finish, primary_finish, len(shadow), len(primary), divergence, found_delta
+        )
+    if unknown and found[0] == "text_divergence":
+        return (found[0], f"{found[1]}; {UNKNOWN_LOGPROBS}", found[2], found[3])
+    return found
 
 
 def _compare_first(
@@ -165,10 +207,15 @@ def _compare_first(
         a, b = primary[0], shadow[0]
         if a.token != b.token:
             return ("text_divergence", None, _token_divergence(0, primary, shadow), 0.0)
-        if _same_position(a, b):
-            return ("identical", None, None, 0.0)
-        found = _token_divergence(0, primary, shadow)
-        return ("logprob_drift", None, found, _position_delta(a, b))
+        differs, unknown, worst = _position(a, b)
+        if differs:
+            found = _token_divergence(0, primary, shadow)
+            if unknown:
+                return ("logprob_drift", UNKNOWN_LOGPROBS, found, None)
+            return ("logprob_drift", None, found, worst)
+        if unknown:
+            return ("incomparable", UNKNOWN_LOGPROBS, None, None)
+        return ("identical", None, None, 0.0)
     if not primary and not shadow:
         return ("identical", None, None, 0.0)
     empty_finish = primary_finish if not primary else shadow_finish

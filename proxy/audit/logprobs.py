@@ -2,8 +2,11 @@
 
 Two shapes exist: chat-style ``{"content": [{token, logprob, bytes, top_logprobs}]}`` (chat
 everywhere, and llama-server's /v1/completions) and the legacy completions shape
-``{tokens, token_logprobs, top_logprobs: [{tok: lp} | null], text_offset}``. A null logprob
-reads as -9999.0, vLLM's stand-in for minus infinity.
+``{tokens, token_logprobs, top_logprobs: [{tok: lp} | null], text_offset}``.
+
+A value is None when it is unknown: vLLM streams a NaN logprob as ``null`` (its non-streamed
+answer refuses to serialise it), and a non-finite float from any parser reads the same. vLLM's
+own stand-in for minus infinity is -9999.0, a known value, kept as sent.
 """
 
 from __future__ import annotations
@@ -17,19 +20,24 @@ NEG_INF_LOGPROB = -9999.0
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     token: str
-    logprob: float  # as the engine sent it (-9999.0 kept)
-    top: tuple[tuple[str, float], ...]  # top-k alternatives (token, logprob) in the engine's order
+    logprob: float | None  # as the engine sent it (-9999.0 kept); None when unknown
+    top: tuple[tuple[str, float | None], ...]  # top-k (token, logprob) in the engine's order
 
 
 class MalformedLogprobs(Exception):
     """A logprobs object that fits neither known shape."""
 
 
-def _logprob(value: Any) -> float:
+def known(value: float | None) -> bool:
+    """A finite logprob (None, NaN and infinities are unknown)."""
+    return value is not None and value - value == 0.0
+
+
+def _logprob(value: Any) -> float | None:
     if value is None:
-        return NEG_INF_LOGPROB
+        return None
     if isinstance(value, float):
-        return value
+        return value if value - value == 0.0 else None
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     raise MalformedLogprobs
@@ -46,11 +54,11 @@ def _chat_entries(items: list[Any]) -> tuple[list[TokenLogprob], bool]:
         if not isinstance(token, str):
             raise MalformedLogprobs
         raw_top = entry.get("top_logprobs")
-        top: tuple[tuple[str, float], ...] = ()
+        top: tuple[tuple[str, float | None], ...] = ()
         if raw_top:
             if not isinstance(raw_top, list):
                 raise MalformedLogprobs
-            pairs: list[tuple[str, float]] = []
+            pairs: list[tuple[str, float | None]] = []
             for alt in raw_top:
                 if not isinstance(alt, dict):
                     raise MalformedLogprobs
@@ -58,12 +66,17 @@ def _chat_entries(items: list[Any]) -> tuple[list[TokenLogprob], bool]:
                 value = alt.get("logprob")
                 if not isinstance(alt_token, str):
                     raise MalformedLogprobs
-                pairs.append((alt_token, value if type(value) is float else _logprob(value)))
+                # floats inline (the common case); finite when value - value is 0.0
+                if type(value) is not float or value - value != 0.0:
+                    value = _logprob(value)
+                pairs.append((alt_token, value))
             top = tuple(pairs)
         elif raw_top is not None and not isinstance(raw_top, list):
             raise MalformedLogprobs
         value = entry.get("logprob")
-        out.append(TokenLogprob(token, value if type(value) is float else _logprob(value), top))
+        if type(value) is not float or value - value != 0.0:
+            value = _logprob(value)
+        out.append(TokenLogprob(token, value, top))
         if token:
             eos_last = False
         else:
@@ -86,9 +99,9 @@ def _legacy_entries(obj: dict[str, Any]) -> list[TokenLogprob]:
     for token, value, alts in zip(tokens, values, tops, strict=True):
         if not isinstance(token, str):
             raise MalformedLogprobs
-        top: tuple[tuple[str, float], ...] = ()
+        top: tuple[tuple[str, float | None], ...] = ()
         if isinstance(alts, dict):
-            pairs: list[tuple[str, float]] = []
+            pairs: list[tuple[str, float | None]] = []
             for alt_token, alt_value in alts.items():
                 if not isinstance(alt_token, str):
                     raise MalformedLogprobs

@@ -17,17 +17,18 @@ class Divergence:
     index: int  # first divergent token index (character index when either side lacks tokens)
     primary_token: str | None  # None past that side's end, and in character mode
     shadow_token: str | None
-    primary_top: tuple[tuple[str, float], ...]
-    shadow_top: tuple[tuple[str, float], ...]
-    margin: float | None  # primary's top-1 minus top-2 logprob at that index
+    primary_top: tuple[tuple[str, float | None], ...]  # None: an unknown value (NaN, null)
+    shadow_top: tuple[tuple[str, float | None], ...]
+    margin: float | None  # primary's top-1 minus top-2 logprob there (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
     verdict: str
-    reason: str | None  # why incomparable, or a short note
+    reason: str | None  # why incomparable, or a short note ("unknown_logprobs": some were)
     divergence: Divergence | None  # text/answer divergence, or logprob_drift's first index
-    max_abs_logprob_delta: float | None  # nats over the common identical-token prefix
+    # nats over the common identical-token prefix; None without logprobs or where unknown
+    max_abs_logprob_delta: float | None
     primary_hash: str  # xxh3-128 hex of reasoning + "\x00" + content ("" without a choice)
     shadow_hash: str
     primary_tokens: int | None

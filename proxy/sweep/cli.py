@@ -11,7 +11,7 @@ from typing import Any, TextIO
 import orjson
 
 from proxy.sweep.chart import write_chart
-from proxy.sweep.load import DEFAULT_PROMPTS, Target, Window
+from proxy.sweep.load import DEFAULT_PROMPTS, Clock, Target, Window
 from proxy.sweep.render import to_markdown, to_text
 from proxy.sweep.run import SweepConfig, SweepError, normalise_base, run_sweep
 
@@ -149,15 +149,18 @@ def build_parser() -> argparse.ArgumentParser:
 class Progress:
     """One line on a terminal, rewritten in place; silent when ``stream`` is None."""
 
-    def __init__(self, stream: TextIO | None, total_runs: int) -> None:
+    def __init__(
+        self, stream: TextIO | None, total_runs: int, clock: Clock = time.monotonic
+    ) -> None:
         self._stream = stream
         self._total = total_runs
+        self._clock = clock
         self._width = 0
 
     def tick(self, window: Window, index: int) -> None:
         if self._stream is None:
             return
-        elapsed = min(window.duration_s, max(0.0, time.monotonic() - window.start))
+        elapsed = min(window.duration_s, max(0.0, self._clock() - window.start))
         tokens = window.tokens()
         rate = tokens / elapsed if elapsed > 0 else 0.0
         errors = sum(1 for r in window.records if r.error is not None)

@@ -4,6 +4,9 @@ A window ends hard: at the deadline every request still in flight is cancelled (
 closed, so the upstream stops generating) and counted as ``cut``. Tokens that arrived before the
 deadline count toward the sustained rate; nothing after it does, and the next level starts on an
 upstream with no leftover work from this one.
+
+Every time is read from ``clock`` (``time.monotonic`` unless a caller, a test, injects one);
+waiting goes through asyncio, so a loop with virtual time drives the whole window.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from proxy.sse import SSEDecoder, SSEOverflow
 
 ERROR_BACKOFF_S = 0.1  # a worker whose request failed waits this long before the next one
 TICK_S = 0.25  # how often a running window reports progress
+
+Clock = Callable[[], float]  # seconds, monotonic
 
 DEFAULT_PROMPTS = (
     "Explain in a few sentences how a hash table works.",
@@ -78,7 +83,7 @@ class Target:
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One request as the client saw it (``time.monotonic()`` seconds)."""
+    """One request as the client saw it (seconds of the sweep's clock)."""
 
     sent: float
     first_token: float | None = None
@@ -146,6 +151,7 @@ async def stream_request(
     body: bytes,
     rec: RequestRecord,
     deadline: float = float("inf"),
+    clock: Clock = time.monotonic,
 ) -> None:
     """Send one streaming request and fill ``rec``; failures land in ``rec.error``."""
     timeout = aiohttp.ClientTimeout(total=target.timeout_s)
@@ -159,7 +165,7 @@ async def stream_request(
                 return
             decoder = SSEDecoder()
             async for chunk in resp.content.iter_any():
-                now = time.monotonic()
+                now = clock()
                 for event in decoder.feed(chunk):
                     if event.data is None:
                         continue
@@ -170,7 +176,7 @@ async def stream_request(
                     if rec.error is not None:
                         return
             if rec.finish_seen:  # no [DONE], but the server said it had finished
-                rec.done = time.monotonic() <= deadline
+                rec.done = clock() <= deadline
             else:
                 rec.error = "stream ended before it finished"
     except (aiohttp.ClientError, TimeoutError, SSEOverflow, orjson.JSONDecodeError) as exc:
@@ -196,14 +202,19 @@ class Window:
 
 
 async def _worker(
-    session: aiohttp.ClientSession, target: Target, window: Window, counter: Iterator[int]
+    session: aiohttp.ClientSession,
+    target: Target,
+    window: Window,
+    counter: Iterator[int],
+    clock: Clock,
 ) -> None:
-    while (now := time.monotonic()) < window.deadline:
+    while (now := clock()) < window.deadline:
         rec = RequestRecord(sent=now)
         window.records.append(rec)
-        await stream_request(session, target, target.body(next(counter)), rec, window.deadline)
+        body = target.body(next(counter))
+        await stream_request(session, target, body, rec, window.deadline, clock)
         if rec.error is not None:
-            await asyncio.sleep(max(0.0, min(ERROR_BACKOFF_S, window.deadline - time.monotonic())))
+            await asyncio.sleep(max(0.0, min(ERROR_BACKOFF_S, window.deadline - clock())))
 
 
 async def run_window(
@@ -211,16 +222,17 @@ async def run_window(
     target: Target,
     window: Window,
     on_tick: Callable[[Window], None] | None = None,
+    clock: Clock = time.monotonic,
 ) -> Window:
     """Keep ``window.concurrency`` requests in flight until the deadline, then cut the rest."""
-    window.start = time.monotonic()
+    window.start = clock()
     counter = itertools.count()
     tasks = [
-        asyncio.create_task(_worker(session, target, window, counter))
+        asyncio.create_task(_worker(session, target, window, counter, clock))
         for _ in range(window.concurrency)
     ]
     try:
-        while (left := window.deadline - time.monotonic()) > 0:
+        while (left := window.deadline - clock()) > 0:
             await asyncio.sleep(min(TICK_S, left))
             if on_tick is not None:
                 on_tick(window)

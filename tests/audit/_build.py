@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-Token = tuple[str, float, list[tuple[str, float]]]  # (token, logprob, top-k)
+Token = tuple[str, float | None, list[tuple[str, float | None]]]  # (token, logprob, top-k)
 
 
-def chat_entry(token: str, logprob: float | None, top: list[tuple[str, float]]) -> dict[str, Any]:
+def chat_entry(
+    token: str, logprob: float | None, top: list[tuple[str, float | None]]
+) -> dict[str, Any]:
     return {
         "token": token,
         "logprob": logprob,

@@ -68,8 +68,8 @@ def test_completions_legacy_shape_with_nulls() -> None:
     assert (
         choice.content == "Hi! ok" and choice.reasoning == "" and choice.finish_reason == "length"
     )
-    assert choice.tokens == (
-        TokenLogprob("Hi", -9999.0, (("Hi", -0.125), ("Hello", -2.25))),
+    assert choice.tokens == (  # a null logprob is unknown (vLLM's NaN), not -9999.0
+        TokenLogprob("Hi", None, (("Hi", -0.125), ("Hello", -2.25))),
         TokenLogprob("!", -0.5, ()),
         TokenLogprob(" ok", -9999.0, ((" ok", -9999.0), (" no", -9999.0))),
     )

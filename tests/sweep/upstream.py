@@ -14,9 +14,7 @@ from aiohttp import web
 class Script:
     tokens: int = 20
     delay_s: float = 0.002
-    slow_delay_s: float = 0.02
     change_version: bool = False  # /version says 0.1.0 once, then 0.2.0
-    alternate_speed: bool = False  # slow after every second /version read (between runs)
     fail_every: int = 0  # every n-th chat request (not the first) answers HTTP 500
     # /metrics of a vLLM with speculative decoding: its spec-decode counters start at 0 and
     # rise with the chat requests after the first (drafts of 3 tokens, 2 accepted); the first
@@ -53,8 +51,7 @@ def scripted_app(script: Script) -> web.Application:
             and script.chat_calls % script.fail_every == 0
         ):
             return web.json_response({"error": {"message": "scripted failure"}}, status=500)
-        slow = script.alternate_speed and script.version_calls % 2 == 0
-        delay = script.slow_delay_s if slow else script.delay_s
+        delay = script.delay_s
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         await resp.write(_chunk({"role": "assistant", "content": ""}))
