@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +113,9 @@ def build_app(
     upstream: Upstream | None = None,
     inspector_factories: Sequence[InspectorFactory] = (),
     policies: PolicyChain | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> web.Application:
+    """``clock``: the time request durations and stream speeds are measured on."""
     app = web.Application(
         client_max_size=settings.server.max_body_bytes,
         middlewares=admin_middlewares(settings.server),
@@ -158,7 +160,9 @@ def build_app(
         if settings.audit.reference_url:
             reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
             owned.append(reference)
-        forwarder = Forwarder(settings, target, bus, inspector_factories, chain, recovery, guard)
+        forwarder = Forwarder(
+            settings, target, bus, inspector_factories, chain, recovery, guard, clock
+        )
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None

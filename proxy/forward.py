@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -68,7 +68,9 @@ class Forwarder(StreamResponses):
         policies: PolicyChain | None = None,
         recovery: Recovery | None = None,
         guard: InjectionGuard | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock  # the time of durations and speeds; tests inject theirs
         self._auditor: Auditor | None = None
         self.guard = guard or InjectionGuard(settings.injection, bus)
         self._sender = FallbackSender(
@@ -98,7 +100,7 @@ class Forwarder(StreamResponses):
         self.started += 1
         request[INFLIGHT] = self.inflight
         self._bus.publish(RequestStarted(endpoint or "other"))
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:
             if endpoint is not None and request.method == "POST":
                 return await self._openai(request, endpoint)
@@ -135,7 +137,7 @@ class Forwarder(StreamResponses):
                 deterministic=view.deterministic if view else False,
                 status=status,
                 outcome=outcome,
-                duration_s=time.monotonic() - t0,
+                duration_s=self._clock() - t0,
                 first_byte_s=first_byte_s,
             )
         )
@@ -155,7 +157,7 @@ class Forwarder(StreamResponses):
     # -- the OpenAI endpoints ---------------------------------------------------------------
 
     async def _openai(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        t0 = time.monotonic()
+        t0 = self._clock()
         rid = request_id_of(request.headers)
         try:
             ensure_json_content_type(request)
@@ -265,7 +267,7 @@ class Forwarder(StreamResponses):
                 self._recovery_failed(attempts)  # the retry's overrides were refused
                 upstream, payload = kept
                 break
-            first_byte_s = time.monotonic() - t0
+            first_byte_s = self._clock() - t0
             answer = parse_answer(payload) if ticket is not None or self._reads_answers else None
             if injected and answer is not None and upstream.status == 200:
                 if ticket is not None:
@@ -369,7 +371,7 @@ class Forwarder(StreamResponses):
     # -- everything else --------------------------------------------------------------------
 
     async def _passthrough(self, request: web.Request) -> web.StreamResponse:
-        t0 = time.monotonic()
+        t0 = self._clock()
         self._count(None, "other", request)
         rid = request_id_of(request.headers)
         headers = upstream_request_headers(request.headers, rid, proxy_reads_body=False)
@@ -382,7 +384,7 @@ class Forwarder(StreamResponses):
             self._bus.publish(UpstreamFailed("other", exc.kind, "headers"))
             self._finish(None, "other", exc.status, "upstream_error", t0, None, request)
             return error_response(exc.status, exc.message, request_id=rid)
-        first_byte_s = time.monotonic() - t0
+        first_byte_s = self._clock() - t0
         resp = web.StreamResponse(
             status=upstream.status,
             headers=client_response_headers(upstream.headers, rid, keep_length=True),

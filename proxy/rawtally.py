@@ -142,6 +142,7 @@ class RawTally:
 
     __slots__ = (
         "_chat",
+        "_clock",
         "_decoder",
         "_first_seen",
         "_max",
@@ -153,7 +154,15 @@ class RawTally:
         "partial",
     )
 
-    def __init__(self, endpoint: str, result: StreamResult, t0: float, max_event_bytes: int):
+    def __init__(
+        self,
+        endpoint: str,
+        result: StreamResult,
+        t0: float,
+        max_event_bytes: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._clock = clock
         self._chat = endpoint == "chat"
         self._result = result
         self._t0 = t0
@@ -166,7 +175,7 @@ class RawTally:
         self.partial = False  # bytes of an unfinished event may have been relayed
 
     def _now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     def feed(self, data: bytes) -> bytes:
         """One upstream read; returns the bytes to write now."""
@@ -182,7 +191,7 @@ class RawTally:
             self._pending = buf
             return b""
         result = self._result
-        now = time.monotonic() - self._t0
+        now = self._clock() - self._t0
         if result.first_event_s is None:
             result.first_event_s = now
         result.events += buf.count(b"\n\n", 0, end)

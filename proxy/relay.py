@@ -135,7 +135,9 @@ class StreamRelay(SimpleReads):
         max_event_bytes: int,
         t0: float,
         plan: StreamPlan = StreamPlan(),
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._clock = clock  # the speed metrics' time; tests inject theirs
         self._endpoint = endpoint
         self._inspectors = inspectors
         self._inspecting = True
@@ -165,7 +167,7 @@ class StreamRelay(SimpleReads):
         )
 
     def _now(self) -> float:
-        return time.monotonic() - self._t0
+        return self._clock() - self._t0
 
     def _stop_inspecting(self, reason: str) -> None:
         if self._inspecting:
@@ -296,7 +298,7 @@ class StreamRelay(SimpleReads):
 
     async def _run_raw(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
         result = self.result
-        tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes)
+        tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
         try:
             async for data in upstream.chunks():
                 out = tally.feed(data)

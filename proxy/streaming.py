@@ -9,7 +9,7 @@ owns the request's bookkeeping (``_finish``, ``_client_left``, ``_auditor_done``
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -42,6 +42,7 @@ class StreamResponses:
     _bus: EventBus
     _inspector_factories: list[InspectorFactory]
     _recovery: Recovery | None
+    _clock: Callable[[], float]
 
     def _finish(
         self,
@@ -127,6 +128,7 @@ class StreamResponses:
                     self._settings.server.max_sse_event_bytes,
                     t0,
                     plan,
+                    self._clock,
                 )
                 result = await relay.run(upstream, resp)
                 upstream.close()  # an abandoned attempt's connection closes at once

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from proxy.audit.compare import Verdict, compare_choices, output_hash
+from proxy.audit.compare import UNKNOWN_LOGPROBS, Verdict, compare_choices, output_hash
 from proxy.audit.extract import AnswerExtractor, build_extractor
 from proxy.audit.inject import needs_injection, plan_logprobs
 from proxy.audit.outcome import ChoiceOutcome, Outcome
@@ -324,8 +324,11 @@ def compare_digests(before: ChoiceDigest, now: ChoiceDigest) -> Verdict:
         same_text = before.token_hash == now.token_hash
     else:
         same_text = before.text_hash == now.text_hash
+    reason = None
     if not same_text:
         verdict = "text_divergence"
+    elif any(d.token_hash is not None and d.logprob_hash is None for d in (before, now)):
+        verdict, reason = "incomparable", UNKNOWN_LOGPROBS  # same tokens, a null logprob
     elif (
         before.logprob_hash is not None
         and now.logprob_hash is not None
@@ -336,7 +339,7 @@ def compare_digests(before: ChoiceDigest, now: ChoiceDigest) -> Verdict:
         verdict = "identical"
     return Verdict(
         verdict=verdict,
-        reason=None,
+        reason=reason,
         divergence=None,
         max_abs_logprob_delta=None,
         primary_hash=now.text_hash,

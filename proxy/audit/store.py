@@ -33,15 +33,17 @@ def digest_choice(choice: ChoiceOutcome) -> ChoiceDigest:
         return ChoiceDigest(text, None, None, None, choice.finish_reason)
     th = xxhash.xxh3_128()
     lh = xxhash.xxh3_128()
+    unknown = False  # a null (NaN) logprob: the logprobs cannot be compared, only the tokens
     for tok in choice.tokens:
         th.update(tok.token.encode() + b"\x00")
+        unknown = unknown or tok.logprob is None
         lh.update(repr(tok.logprob).encode() + b"|")
         for alt, lp in tok.top:
+            unknown = unknown or lp is None
             lh.update(alt.encode() + b"\x00" + repr(lp).encode() + b",")
         lh.update(b";")
-    return ChoiceDigest(
-        text, th.hexdigest(), lh.hexdigest(), len(choice.tokens), choice.finish_reason
-    )
+    logprobs = None if unknown else lh.hexdigest()
+    return ChoiceDigest(text, th.hexdigest(), logprobs, len(choice.tokens), choice.finish_reason)
 
 
 def digest_outcome(outcome: Outcome) -> tuple[ChoiceDigest, ...]:

@@ -251,3 +251,17 @@ def test_incident_and_metrics_render_an_unknown_verdict() -> None:
     assert metric(registry, audits, model="m", mode="full", verdict="logprob_drift") == 0
     assert metric(registry, "detproxy_logprob_delta_nats_count", model="m", mode="full") == 0
     assert "NaN" not in generate_latest(registry).decode()
+
+
+def test_a_duplicate_with_unknown_logprobs_is_incomparable_not_drift() -> None:
+    from proxy.audit.auditor import compare_digests
+    from proxy.audit.store import digest_choice
+
+    known = _stream("chat", chat_chunks([], CONTENT)).choices[0]
+    unknown = _stream("chat", chat_chunks([], NAN_CONTENT)).choices[0]
+    assert digest_choice(unknown).logprob_hash is None
+    assert digest_choice(unknown).token_hash == digest_choice(known).token_hash
+    for before, now in ((known, unknown), (unknown, unknown), (unknown, known)):
+        verdict = compare_digests(digest_choice(before), digest_choice(now))
+        assert (verdict.verdict, verdict.reason) == ("incomparable", UNKNOWN_LOGPROBS)
+    assert compare_digests(digest_choice(known), digest_choice(known)).verdict == "identical"
