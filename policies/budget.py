@@ -8,8 +8,9 @@ open-ended prompts), are never refused. A recovery reserves an estimate when it 
 (a burst of loops arriving together is bounded too) and is settled with what it really
 generated once its attempt ended.
 
-Counts live in one-second buckets per model, so memory is fixed per model; models are capped
-(the model name is client-controlled), the overflow sharing one account.
+Counts live in one-second buckets per model with running totals, so memory is fixed per model
+and each call costs O(1); models are capped (the model name is client-controlled), the
+overflow sharing one account.
 """
 
 from __future__ import annotations
@@ -32,12 +33,31 @@ class BudgetUse:
 
 
 class _Account:
-    __slots__ = ("generated", "spent", "stamp")
+    """One model's window: per-second buckets and their running totals, so reading and
+    recording cost O(1) (a second that passed is subtracted once, when the window moves)."""
 
-    def __init__(self, window: int) -> None:
+    __slots__ = ("generated", "generated_total", "second", "spent", "spent_total")
+
+    def __init__(self, window: int, second: int) -> None:
         self.generated = [0] * window
         self.spent = [0] * window
-        self.stamp = [0] * window
+        self.generated_total = 0
+        self.spent_total = 0
+        self.second = second  # the newest second the buckets hold
+
+    def advance(self, second: int) -> None:
+        window = len(self.generated)
+        if second - self.second >= window:
+            self.generated = [0] * window
+            self.spent = [0] * window
+            self.generated_total = self.spent_total = 0
+        else:
+            for s in range(self.second + 1, second + 1):
+                slot = s % window
+                self.generated_total -= self.generated[slot]
+                self.spent_total -= self.spent[slot]
+                self.generated[slot] = self.spent[slot] = 0
+        self.second = max(self.second, second)
 
 
 class RecoveryBudget:
@@ -59,6 +79,7 @@ class RecoveryBudget:
         if tokens > 0:
             account, slot = self._slot(model)
             account.generated[slot] += tokens
+            account.generated_total += tokens
 
     def try_reserve(self, model: str, tokens: int) -> bool:
         """Reserve ``tokens`` for a recovery if the model's account has room."""
@@ -67,6 +88,7 @@ class RecoveryBudget:
             return False
         account, slot = self._slot(model)
         account.spent[slot] += tokens
+        account.spent_total += tokens
         return True
 
     def settle(self, model: str, reserved: int, actual: int) -> None:
@@ -75,16 +97,17 @@ class RecoveryBudget:
             return
         account, slot = self._slot(model)
         account.spent[slot] += actual - reserved
+        account.spent_total += actual - reserved
 
     def use(self, model: str) -> BudgetUse:
         account = self._accounts.get(self._key(model))
         if account is None:
             return BudgetUse(0, 0, self._floor)
-        oldest = int(self._clock()) - self._window
-        live = [i for i, s in enumerate(account.stamp) if s > oldest]
-        generated = sum(account.generated[i] for i in live)
-        spent = max(0, sum(account.spent[i] for i in live))
-        return BudgetUse(generated, spent, max(self._floor, int(self._share * generated)))
+        account.advance(int(self._clock()))
+        generated = account.generated_total
+        return BudgetUse(
+            generated, max(0, account.spent_total), max(self._floor, int(self._share * generated))
+        )
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Per model, for ``/detproxy/status``."""
@@ -101,12 +124,9 @@ class RecoveryBudget:
 
     def _slot(self, model: str) -> tuple[_Account, int]:
         key = self._key(model)
+        second = int(self._clock())
         account = self._accounts.get(key)
         if account is None:
-            account = self._accounts[key] = _Account(self._window)
-        second = int(self._clock())
-        slot = second % self._window
-        if account.stamp[slot] != second:
-            account.stamp[slot] = second
-            account.generated[slot] = account.spent[slot] = 0
-        return account, slot
+            account = self._accounts[key] = _Account(self._window, second)
+        account.advance(second)
+        return account, second % self._window

@@ -4,7 +4,7 @@ trigger leads to, and reports loops and policy actions as events."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,9 @@ class Attempts:
         return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
 
 
+MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
+
+
 class Recovery:
     def __init__(
         self,
@@ -68,10 +71,13 @@ class Recovery:
         bus: EventBus,
         guard: InjectionGuard | None = None,
         budget: RecoveryBudget | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
         self._guard = guard
         self._budget = budget
+        self._clock = clock
+        self._published: dict[str, int] = {}  # model -> second its budget gauge was last set
         self._chain = chain
         self._bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
@@ -215,11 +221,19 @@ class Recovery:
         """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""
         if self._budget is None:
             return
+        settled = False
         if attempts.reserved and attempt in (None, attempts.reserved_for):
             self._budget.settle(attempts.model, attempts.reserved, tokens)
             attempts.reserved = 0
-        use = self._budget.use(attempts.model)
-        self._bus.publish(RecoveryBudgetUsed(attempts.model, use.spent, use.allowed))
+            settled = True
+        # The gauge follows the account: at once when a recovery moved it, else once a second
+        # per model (each request's tokens move "allowed" a little; not worth an update each).
+        now = int(self._clock())
+        if settled or attempts.count > 1 or self._published.get(attempts.model) != now:
+            if len(self._published) < MAX_PUBLISHED or attempts.model in self._published:
+                self._published[attempts.model] = now
+            use = self._budget.use(attempts.model)
+            self._bus.publish(RecoveryBudgetUsed(attempts.model, use.spent, use.allowed))
 
     def _acted(self, attempts: Attempts, action: str, outcome: str) -> None:
         attempts.history.append(outcome)
