@@ -28,7 +28,7 @@ start() {
 case "${1:-}" in
 receive)
   shopt -s nullglob
-  for f in .gpu/vllm/part-* .gpu/vllm/payload.sha256; do mv "$f" "$P/"; done
+  for f in .gpu/vllm/part-* .gpu/vllm/payload.sha256; do [ -e "$f" ] && mv "$f" "$P/"; done
   ls -l "$P"; df -h /root | tail -1
   ;;
 info)
@@ -58,12 +58,21 @@ setup)
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
   start gguf 8004 "X=1" --model "$P/model/model.gguf" --tokenizer "$M"
   echo "4 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004"
-  python3 - <<'PY'
-import time, urllib.request
+  python3 - "$W" <<'PY'
+import os, sys, time, urllib.request
+work = sys.argv[1]
 t0 = time.time()
 left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004}
-while left and time.time() - t0 < 60:
+while left and time.time() - t0 < 150:
     for name, port in list(left.items()):
+        pid = int(open(f"{work}/vllm-{name}.pid").read())
+        try:
+            os.kill(pid, 0)
+        except OSError:  # died: say why at once, so the next call can fix it
+            print(f"{name} DIED; its log ends:", flush=True)
+            print("".join(open(f"{work}/vllm-{name}.log").readlines()[-8:]), flush=True)
+            del left[name]
+            continue
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
             print(f"{name} up after {time.time() - t0:.0f} s", flush=True)
@@ -73,7 +82,7 @@ while left and time.time() - t0 < 60:
     time.sleep(1)
 print("not yet up:", sorted(left))
 PY
-  tail -3 "$W"/vllm-*.log
+  for f in "$W"/vllm-*.log; do echo "== $f"; tail -n 3 "$f"; done
   ;;
 validate)
   shift

@@ -21,8 +21,11 @@ pip=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3
      --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64
      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
      --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 --platform any)
-# The reference's set. llguidance 1.7.6 is not on the registry (newest there: 1.6.1) and vLLM
-# imports it lazily (structured output with the guidance backend only): left out.
+# The reference's set, but llguidance: 1.7.6 is not on the registry here (newest: 1.6.1; vLLM
+# asks for >=1.7,<1.8). vLLM's server imports it at start (a class annotation in
+# v1/structured_output/backend_guidance.py resolves its lazy import): without it every instance
+# died with "No module named 'llguidance'" (2026-12-01). 1.6.1 serves (guided decoding with the
+# guidance backend, not exercised here, may not).
 deps=(annotated-types==0.8.0 apache-tvm-ffi==0.1.9 astor==0.8.1 blake3==1.0.11 cachetools==8.0.2
   cbor2==6.3.0 compressed-tensors==0.17.0 depyf==0.20.0 dill==0.4.1 fastapi==0.136.3
   gguf==0.19.0 httpcore2==2.16.2 httpx2==2.16.2 ijson==3.6.0 jiter==0.19.0 jmespath==1.1.0
@@ -33,23 +36,17 @@ deps=(annotated-types==0.8.0 apache-tvm-ffi==0.1.9 astor==0.8.1 blake3==1.0.11 c
   pydantic==2.14.4 pydantic-core==2.50.5 pydantic-extra-types==2.11.1 pyzmq==27.3.0
   referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.10.0
   supervisor==4.3.0 truststore==0.10.5 typing-inspection==0.4.5 uvicorn==0.54.0
-  watchfiles==1.3.0 xgrammar==0.2.3 orjson==3.13.0 httptools==0.9.0)
-if [ ! -f "$stage/wheels/.done" ]; then
-  "${pip[@]}" -d "$stage/wheels" "${deps[@]}"
-  touch "$stage/wheels/.done"
-fi
+  watchfiles==1.3.0 xgrammar==0.2.3 orjson==3.13.0 httptools==0.9.0 llguidance==1.6.1)
+"${pip[@]}" -d "$stage/wheels" "${deps[@]}"  # files already there are not fetched again
 if ! ls "$stage"/vllm/vllm-0.23.0-*.whl >/dev/null 2>&1; then
   "${pip[@]}" -d "$stage/vllm" vllm==0.23.0
 fi
 cp -n "$gguf" "$stage/model/model.gguf"
-if [ ! -f "$out/payload.sha256" ]; then
-  # deps and model first, vLLM last; parts of 62 MiB
-  tar -C "$stage" -cf "$out/payload.tar" --exclude=.done wheels model vllm
-  sha256sum "$out/payload.tar" | cut -d' ' -f1 > "$out/payload.sha256.tmp"
-  rm -f "$out"/part-*
-  split -b 62M -d -a 1 "$out/payload.tar" "$out/part-"
-  rm "$out/payload.tar"
-  mv "$out/payload.sha256.tmp" "$out/payload.sha256"
-fi
+# deps and model first, vLLM last; parts of 62 MiB (about 10 s, so always rebuilt)
+tar -C "$stage" -cf "$out/payload.tar" --exclude=.done wheels model vllm
+sha256sum "$out/payload.tar" | cut -d' ' -f1 > "$out/payload.sha256"
+rm -f "$out"/part-*
+split -b 62M -d -a 1 "$out/payload.tar" "$out/part-"
+rm "$out/payload.tar"
 ls -l "$out"/part-* "$out/payload.sha256"
 echo "parts: $(ls "$out"/part-* | wc -l)"

@@ -1,0 +1,1537 @@
+"""Real-vLLM validation: detproxy in front of vLLM 0.23.0 on the lent H200, measured against truth.
+
+Four vLLM instances serve the same bf16 SmolLM2-135M checkpoint (on_device.sh starts them):
+stock, ``VLLM_BATCH_INVARIANT=1`` (the control), n-gram speculative decoding, and the GGUF
+itself (whose logprobs are NaN). Each step below starts its own detproxy (``python3 -m proxy
+serve``, from the carried source) and writes what it measured into results.json and
+results.md, after every step, in --work and --out. Steps run in order of priority and are
+skipped when the time left (--deadline-s) is short of their estimate; ``--resume`` runs the
+steps a previous call did not finish (the serial references are kept in --work).
+
+Ground truth: each prompt alone and cold (a fresh ``cache_salt``), non-streamed with top-5
+logprobs, repeated; a client's answer is unstable when its text (or, for a client that asked
+for logprobs, any logprob) differs from that reference, bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+
+PARAGRAPH = (
+    "The committee reviewed the quarterly figures for the northern region, noting that "
+    "shipping delays in March pushed several large orders into April, while returns "
+    "stayed flat and the new warehouse cut handling costs by a fifth. "
+)
+# Twelve chat prompts, about 20 to 1,600 tokens; the long ones quote a paragraph, which
+# n-gram speculation can draft from.
+PROMPTS = [
+    "Write a short story about a robot who learns to paint. Use vivid details.",
+    "Explain why the sky is blue to a ten year old.",
+    PARAGRAPH * 2 + "What is the main cause of the change in orders?",
+    PARAGRAPH * 10 + "Summarise the figures in two sentences.",
+    PARAGRAPH * 25 + "List three risks for next quarter.",
+    PARAGRAPH * 45 + "Extract every month mentioned, as a JSON list.",
+    "List ten countries in Europe and their capitals.",
+    "Describe how a bill becomes a law in the United States.",
+    "Write a recipe for a chocolate cake.",
+    PARAGRAPH * 4 + "Repeat the text above word for word.",
+    "Explain the difference between TCP and UDP.",
+    "What are the health benefits of drinking water? Answer in detail.",
+]
+# Open-ended prompts on which SmolLM2-135M loops at temperature 0 (llama.cpp; tests/
+# integration/test_loops_llama_server.py) and a few like them.
+LOOPING = [
+    "Write a poem about the ocean.",
+    "Write a poem about love.",
+    "Write a letter to a friend.",
+    "Write a poem about the moon.",
+    "Write a song about summer.",
+    "Write a letter to your future self.",
+    "List as many animals as you can.",
+    "Write a poem about the stars.",
+]
+LONG = "Write a very long story about a dragon, a knight and a village, chapter by chapter."
+MODEL = "smollm2"
+MAX_TOKENS = 128
+TOP = 5
+REPS = 3
+LOADS = (8, 16, 32)
+N_LOAD = 64
+SWEEP_LEVELS = "1,2,4,8,16,32,64"
+SWEEP_DURATION = 4.0
+PROBE_LEVELS = "1,4,16"
+PROBE_RUNS = 10
+
+
+def salt() -> str:
+    return uuid.uuid4().hex
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> list[float]:
+    if n == 0:
+        return [0.0, 1.0]
+    p = k / n
+    d = 1 + z * z / n
+    c = (p + z * z / (2 * n)) / d
+    h = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [round(max(0.0, c - h), 4), round(min(1.0, c + h), 4)]
+
+
+def rate(k: int, n: int) -> dict[str, Any]:
+    return {"k": k, "n": n, "rate": round(k / n, 4) if n else None, "ci95": wilson(k, n)}
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    if not values:
+        return {"n": 0}
+    return {
+        "n": len(values),
+        "min": round(min(values), 4),
+        "median": round(statistics.median(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
+# ---------------------------------------------------------------------------------- clients
+
+
+def lp_entries(entries: list[dict[str, Any]] | None) -> list[Any] | None:
+    if entries is None:
+        return None
+    return [
+        [
+            e.get("token"),
+            e.get("logprob"),
+            [[t.get("token"), t.get("logprob")] for t in e.get("top_logprobs") or []],
+        ]
+        for e in entries
+    ]
+
+
+async def post(
+    http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[int, bytes, dict[str, str]]:
+    async with http.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.read(), dict(resp.headers)
+
+
+def parse_sse(raw: bytes) -> tuple[list[dict[str, Any]], list[Any]]:
+    events, errors = [], []
+    for block in raw.split(b"\n\n"):
+        for line in block.split(b"\n"):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            try:
+                event = orjson.loads(line[6:])
+            except orjson.JSONDecodeError:
+                errors.append(line[:200].decode(errors="replace"))
+                continue
+            if "error" in event:
+                errors.append(event["error"])
+            events.append(event)
+    return events, errors
+
+
+async def chat(
+    http: aiohttp.ClientSession,
+    base: str,
+    prompt: str,
+    *,
+    stream: bool = False,
+    logprobs: bool = False,
+    cache_salt: str | None = None,
+    rid: str | None = None,
+    max_tokens: int | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One greedy chat request; what the client got: status, text, logprobs, finish."""
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": max_tokens or MAX_TOKENS,
+        "stream": stream,
+        "messages": [{"role": "user", "content": prompt}],
+    }
+    if logprobs:
+        body |= {"logprobs": True, "top_logprobs": TOP}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
+    body |= extra or {}
+    headers = {"X-Request-Id": rid} if rid else {}
+    t0 = time.monotonic()
+    try:
+        status, raw, hdrs = await post(http, base + "/v1/chat/completions", body, headers)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return {"status": 0, "error": repr(exc)[:300]}
+    out: dict[str, Any] = {"status": status, "latency_s": round(time.monotonic() - t0, 4)}
+    out["attempts"] = hdrs.get("X-Detproxy-Attempts")
+    out["recovered"] = hdrs.get("X-Detproxy-Recovered")
+    if status != 200:
+        out["error"] = raw[:300].decode(errors="replace")
+        return out
+    if not stream:
+        try:
+            choice = orjson.loads(raw)["choices"][0]
+        except (orjson.JSONDecodeError, KeyError, IndexError) as exc:
+            return out | {"status": -1, "error": f"unparsable: {exc!r}"}
+        lp = (choice.get("logprobs") or {}).get("content") if choice.get("logprobs") else None
+        return out | {
+            "text": choice["message"].get("content") or "",
+            "lp": lp_entries(lp),
+            "finish": choice.get("finish_reason"),
+        }
+    events, errors = parse_sse(raw)
+    text, entries, finish, seen_lp = "", [], None, False
+    for event in events:
+        for choice in event.get("choices") or []:
+            text += (choice.get("delta") or {}).get("content") or ""
+            if choice.get("logprobs"):
+                seen_lp = True
+                entries += choice["logprobs"].get("content") or []
+            finish = choice.get("finish_reason") or finish
+    out |= {"text": text, "lp": lp_entries(entries) if seen_lp else None, "finish": finish}
+    if errors:
+        out |= {"status": -2, "error": str(errors[0])[:300]}
+    return out
+
+
+async def complete(
+    http: aiohttp.ClientSession,
+    base: str,
+    prompt: str,
+    *,
+    stream: bool = False,
+    logprobs: int | None = None,
+    max_tokens: int = 32,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": stream,
+        "prompt": prompt,
+    }
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+    try:
+        status, raw, _ = await post(http, base + "/v1/completions", body, {})
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return {"status": 0, "error": repr(exc)[:300]}
+    if status != 200:
+        return {"status": status, "error": raw[:300].decode(errors="replace")}
+    if not stream:
+        choice = orjson.loads(raw)["choices"][0]
+        lps = (choice.get("logprobs") or {}).get("token_logprobs")
+        return {"status": 200, "text": choice.get("text") or "", "lp": lps}
+    events, errors = parse_sse(raw)
+    text, lps = "", []
+    for event in events:
+        for choice in event.get("choices") or []:
+            text += choice.get("text") or ""
+            lps += (choice.get("logprobs") or {}).get("token_logprobs") or []
+    out = {"status": 200 if not errors else -2, "text": text, "lp": lps or None}
+    if errors:
+        out["error"] = str(errors[0])[:300]
+    return out
+
+
+def looped(text: str, min_covered: int = 200) -> bool:
+    """The tail is one unit repeated back to back, at least 4 times over min_covered chars."""
+    for unit in range(1, 120):
+        reps = max(4, -(-min_covered // unit))
+        if len(text) < unit * reps:
+            break
+        tail = text[-unit * reps :]
+        if tail == tail[:unit] * reps:
+            return True
+    return False
+
+
+# ---------------------------------------------------------------------------------- servers
+
+
+def toml(cfg: dict[str, dict[str, Any]]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        if isinstance(v, str):
+            return orjson.dumps(v).decode()
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        raise TypeError(v)
+
+    return "".join(
+        f"[{section}]\n" + "".join(f"{k} = {value(v)}\n" for k, v in fields.items())
+        for section, fields in cfg.items()
+    )
+
+
+def prom(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            with contextlib.suppress(ValueError):
+                name, val = line.rsplit(" ", 1)
+                out[name] = float(val)
+    return out
+
+
+def msum(metrics: dict[str, float], name: str, **labels: str) -> float:
+    total = 0.0
+    for key, val in metrics.items():
+        base = key.split("{", 1)[0]
+        if base != name:
+            continue
+        if all(f'{k}="{v}"' in key for k, v in labels.items()):
+            total += val
+    return total
+
+
+class Detproxy:
+    """``python3 -m proxy serve`` from the carried source, with a config file of its own."""
+
+    def __init__(self, upstream: str, cfg: dict[str, Any], work: Path, name: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.name = name
+        path = work / f"detproxy-{name}.toml"
+        path.write_text(toml(cfg))
+        self.log = open(work / f"detproxy-{name}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--upstream",
+                upstream,
+                "--port",
+                str(self.port),
+                "--config",
+                str(path),
+            ],
+            stdout=self.log,
+            stderr=self.log,
+            env=os.environ.copy(),
+        )
+
+    async def ready(self, http: aiohttp.ClientSession) -> None:
+        for _ in range(400):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"detproxy {self.name} exited {self.proc.returncode}")
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(self.base + "/detproxy/health") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+        raise RuntimeError("detproxy did not start")
+
+    async def status(self, http: aiohttp.ClientSession) -> dict[str, Any]:
+        async with http.get(self.base + "/detproxy/status") as resp:
+            result: dict[str, Any] = await resp.json()
+            return result
+
+    async def incidents(self, http: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        async with http.get(self.base + "/detproxy/incidents?limit=100000") as resp:
+            result: list[dict[str, Any]] = await resp.json()
+            return result
+
+    async def metrics(self, http: aiohttp.ClientSession) -> dict[str, float]:
+        async with http.get(self.base + "/detproxy/metrics") as resp:
+            return prom(await resp.text())
+
+    async def settle(self, http: aiohttp.ClientSession, expected: int | None) -> dict[str, Any]:
+        """Until ``expected`` shadows are audited or dropped (or, with None, the queue is empty)."""
+        deadline = time.monotonic() + 900
+        calm = 0
+        await asyncio.sleep(0.5)
+        while True:
+            status = await self.status(http)
+            audit, shadow = status["audit"], status["shadow"]
+            done = audit["modes"].get("full", 0) + sum(audit["shadows_dropped"].values())
+            if expected is not None and done >= expected:
+                return status
+            if expected is None:
+                calm = calm + 1 if shadow["queued"] == 0 and shadow["running"] == 0 else 0
+                if calm >= 10:
+                    return status
+            if time.monotonic() > deadline:
+                status["settle_timeout"] = True
+                return status
+            await asyncio.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def audit_config(
+    rate_: float = 1.0, by: str = "hash", reference: str | None = None, fp_s: float = 30
+) -> dict[str, Any]:
+    audit: dict[str, Any] = {
+        "sample_rate": rate_,
+        "sample_by": by,
+        "schedule": "quiet",
+        "quiet_max_inflight": 0,
+        "quiet_settle_s": 1.0,
+        "quiet_deadline_s": 900,
+        "max_concurrent_shadows": 1,
+        "max_shadows_per_s": 1000,
+        "max_token_share": 100,
+        "queue_size": 5000,
+        "cache_salt": True,
+        "passive_checks": False,
+        "inject_top_logprobs": TOP,
+    }
+    if reference:
+        audit["reference_url"] = reference
+    return {
+        "upstream": {"fingerprint_interval_s": fp_s},
+        "audit": audit,
+        "incidents": {"ring_size": 20000},
+        "loops": {"enabled": False},
+    }
+
+
+PIDS: dict[str, Path] = {}  # base URL -> its vLLM's pid file (on_device.sh writes them)
+
+
+def alive(url: str) -> bool:
+    pidfile = PIDS.get(url)
+    if pidfile is None or not pidfile.exists():
+        return True
+    try:
+        os.kill(int(pidfile.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+async def engine_up(http: aiohttp.ClientSession, url: str, wait_s: float) -> bool:
+    """Healthy within wait_s; False at once when its process has died."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        if not alive(url):
+            return False
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                if r.status == 200:
+                    return True
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(1)
+
+
+async def engine_metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        return prom(await resp.text())
+
+
+# ---------------------------------------------------------------------------------- context
+
+
+class Ctx:
+    def __init__(self, args: argparse.Namespace, http: aiohttp.ClientSession) -> None:
+        self.args = args
+        self.http = http
+        self.url = {"stock": args.stock, "bi": args.bi, "spec": args.spec, "gguf": args.gguf}
+        self.work: Path = args.work
+        self.deadline = time.monotonic() + args.deadline_s
+        state = args.work / "results.json"
+        self.results: dict[str, Any] = (
+            orjson.loads(state.read_bytes()) if args.resume and state.exists() else {}
+        )
+        self.results.setdefault("steps", {})
+        self.results.setdefault("refs", {})
+        self.results.setdefault("calls", []).append(
+            {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "deadline_s": args.deadline_s}
+        )
+
+    @property
+    def refs(self) -> dict[str, list[dict[str, Any]]]:
+        refs: dict[str, list[dict[str, Any]]] = self.results["refs"]
+        return refs
+
+    @property
+    def t1(self) -> float:
+        return float(self.results.get("t1_s") or 1.0)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        blob = orjson.dumps(self.results, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS)
+        md = markdown(self.results)
+        for folder in {self.work, self.args.out}:
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "results.json").write_bytes(blob)
+            (folder / "results.md").write_text(md)
+
+
+# ---------------------------------------------------------------------------------- truth
+
+
+async def reference(ctx: Ctx, name: str, reps: int = REPS) -> dict[str, Any]:
+    """Each prompt alone and cold, ``reps`` times: the serial reference, and is it stable?"""
+    base = ctx.url[name]
+    answers, unstable, times = [], [], []
+    for p, prompt in enumerate(PROMPTS):
+        runs = []
+        for _ in range(reps):
+            t0 = time.monotonic()
+            runs.append(await chat(ctx.http, base, prompt, logprobs=True, cache_salt=salt()))
+            times.append(time.monotonic() - t0)
+        bad = [r for r in runs if r["status"] != 200]
+        if bad:
+            raise RuntimeError(f"reference {name} p{p}: {bad[0]}")
+        if any((r["text"], r["lp"]) != (runs[0]["text"], runs[0]["lp"]) for r in runs):
+            unstable.append(p)
+        answers.append({k: runs[0][k] for k in ("text", "lp", "finish")})
+    ctx.refs[name] = answers
+    return {
+        "instance": name,
+        "reps": reps,
+        "unstable_prompts": unstable,
+        "mean_request_s": round(statistics.mean(times), 4),
+        "tokens": [len(a["lp"] or []) for a in answers],
+        "finish": [a["finish"] for a in answers],
+    }
+
+
+def first_diff(a: list[Any] | None, b: list[Any] | None) -> int | None:
+    if a is None or b is None:
+        return None
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x[0] != y[0]:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def truth_of(got: dict[str, Any], ref: dict[str, Any], asked: bool) -> str:
+    if got["status"] != 200:
+        return "error"
+    if got["text"] != ref["text"]:
+        return "text"
+    if asked and got["lp"] != ref["lp"]:
+        return "drift"
+    return "same"
+
+
+UNSTABLE = ("logprob_drift", "text_divergence", "answer_divergence")
+TEXTUAL = ("text_divergence", "answer_divergence")
+
+
+async def audit_load(
+    ctx: Ctx,
+    label: str,
+    engine: str,
+    truth: str,
+    conc: int,
+    n: int,
+    *,
+    rate_: float = 1.0,
+    by: str = "hash",
+    reference_url: str | None = None,
+    proxy: Detproxy | None = None,
+    expected_before: int = 0,
+) -> dict[str, Any]:
+    """Greedy load through detproxy; its verdicts against the truth, request by request."""
+    http = ctx.http
+    own = proxy is None
+    if proxy is None:
+        proxy = Detproxy(ctx.url[engine], audit_config(rate_, by, reference_url), ctx.work, label)
+    rng = random.Random(label)
+    jobs = [(f"{label}-{i}", i % len(PROMPTS)) for i in range(n)]
+    rng.shuffle(jobs)
+    plan = {rid: (p, rng.random() < 0.5, rng.random() < 0.5) for rid, p in jobs}
+    received: dict[str, dict[str, Any]] = {}
+    try:
+        if own:
+            await proxy.ready(http)
+        before = (await proxy.status(http))["audit"]["verdicts"]
+        sem = asyncio.Semaphore(conc)
+
+        async def one(rid: str) -> None:
+            p, stream, asked = plan[rid]
+            async with sem:
+                received[rid] = await chat(
+                    http,
+                    proxy.base,
+                    PROMPTS[p],
+                    stream=stream,
+                    logprobs=asked,
+                    cache_salt=salt(),
+                    rid=rid,
+                )
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(rid) for rid, _ in jobs))
+        traffic_s = time.monotonic() - t0
+        status = await proxy.settle(http, expected_before + n if rate_ >= 1.0 else None)
+        incidents = await proxy.incidents(http)
+        dmetrics = await proxy.metrics(http)
+    finally:
+        if own:
+            proxy.stop()
+    audits = {
+        i["request_id"]: i
+        for i in incidents
+        if i.get("kind") == "audit" and i.get("mode") == "full" and i.get("choice", 0) == 0
+    }
+    audits = {rid: i for rid, i in audits.items() if rid in plan}
+    refs = ctx.refs[truth]
+    rows = []
+    for rid, (p, stream, asked) in plan.items():
+        got = received[rid]
+        t = truth_of(got, refs[p], asked)
+        inc = audits.get(rid)
+        rows.append(
+            {
+                "rid": rid,
+                "p": p,
+                "stream": stream,
+                "asked": asked,
+                "truth": t,
+                "verdict": inc["verdict"] if inc else None,
+                "leaked_logprobs": (not asked) and got.get("lp") is not None,
+                "truth_index": first_diff(got.get("lp"), refs[p]["lp"]) if asked else None,
+            }
+        )
+    ok = [r for r in rows if r["truth"] != "error"]
+    audited_all = rate_ >= 1.0 and not sum(status["audit"]["shadows_dropped"].values())
+
+    def det_textual(r: dict[str, Any]) -> bool:
+        return r["verdict"] in TEXTUAL
+
+    t_text = {r["rid"] for r in ok if r["truth"] == "text"}
+    d_text = {r["rid"] for r in ok if det_textual(r)}
+    asked_rows = [r for r in ok if r["asked"]]
+    t_full = {r["rid"] for r in asked_rows if r["truth"] in ("text", "drift")}
+    d_full = {r["rid"] for r in asked_rows if r["verdict"] in UNSTABLE}
+    verdicts = {
+        k: v - before.get(k, 0)
+        for k, v in status["audit"]["verdicts"].items()
+        if v > before.get(k, 0)
+    }
+    unstable = sum(v for k, v in verdicts.items() if k in UNSTABLE)
+    comparable = sum(v for k, v in verdicts.items() if k != "incomparable")
+    texts: dict[int, set[str]] = {}
+    for r in ok:
+        texts.setdefault(r["p"], set()).add(received[r["rid"]]["text"])
+    divs = [i for i in audits.values() if i["verdict"] in TEXTUAL and i.get("divergence")]
+    return {
+        "label": label,
+        "engine": engine,
+        "truth_against": truth,
+        "reference_url": reference_url,
+        "concurrency": conc,
+        "requests": n,
+        "sample_rate": rate_,
+        "sample_by": by,
+        "traffic_s": round(traffic_s, 2),
+        "client_errors": sum(1 for r in rows if r["truth"] == "error"),
+        "client_error_examples": [received[r["rid"]].get("error") for r in rows][:0]
+        + [received[r["rid"]].get("error") for r in rows if r["truth"] == "error"][:3],
+        "leaked_logprobs": sum(1 for r in rows if r["leaked_logprobs"]),
+        "audited": sum(verdicts.values()),
+        "all_audited": audited_all,
+        "dropped": status["audit"]["shadows_dropped"],
+        "settle_timeout": status.get("settle_timeout", False),
+        "verdicts": verdicts,
+        "detproxy_rate": rate(unstable, comparable),
+        "detproxy_text_rate": rate(sum(verdicts.get(k, 0) for k in TEXTUAL), comparable),
+        "truth_text_rate": rate(len(t_text), len(ok)),
+        "truth_full_rate_asked": rate(len(t_full), len(asked_rows)),
+        "agreement_text": {
+            "both": len(t_text & d_text),
+            "only_truth": len(t_text - d_text),
+            "only_detproxy": len(d_text - t_text),
+            "neither": len(ok) - len(t_text | d_text),
+        },
+        "agreement_full_asked": {
+            "n": len(asked_rows),
+            "both": len(t_full & d_full),
+            "only_truth": len(t_full - d_full),
+            "only_detproxy": len(d_full - t_full),
+        },
+        "drift_text_same_not_asked": sum(
+            1 for r in ok if not r["asked"] and r["verdict"] == "logprob_drift"
+        ),
+        "disagreements": [
+            r for r in ok if (r["rid"] in t_text) != (r["rid"] in d_text) and audited_all
+        ][:12],
+        "divergence_positions": spread([i["divergence"]["index"] for i in divs]),
+        "divergence_positions_all": sorted(i["divergence"]["index"] for i in divs)[:80],
+        "truth_positions_asked": sorted(
+            r["truth_index"] for r in asked_rows if r["truth_index"] is not None
+        )[:80],
+        "margins_nats": spread(
+            [i["divergence"]["margin"] for i in divs if i["divergence"].get("margin") is not None]
+        ),
+        "max_abs_logprob_delta": spread(
+            [
+                i["max_abs_logprob_delta"]
+                for i in audits.values()
+                if i.get("max_abs_logprob_delta") is not None
+            ]
+        ),
+        "overlapped_shadows": sum(1 for i in audits.values() if i.get("shadow_overlapped")),
+        "distinct_texts_per_prompt": {p: len(s) for p, s in sorted(texts.items())},
+        "fallbacks": msum(dmetrics, "detproxy_fallbacks_total"),
+        "injection_failures": msum(dmetrics, "detproxy_injection_failures_total"),
+    }
+
+
+# ---------------------------------------------------------------------------------- steps
+
+
+def norm(raw: bytes) -> bytes:
+    raw = re.sub(rb'"id":\s*"[^"]*"', b'"id":"X"', raw)
+    raw = re.sub(rb'"created":\s*\d+', b'"created":0', raw)
+    return re.sub(rb'"(chatcmpl|cmpl)-[0-9a-f-]+', b'"X', raw)
+
+
+async def step_passthrough(ctx: Ctx) -> dict[str, Any]:
+    """Chat and completions, streamed and not, through detproxy (defaults) and direct."""
+    from openai import AsyncOpenAI
+
+    base = ctx.url["stock"]
+    proxy = Detproxy(base, {"server": {}}, ctx.work, "passthrough")
+    out: dict[str, Any] = {"sdk": [], "raw": [], "errors": [], "paths": []}
+    try:
+        await proxy.ready(ctx.http)
+        clients = {
+            "detproxy": AsyncOpenAI(base_url=proxy.base + "/v1", api_key="none", max_retries=0),
+            "direct": AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0),
+        }
+        q = "What is the capital of France?"
+        for endpoint in ("chat", "completions"):
+            for stream in (False, True):
+                got = {}
+                for who, client in clients.items():
+                    extra = {"cache_salt": salt()}
+                    if endpoint == "chat":
+                        kw: dict[str, Any] = {
+                            "model": MODEL,
+                            "temperature": 0,
+                            "max_tokens": 48,
+                            "messages": [{"role": "user", "content": q}],
+                            "extra_body": extra,
+                        }
+                        if stream:
+                            text, finish = "", None
+                            async for ch in await client.chat.completions.create(stream=True, **kw):
+                                for c in ch.choices:
+                                    text += c.delta.content or ""
+                                    finish = c.finish_reason or finish
+                        else:
+                            r = await client.chat.completions.create(**kw)
+                            text = r.choices[0].message.content or ""
+                            finish = r.choices[0].finish_reason
+                    else:
+                        kw = {
+                            "model": MODEL,
+                            "temperature": 0,
+                            "max_tokens": 48,
+                            "prompt": "The capital of France is",
+                            "extra_body": extra,
+                        }
+                        if stream:
+                            text, finish = "", None
+                            async for ch in await client.completions.create(stream=True, **kw):
+                                for c in ch.choices:
+                                    text += c.text or ""
+                                    finish = c.finish_reason or finish
+                        else:
+                            r2 = await client.completions.create(**kw)
+                            text = r2.choices[0].text
+                            finish = r2.choices[0].finish_reason
+                    got[who] = (text, finish)
+                out["sdk"].append(
+                    {
+                        "endpoint": endpoint,
+                        "stream": stream,
+                        "equal": got["detproxy"] == got["direct"],
+                        "text": got["direct"][0][:80],
+                        "finish": got["direct"][1],
+                    }
+                )
+        # raw bytes: the same cold request direct and through detproxy (ids, times normalised)
+        for endpoint, body in (
+            ("chat/completions", {"messages": [{"role": "user", "content": q}]}),
+            ("completions", {"prompt": "The capital of France is"}),
+        ):
+            for stream in (False, True):
+                raws = []
+                for url in (base, proxy.base):
+                    b = {"model": MODEL, "temperature": 0, "max_tokens": 24, "stream": stream}
+                    b |= body | {"cache_salt": salt()}
+                    async with ctx.http.post(f"{url}/v1/{endpoint}", json=b) as resp:
+                        raws.append((resp.status, norm(await resp.read())))
+                row = {
+                    "endpoint": endpoint,
+                    "stream": stream,
+                    "bytes_equal": raws[0] == raws[1],
+                    "size": len(raws[0][1]),
+                }
+                if raws[0] != raws[1]:  # both, normalised, to see what differs
+                    row["direct"] = raws[0][1][:2500].decode(errors="replace")
+                    row["detproxy"] = raws[1][1][:2500].decode(errors="replace")
+                out["raw"].append(row)
+        bad = [
+            ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
+            (
+                "top_logprobs over --max-logprobs",
+                {
+                    "model": MODEL,
+                    "logprobs": True,
+                    "top_logprobs": 30,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            ),
+            (
+                "max_tokens over the context",
+                {
+                    "model": MODEL,
+                    "max_tokens": 100000,
+                    "messages": [{"role": "user", "content": "hi"}],
+                },
+            ),
+            ("messages not a list", {"model": MODEL, "messages": "hi"}),
+        ]
+        for what, b in bad:
+            seen = []
+            for url in (base, proxy.base):
+                async with ctx.http.post(f"{url}/v1/chat/completions", json=b) as resp:
+                    seen.append((resp.status, await resp.read()))
+            out["errors"].append(
+                {
+                    "case": what,
+                    "status": [seen[0][0], seen[1][0]],
+                    "body_equal": seen[0][1] == seen[1][1],
+                }
+            )
+        for path in ("/v1/models", "/version", "/health", "/metrics"):
+            seen = []
+            for url in (base, proxy.base):
+                async with ctx.http.get(url + path) as resp:
+                    seen.append((resp.status, await resp.read()))
+            out["paths"].append(
+                {
+                    "path": path,
+                    "status": [seen[0][0], seen[1][0]],
+                    "equal": path == "/metrics" or norm(seen[0][1]) == norm(seen[1][1]),
+                }
+            )
+        st = await proxy.status(ctx.http)
+        out["fingerprint"] = st.get("upstream_fingerprint", {}).get("identity")
+    finally:
+        proxy.stop()
+    return out
+
+
+async def step_reference(ctx: Ctx) -> dict[str, Any]:
+    names = ["stock", "bi"]
+    got = await asyncio.gather(*(reference(ctx, n) for n in names))
+    ctx.results["t1_s"] = max(g["mean_request_s"] for g in got)
+    out = {n: g for n, g in zip(names, got, strict=True)}
+    out["stock_equals_bi"] = [
+        (a["text"] == b["text"], a["lp"] == b["lp"])
+        for a, b in zip(ctx.refs["stock"], ctx.refs["bi"], strict=True)
+    ]
+    return out
+
+
+def audit_pair(conc: int) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
+    async def run(ctx: Ctx) -> dict[str, Any]:
+        labels = [f"stock-c{conc}", f"bi-c{conc}"]
+        got = await asyncio.gather(
+            audit_load(ctx, labels[0], "stock", "stock", conc, N_LOAD),
+            audit_load(ctx, labels[1], "bi", "bi", conc, N_LOAD),
+        )
+        return {"stock": got[0], "bi": got[1]}
+
+    return run
+
+
+async def step_random10(ctx: Ctx) -> dict[str, Any]:
+    conc = LOADS[-1]
+    got = await asyncio.gather(
+        audit_load(ctx, f"stock-c{conc}-random10", "stock", "stock", conc, N_LOAD, rate_=0.1,
+                   by="random"),
+        audit_load(ctx, f"bi-c{conc}-random10", "bi", "bi", conc, N_LOAD, rate_=0.1,
+                   by="random"),
+    )  # fmt: skip
+    return {"stock": got[0], "bi": got[1]}
+
+
+async def step_spec(ctx: Ctx) -> dict[str, Any]:
+    """n-gram speculative decoding against plain greedy; and the fingerprint of a fresh server."""
+    http = ctx.http
+    if not await engine_up(http, ctx.url["spec"], min(120, ctx.left() - 60)):
+        return {"status": "skipped", "reason": "spec instance not up"}
+    before = await engine_metrics(http, ctx.url["spec"])
+    proxy = Detproxy(
+        ctx.url["spec"], audit_config(reference=ctx.url["stock"], fp_s=1), ctx.work, "spec"
+    )
+    out: dict[str, Any] = {
+        "fresh_server_requests_before": msum(before, "vllm:request_success_total"),
+        "fresh_server_draft_tokens_before": msum(before, "vllm:spec_decode_num_draft_tokens_total"),
+        "spec_metrics_present_before": any(k.startswith("vllm:spec_decode") for k in before),
+    }
+    try:
+        await proxy.ready(http)
+        await asyncio.sleep(1.5)
+        st = await proxy.status(http)
+        out["speculative_flag_at_start"] = st["upstream_fingerprint"]["identity"]["speculative"]
+        out["fingerprint_at_start"] = st["upstream_fingerprint"]["fingerprint"]
+        ref = await reference(ctx, "spec", reps=2)
+        out["spec_reference"] = ref
+        plain = ctx.refs["stock"]
+        spec = ctx.refs["spec"]
+        out["spec_vs_plain_serial"] = {
+            "text_differs": [p for p in range(len(PROMPTS)) if spec[p]["text"] != plain[p]["text"]],
+            "logprobs_differ": [p for p in range(len(PROMPTS)) if spec[p]["lp"] != plain[p]["lp"]],
+            "first_token_diff": [
+                first_diff(spec[p]["lp"], plain[p]["lp"]) for p in range(len(PROMPTS))
+            ],
+        }
+        n1 = 2 * len(PROMPTS)
+        out["serial"] = await audit_load(
+            ctx, "spec-c1", "spec", "stock", 1, n1, reference_url=ctx.url["stock"], proxy=proxy
+        )
+        out["load16"] = await audit_load(
+            ctx,
+            "spec-c16",
+            "spec",
+            "stock",
+            16,
+            N_LOAD // 2,
+            reference_url=ctx.url["stock"],
+            proxy=proxy,
+            expected_before=n1,
+        )
+        await asyncio.sleep(2.5)
+        st = await proxy.status(http)
+        out["speculative_flag_at_end"] = st["upstream_fingerprint"]["identity"]["speculative"]
+        out["fingerprint_at_end"] = st["upstream_fingerprint"]["fingerprint"]
+        out["load_gauges"] = st["upstream_fingerprint"].get("load")
+        m = await proxy.metrics(http)
+        out["upstream_changes_total"] = msum(m, "detproxy_upstream_changes_total")
+        incidents = await proxy.incidents(http)
+        out["upstream_change_incidents"] = [
+            {k: i.get(k) for k in ("ts", "before", "after")}
+            for i in incidents
+            if i.get("kind") == "upstream_change"
+        ][:3]
+        after = await engine_metrics(http, ctx.url["spec"])
+        drafts = msum(after, "vllm:spec_decode_num_draft_tokens_total") - msum(
+            before, "vllm:spec_decode_num_draft_tokens_total"
+        )
+        acc = msum(after, "vllm:spec_decode_num_accepted_tokens_total") - msum(
+            before, "vllm:spec_decode_num_accepted_tokens_total"
+        )
+        out["acceptance_rate_engine"] = round(acc / drafts, 4) if drafts else None
+    finally:
+        proxy.stop()
+    return out
+
+
+async def step_gguf(ctx: Ctx) -> dict[str, Any]:
+    """The NaN-logprob GGUF served as is, detproxy --sample-rate 1.0: do clients get errors?"""
+    http = ctx.http
+    base = ctx.url["gguf"]
+    if not await engine_up(http, base, min(90, ctx.left() - 40)):
+        return {"status": "skipped", "reason": "gguf instance not up"}
+    q = "What is the capital of France?"
+    direct = []
+    for lp in (False, True):
+        for stream in (False, True):
+            r = await chat(http, base, q, stream=stream, logprobs=lp, max_tokens=16)
+            nulls = sum(1 for e in r.get("lp") or [] if e[1] is None)
+            direct.append(
+                {
+                    "endpoint": "chat",
+                    "logprobs": lp,
+                    "stream": stream,
+                    "status": r["status"],
+                    "error": (r.get("error") or "")[:120],
+                    "null_logprobs": nulls,
+                    "text": (r.get("text") or "")[:60],
+                }
+            )
+            c = await complete(http, base, "The capital of France is", stream=stream,
+                               logprobs=1 if lp else None, max_tokens=16)  # fmt: skip
+            direct.append(
+                {
+                    "endpoint": "completions",
+                    "logprobs": lp,
+                    "stream": stream,
+                    "status": c["status"],
+                    "error": (c.get("error") or "")[:120],
+                    "null_logprobs": sum(1 for x in c.get("lp") or [] if x is None),
+                    "text": (c.get("text") or "")[:60],
+                }
+            )
+    proxy = Detproxy(base, {"audit": {"sample_rate": 1.0}}, ctx.work, "gguf")
+    try:
+        await proxy.ready(http)
+        sem = asyncio.Semaphore(8)
+        kinds = [(e, s) for e in ("chat", "completions") for s in (False, True)]
+        jobs = [(e, s, i) for e, s in kinds for i in range(24)]
+        random.Random(3).shuffle(jobs)
+        got: list[tuple[str, bool, dict[str, Any]]] = []
+
+        async def one(e: str, s: bool, i: int) -> None:
+            async with sem:
+                if e == "chat":
+                    r = await chat(http, proxy.base, f"{q} ({i})", stream=s, max_tokens=32)
+                else:
+                    r = await complete(http, proxy.base, f"Fact {i}: the capital of France is",
+                                       stream=s, max_tokens=32)  # fmt: skip
+                got.append((e, s, r))
+
+        await asyncio.gather(*(one(*j) for j in jobs))
+        asked = []
+        for stream in (False, True):
+            r = await chat(http, proxy.base, q, stream=stream, logprobs=True, max_tokens=16)
+            asked.append({"stream": stream, "status": r["status"]})
+        await asyncio.sleep(3)
+        st = await proxy.status(http)
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    errors: dict[str, int] = {}
+    for e, s, r in got:
+        if r["status"] != 200:
+            key = f"{e} {'stream' if s else 'json'} {r['status']}"
+            errors[key] = errors.get(key, 0) + 1
+    return {
+        "direct": direct,
+        "client_requests": len(got),
+        "client_errors": sum(errors.values()),
+        "client_errors_by_kind": errors,
+        "client_asking_logprobs_through_detproxy": asked,
+        "audit": st["audit"],
+        "injection": st.get("injection"),
+        "fallbacks": {k: v for k, v in m.items() if k.startswith("detproxy_fallbacks_total")},
+        "injection_failures": {
+            k: v for k, v in m.items() if k.startswith("detproxy_injection_failures_total")
+        },
+        "injection_suspended": {
+            k: v for k, v in m.items() if k.startswith("detproxy_injection_suspended")
+        },
+    }
+
+
+async def prefix_one(ctx: Ctx, name: str) -> dict[str, Any]:
+    base = ctx.url[name]
+    m0 = await engine_metrics(ctx.http, base)
+    rows = []
+    for p, prompt in enumerate(PROMPTS):
+        cold = await chat(ctx.http, base, prompt, logprobs=True, cache_salt=salt())
+        s = salt()
+        first = await chat(ctx.http, base, prompt, logprobs=True, cache_salt=s)
+        warm = await chat(ctx.http, base, prompt, logprobs=True, cache_salt=s)
+        nosalt = await chat(ctx.http, base, prompt, logprobs=True)
+        rows.append(
+            {
+                "p": p,
+                "first_equals_cold": (first["text"], first["lp"]) == (cold["text"], cold["lp"]),
+                "warm_text_equal": warm["text"] == cold["text"],
+                "warm_logprobs_equal": warm["lp"] == cold["lp"],
+                "warm_first_diff": first_diff(warm["lp"], cold["lp"]),
+                "nosalt_text_equal": nosalt["text"] == cold["text"],
+                "nosalt_logprobs_equal": nosalt["lp"] == cold["lp"],
+            }
+        )
+    m1 = await engine_metrics(ctx.http, base)
+    q = msum(m1, "vllm:prefix_cache_queries_total") - msum(m0, "vllm:prefix_cache_queries_total")
+    h = msum(m1, "vllm:prefix_cache_hits_total") - msum(m0, "vllm:prefix_cache_hits_total")
+    return {
+        "rows": rows,
+        "warm_text_differs": [r["p"] for r in rows if not r["warm_text_equal"]],
+        "warm_logprobs_differ": [r["p"] for r in rows if not r["warm_logprobs_equal"]],
+        "prefix_cache_hit_tokens": h,
+        "prefix_cache_query_tokens": q,
+    }
+
+
+async def step_prefix(ctx: Ctx) -> dict[str, Any]:
+    got = await asyncio.gather(prefix_one(ctx, "stock"), prefix_one(ctx, "bi"))
+    return {"stock": got[0], "bi": got[1]}
+
+
+async def step_disconnect(ctx: Ctx) -> dict[str, Any]:
+    """A client that goes away: is vLLM's request aborted (num_requests_running back to 0)?"""
+    base = ctx.url["stock"]
+    proxy = Detproxy(base, {"server": {}}, ctx.work, "disconnect")
+    trials = []
+
+    async def running() -> float:
+        return msum(await engine_metrics(ctx.http, base), "vllm:num_requests_running")
+
+    async def back_to_zero(t_close: float) -> float | None:
+        while time.monotonic() - t_close < 10:
+            if await running() == 0:
+                return round(time.monotonic() - t_close, 3)
+            await asyncio.sleep(0.01)
+        return None
+
+    try:
+        await proxy.ready(ctx.http)
+        body = {
+            "model": MODEL,
+            "temperature": 0,
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": LONG}],
+        }
+        for _ in range(3):
+            resp = await ctx.http.post(proxy.base + "/v1/chat/completions", json=body | {
+                "stream": True})  # fmt: skip
+            events = 0
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events += 1
+                    if events >= 5:
+                        break
+            was = await running()
+            t_close = time.monotonic()
+            resp.close()
+            trials.append({"stream": True, "running_before_close": was,
+                           "back_to_zero_s": await back_to_zero(t_close)})  # fmt: skip
+        task = asyncio.ensure_future(
+            ctx.http.post(proxy.base + "/v1/chat/completions", json=body | {"stream": False})
+        )
+        await asyncio.sleep(1.0)
+        was = await running()
+        t_close = time.monotonic()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, aiohttp.ClientError):
+            await task
+        trials.append({"stream": False, "running_before_close": was,
+                       "back_to_zero_s": await back_to_zero(t_close)})  # fmt: skip
+        m = await proxy.metrics(ctx.http)
+    finally:
+        proxy.stop()
+    return {"trials": trials, "client_disconnects": msum(m, "detproxy_client_disconnects_total")}
+
+
+async def run_cli(args: list[str], limit: float) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "proxy",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), limit)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        return -9, "", "timeout"
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def step_probe(ctx: Ctx) -> dict[str, Any]:
+    prompts = ctx.work / "probe-prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:4]) + "\n")
+
+    async def one(name: str) -> dict[str, Any]:
+        args = ["probe", "--upstream", ctx.url[name], "--model", MODEL, "--prompts",
+                str(prompts), "--runs", str(PROBE_RUNS), "--concurrency", PROBE_LEVELS,
+                "--json"]  # fmt: skip
+        code, out, err = await run_cli(args, max(30, ctx.left() - 20))
+        rep = orjson.loads(out) if out.strip() else {"error": err[-400:]}
+        rep["exit_code"] = code
+        return rep
+
+    got = await asyncio.gather(one("stock"), one("bi"))
+    return {"stock": got[0], "bi": got[1]}
+
+
+async def step_loops(ctx: Ctx) -> dict[str, Any]:
+    """Loops through detproxy with vLLM's repetition_detection injected and the retry ladder."""
+    base = ctx.url["stock"]
+    http = ctx.http
+    direct = []
+    for prompt in LOOPING:
+        r = await chat(http, base, prompt, max_tokens=384, cache_salt=salt())
+        direct.append({"finish": r.get("finish"), "looped": looped(r.get("text") or "")})
+    cfg = {
+        "audit": {"sample_rate": 0.0},
+        "loops": {"policy": "retry"},
+        "loops.engine_detection": {"min_pattern_size": 1, "max_pattern_size": 64, "min_count": 8},
+    }
+    proxy = Detproxy(base, cfg, ctx.work, "loops")
+    got = []
+    try:
+        await proxy.ready(http)
+        sem = asyncio.Semaphore(4)
+
+        async def one(prompt: str, stream: bool) -> None:
+            async with sem:
+                r = await chat(http, proxy.base, prompt, stream=stream, max_tokens=384,
+                               cache_salt=salt())  # fmt: skip
+                got.append(
+                    {
+                        "stream": stream,
+                        "status": r["status"],
+                        "finish": r.get("finish"),
+                        "looped": looped(r.get("text") or ""),
+                        "attempts": r.get("attempts"),
+                        "recovered": r.get("recovered"),
+                    }
+                )
+
+        await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    finish: dict[str, int] = {}
+    for g in got:
+        finish[str(g["finish"])] = finish.get(str(g["finish"]), 0) + 1
+    return {
+        "direct": direct,
+        "direct_looped": sum(1 for d in direct if d["looped"]),
+        "direct_finish": [d["finish"] for d in direct],
+        "through_detproxy": got,
+        "client_errors": sum(1 for g in got if g["status"] != 200),
+        "client_finish": finish,
+        "client_still_looping": sum(1 for g in got if g["looped"]),
+        "loops_total": {k: v for k, v in m.items() if k.startswith("detproxy_loops_total")},
+        "policy_actions": {
+            k: v for k, v in m.items() if k.startswith("detproxy_policy_actions_total")
+        },
+    }
+
+
+def sweep_step(name: str) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
+    async def run(ctx: Ctx) -> dict[str, Any]:
+        args = ["sweep", "--upstream", ctx.url[name], "--model", MODEL, "--concurrency",
+                SWEEP_LEVELS, "--duration", str(SWEEP_DURATION), "--repeats", "2",
+                "--json"]  # fmt: skip
+        code, out, err = await run_cli(args, max(30, ctx.left() - 10))
+        if not out.strip():
+            return {"exit_code": code, "error": err[-400:]}
+        rep = orjson.loads(out)
+        levels = [
+            {
+                "concurrency": lv["concurrency"],
+                "tok_s_mean": lv["tokens_per_s"]["mean"],
+                "tok_s_min": lv["tokens_per_s"]["min"],
+                "tok_s_max": lv["tokens_per_s"]["max"],
+                "spread": lv["tokens_per_s"]["spread"],
+                "ttft_p50_s": lv["ttft_s"]["p50"],
+                "itl_p50_s": lv["itl_s"]["p50"],
+                "requests": lv["requests"],
+                "errors": lv["errors"],
+            }
+            for lv in rep["levels"]
+        ]
+        return {
+            "exit_code": code,
+            "levels": levels,
+            "fingerprint_changed": rep["fingerprint"]["changed"],
+        }
+
+    return run
+
+
+NEEDS_REFS = {f"audit_c{c}" for c in (8, 16, 32, 2, 4)} | {"random10", "spec"}
+
+
+def est_audit(ctx: Ctx, conc: int, n: int = N_LOAD, share: float = 1.0) -> float:
+    # measured on the H200 (2026-12-01): 64 requests, t1 2.1 s: 213-230 s at 8, 16 and 32
+    return n * share * ctx.t1 * 1.45 + (n / conc) * ctx.t1 * 3 + 20
+
+
+STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx], float]]] = [
+    ("passthrough", step_passthrough, lambda c: 30),
+    ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
+    *[
+        (f"audit_c{conc}", audit_pair(conc), lambda c, k=conc: est_audit(c, k))  # type: ignore[misc]
+        for conc in LOADS
+    ],
+    ("random10", step_random10, lambda c: est_audit(c, LOADS[-1], share=0.2)),
+    (
+        "spec",
+        step_spec,
+        lambda c: len(PROMPTS) * 2 * c.t1 * 3.5 + est_audit(c, 16, N_LOAD // 2) + 20,
+    ),
+    ("gguf_nan", step_gguf, lambda c: 40),
+    ("prefix_cache", step_prefix, lambda c: len(PROMPTS) * 4 * c.t1 * 1.2 + 5),
+    ("disconnect", step_disconnect, lambda c: 25),
+    ("probe", step_probe, lambda c: 45),
+    ("loops", step_loops, lambda c: 16 * 3 * c.t1 + 30),
+    *[
+        (f"sweep_{n}", sweep_step(n),
+         lambda c: len(SWEEP_LEVELS.split(",")) * SWEEP_DURATION * 2 + 15)
+        for n in ("stock", "bi", "spec")
+    ],
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def pct(r: dict[str, Any]) -> str:
+    if not r or r.get("rate") is None:
+        return "n/a"
+    lo, hi = r["ci95"]
+    return f"{r['k']}/{r['n']} = {r['rate']:.1%} ({lo:.1%}-{hi:.1%})"
+
+
+def md_audit(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| scenario | conc | requests | audited | client errors | detproxy unstable (95% CI) | "
+        "truth: text differs (95% CI) | text level: both / only truth / only detproxy / neither "
+        "| asked-logprobs clients, bitwise: truth / both / only truth / only detproxy "
+        "| verdicts |",
+        "|" + "---|" * 10,
+    ]
+    for s in rows:
+        a, f = s["agreement_text"], s["agreement_full_asked"]
+        lines.append(
+            f"| {s['label']} | {s['concurrency']} | {s['requests']} | {s['audited']}"
+            f"{'' if s['all_audited'] or s['sample_rate'] < 1 else ' (drops!)'} "
+            f"| {s['client_errors']} | {pct(s['detproxy_rate'])} | {pct(s['truth_text_rate'])} "
+            f"| {a['both']} / {a['only_truth']} / {a['only_detproxy']} / {a['neither']} "
+            f"| {pct(s['truth_full_rate_asked'])} / {f['both']} / {f['only_truth']} / "
+            f"{f['only_detproxy']} | {s['verdicts']} |"
+        )
+    lines.append("")
+    for s in rows:
+        lines.append(
+            f"- {s['label']}: traffic {s['traffic_s']} s; first divergent token "
+            f"{s['divergence_positions']}; margins (nats) {s['margins_nats']}; max |delta| "
+            f"(nats) {s['max_abs_logprob_delta']}; distinct texts per prompt "
+            f"{s['distinct_texts_per_prompt']}; logprob_drift on clients that did not ask "
+            f"(text same) {s['drift_text_same_not_asked']}; leaked logprobs "
+            f"{s['leaked_logprobs']}; overlapped shadows {s['overlapped_shadows']}; dropped "
+            f"{s['dropped']}; fallbacks {s['fallbacks']}"
+        )
+        if s["disagreements"]:
+            lines.append(f"  - disagreements: {s['disagreements']}")
+    return lines
+
+
+def markdown(res: dict[str, Any]) -> str:
+    steps = res.get("steps", {})
+    lines = [f"# vLLM validation results ({res.get('calls', [{}])[0].get('started')})", ""]
+    lines.append(f"serial request time (stock, {MAX_TOKENS} max tokens): {res.get('t1_s')} s")
+    lines.append("")
+    lines.append("| step | status | wall s |")
+    lines.append("|---|---|---|")
+    for name, _, _ in STEPS:
+        s = steps.get(name)
+        if s:
+            lines.append(
+                f"| {name} | {s.get('status')} {s.get('reason') or ''} | {s.get('wall_s')} |"
+            )
+    lines.append("")
+    for name, s in steps.items():
+        if s.get("status") != "done":
+            if s.get("error"):
+                lines += [f"## {name}: error", "", "```", s["error"][-1500:], "```", ""]
+            continue
+        try:
+            lines += [f"## {name}", "", *md_step(name, s), ""]
+        except Exception as exc:  # the json has it all; the summary must not fail the run
+            lines += [f"## {name}", "", f"(summary failed: {exc!r})", ""]
+    return "\n".join(lines) + "\n"
+
+
+def md_step(name: str, s: dict[str, Any]) -> list[str]:
+    if name.startswith("audit_") or name == "random10":
+        return md_audit([s["stock"], s["bi"]])
+    if name == "spec":
+        if "serial" not in s:
+            return [f"{s}"]
+        lines = md_audit([s["serial"], s["load16"]])
+        return [
+            *lines,
+            "",
+            f"- serial spec vs serial plain: {s['spec_vs_plain_serial']}",
+            f"- spec reference stable: unstable prompts {s['spec_reference']['unstable_prompts']}",
+            f"- fingerprint speculative flag: at start {s['speculative_flag_at_start']}, at end "
+            f"{s['speculative_flag_at_end']}; detproxy_upstream_changes_total "
+            f"{s['upstream_changes_total']}; fresh server: requests before "
+            f"{s['fresh_server_requests_before']}, draft tokens before "
+            f"{s['fresh_server_draft_tokens_before']}, spec metrics present "
+            f"{s['spec_metrics_present_before']}",
+            f"- acceptance rate (engine counters over the step) {s['acceptance_rate_engine']}; "
+            f"detproxy load gauges {s['load_gauges']}",
+        ]
+    if name == "reference":
+        return [
+            f"- {k}: {v}"
+            if not isinstance(v, dict)
+            else f"- {k}: unstable prompts "
+            f"{v['unstable_prompts']}, mean request {v['mean_request_s']} s, tokens {v['tokens']}"
+            for k, v in s.items()
+            if k not in ("status", "wall_s")
+        ]
+    if name == "prefix_cache":
+        return [
+            f"- {k}: warm text differs {v['warm_text_differs']}, warm logprobs differ "
+            f"{v['warm_logprobs_differ']}, prefix cache hit tokens {v['prefix_cache_hit_tokens']}"
+            f" of {v['prefix_cache_query_tokens']}; first (cold, salted) equals cold: "
+            f"{sum(r['first_equals_cold'] for r in v['rows'])}/{len(v['rows'])}; no salt equals "
+            f"cold (text): {sum(r['nosalt_text_equal'] for r in v['rows'])}/{len(v['rows'])}"
+            for k, v in s.items()
+            if isinstance(v, dict)
+        ]
+    if name == "probe":
+        lines = []
+        for k in ("stock", "bi"):
+            rep = s[k]
+            lines.append(f"- {k}: exit {rep.get('exit_code')}")
+            for r in rep.get("results", []):
+                lines.append(
+                    f"  - conc {r['concurrency']}: distinct {r['distinct_vectors']}, flip "
+                    f"{r['first_token_flips']}, max |delta| {r['max_abs_delta']:.3g}: "
+                    f"{r['prompt'][:40]!r}"
+                )
+        return lines
+    if name.startswith("sweep_"):
+        lines = [
+            f"exit {s.get('exit_code')}, fingerprint changed {s.get('fingerprint_changed')}",
+            "",
+            "| conc | tok/s mean | min | max | spread | TTFT p50 ms | ITL p50 ms | requests "
+            "| errors |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for lv in s.get("levels", []):
+            lines.append(
+                f"| {lv['concurrency']} | {lv['tok_s_mean']:.0f} | {lv['tok_s_min']:.0f} | "
+                f"{lv['tok_s_max']:.0f} | {lv['spread']} | "
+                f"{(lv['ttft_p50_s'] or 0) * 1000:.1f} | {(lv['itl_p50_s'] or 0) * 1000:.2f} | "
+                f"{lv['requests']} | {lv['errors']} |"
+            )
+        return lines
+    return ["```", orjson.dumps(s, option=orjson.OPT_INDENT_2).decode()[:6000], "```"]
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def quick() -> None:
+    """A smoke run (e.g. against detproxy's emulator): small everything."""
+    global MAX_TOKENS, REPS, LOADS, N_LOAD, SWEEP_LEVELS, SWEEP_DURATION, PROBE_LEVELS
+    global PROBE_RUNS
+    MAX_TOKENS, REPS, LOADS, N_LOAD = 24, 2, (2, 4, 8), 12
+    SWEEP_LEVELS, SWEEP_DURATION, PROBE_LEVELS, PROBE_RUNS = "1,2", 1.0, "1,2", 3
+    del PROMPTS[4:]
+    del LOOPING[2:]
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    for name in ("stock", "bi", "spec", "gguf"):
+        ap.add_argument(f"--{name}", required=True, help=f"{name} vLLM base URL")
+    ap.add_argument("--work", type=Path, required=True, help="state and logs (kept)")
+    ap.add_argument("--out", type=Path, required=True, help="results.json, results.md")
+    ap.add_argument("--logs", type=Path, help="vLLM logs to copy tails of into --out")
+    ap.add_argument("--deadline-s", type=float, default=560)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--steps", help="comma separated step names (default: all)")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        quick()
+    if args.logs:
+        for name in ("stock", "bi", "spec", "gguf"):
+            PIDS[getattr(args, name)] = args.logs / f"vllm-{name}.pid"
+    args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    wanted = set(args.steps.split(",")) if args.steps else None
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=256)
+    ) as http:
+        ctx = Ctx(args, http)
+        t0 = time.monotonic()
+        up = await asyncio.gather(
+            engine_up(http, args.stock, min(300, ctx.left() - 30)),
+            engine_up(http, args.bi, min(300, ctx.left() - 30)),
+        )
+        ctx.results["calls"][-1]["engines_up_after_s"] = round(time.monotonic() - t0, 1)
+        ctx.results["calls"][-1]["stock_bi_up"] = up
+        print(f"engines up {up} after {time.monotonic() - t0:.0f} s", flush=True)
+        with contextlib.suppress(Exception):
+            async with http.get(args.stock + "/version") as resp:
+                ctx.results["vllm_version"] = (await resp.json()).get("version")
+        for name, fn, est in STEPS:
+            prev = ctx.results["steps"].get(name, {})
+            if prev.get("status") == "done" or (wanted and name not in wanted):
+                continue
+            if name in NEEDS_REFS and not (ctx.refs.get("stock") and ctx.refs.get("bi")):
+                ctx.results["steps"][name] = {"status": "skipped", "reason": "no reference"}
+                continue
+            need = est(ctx)
+            if ctx.left() < need:
+                ctx.results["steps"][name] = {
+                    "status": "skipped",
+                    "reason": f"needs ~{need:.0f} s, {ctx.left():.0f} s left",
+                }
+                ctx.save()
+                continue
+            t1 = time.monotonic()
+            print(f"{name}: start (estimate {need:.0f} s, {ctx.left():.0f} s left)", flush=True)
+            try:
+                res = await asyncio.wait_for(fn(ctx), timeout=max(5.0, ctx.left() - 3))
+                res.setdefault("status", "done")
+            except Exception as exc:  # record and go on with the next step
+                res = {"status": "error", "error": "".join(traceback.format_exception(exc))[-3000:]}
+            res["wall_s"] = round(time.monotonic() - t1, 1)
+            ctx.results["steps"][name] = res
+            ctx.save()
+            print(f"{name}: {res['status']} in {res['wall_s']} s", flush=True)
+        ctx.save()
+    if args.logs:
+        for log in sorted(args.logs.glob("vllm-*.log")):
+            lines = log.read_text(errors="replace").splitlines()
+            keep = [x for x in lines if re.search(r"(?i)error|warn|backend|took|KV cache", x)]
+            (args.out / f"{log.stem}-tail.txt").write_text("\n".join(keep[-60:] + lines[-30:]))
+    print((args.out / "results.md").read_text())
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
