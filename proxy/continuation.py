@@ -5,8 +5,9 @@ occurrence of the repeated unit (a legitimate sentence the first time), goes bac
 as the start of its answer, with the ladder's sampling overrides: chat as a final assistant
 message with ``continue_final_message: true, add_generation_prompt: false`` (vLLM; llama.cpp's
 server reads the same fields), completions as the prompt followed by that prefix. The engine
-answers only the continuation; the client gets prefix + continuation as one answer (streamed:
-the continuation goes on after what the client already has, under the same id).
+answers the continuation (llama.cpp's server, non-streamed: with the prefix in front); the
+client gets prefix + continuation as one answer (streamed: the continuation goes on after what
+the client already has, under the same id).
 
 Where continuing cannot keep the answer whole, the attempt restarts instead: a loop the engine
 reported (no onset known), a loop in the reasoning channel (the reasoning parser would read a
@@ -82,12 +83,14 @@ def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_toke
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return
     choice = choices[0]
+    # vLLM answers the continuation alone; llama.cpp's server answers a non-streamed
+    # continuation with the prefix in front already (its stream carries the continuation only).
     if endpoint == "chat":
         message = choice.get("message")
         if isinstance(message, dict):
-            message["content"] = prefix + (message.get("content") or "")
+            message["content"] = _joined(prefix, message.get("content"))
     else:
-        choice["text"] = prefix + (choice.get("text") or "")
+        choice["text"] = _joined(prefix, choice.get("text"))
     usage = answer.get("usage")
     if isinstance(usage, dict) and isinstance(prompt_tokens, int):
         cont_prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -96,6 +99,11 @@ def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_toke
             usage["prompt_tokens"] = prompt_tokens
             usage["completion_tokens"] = completion + kept
             usage["total_tokens"] = prompt_tokens + completion + kept
+
+
+def _joined(prefix: str, text: Any) -> str:
+    text = text if isinstance(text, str) else ""
+    return text if text.startswith(prefix) else prefix + text
 
 
 def content_of(endpoint: str, answer: Mapping[str, Any] | None) -> str | None:

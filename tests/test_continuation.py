@@ -247,3 +247,13 @@ async def test_what_cannot_be_continued_restarts(
         )
         == 1
     )
+
+
+def test_a_continuation_that_already_carries_the_prefix_is_not_doubled() -> None:
+    # llama.cpp's server answers a non-streamed continuation with the prefix in front.
+    answer = {"choices": [{"index": 0, "message": {"content": "Kept text. Done."}}]}
+    merge_answer("chat", answer, "Kept text.", prompt_tokens=None)
+    assert content_of("chat", answer) == "Kept text. Done."
+    completion = {"choices": [{"index": 0, "text": " Done."}]}
+    merge_answer("completions", completion, "Kept", prompt_tokens=None)
+    assert content_of("completions", completion) == "Kept Done."

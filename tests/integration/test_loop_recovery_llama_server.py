@@ -1,0 +1,185 @@
+"""Loop recovery at the loop rates real models have, on the real engine.
+
+A burst of greedy requests, most of them prompts SmolLM2-135M loops on at max_tokens 1024
+(tests/integration/loop_corpus.json, measured by tests/bench/bench_recovery_corpus.py), goes
+through detproxy with its default configuration but ``policy = "retry"``: the looping ones end
+normally, the others are never retried. And a continued recovery is what the engine itself
+generates from that prefix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import openai
+import orjson
+import pytest
+
+from policies.base import Trigger
+from proxy.continuation import prefix_of
+from proxy.inspect.loops import LoopConfig, LoopDetector
+from tests.integration.conftest import Engine, run_detproxy
+
+pytestmark = pytest.mark.integration
+
+CORPUS = json.loads((Path(__file__).with_name("loop_corpus.json")).read_text())["prompts"]
+LOOPING = [p["prompt"] for p in CORPUS if p["looping"] and p["kind"] == "open"][:8]
+CALM = [p["prompt"] for p in CORPUS if not p["looping"]][:4]
+COLD = {"cache_prompt": False}  # the prompt cache makes an answer depend on earlier traffic
+MAX_TOKENS = 1024
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/detproxy/metrics") as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("detproxy_") and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def total(counts: dict[str, float], prefix: str, *parts: str) -> float:
+    return sum(v for k, v in counts.items() if k.startswith(prefix) and all(p in k for p in parts))
+
+
+async def ask(sdk: openai.AsyncOpenAI, model: str, prompt: str, stream: bool) -> dict[str, Any]:
+    """One client request; what it got: the finish reason, text and detproxy's headers."""
+    kwargs: dict[str, Any] = {
+        "model": model,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": prompt}],
+        "extra_body": COLD,
+    }
+    if not stream:
+        raw = await sdk.chat.completions.with_raw_response.create(**kwargs)
+        answer = raw.parse()
+        return {
+            "finish": answer.choices[0].finish_reason,
+            "text": answer.choices[0].message.content or "",
+            "attempts": raw.headers.get("X-Detproxy-Attempts"),
+            "recovered": raw.headers.get("X-Detproxy-Recovered"),
+        }
+    chunks = [c async for c in await sdk.chat.completions.create(**kwargs, stream=True)]
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    return {"finish": finishes[-1], "text": text, "attempts": None, "recovered": None}
+
+
+def test_a_burst_of_looping_requests_is_recovered(engine: Engine, tmp_path: Path) -> None:
+    assert len(LOOPING) == 8 and len(CALM) == 4
+    with run_detproxy(tmp_path, engine.url, '[loops]\npolicy = "retry"\n') as proxy:
+
+        async def burst() -> list[dict[str, Any]]:
+            sdk = openai.AsyncOpenAI(
+                base_url=proxy + "/v1", api_key="none", max_retries=0, timeout=600
+            )
+            try:
+                asks = [ask(sdk, engine.model, p, stream=i % 2 == 1) for i, p in enumerate(LOOPING)]
+                asks += [ask(sdk, engine.model, p, stream=False) for p in CALM]
+                return list(await asyncio.gather(*asks))
+            finally:
+                await sdk.close()
+
+        answers = asyncio.run(burst())
+        counts = metrics(proxy)
+    looping, calm = answers[: len(LOOPING)], answers[len(LOOPING) :]
+    loops = total(counts, "detproxy_loops_total", 'source="proxy"')
+    recovered = total(counts, "detproxy_recoveries_total", 'outcome="recovered"')
+    report = orjson.dumps({"counts": counts, "answers": answers}, option=orjson.OPT_INDENT_2)
+    # Every looping request ended normally: no abort, a finish of the engine's own.
+    assert all(a["finish"] in ("stop", "length") and a["text"] for a in looping), report
+    assert total(counts, "detproxy_policy_actions_total", 'action="abort"') == 0, report
+    assert loops >= len(LOOPING), report  # each looped at least once (a retry may loop again)
+    # Recovered: at least 95% of the loops' requests (here, all 8) ended with a retry that
+    # did not loop.
+    assert recovered >= 0.95 * len(LOOPING), report
+    for a in looping[0::2]:  # non-streamed: the headers say it
+        assert a["recovered"] == "true", report
+    # The answers that do not loop were never retried.
+    assert all(a["attempts"] is None and a["finish"] == "stop" for a in calm), report
+
+
+def looping_prefix(engine: Engine, prompt: str) -> str:
+    """The engine's own greedy answer, cut where detproxy would continue it."""
+    body = {
+        "model": engine.model,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": prompt}],
+        **COLD,
+    }
+    request = urllib.request.Request(
+        engine.url + "/v1/chat/completions",
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        text = orjson.loads(resp.read())["choices"][0]["message"]["content"]
+    detector = LoopDetector(LoopConfig())
+    for i in range(0, len(text), 4):
+        report = detector.feed(text[i : i + 4])
+        if report is not None:
+            trigger = Trigger("proxy", "content", 0, report.period, report.repeats,
+                              report.start_offset)  # fmt: skip
+            prefix = prefix_of(text, trigger)
+            assert prefix is not None
+            return prefix
+    raise AssertionError(f"{prompt!r} did not loop: {text[:200]!r}")
+
+
+def test_a_continued_answer_is_what_the_engine_generates_from_the_prefix(
+    engine: Engine, tmp_path: Path
+) -> None:
+    prompt = LOOPING[0]
+    prefix = looping_prefix(engine, prompt)
+    overrides = {"frequency_penalty": 1.0}  # greedy: the continuation is reproducible
+    config = (
+        '[[loops.ladders]]\nmodels = "*"\n'
+        'attempts = [{ strategy = "continue", frequency_penalty = 1.0 }]\n'
+        'on_exhausted = "observe"  # a continuation that loops again is relayed as it is\n'
+    )
+    messages = [{"role": "user", "content": prompt}]
+    direct_body = {
+        "model": engine.model,
+        "temperature": 0,
+        **overrides,
+        "messages": [*messages, {"role": "assistant", "content": prefix}],
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        **COLD,
+    }
+    with run_detproxy(tmp_path, engine.url, config) as proxy:
+        client = openai.OpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0, timeout=600)
+        raw = client.chat.completions.with_raw_response.create(
+            model=engine.model,
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            messages=messages,  # type: ignore[arg-type]
+            extra_body=COLD,
+        )
+        answer = raw.parse()
+        counts = metrics(proxy)
+    assert raw.headers["X-Detproxy-Strategy"] == "continue"
+    kept = total(counts, "detproxy_recovery_tokens_total", 'kind="kept"')
+    assert kept > 0
+    content = answer.choices[0].message.content or ""
+    assert content.startswith(prefix) and len(content) > len(prefix)
+    # The same continuation asked of the engine directly, with the limit detproxy asked for
+    # (the request's, less the tokens kept).
+    direct_body["max_tokens"] = MAX_TOKENS - int(kept)
+    request = urllib.request.Request(
+        engine.url + "/v1/chat/completions",
+        data=orjson.dumps(direct_body),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=600) as resp:
+        direct = orjson.loads(resp.read())["choices"][0]["message"]["content"]
+    # llama-server answers a non-streamed continuation with the prefix in front.
+    assert content == direct
