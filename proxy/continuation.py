@@ -102,8 +102,8 @@ def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_toke
 
 
 def _joined(prefix: str, text: Any) -> str:
-    text = text if isinstance(text, str) else ""
-    return text if text.startswith(prefix) else prefix + text
+    own = text if isinstance(text, str) else ""
+    return own if own.startswith(prefix) else prefix + own
 
 
 def content_of(endpoint: str, answer: Mapping[str, Any] | None) -> str | None:

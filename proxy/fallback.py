@@ -134,7 +134,11 @@ class FallbackSender:
         if status >= 400:
             reason = error_reason(status, await _read_error(upstream))
         elif is_event_stream(upstream):
-            upstream, failure = await first_event(upstream, self._max_event_bytes)
+            try:
+                upstream, failure = await first_event(upstream, self._max_event_bytes)
+            except BaseException:  # the client left while the first event was awaited
+                upstream.close()
+                raise
             if failure is None:
                 # A stream carrying the audit's logprobs does not show that its shadow will
                 # work: shadows are non-streamed, and vLLM refuses NaN logprobs there while it
