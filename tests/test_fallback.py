@@ -476,3 +476,38 @@ async def test_the_sdk_gets_no_error_from_an_emulated_vllm_with_nan_logprobs(
     assert metric(registry, "detproxy_injection_suspended", model=model, kind="logprobs") == 1
     assert status["injection"][model]["logprobs"]["last_reason"] == NAN
     assert status["injection"][model]["logprobs"]["suspended"] is True
+
+
+@pytest.mark.parametrize("client", ["native", "aiohttp"])
+async def test_a_client_that_leaves_before_the_first_event_closes_the_upstream(
+    aiohttp_server: Any, make_proxy: Any, client: str
+) -> None:
+    import asyncio
+
+    import aiohttp
+
+    closed = asyncio.Event()
+
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for _ in range(200):  # keep-alive comments, never an event
+                await resp.write(b": ping\n\n")
+                await asyncio.sleep(0.02)
+        except (ConnectionResetError, asyncio.CancelledError):
+            closed.set()  # the connection was closed (this server cancels its handler then)
+            raise
+        return resp
+
+    app = web.Application()
+    app.router.add_post(CHAT, stalls)
+    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
+    env = AUDIT_ALL | {"DETPROXY_UPSTREAM__CLIENT": client}
+    proxy = await make_proxy(url, env=env)  # audited: its first event is awaited
+    with pytest.raises(asyncio.TimeoutError):
+        await proxy.post(
+            CHAT, json=request_body(CHAT, stream=True), timeout=aiohttp.ClientTimeout(total=0.2)
+        )
+    await asyncio.wait_for(closed.wait(), 2)  # the engine saw its connection go
