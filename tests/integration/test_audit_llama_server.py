@@ -307,11 +307,11 @@ def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> No
     with run_engine(tmp_path, "-np", "4", "-c", "8192") as per_slot:
         code, report = run(per_slot, "1,4")
     assert code == 0 and report["stable"]  # per-slot KV: batch-invariant
-    # Stock engine: the instability under load is known (the audit test above requires it,
-    # and the probe measured 2 vectors, 0.18-0.34 nats, in every run of 8 tried here); it
-    # shows only when the probe's prefill shares a batch with a background prefill, which is
-    # likely in 8 runs but not certain on 2 cores. So the probe gets three tries to find it: a
-    # probe that never detects anything fails all three.
+    # Stock engine: its instability under load shows only when the probe's prefill shares a
+    # batch with a background prefill, which is likely but not certain on 2 shared cores (a CI
+    # run found none in 3 probes of 8 runs). So here the probe's verdict must be consistent
+    # with its own data; that it detects batch effects when they are there is required on the
+    # emulator, where they are certain (tests/test_probe.py, --batch-divergence-slope).
     tries = []
     with run_engine(tmp_path) as stock:
         for _ in range(3):
@@ -320,14 +320,14 @@ def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> No
             if code == 1:
                 break
     alone, loaded = report["results"]
-    assert code == 1 and not report["stable"], f"no instability found in 3 probes: {tries}"
     for each in tries:  # every try: stable alone and cold, a verdict consistent with its data
         first, under_load = each["results"]
         assert (first["concurrency"], under_load["concurrency"]) == (1, 4)
         assert first["distinct_vectors"] == 1 and first["max_abs_delta"] == 0
         assert (under_load["distinct_vectors"] >= 2) == (not each["stable"])
-    assert loaded["distinct_vectors"] >= 2
-    assert loaded["max_abs_delta"] > 1e-3  # batch effects, not last-bit noise
+    assert code == (0 if report["stable"] else 1)
+    if not report["stable"]:
+        assert loaded["max_abs_delta"] > 1e-3  # batch effects, not last-bit noise
     print(
         f"\nprobe, stock llama-server ({len(tries)} tries): alone {alone['distinct_vectors']} "
         f"vector, 4 in flight {loaded['distinct_vectors']} vectors, max |delta| "
