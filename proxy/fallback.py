@@ -9,28 +9,21 @@ read before the client's response starts, then handed on with the rest (``Prefet
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from proxy.events import EventBus, FallbackSent
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 from proxy.sse import SSEDecoder, SSEOverflow
-from proxy.upstream import Upstream, UpstreamResponse
+from proxy.upstream import READ_ERRORS, Upstream, UpstreamResponse, is_event_stream
 
 log = logging.getLogger(__name__)
 
-_READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
 # An error body longer than this is not read to its end: only its message is wanted.
 _ERROR_BODY_BYTES = 64 * 1024
-
-
-def is_event_stream(upstream: UpstreamResponse) -> bool:
-    return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +86,7 @@ async def first_event(
                 return Prefetched(upstream, b"".join(head), chunks), _error_event(event.data)
     except SSEOverflow:
         return Prefetched(upstream, b"".join(head), chunks), None  # the relay decides
-    except _READ_ERRORS as exc:
+    except READ_ERRORS as exc:
         return upstream, f"stream broke before its first event ({type(exc).__name__})"
     return upstream, "stream ended before its first event"
 
@@ -177,7 +170,7 @@ async def _read_error(upstream: UpstreamResponse) -> bytes:
             size += len(data)
             if size >= _ERROR_BODY_BYTES:
                 break
-    except _READ_ERRORS:
+    except READ_ERRORS:
         pass
     finally:
         upstream.close()

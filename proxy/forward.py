@@ -19,7 +19,7 @@ from aiohttp import web
 from policies.base import CONTINUE, Abort, Decision, PolicyChain, PolicyContext, Retry
 from proxy.audit.auditor import Auditor, AuditTicket
 from proxy.audit.inject import strip_logprobs
-from proxy.audit.outcome import Outcome, outcome_from_response
+from proxy.audit.outcome import Outcome, outcome_from_response, usage_of
 from proxy.body import (
     BadRequest,
     ensure_json_content_type,
@@ -29,7 +29,7 @@ from proxy.body import (
 )
 from proxy.classify import ENDPOINTS, RequestView, classify
 from proxy.config import Settings
-from proxy.continuation import content_of, merge_answer
+from proxy.continuation import LIMIT_FIELDS, content_of, merge_answer
 from proxy.errors import UpstreamFailure, error_response
 from proxy.events import (
     ClientDisconnected,
@@ -41,13 +41,13 @@ from proxy.events import (
     ShadowDropped,
     UpstreamFailed,
 )
-from proxy.fallback import Altered, FallbackSender, is_event_stream
+from proxy.fallback import Altered, FallbackSender
 from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.base import InspectorFactory
 from proxy.recovery import Attempts, Recovery, cut_answer
 from proxy.streaming import CLIENT_GONE, INFLIGHT, MAX_ATTEMPTS, StreamResponses
-from proxy.upstream import Upstream, UpstreamResponse, read_error_kind
+from proxy.upstream import Upstream, UpstreamResponse, is_event_stream, read_error_kind
 
 log = logging.getLogger(__name__)
 
@@ -275,9 +275,10 @@ class Forwarder(StreamResponses):
                 if strip_logprobs(answer):
                     payload = orjson.dumps(answer)
             injected = False  # retries are sent without the audit's logprobs
-            generated = completion_tokens(answer)
-            if attempts.count == 1 and answer is not None:
-                prompt_tokens = (answer.get("usage") or {}).get("prompt_tokens")
+            used_prompt, used_completion = usage_of(answer) if answer is not None else (None, None)
+            generated = used_completion or 0
+            if attempts.count == 1:
+                prompt_tokens = used_prompt
             if continued is not None and answer is not None and upstream.status == 200:
                 merge_answer(endpoint, answer, continued, prompt_tokens)  # prefix + continuation
                 payload = orjson.dumps(answer)
@@ -414,15 +415,8 @@ class Forwarder(StreamResponses):
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:
     """The output limit a request set (``max_completion_tokens`` is chat's newer name)."""
-    for name in ("max_completion_tokens", "max_tokens"):
+    for name in LIMIT_FIELDS:
         value = body.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
-
-
-def completion_tokens(answer: dict[str, Any] | None) -> int:
-    """What a non-streamed answer generated, from its ``usage`` (0 when it has none)."""
-    usage = answer.get("usage") if answer is not None else None
-    value = usage.get("completion_tokens") if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0

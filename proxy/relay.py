@@ -24,13 +24,11 @@ Three paths, one result (the client gets the same bytes, whatever the split of t
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -44,9 +42,7 @@ from proxy.rawtally import RawTally, tally_chunk
 from proxy.relaysimple import SimpleReads
 from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
 from proxy.template import Templates
-from proxy.upstream import UpstreamResponse, read_error_kind
-
-_READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+from proxy.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +301,7 @@ class StreamRelay(SimpleReads):
                 if out:
                     result.shown = True
                     await resp.write(out)
-        except _READ_ERRORS as exc:
+        except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # A blank line first ends an unfinished event relayed past the size bound.
             prefix = b"\n\n" if tally.partial else b""
@@ -374,7 +370,7 @@ class StreamRelay(SimpleReads):
                     await resp.write(out)
                 if result.decision is not None:
                     return result
-        except _READ_ERRORS as exc:
+        except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # Bytes of an unfinished event are dropped; a blank line first ends any partial
             # line already relayed in raw mode, so the error event parses on its own.

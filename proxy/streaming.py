@@ -25,7 +25,7 @@ from proxy.headers import client_response_headers
 from proxy.inspect.base import InspectorFactory, InspectorSet, StreamInspector
 from proxy.recovery import Attempts, Recovery, abort_chunk, retry_comment
 from proxy.relay import StreamPlan, StreamRelay, StreamResult
-from proxy.upstream import Upstream, UpstreamResponse
+from proxy.upstream import Upstream, UpstreamResponse, is_event_stream
 
 if TYPE_CHECKING:
     from proxy.audit.auditor import AuditTicket
@@ -237,9 +237,7 @@ class StreamResponses:
         except UpstreamFailure as exc:
             self._bus.publish(UpstreamFailed(attempts.endpoint, exc.kind, "headers"))
             return None
-        if upstream.status != 200 or not upstream.headers.get("Content-Type", "").startswith(
-            "text/event-stream"
-        ):
+        if upstream.status != 200 or not is_event_stream(upstream):
             upstream.close()
             return None
         return upstream

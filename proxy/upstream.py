@@ -38,6 +38,14 @@ class Upstream(Protocol):
     ) -> UpstreamResponse: ...
 
 
+# What reading an upstream body can raise (the native client's UpstreamBodyError included).
+READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+
+
+def is_event_stream(upstream: UpstreamResponse) -> bool:
+    return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
 def read_error_kind(exc: BaseException) -> str:
     """Name an error raised while reading an upstream body (a metrics label)."""
     if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):

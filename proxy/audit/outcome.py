@@ -129,7 +129,8 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
     )
 
 
-def _usage(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
+def usage_of(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """An answer's ``usage``: prompt and completion tokens (None where absent)."""
     usage = body.get("usage")
     if not isinstance(usage, Mapping):
         return None, None
@@ -150,7 +151,7 @@ def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
         if isinstance(raw_choices, list)
         else ()
     )
-    prompt_tokens, completion_tokens = _usage(body)
+    prompt_tokens, completion_tokens = usage_of(body)
     return Outcome(choices, None, prompt_tokens, completion_tokens)
 
 
@@ -216,7 +217,7 @@ class StreamAccumulator:
                 self._error = message
             return
         if "usage" in chunk and isinstance(chunk["usage"], dict):
-            self._usage = _usage(chunk)
+            self._usage = usage_of(chunk)
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             return

@@ -136,7 +136,8 @@ class LoopWatch:
             detector = watch.reasoning
         else:
             watch.saw_content = True
-            watch.keep(text)
+            if watch.kept is not None:
+                watch.keep(text)
             detector = watch.content
         at = detector.total_chars
         report = detector.feed(text)
@@ -191,7 +192,8 @@ class LoopWatch:
                 return _trigger("proxy", "reasoning", index, report)
         if isinstance(content, str) and content:
             watch.saw_content = True
-            watch.keep(content)
+            if watch.kept is not None:
+                watch.keep(content)
             report = watch.content.feed(content)
             if report is not None:
                 return _trigger("proxy", "content", index, report)
