@@ -96,14 +96,34 @@ def test_a_burst_of_looping_requests_is_recovered(engine: Engine, tmp_path: Path
     # Every looping request ended normally: no abort, a finish of the engine's own.
     assert all(a["finish"] in ("stop", "length") and a["text"] for a in looping), report
     assert total(counts, "detproxy_policy_actions_total", 'action="abort"') == 0, report
-    assert loops >= len(LOOPING), report  # each looped at least once (a retry may loop again)
-    # Recovered: at least 95% of the loops' requests (here, all 8) ended with a retry that
+    # Batched on the engine's two slots, a greedy answer can differ from its serial one (batch
+    # effects: a CI run saw a calm prompt loop in the burst). Such a loop is one like the
+    # others: retried and recovered. What was not retried must not loop.
+    calm_looped = [a for a in calm if a["attempts"] is not None]
+    assert len(calm_looped) < len(CALM), report  # most of the calm prompts stay calm
+    # Each looped at least once (a retry may loop again).
+    assert loops >= len(LOOPING) + len(calm_looped), report
+    # Recovered: at least 95% of the loops' requests (here, all) ended with a retry that
     # did not loop.
-    assert recovered >= 0.95 * len(LOOPING), report
-    for a in looping[0::2]:  # non-streamed: the headers say it
+    assert recovered >= 0.95 * (len(LOOPING) + len(calm_looped)), report
+    for a in looping[0::2] + calm_looped:  # non-streamed: the headers say it
         assert a["recovered"] == "true", report
-    # The answers that do not loop were never retried.
-    assert all(a["attempts"] is None and a["finish"] == "stop" for a in calm), report
+    # The answers that were not retried end normally and do not loop.
+    for a in calm:
+        assert a["finish"] in ("stop", "length") and a["text"], report
+        if a["attempts"] is None:
+            assert loop_in(a["text"]) is None, report
+
+
+def loop_in(text: str) -> Trigger | None:
+    """Where detproxy's default loop detector finds a loop in ``text``, fed as a stream is."""
+    detector = LoopDetector(LoopConfig())
+    for i in range(0, len(text), 4):
+        report = detector.feed(text[i : i + 4])
+        if report is not None:
+            return Trigger("proxy", "content", 0, report.period, report.repeats,
+                           report.start_offset)  # fmt: skip
+    return None
 
 
 def looping_prefix(engine: Engine, prompt: str) -> str:
@@ -122,16 +142,12 @@ def looping_prefix(engine: Engine, prompt: str) -> str:
     )
     with urllib.request.urlopen(request, timeout=600) as resp:
         text = orjson.loads(resp.read())["choices"][0]["message"]["content"]
-    detector = LoopDetector(LoopConfig())
-    for i in range(0, len(text), 4):
-        report = detector.feed(text[i : i + 4])
-        if report is not None:
-            trigger = Trigger("proxy", "content", 0, report.period, report.repeats,
-                              report.start_offset)  # fmt: skip
-            prefix = prefix_of(text, trigger)
-            assert prefix is not None
-            return prefix
-    raise AssertionError(f"{prompt!r} did not loop: {text[:200]!r}")
+    trigger = loop_in(text)
+    if trigger is None:
+        raise AssertionError(f"{prompt!r} did not loop: {text[:200]!r}")
+    prefix = prefix_of(text, trigger)
+    assert prefix is not None
+    return prefix
 
 
 def test_a_continued_answer_is_what_the_engine_generates_from_the_prefix(
