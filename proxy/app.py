@@ -160,9 +160,7 @@ def build_app(
         if settings.audit.reference_url:
             reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
             owned.append(reference)
-        forwarder = Forwarder(
-            settings, target, bus, inspector_factories, chain, recovery, guard, clock
-        )
+        forwarder = Forwarder(settings, target, bus, recovery, inspector_factories, guard, clock)
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -29,36 +28,10 @@ from proxy.events import (
     RecoveryBudgetUsed,
     RecoveryTokens,
 )
+from proxy.exchange import Attempts
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.loops import LoopConfig as DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
-
-
-@dataclass
-class Attempts:
-    """The attempts of one client request."""
-
-    request_id: str
-    model: str
-    endpoint: str
-    stream: bool
-    count: int = 1
-    looped: bool = False  # some attempt had a trigger
-    pending_retry: bool = False  # a retry's outcome is known when the next attempt ends
-    trigger: Trigger | None = None  # the last attempt's
-    fell_back: bool = False  # a retry was refused: the client's own request was sent instead
-    max_tokens: int | None = None  # the client request's limit, when it set one
-    reserved: int = 0  # recovery-budget tokens the next attempt holds (a pending retry)
-    reserved_for: int = 0  # which attempt they are for
-    strategy: str = "restart"  # how the pending (or last) retry recovers
-    kept_tokens: int = 0  # the tokens a continuation kept
-    generated: int = 0  # what the last attempt generated (set when it ended)
-    history: list[str] = field(default_factory=list)
-
-    @property
-    def recovered(self) -> bool:
-        return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
-
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
@@ -131,6 +104,7 @@ class Recovery:
         body: Mapping[str, Any] | None = None,
     ) -> Decision:
         """Ask the policies about an attempt that ended (or stopped) with ``trigger``."""
+        attempts.trigger = trigger
         if attempts.pending_retry:
             attempts.pending_retry = False
             self._acted(attempts, "retry", "looped_again" if trigger else "recovered")
@@ -164,8 +138,8 @@ class Recovery:
         )
         if isinstance(decision, Retry):
             attempts.pending_retry = True
-            attempts.reserved = decision.reserved_tokens
-            attempts.reserved_for = attempts.count + 1
+            if decision.reserved_tokens:
+                attempts.reserved[attempts.count + 1] = decision.reserved_tokens
         elif isinstance(decision, Abort):
             self._acted(attempts, "abort", decision.reason or "loop")
         else:
@@ -222,10 +196,12 @@ class Recovery:
         if self._budget is None:
             return
         settled = False
-        if attempts.reserved and attempt in (None, attempts.reserved_for):
-            self._budget.settle(attempts.model, attempts.reserved, tokens)
-            attempts.reserved = 0
-            settled = True
+        # None: every reservation left, for attempts that will not be sent.
+        for number in list(attempts.reserved) if attempt is None else [attempt]:
+            reserved = attempts.reserved.pop(number, 0)
+            if reserved:
+                self._budget.settle(attempts.model, reserved, tokens)
+                settled = True
         # The gauge follows the account: at once when a recovery moved it, else once a second
         # per model (each request's tokens move "allowed" a little; not worth an update each).
         now = int(self._clock())

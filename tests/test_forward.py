@@ -12,7 +12,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from policies.base import Continue, PolicyChain, PolicyContext, Retry
-from proxy import forward
+from proxy import answer as whole_answer
 from tests.conftest import metric
 
 
@@ -364,8 +364,8 @@ async def test_with_loops_off_an_answer_nothing_reads_is_not_parsed(
     make_proxy: Any, upstream: Any, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     parsed: list[bytes] = []
-    parse = forward.parse_answer
-    monkeypatch.setattr(forward, "parse_answer", lambda raw: parsed.append(raw) or parse(raw))
+    parse = whole_answer.parse_answer
+    monkeypatch.setattr(whole_answer, "parse_answer", lambda raw: parsed.append(raw) or parse(raw))
     for env, times in ((LOOPS_OFF, 0), ({}, 1)):
         client = await make_proxy(await upstream(), env=env)
         resp = await client.post(CHAT, json={"model": "m", "temperature": 0})

@@ -227,6 +227,31 @@ async def test_a_loop_that_persists_exhausts_the_ladder(
     assert actions(registry, "abort", "attempts_exhausted") == 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_retry_settles_its_own_reservation(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry, stream: bool
+) -> None:
+    # Two retries that loop again: each reserved max_tokens when it was decided, and each is
+    # settled with what it generated, so the budget spent is what the retries generated (a
+    # second retry decided before the first had ended once left the first's estimate spent).
+    ladder = '[{"models": "*", "attempts": [{"seed": 1}, {"seed": 2}]}]'
+    client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": ladder})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=stream), headers=CONTENT_LOOP)
+    await resp.read()
+    assert actions(registry, "retry", "looped_again") == 2
+    generated = metric(
+        registry,
+        "detproxy_recovery_tokens_total",
+        model=MODEL,
+        strategy="restart",
+        kind="generated",
+    )
+    spent = metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="spent")
+    # Streamed, the loop stopped each retry before its max_tokens: less than reserved.
+    assert 0 < generated < 2 * 200 if stream else generated == 2 * 200
+    assert spent == generated
+
+
 async def test_recovery_counts_follow_the_upstream(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:

@@ -11,12 +11,11 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from proxy.classify import classify
-from proxy.events import EventBus, StreamTimed
+from proxy.events import StreamTimed
 from proxy.metrics import inflight_bucket
 from proxy.relay import StreamResult
 from proxy.sse import encode_event
-from proxy.streaming import StreamResponses
+from proxy.streaming import speed_event
 from tests.audit._build import grouped_chat_chunks, tokens
 from tests.conftest import metric
 from tests.test_relay import relay
@@ -108,22 +107,11 @@ async def test_speed_by_concurrency(
     assert sum(count("time_to_first_token_seconds", b) for b in buckets[1:]) >= 2  # under load
 
 
-class _Publisher(StreamResponses):
-    """The speed a finished stream publishes (``StreamResponses._publish_speed``) on its own."""
-
-    def __init__(self, bus: EventBus) -> None:
-        self._bus = bus
-
-
 def published_speed(result: StreamResult, first_s: float, last_s: float) -> StreamTimed:
-    """Its first and last token at the given times: an injected clock."""
+    """The speed a finished stream publishes, its first and last token at the given times."""
     result.first_token_s, result.last_token_s = first_s, last_s
-    bus = EventBus()
-    timed: list[StreamTimed] = []
-    bus.subscribe(StreamTimed, timed.append)
-    view = classify("chat", {"model": "m", "stream": True, "temperature": 0})
-    _Publisher(bus)._publish_speed(view, 1, result)
-    (ev,) = timed
+    ev = speed_event("chat", "m", 1, result)
+    assert ev is not None
     return ev
 
 

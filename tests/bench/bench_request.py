@@ -60,13 +60,14 @@ from proxy.body import ensure_json_content_type, parse_answer, parse_object, rea
 from proxy.classify import classify  # noqa: E402
 from proxy.config import Settings, load_settings  # noqa: E402
 from proxy.events import RequestFinished, RequestStarted  # noqa: E402
+from proxy.exchange import Attempts  # noqa: E402
 from proxy.forward import Forwarder  # noqa: E402
 from proxy.headers import (  # noqa: E402
     client_response_headers,
     request_id_of,
     upstream_request_headers,
 )
-from proxy.recovery import Attempts, Recovery  # noqa: E402
+from proxy.recovery import Recovery  # noqa: E402
 from proxy.upstream import Body, UpstreamResponse  # noqa: E402
 
 # What openai-python 1.x sends with a chat completion (httpx adds the first four).
@@ -217,7 +218,7 @@ def proxy_app(loops: bool, answer: bytes) -> web.Application:
     chain = PolicyChain([LoopLadderPolicy(ladders, budget, config.max_attempts)])
     recovery = Recovery(config, chain, app[BUS], budget=budget)
     upstream = InstantUpstream(answer)
-    forwarder = Forwarder(settings, upstream, app[BUS], (), chain, recovery)
+    forwarder = Forwarder(settings, upstream, app[BUS], recovery)
     app[RUNTIME] = Runtime(forwarder, None, None, None, budget)
     return app
 

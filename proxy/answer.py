@@ -1,0 +1,171 @@
+"""A non-streamed answer: each attempt read whole, looked at, and the last one relayed.
+
+What detproxy injected for its audit is stripped from the answer; a continuation's answer gets
+its kept prefix back in front; a retry whose upstream fails or refuses gives the client the
+answer it already had; an abort ends the answer at the loop. The attempts themselves are
+``proxy.attempts.run_attempts``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from policies.base import Abort, Retry
+from proxy.attempts import AttemptEnd, Stages, run_attempts
+from proxy.audit.inject import strip_logprobs
+from proxy.audit.outcome import Outcome, outcome_from_response, usage_of
+from proxy.body import parse_answer
+from proxy.continuation import content_of, merge_answer
+from proxy.errors import UpstreamFailure, error_response
+from proxy.events import UpstreamFailed
+from proxy.exchange import CLIENT_GONE, Exchange
+from proxy.headers import client_response_headers
+from proxy.recovery import cut_answer
+from proxy.upstream import UpstreamResponse, read_error_kind
+
+
+def attempt_headers(ex: Exchange) -> dict[str, str]:
+    """The headers that tell a client its request was retried or recovered."""
+    attempts = ex.attempts
+    out: dict[str, str] = {}
+    if attempts is None:
+        return out
+    if attempts.count > 1 or attempts.looped:
+        out["X-Detproxy-Attempts"] = str(attempts.count)
+    if attempts.looped:
+        out["X-Detproxy-Recovered"] = "true" if attempts.recovered else "false"
+    if attempts.count > 1:
+        out["X-Detproxy-Strategy"] = attempts.strategy
+    return out
+
+
+class WholeAnswer:
+    """The attempts of one non-streamed exchange."""
+
+    def __init__(
+        self, stages: Stages, ex: Exchange, upstream: UpstreamResponse, reads_answers: bool
+    ) -> None:
+        self.exchange = ex
+        self._stages = stages
+        self._upstream = upstream
+        self._reads_answers = reads_answers
+        self._injected = ex.ticket is not None and ex.ticket.injected
+        self._payload = b""
+        self._answer: dict[str, Any] | None = None
+        self._outcome: Outcome | None = None  # the audited (first) answer's
+        # The last answer that can be relayed: a retry that fails gives it back to the client.
+        self._kept: tuple[UpstreamResponse, bytes, dict[str, Any] | None] | None = None
+        self._error: web.Response | None = None  # the exchange failed with nothing to relay
+        self._continued: str | None = None  # the prefix the pending attempt continues
+        self._prompt_tokens: Any = None  # the client request's, from its first answer
+
+    async def respond(self) -> web.StreamResponse:
+        ex = self.exchange
+        decision = await run_attempts(self, self._stages.recovery)
+        if self._error is not None:
+            return self._error
+        upstream, answer = self._upstream, self._answer
+        attempts = ex.attempts
+        assert attempts is not None
+        if isinstance(decision, Abort) and answer is not None and attempts.trigger:
+            cut_answer(answer, ex.endpoint, attempts.trigger)
+            self._payload = orjson.dumps(answer)
+        if ex.ticket is not None and upstream.status == 200:
+            outcome = self._outcome
+            if outcome is None and answer is not None:
+                outcome = outcome_from_response(ex.endpoint, answer)
+            if outcome is not None:
+                self._stages.lifecycle.audit(ex, outcome)
+        headers = client_response_headers(upstream.headers, ex.request_id)
+        headers.update(attempt_headers(ex))
+        self._stages.lifecycle.finished(ex, upstream.status, "ok")
+        return web.Response(status=upstream.status, body=self._payload, headers=headers)
+
+    async def attempt(self) -> AttemptEnd | None:
+        ex, stages = self.exchange, self._stages
+        upstream = self._upstream
+        try:
+            payload = await upstream.read()
+        except CLIENT_GONE:
+            upstream.close()
+            stages.lifecycle.client_left(ex)
+            raise
+        except Exception as exc:
+            upstream.close()
+            kind = read_error_kind(exc)
+            stages.bus.publish(UpstreamFailed(ex.endpoint, kind, "body"))
+            if self._restore_kept():
+                return None
+            status = 504 if kind == "timeout" else 502
+            stages.lifecycle.finished(ex, status, "upstream_error")
+            self._error = error_response(
+                status,
+                "upstream connection lost before the response was complete",
+                request_id=ex.request_id,
+            )
+            return None
+        status = upstream.status
+        if self._kept is not None and status >= 400:
+            self._restore_kept()  # the retry's overrides were refused
+            return None
+        ex.first_byte_s = stages.now(ex)
+        answer = parse_answer(payload) if ex.ticket is not None or self._reads_answers else None
+        injected, self._injected = self._injected, False  # retries are sent without them
+        generated = None
+        if status == 200:  # what this attempt generated (before a kept prefix joins it)
+            generated = (usage_of(answer)[1] if answer is not None else None) or 0
+        if answer is not None and status == 200:
+            payload = self._rewrite(answer, payload, injected)
+        self._payload, self._answer = payload, answer
+        trigger = None
+        watch = stages.recovery.watch(ex.endpoint)
+        if watch is not None and answer is not None and status == 200:
+            trigger = watch.on_answer(answer)
+        return AttemptEnd(generated, decide=True, trigger=trigger, status=status, answer=answer)
+
+    def _rewrite(self, answer: dict[str, Any], payload: bytes, injected: bool) -> bytes:
+        """What the client gets of a good answer: without the logprobs the audit injected,
+        and with the kept prefix in front of a continuation."""
+        ex = self.exchange
+        assert ex.attempts is not None
+        if injected:
+            if ex.ticket is not None:
+                self._outcome = outcome_from_response(ex.endpoint, answer)
+            if strip_logprobs(answer):
+                payload = orjson.dumps(answer)
+        if ex.attempts.count == 1:
+            self._prompt_tokens = usage_of(answer)[0]
+        if self._continued is not None:
+            merge_answer(ex.endpoint, answer, self._continued, self._prompt_tokens)
+            payload = orjson.dumps(answer)
+        return payload
+
+    def generated_text(self) -> str | None:
+        return content_of(self.exchange.endpoint, self._answer)
+
+    async def retry(self, body: bytes, prefix: str | None, decision: Retry) -> bool:
+        ex, stages = self.exchange, self._stages
+        self._continued = prefix
+        self._kept = (self._upstream, self._payload, self._answer)
+        try:
+            self._upstream = await stages.upstream.send(
+                "POST", ex.request.raw_path, ex.headers, body
+            )
+        except UpstreamFailure as exc:
+            stages.bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))
+            self._restore_kept()
+            return False
+        return True
+
+    def _restore_kept(self) -> bool:
+        """A retry failed: the answer it would have replaced is the client's."""
+        if self._kept is None:
+            return False
+        assert self.exchange.attempts is not None
+        self._stages.recovery.retry_failed(self.exchange.attempts)
+        self._upstream, self._payload, self._answer = self._kept
+        self._kept = None
+        return True

@@ -1,0 +1,142 @@
+"""One client request's life: the ``Exchange`` every stage receives, and its lifecycle events.
+
+The handler creates one ``Exchange`` per client request (mitmproxy's flow): the frozen
+``RequestView`` of what was asked, the request's upstream attempts (``Attempts``), its audit
+ticket, and its timings. ``Lifecycle`` publishes what the metrics and the log subscribe to:
+each request classified once, finished once, whichever path it ends on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from proxy.classify import RequestView
+from proxy.events import (
+    ClientDisconnected,
+    EventBus,
+    InspectionStopped,
+    RequestClassified,
+    RequestFinished,
+)
+
+if TYPE_CHECKING:
+    from policies.base import Trigger
+    from proxy.audit.auditor import Auditor, AuditTicket
+    from proxy.audit.outcome import Outcome
+
+log = logging.getLogger(__name__)
+
+# What writing to (or waiting for) a client that left raises.
+CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
+
+
+@dataclass(slots=True, eq=False)
+class Attempts:
+    """The upstream attempts of one client request (one, unless a policy retried)."""
+
+    request_id: str
+    model: str
+    endpoint: str
+    stream: bool
+    count: int = 1
+    looped: bool = False  # some attempt had a trigger
+    pending_retry: bool = False  # a retry's outcome is known when the next attempt ends
+    trigger: Trigger | None = None  # the last attempt's
+    fell_back: bool = False  # a retry was refused: the client's own request was sent instead
+    max_tokens: int | None = None  # the client request's limit, when it set one
+    # Recovery-budget tokens reserved for an attempt not yet ended: attempt -> tokens.
+    reserved: dict[int, int] = field(default_factory=dict)
+    strategy: str = "restart"  # how the pending (or last) retry recovers
+    kept_tokens: int = 0  # the tokens a continuation kept
+    generated: int = 0  # what the last attempt generated (set when it ended)
+    history: list[str] = field(default_factory=list)
+
+    @property
+    def recovered(self) -> bool:
+        return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """One client request, from its arrival to its last byte."""
+
+    request: web.Request
+    endpoint: str  # chat | completions | other
+    t0: float  # on the forwarder's clock
+    inflight_at_start: int  # client requests in flight when it arrived, itself included
+    request_id: str = ""
+    view: RequestView | None = None  # None until the body was classified
+    body: dict[str, Any] | None = None  # the client's request, parsed
+    original: bytes = b""  # the client's own bytes: what a fallback sends
+    headers: Mapping[str, str] = field(default_factory=dict)  # for the upstream
+    retry_base: dict[str, Any] | None = None  # what a retry's overrides apply to
+    ticket: AuditTicket | None = None  # the audit's plan; None when not audited
+    attempts: Attempts | None = None
+    first_byte_s: float | None = None  # upstream headers (whole answers) or first event
+    counted: bool = False  # RequestClassified was published
+    finished: bool = False  # RequestFinished was published
+
+    @property
+    def stream(self) -> bool:
+        return self.view.stream if self.view is not None else False
+
+
+class Lifecycle:
+    """Publishes an exchange's lifecycle events and hands its answer to the audit; the audit
+    is an observer: its failure never reaches the client."""
+
+    def __init__(self, bus: EventBus, clock: Callable[[], float]) -> None:
+        self._bus = bus
+        self._clock = clock
+        self.auditor: Auditor | None = None  # attached once the app's audit exists
+
+    def classified(self, ex: Exchange) -> None:
+        """``detproxy_requests_total`` counts a request once, when its labels are known."""
+        ex.counted = True
+        view = ex.view
+        self._bus.publish(
+            RequestClassified(
+                ex.endpoint,
+                view.model if view else "",
+                view.stream if view else False,
+                view.deterministic if view else False,
+            )
+        )
+
+    def finished(self, ex: Exchange, status: int, outcome: str) -> None:
+        ex.finished = True
+        if not ex.counted:  # refused or failed before it was classified
+            self.classified(ex)
+        view = ex.view
+        self._bus.publish(
+            RequestFinished(
+                endpoint=ex.endpoint,
+                model=view.model if view else "",
+                stream=view.stream if view else False,
+                deterministic=view.deterministic if view else False,
+                status=status,
+                outcome=outcome,
+                duration_s=self._clock() - ex.t0,
+                first_byte_s=ex.first_byte_s,
+            )
+        )
+
+    def client_left(self, ex: Exchange) -> None:
+        self._bus.publish(ClientDisconnected(ex.endpoint, ex.stream))
+        self.finished(ex, 499, "client_disconnect")
+
+    def audit(self, ex: Exchange, outcome: Outcome) -> None:
+        ticket = ex.ticket
+        if ticket is None or self.auditor is None:
+            return
+        try:
+            self.auditor.primary_done(ticket, outcome)
+        except Exception:
+            log.exception("audit of %s failed", ticket.request_id)
+            self._bus.publish(InspectionStopped(ticket.view.endpoint, "audit_error"))
