@@ -34,81 +34,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from proxy.sse import SSEDecoder, SSEOverflow, event_data
-
-if TYPE_CHECKING:
-    from proxy.relay import StreamResult
+from proxy.streamresult import (
+    StreamResult,
+    completion_tokens_of,
+    count_tokens,
+    tally_chunk,
+    text_tokens,
+)
 
 _BYTES, _DECODED, _PASS = 0, 1, 2
 _CR = 13  # ``13 in data``: a memchr (``b"\r" in data`` costs more on a short read)
 _USAGE = b'"completion_tokens"'
-
-
-def _listed(logprobs: Any) -> int:
-    """The tokens a chunk's logprobs list: chat's ``content``, completions' ``tokens``."""
-    if type(logprobs) is not dict:
-        return 0
-    entries = logprobs.get("content")
-    if type(entries) is not list:
-        entries = logprobs.get("tokens")
-    return len(entries) if type(entries) is list else 0
-
-
-def _text_tokens(chunk: dict[str, Any]) -> tuple[bool, int]:
-    """Whether a parsed chunk carries text, and the logprobs entries of its choices with text."""
-    choices = chunk.get("choices")
-    found, listed = False, 0
-    if type(choices) is list:
-        for choice in choices:
-            if type(choice) is not dict:
-                continue
-            delta = choice.get("delta")
-            if type(delta) is dict:
-                text = (
-                    delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
-                )
-            else:
-                text = choice.get("text")
-            if text:
-                found = True
-                listed += _listed(choice.get("logprobs"))
-    return found, listed
-
-
-def _usage_of(chunk: dict[str, Any]) -> int | None:
-    usage = chunk.get("usage")
-    if type(usage) is dict:
-        tokens = usage.get("completion_tokens")
-        if type(tokens) is int:
-            return tokens
-    return None
-
-
-def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], float]) -> None:
-    """Token timing and usage of one parsed chunk (the inspected path's per-event count)."""
-    found, listed = _text_tokens(chunk)
-    before = result.completion_tokens
-    usage = _usage_of(chunk)
-    if usage is not None:
-        result.completion_tokens = usage
-    if found:
-        grown = usage - (before or 0) if usage is not None else 0
-        count_tokens(result, 1, now(), grown if grown > 0 else listed or 1)
-
-
-def count_tokens(result: StreamResult, events: int, at: float, tokens: int | None = None) -> None:
-    """``events`` token events at ``at``, carrying ``tokens`` tokens (one each unless known)."""
-    n = events if tokens is None else tokens
-    if result.first_token_s is None:
-        result.first_token_s = at
-        result.first_tokens = n
-    result.last_token_s = at
-    result.token_events += events
-    result.tokens += n
 
 
 class _Patterns:
@@ -269,7 +209,7 @@ class RawTally:
             except orjson.JSONDecodeError:
                 continue
             if type(chunk) is dict:
-                found, n = _text_tokens(chunk)
+                found, n = text_tokens(chunk)
                 listed += n if found else 0
         return listed
 
@@ -290,7 +230,7 @@ class RawTally:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
             return False
-        usage = _usage_of(chunk) if type(chunk) is dict else None
+        usage = completion_tokens_of(chunk) if type(chunk) is dict else None
         if usage is not None:
             self._result.completion_tokens = usage
             return True

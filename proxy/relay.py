@@ -38,9 +38,10 @@ from proxy.errors import inband_error_event
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
 from proxy.inspect.loopwatch import LoopWatch
-from proxy.rawtally import RawTally, tally_chunk
+from proxy.rawtally import RawTally
 from proxy.relaysimple import SimpleReads
 from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
+from proxy.streamresult import StreamResult, tally_chunk
 from proxy.template import Templates
 from proxy.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 
@@ -55,49 +56,6 @@ class StreamPlan:
     hold_max_bytes: int = 256 * 1024
     loop_watch: LoopWatch | None = None
     on_trigger: Callable[[Trigger], Decision] | None = None
-
-
-@dataclass(slots=True)
-class StreamResult:
-    complete: bool = False  # the upstream stream ended normally
-    first_event_s: float | None = None  # since the start of the request
-    events: int = 0
-    first_id: str | None = None
-    trigger: Trigger | None = None
-    decision: Retry | Abort | None = None  # the relay stopped early on this
-    shown: bool = False  # some of this attempt's content reached the client
-    # Speed as the client sees it: token events (chunks carrying text), seconds since t0.
-    token_events: int = 0
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    completion_tokens: int | None = None  # from a usage chunk, when the upstream sends one
-    # The tokens the token events carried (a chunk can carry several: vLLM's stream interval,
-    # speculative decoding), from usage growth, else logprobs entries, else one an event.
-    tokens: int = 0
-    first_tokens: int = 0  # those of the first token event (read, on the raw path)
-
-    def speed(self) -> StreamSpeed | None:
-        """The stream's speed in tokens; None when no token came."""
-        first, last = self.first_token_s, self.last_token_s
-        if first is None or last is None:
-            return None
-        total = self.completion_tokens or self.tokens
-        after = total - self.first_tokens  # the tokens that came after the first token event
-        decode_s = last - first
-        return StreamSpeed(
-            ttft_s=first,
-            tokens=total,
-            inter_token_s=decode_s / after if after > 0 else None,
-            tokens_per_s=after / decode_s if after > 0 and decode_s > 0 else None,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class StreamSpeed:
-    ttft_s: float
-    tokens: int  # the usage's completion_tokens when the upstream sent it
-    inter_token_s: float | None  # mean time between the tokens after the first token event
-    tokens_per_s: float | None  # decode rate between the first and the last token event
 
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
@@ -120,7 +78,7 @@ def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
     return False if reasoning else None
 
 
-class StreamRelay(SimpleReads):
+class StreamRelay:
     """Relays one upstream SSE attempt to the client response."""
 
     def __init__(
@@ -135,39 +93,46 @@ class StreamRelay(SimpleReads):
     ) -> None:
         self._clock = clock  # the speed metrics' time; tests inject theirs
         self._endpoint = endpoint
-        self._inspectors = inspectors
-        self._inspecting = True
+        self.inspectors = inspectors
+        self.inspecting = True
         self._bus = bus
         self._max_event_bytes = max_event_bytes
         self._decoder = SSEDecoder(max_event_bytes)
         self._t0 = t0
-        self._plan = plan
-        self._holding = plan.hold_reasoning
-        self._held: list[bytes] = []
-        self._held_bytes = 0
+        self.plan = plan
+        self.holding = plan.hold_reasoning
+        self.held: list[bytes] = []
+        self.heldbytes_ = 0
         # Templates need chunks that reach the client unchanged and no inspector (they see
         # dicts); strip_logprobs changes them, a restarted attempt's id is checked on learning.
-        self._templates = None if plan.strip_logprobs else Templates(endpoint == "chat")
+        self._simple = SimpleReads(
+            self, None if plan.strip_logprobs else Templates(endpoint == "chat")
+        )
         self.result = StreamResult()
+
+    @property
+    def templates(self) -> Templates | None:
+        """The chunk templates the simple path learned (None: it learns none)."""
+        return self._simple.templates
 
     @property
     def raw(self) -> bool:
         """Nothing looks at the events: they are relayed undecoded."""
-        plan = self._plan
+        plan = self.plan
         return not (
-            self._inspectors
+            self.inspectors
             or plan.loop_watch is not None
             or plan.strip_logprobs
             or plan.id_override is not None
             or plan.hold_reasoning
         )
 
-    def _now(self) -> float:
+    def now(self) -> float:
         return self._clock() - self._t0
 
     def _stop_inspecting(self, reason: str) -> None:
-        if self._inspecting:
-            self._inspecting = False
+        if self.inspecting:
+            self.inspecting = False
             self._bus.publish(InspectionStopped(self._endpoint, reason))
 
     def _stop_inspecting_hold(self) -> None:
@@ -175,7 +140,7 @@ class StreamRelay(SimpleReads):
 
     # -- one event -------------------------------------------------------------------------
 
-    def _parse(self, data: bytes | None) -> dict[str, Any] | None:
+    def parse(self, data: bytes | None) -> dict[str, Any] | None:
         if data is None or data == b"[DONE]":
             return None
         try:
@@ -189,44 +154,44 @@ class StreamRelay(SimpleReads):
 
     def _process(self, event: SSEEvent) -> bytes | None:
         """Inspect one event; return the bytes to write now (None: held or withheld)."""
-        chunk = self._parse(event.data)
+        chunk = self.parse(event.data)
         if chunk is None:  # [DONE], a comment, or malformed: whatever was held goes first
-            self._holding = False
-            return self._flush_held(event.raw)
-        if self._observe(chunk):
+            self.holding = False
+            return self.flush_held(event.raw)
+        if self.observe(chunk):
             return None
-        return self._transform(chunk, event.raw)
+        return self.transform(chunk, event.raw)
 
-    def _observe(self, chunk: dict[str, Any]) -> bool:
+    def observe(self, chunk: dict[str, Any]) -> bool:
         """What is measured and detected on one chunk; True when a decision stops the relay."""
         result = self.result
         if result.first_id is None and isinstance(chunk.get("id"), str):
             result.first_id = chunk["id"]
-        tally_chunk(result, chunk, self._now)
-        if self._inspectors:
-            self._inspectors.on_chunk(chunk)
-        watch = self._plan.loop_watch
+        tally_chunk(result, chunk, self.now)
+        if self.inspectors:
+            self.inspectors.on_chunk(chunk)
+        watch = self.plan.loop_watch
         # Only the first trigger counts: after it the watch is not asked again.
         if watch is not None and result.trigger is None:
             trigger = watch.on_chunk(chunk)
             if trigger is not None:
-                return self._decide(trigger)
+                return self.decide(trigger)
         return False
 
-    def _decide(self, trigger: Trigger) -> bool:
+    def decide(self, trigger: Trigger) -> bool:
         result = self.result
         result.trigger = trigger
-        plan = self._plan
+        plan = self.plan
         decision = plan.on_trigger(trigger) if plan.on_trigger else Continue()
         if isinstance(decision, Retry | Abort):
             result.decision = decision
-            self._held.clear()  # a held looping attempt is never shown
+            self.held.clear()  # a held looping attempt is never shown
             return True
         return False
 
-    def _transform(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
+    def transform(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
         """The bytes one inspected chunk becomes now (None: held)."""
-        plan = self._plan
+        plan = self.plan
         changed = False
         if plan.strip_logprobs and strip_logprobs(chunk):
             changed = True  # logprobs detproxy injected: the client did not ask
@@ -235,32 +200,32 @@ class StreamRelay(SimpleReads):
             changed = True
         if changed:
             raw = encode_event(orjson.dumps(chunk))
-        if self._holding:
-            return self._hold(_releases_hold(chunk), raw)
-        return self._emit(raw)
+        if self.holding:
+            return self.hold(_releases_hold(chunk), raw)
+        return self.emit(raw)
 
-    def _hold(self, release: bool | None, raw: bytes) -> bytes | None:
+    def hold(self, release: bool | None, raw: bytes) -> bytes | None:
         if release is True:
-            self._holding = False
-            return self._flush_held(raw)
-        if release is False or self._held:
-            self._held.append(raw)
-            self._held_bytes += len(raw)
-            if self._held_bytes > self._plan.hold_max_bytes:
-                self._holding = False  # past the bound: show what was held, stop holding
+            self.holding = False
+            return self.flush_held(raw)
+        if release is False or self.held:
+            self.held.append(raw)
+            self.heldbytes_ += len(raw)
+            if self.heldbytes_ > self.plan.hold_max_bytes:
+                self.holding = False  # past the bound: show what was held, stop holding
                 self._stop_inspecting_hold()
-                return self._flush_held(b"")
+                return self.flush_held(b"")
             return None
-        return self._emit(raw)
+        return self.emit(raw)
 
-    def _flush_held(self, raw: bytes) -> bytes:
-        if not self._held:
-            return self._emit(raw)
-        held = b"".join(self._held) + raw
-        self._held.clear()
-        return self._emit(held)
+    def flush_held(self, raw: bytes) -> bytes:
+        if not self.held:
+            return self.emit(raw)
+        held = b"".join(self.held) + raw
+        self.held.clear()
+        return self.emit(held)
 
-    def _emit(self, raw: bytes) -> bytes:
+    def emit(self, raw: bytes) -> bytes:
         if raw:
             self.result.shown = True
         return raw
@@ -271,11 +236,11 @@ class StreamRelay(SimpleReads):
         """The general path: decoded events, each parsed."""
         parts: list[bytes] = []
         for event in events:
-            if not self._inspecting:
+            if not self.inspecting:
                 parts.append(event.raw)
             elif event.data is None and not event.raw.lstrip(b"\r\n").startswith(b":"):
                 self._stop_inspecting("malformed_sse")
-                parts.append(self._flush_held(event.raw))
+                parts.append(self.flush_held(event.raw))
             else:
                 out = self._process(event)
                 if self.result.decision is not None:
@@ -307,14 +272,14 @@ class StreamRelay(SimpleReads):
             prefix = b"\n\n" if tally.partial else b""
             error = inband_error_event(502, "upstream connection lost mid-stream")
             await resp.write(prefix + error)
-            self._inspectors.on_end(False)
+            self.inspectors.on_end(False)
             return result
         out = tally.finish()
         if out:
             result.shown = True
             await resp.write(out)
         result.complete = True
-        self._inspectors.on_end(True)
+        self.inspectors.on_end(True)
         return result
 
     async def _run_inspected(
@@ -322,21 +287,23 @@ class StreamRelay(SimpleReads):
     ) -> StreamResult:
         result = self.result
         decoder = self._decoder
+        simple = self._simple
         try:
             async for data in upstream.chunks():
-                if not self._inspecting:
-                    await resp.write(self._flush_held(b"") + data)
+                if not self.inspecting:
+                    await resp.write(self.flush_held(b"") + data)
                     continue
+                templates = simple.templates
                 if (
-                    self._templates is not None
-                    and self._templates.active
+                    templates is not None
+                    and templates.active
                     and not decoder.pending
-                    and not self._inspectors
+                    and not self.inspectors
                 ):
-                    one = self._relay_one(data)
+                    one = simple.relay_one(data)
                     if one is not None:
                         if result.first_event_s is None:
-                            result.first_event_s = self._now()
+                            result.first_event_s = self.now()
                         result.events += 1
                         if one:
                             result.shown = True
@@ -346,25 +313,25 @@ class StreamRelay(SimpleReads):
                         continue
                 events: list[SSEEvent] = []
                 try:
-                    simple = decoder.feed_data(data)
-                    if simple is None:
+                    split = decoder.feed_data(data)
+                    if split is None:
                         events = decoder.feed(data)
                 except SSEOverflow as exc:
                     self._stop_inspecting("event_too_large")
-                    await resp.write(self._flush_held(b"") + exc.pending)
+                    await resp.write(self.flush_held(b"") + exc.pending)
                     continue
-                n = len(simple[1]) if simple is not None else len(events)
+                n = len(split[1]) if split is not None else len(events)
                 if not n:
                     continue
                 if result.first_event_s is None:
-                    result.first_event_s = self._now()
+                    result.first_event_s = self.now()
                 result.events += n
-                if simple is not None:
-                    out = self._relay_simple(*simple)
+                if split is not None:
+                    out = simple.relay_simple(*split)
                 else:
                     out = self._relay_events(events)
-                if not self._inspecting:
-                    out += self._flush_held(decoder.take_pending())  # raw from here on
+                if not self.inspecting:
+                    out += self.flush_held(decoder.take_pending())  # raw from here on
                 if out:
                     result.shown = True
                     await resp.write(out)
@@ -374,20 +341,20 @@ class StreamRelay(SimpleReads):
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # Bytes of an unfinished event are dropped; a blank line first ends any partial
             # line already relayed in raw mode, so the error event parses on its own.
-            prefix = self._flush_held(b"") + (b"" if self._inspecting else b"\n\n")
+            prefix = self.flush_held(b"") + (b"" if self.inspecting else b"\n\n")
             error = inband_error_event(502, "upstream connection lost mid-stream")
             await resp.write(prefix + error)
-            self._inspectors.on_end(False)
+            self.inspectors.on_end(False)
             return result
         tail = decoder.pending
-        out = self._flush_held(b"")
-        if tail and self._inspecting:
+        out = self.flush_held(b"")
+        if tail and self.inspecting:
             # A last event without its blank line: relayed as it came unless rewritten.
             final = decoder.flush()
             processed = self._process(final) if final is not None else tail
-            out += (processed or b"") + self._flush_held(b"")
+            out += (processed or b"") + self.flush_held(b"")
         if out:
             await resp.write(out)
         result.complete = result.decision is None
-        self._inspectors.on_end(result.complete)
+        self.inspectors.on_end(result.complete)
         return result

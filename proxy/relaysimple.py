@@ -1,30 +1,30 @@
 """The relay's simple path: reads whose complete events are all single ``data: `` lines.
 
-Mixed into ``StreamRelay`` (see its module docstring for the paths). A read arrives as its
+A strategy of ``StreamRelay`` (see its module docstring for the paths), which owns the per-chunk
+stages this path calls (parse, observe, transform, hold) and the result. A read arrives as its
 events' bytes and their data fields (``SSEDecoder.feed_data``); events that reach the client
-unchanged stay slices of the read (``_Out``), never copied one by one or re-encoded. Data
-fields that match a learned ``ChunkTemplate`` gather into a run: their texts are decoded in one
-call, token timing counts them at once, and the loop watch gets each stretch of one choice and
-channel in one ``on_run`` call, which names the chunk a trigger belongs to: the decision then
-stops at that chunk, and everything before it is handled as if each chunk had been parsed.
-Any other event is parsed and handled like the general path's (and may teach a template).
-``_relay_one`` handles a read that is exactly one template chunk, before any splitting.
+unchanged stay slices of the read (``_Out``), never copied one by one or re-encoded. Data fields
+that match a learned ``ChunkTemplate`` gather into a run: their texts are decoded in one call,
+token timing counts them at once, and the loop watch gets each stretch of one choice and channel
+in one ``on_run`` call, which names the chunk a trigger belongs to: the decision then stops at
+that chunk, and everything before it is handled as if each chunk had been parsed. Any other
+event is parsed and handled like the general path's (and may teach a template). ``relay_one``
+handles a read that is exactly one template chunk, before any splitting.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 
 from policies.base import Trigger
-from proxy.inspect.base import InspectorSet
 from proxy.inspect.loopwatch import LoopWatch
-from proxy.rawtally import count_tokens
+from proxy.streamresult import count_tokens
 from proxy.template import ChunkTemplate, Templates, decode
 
 if TYPE_CHECKING:
-    from proxy.relay import StreamPlan, StreamResult
+    from proxy.relay import StreamRelay
 
 
 class _Out:
@@ -55,43 +55,19 @@ class _Out:
 
 
 class SimpleReads:
-    _inspecting: bool
-    _inspectors: InspectorSet
-    _plan: StreamPlan
-    _templates: Templates | None
-    _holding: bool
-    _held: list[bytes]
-    result: StreamResult
+    """The simple path of one attempt's relay, and the chunk templates it learns."""
 
-    def _now(self) -> float:
-        raise NotImplementedError
+    __slots__ = ("_relay", "templates")
 
-    def _parse(self, data: bytes | None) -> dict[str, Any] | None:
-        raise NotImplementedError
+    def __init__(self, relay: StreamRelay, templates: Templates | None) -> None:
+        self._relay = relay
+        self.templates = templates
 
-    def _observe(self, chunk: dict[str, Any]) -> bool:
-        raise NotImplementedError
-
-    def _decide(self, trigger: Trigger) -> bool:
-        raise NotImplementedError
-
-    def _transform(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
-        raise NotImplementedError
-
-    def _hold(self, release: bool | None, raw: bytes) -> bytes | None:
-        raise NotImplementedError
-
-    def _flush_held(self, raw: bytes) -> bytes:
-        raise NotImplementedError
-
-    def _emit(self, raw: bytes) -> bytes:
-        raise NotImplementedError
-
-    def _relay_one(self, read: bytes) -> bytes | None:
+    def relay_one(self, read: bytes) -> bytes | None:
         """A read that is exactly one event matching a template (a token streamed on its own,
         the usual read), handled without splitting it; None: take the usual way."""
-        assert self._templates is not None
-        for tpl in self._templates.active:
+        assert self.templates is not None
+        for tpl in self.templates.active:
             literal = tpl.literal(read, event=True)
             if literal is not None:
                 # No raw newline in it: one event. A JSON string: what the template says.
@@ -106,27 +82,27 @@ class SimpleReads:
                 break
         else:
             return None
-        self._templates.hits += 1
-        result = self.result
+        self.templates.hits += 1
+        result = self._relay.result
         if text:
-            count_tokens(result, 1, self._now())
-        watch = self._plan.loop_watch
+            count_tokens(result, 1, self._relay.now())
+        watch = self._relay.plan.loop_watch
         if watch is not None and result.trigger is None:
             found = watch.on_run(tpl.index, tpl.channel, (text,))
-            if found is not None and self._decide(found[0]):
+            if found is not None and self._relay.decide(found[0]):
                 return b""
-        if self._holding:
-            return self._hold(tpl.releases if text else None, read) or b""
-        return self._emit(read)
+        if self._relay.holding:
+            return self._relay.hold(tpl.releases if text else None, read) or b""
+        return self._relay.emit(read)
 
-    def _relay_simple(self, src: bytes, datas: list[bytes]) -> bytes:
+    def relay_simple(self, src: bytes, datas: list[bytes]) -> bytes:
         """The simple path: ``src`` is the events ``b"data: " + d + b"\n\n"`` for d in datas."""
         out = _Out(src)
-        templates = self._templates if not self._inspectors else None
+        templates = self.templates if not self._relay.inspectors else None
         offset = 0
         i = 0
         while i < len(datas):
-            if not self._inspecting:
+            if not self._relay.inspecting:
                 break  # the rest goes out as it came
             if templates is not None and templates.active:
                 literals, matched = _match(datas, i, templates.active)
@@ -147,26 +123,26 @@ class SimpleReads:
 
     def _simple_event(self, data: bytes, offset: int, out: _Out) -> bool:
         """One event of the simple path, parsed; True when a decision stops the relay."""
-        chunk = self._parse(data)
+        chunk = self._relay.parse(data)
         if chunk is None:  # [DONE] or malformed: whatever was held goes first
-            self._holding = False
-            if self._held:
-                out.put(offset, 0, self._flush_held(b""))
+            self._relay.holding = False
+            if self._relay.held:
+                out.put(offset, 0, self._relay.flush_held(b""))
             return False
-        plan = self._plan
-        templates = self._templates
+        plan = self._relay.plan
+        templates = self.templates
         if (
             templates is not None
-            and not self._inspectors
+            and not self._relay.inspectors
             and (plan.id_override is None or chunk.get("id") == plan.id_override)
         ):
             templates.learn(chunk, data)
-        if self._observe(chunk):
+        if self._relay.observe(chunk):
             return True
-        if plan.strip_logprobs or plan.id_override is not None or self._holding:
+        if plan.strip_logprobs or plan.id_override is not None or self._relay.holding:
             size = len(data) + 8
             raw = out.src[offset : offset + size]
-            written = self._transform(chunk, raw)
+            written = self._relay.transform(chunk, raw)
             if written is not raw:
                 out.put(offset, size, written)
         return False
@@ -183,17 +159,17 @@ class SimpleReads:
         texts = decode(literals)
         if texts is None:  # not what the templates say: parse them one by one
             for data in datas:
-                if not self._inspecting:
+                if not self._relay.inspecting:
                     break
                 if self._simple_event(data, offset, out):
                     return offset
                 offset += len(data) + 8
             return None
-        assert self._templates is not None
-        self._templates.hits += len(texts)
-        watch = self._plan.loop_watch
+        assert self.templates is not None
+        self.templates.hits += len(texts)
+        watch = self._relay.plan.loop_watch
         found = None
-        if watch is not None and self.result.trigger is None:
+        if watch is not None and self._relay.result.trigger is None:
             first = matched[0]
             # One template is the usual case (list.count compares identity first).
             if len(matched) == 1 or matched.count(first) == len(matched):
@@ -202,24 +178,24 @@ class SimpleReads:
                 found = _watch_stretches(watch, texts, matched)
         if found is None:
             self._count_run(texts)
-            if self._holding:
+            if self._relay.holding:
                 self._hold_run(out, offset, datas, texts, matched, 0)
             return None
         trigger, at = found
         self._count_run(texts[: at + 1])  # the triggering chunk is counted before the decision
-        if self._holding:
+        if self._relay.holding:
             self._hold_run(out, offset, datas[:at], texts, matched, 0)
-        if self._decide(trigger):
+        if self._relay.decide(trigger):
             return offset + sum(map(len, datas[:at])) + 8 * at
         self._count_run(texts[at + 1 :])
-        if self._holding:
+        if self._relay.holding:
             self._hold_run(out, offset, datas, texts, matched, at)
         return None
 
     def _count_run(self, texts: list[str]) -> None:
         tokens = len(texts) - texts.count("")
         if tokens:
-            count_tokens(self.result, tokens, self._now())
+            count_tokens(self._relay.result, tokens, self._relay.now())
 
     def _hold_run(
         self,
@@ -234,10 +210,10 @@ class SimpleReads:
         for k, data in enumerate(datas):
             size = len(data) + 8
             if k >= start:
-                if not self._holding:
+                if not self._relay.holding:
                     return
                 raw = out.src[offset : offset + size]
-                written = self._hold(matched[k].releases if texts[k] else None, raw)
+                written = self._relay.hold(matched[k].releases if texts[k] else None, raw)
                 if written is not raw:
                     out.put(offset, size, written)
             offset += size

@@ -24,7 +24,8 @@ from proxy.headers import client_response_headers
 from proxy.inspect.base import InspectorSet, StreamInspector
 from proxy.inspect.loopwatch import LoopWatch
 from proxy.recovery import abort_chunk, retry_comment
-from proxy.relay import StreamPlan, StreamRelay, StreamResult
+from proxy.relay import StreamPlan, StreamRelay
+from proxy.streamresult import StreamResult
 from proxy.upstream import UpstreamResponse, is_event_stream
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.rawtally import RawTally
-from proxy.relay import StreamResult
+from proxy.streamresult import StreamResult
 from tests.audit._build import grouped_chat_chunks, tokens
 
 

@@ -18,7 +18,8 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
 from proxy.inspect.loops import LoopConfig
 from proxy.inspect.loopwatch import LoopWatch
-from proxy.relay import StreamPlan, StreamRelay, StreamResult
+from proxy.relay import StreamPlan, StreamRelay
+from proxy.streamresult import StreamResult
 from tests.test_forward import Explode
 
 UNIT = " and then the model says the same thing again."
@@ -85,7 +86,7 @@ class GeneralRelay(StreamRelay):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._templates = None
+        self._simple.templates = None
         self._decoder.feed_data = lambda chunk: None  # type: ignore[method-assign]
 
     @property
@@ -246,7 +247,7 @@ def test_loops_are_found_on_the_fast_path_and_stop_at_the_same_event() -> None:
             general = relay([stream], loops=True, decision=decision, general=True)
             assert fast.result.trigger is not None
             assert fast.result.trigger.channel == channel
-            assert fast.relay._templates is not None and fast.relay._templates.hits > 10
+            assert fast.relay.templates is not None and fast.relay.templates.hits > 10
             assert summary(fast) == summary(general)
             assert len(fast.client.body) < len(stream)
 
@@ -292,7 +293,7 @@ def test_restarted_attempt_keeps_the_first_id() -> None:
     assert summary(run) == summary(relay([stream], loops=True, id_override=ID, general=True))
     same = relay([CLEAN], loops=True, id_override=ID)
     assert same.client.body == CLEAN
-    assert same.relay._templates is not None and same.relay._templates.hits > 10
+    assert same.relay.templates is not None and same.relay.templates.hits > 10
 
 
 class Collect:
@@ -314,7 +315,7 @@ def test_inspectors_see_every_chunk_and_one_that_raises_is_dropped() -> None:
     assert run.client.body == CLEAN
     assert len(collect.chunks) == 53  # every data event but [DONE]
     assert run.stopped == ["explode"]
-    assert run.relay._templates is not None and run.relay._templates.hits == 0
+    assert run.relay.templates is not None and run.relay.templates.hits == 0
 
 
 def test_malformed_events_switch_inspection_off_and_bytes_flow() -> None:
@@ -339,7 +340,7 @@ def test_one_event_per_read_is_handled_whole_like_the_general_path() -> None:
                 kw = {"loops": True, "decision": decision, "hold": hold}
                 fast = relay(reads, **kw)
                 assert summary(fast) == summary(relay(reads, general=True, **kw))
-                assert fast.relay._templates is not None and fast.relay._templates.hits > 5
+                assert fast.relay.templates is not None and fast.relay.templates.hits > 5
     good = chunk({"content": "fine"})
     reads = [chunk({"role": "assistant", "content": ""}), good, good, good.replace(b"fine", b"\t")]
     run = relay(reads, loops=True)

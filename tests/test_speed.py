@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy.events import StreamTimed
 from proxy.metrics import inflight_bucket
-from proxy.relay import StreamResult
 from proxy.sse import encode_event
 from proxy.streaming import speed_event
+from proxy.streamresult import StreamResult
 from tests.audit._build import grouped_chat_chunks, tokens
 from tests.conftest import metric
 from tests.test_relay import relay
