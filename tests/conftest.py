@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import load_settings
+from proxy.emulator import EmulatorConfig, EmulatorServer
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -72,5 +73,9 @@ async def upstream(
     return start
 
 
-def metric(registry: CollectorRegistry, sample: str, **labels: str) -> float:
-    return registry.get_sample_value(sample, labels) or 0.0
+@pytest.fixture
+async def emulator() -> AsyncIterator[EmulatorServer]:
+    """The emulator with its default config, in process; modules that need another config
+    override this fixture."""
+    async with EmulatorServer(EmulatorConfig()) as srv:
+        yield srv

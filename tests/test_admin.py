@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 
 from proxy.emulator import EmulatorServer
-from tests.processes import detproxy_serve, free_port
+from tests.helpers import detproxy_serve, free_port
 
 TOKEN = "s3cret-admin-token-0123"
 

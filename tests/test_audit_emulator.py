@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.emulator import EmulatorConfig, EmulatorServer
-from tests.conftest import metric
+from proxy.emulator import EmulatorServer
+from tests.helpers import metric, sse_chunks
 
 MODEL = "emulator-model"
 FAST = {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000"}
@@ -35,12 +33,6 @@ def chat(prompt: str, **extra: Any) -> dict[str, Any]:
     }
 
 
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    async with EmulatorServer(EmulatorConfig()) as srv:
-        yield srv
-
-
 async def settle(client: Any) -> None:
     """Wait until the shadow scheduler has nothing queued or running."""
     for _ in range(200):
@@ -54,11 +46,7 @@ async def settle(client: Any) -> None:
 
 async def read_answer(resp: Any) -> Any:
     if resp.headers["Content-Type"].startswith("text/event-stream"):
-        return [
-            orjson.loads(b[6:])
-            for b in (await resp.read()).split(b"\n\n")
-            if b and b != b"data: [DONE]"
-        ]
+        return sse_chunks(await resp.read())
     return await resp.json()
 
 

@@ -9,7 +9,7 @@ import aiohttp
 import pytest
 
 from proxy.emulator import EmulatorServer
-from tests.processes import EXE, detproxy_serve, free_port
+from tests.helpers import EXE, detproxy_serve, free_port
 
 CHAT = {
     "model": "emulator-model",

@@ -18,7 +18,7 @@ from proxy.continuation import (
     merge_answer,
     prefix_of,
 )
-from tests.conftest import metric
+from tests.helpers import metric, sse_chunks, sse_event
 
 CHAT = "/v1/chat/completions"
 UNIT = " The waves roll in and the waves roll out again."
@@ -134,7 +134,7 @@ class Scripted:
         for c in chunks:
             event = {"id": f"chatcmpl-{len(self.bodies)}", "choices": [c]}
             try:
-                await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+                await resp.write(sse_event(event))
             except ConnectionResetError:
                 return resp
         await resp.write(b"data: [DONE]\n\n")
@@ -203,7 +203,7 @@ async def test_a_streamed_loop_is_continued_after_what_the_client_has(
     resp = await proxy.post(CHAT, json=ask(True))
     raw = await resp.read()
     assert b": detproxy retry" not in raw  # no restart: nothing to mark
-    events = [orjson.loads(b[6:]) for b in raw.split(b"\n\n") if b.startswith(b"data: {")]
+    events = sse_chunks(raw)
     assert {e["id"] for e in events} == {"chatcmpl-1"}  # the first attempt's id throughout
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
     prefix = continued_prefix(scripted)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import orjson
 
-EXE = str(Path(sys.executable).with_name("detproxy"))
+from tests.helpers import EXE
 
 
 def test_demo_detects_recovers_and_leaves_nothing_running(tmp_path: Path) -> None:

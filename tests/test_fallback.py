@@ -16,7 +16,7 @@ import pytest
 from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
-from tests.conftest import metric
+from tests.helpers import metric, sse_event
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -52,7 +52,7 @@ def chunk(path: str, text: str, finish: str | None, lp: bool) -> bytes:
         logprobs = {"tokens": [text], "token_logprobs": [None], "top_logprobs": [{text: None}]}
     c: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": finish}
     c |= {"delta": {"content": text}} if path == CHAT else {"text": text}
-    return b"data: " + orjson.dumps({"id": "x-1", "choices": [c]}) + b"\n\n"
+    return sse_event({"id": "x-1", "choices": [c]})
 
 
 class Refusing:
@@ -346,7 +346,7 @@ class Looping(Refusing):
                     "content": [{"token": text, "logprob": -0.5, "top_logprobs": []}]
                 }
             try:
-                await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+                await resp.write(sse_event(event))
             except ConnectionResetError:
                 return resp  # detproxy closed the looping attempt
         await resp.write(b"data: [DONE]\n\n")

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from proxy.emulator import EmulatorConfig, EmulatorServer
 from proxy.events import EventBus, UpstreamFingerprinted
 from proxy.fingerprint import FingerprintPoller, build, parse_metrics
-from tests.conftest import metric
+from tests.helpers import metric
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
 vllm:num_requests_running{engine="0",model_name="m"} 3.0

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 
 from policies.base import Continue, PolicyChain, PolicyContext, Retry
 from proxy import answer as whole_answer
-from tests.conftest import metric
+from tests.helpers import ExplodingInspector, metric
 
 
 @pytest.fixture(params=["native", "aiohttp"])
@@ -243,22 +243,13 @@ class Collect:
         self.ended.append(complete)
 
 
-class Explode:
-    name = "explode"
-
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
-        raise ValueError("inspector bug")
-
-    def on_end(self, complete: bool) -> None:
-        raise AssertionError("a dropped inspector is not called again")
-
-
 async def test_inspector_seam_sees_every_chunk_and_failures_are_isolated(
     make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
 ) -> None:
     collect = Collect()
     client = await make_proxy(
-        await upstream(), inspector_factories=[lambda view: Explode(), lambda view: collect]
+        await upstream(),
+        inspector_factories=[lambda view: ExplodingInspector(), lambda view: collect],
     )
     resp = await client.post("/v1/completions", json={"model": "m", "stream": True})
     assert await resp.read() == b"".join(EVENTS)

@@ -12,15 +12,15 @@ import pytest
 
 from proxy.errors import UpstreamFailure
 from proxy.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
-from tests.h1_scripted import JSON, Reply, Request, Scripted, answer
+from tests.helpers import JSON_REPLY, ScriptedReply, ScriptedRequest, ScriptedServer, replies_with
 
 
 @pytest.fixture
-async def scripted() -> AsyncIterator[Callable[[Reply], Awaitable[Scripted]]]:
+async def scripted() -> AsyncIterator[Callable[[ScriptedReply], Awaitable[ScriptedServer]]]:
     servers: list[asyncio.Server] = []
 
-    async def start(reply: Reply) -> Scripted:
-        s = Scripted(reply)
+    async def start(reply: ScriptedReply) -> ScriptedServer:
+        s = ScriptedServer(reply)
         s.server = await asyncio.start_server(s.handle, "127.0.0.1", 0)
         servers.append(s.server)
         return s
@@ -43,7 +43,7 @@ def client(url: str, **kw: Any) -> H1Upstream:
 
 
 async def test_content_length_answers_reuse_one_connection(scripted: Any) -> None:
-    srv = await scripted(answer(JSON))
+    srv = await scripted(replies_with(JSON_REPLY))
     up = client(srv.url)
     for _ in range(3):
         resp = await up.send("POST", "/v1/chat/completions?x=1", {"X-Request-Id": "r1"}, b"{}")
@@ -64,7 +64,7 @@ async def test_content_length_answers_reuse_one_connection(scripted: Any) -> Non
 async def test_chunked_body_is_decoded_and_streamed(scripted: Any) -> None:
     parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
 
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
             b"Transfer-Encoding: chunked\r\n\r\n"
@@ -86,7 +86,7 @@ async def test_chunked_body_is_decoded_and_streamed(scripted: Any) -> None:
 
 
 async def test_a_body_delimited_by_close_ends_with_the_connection(scripted: Any) -> None:
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
         return False  # close: that is the end of the body
 
@@ -103,7 +103,7 @@ async def test_connection_close_and_http10_are_not_reused(scripted: Any) -> None
         b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
     ]
 
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         writer.write(replies[req.conn % 2])
         return True
 
@@ -115,7 +115,7 @@ async def test_connection_close_and_http10_are_not_reused(scripted: Any) -> None
 
 
 async def test_head_and_204_have_no_body(scripted: Any) -> None:
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         if req.lines[0].startswith(b"HEAD"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n")
         else:
@@ -134,14 +134,14 @@ async def test_head_and_204_have_no_body(scripted: Any) -> None:
 
 
 async def test_an_interim_100_continue_is_skipped(scripted: Any) -> None:
-    srv = await scripted(answer(b"HTTP/1.1 100 Continue\r\n\r\n" + JSON))
+    srv = await scripted(replies_with(b"HTTP/1.1 100 Continue\r\n\r\n" + JSON_REPLY))
     up = client(srv.url)
     resp = await up.send("POST", "/", {"Expect": "100-continue"}, b"{}")
     assert resp.status == 200 and await resp.read() == b'{"a":1}'
 
 
 async def test_request_framing(scripted: Any) -> None:
-    srv = await scripted(answer(JSON))
+    srv = await scripted(replies_with(JSON_REPLY))
     up = client(srv.url + "/prefix/")
 
     async def body() -> AsyncIterator[bytes]:
@@ -160,10 +160,10 @@ async def test_request_framing(scripted: Any) -> None:
 
 
 async def test_a_stale_pooled_connection_is_retried_once(scripted: Any) -> None:
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         if sum(r.conn == req.conn for r in srv.requests) == 2:
             return False  # the second request on a connection: hang up without answering
-        writer.write(JSON)
+        writer.write(JSON_REPLY)
         return True
 
     srv = await scripted(reply)
@@ -174,10 +174,10 @@ async def test_a_stale_pooled_connection_is_retried_once(scripted: Any) -> None:
 
 
 async def test_a_streamed_body_is_not_sent_twice(scripted: Any) -> None:
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         if sum(r.conn == req.conn for r in srv.requests) == 2:
             return False
-        writer.write(JSON)
+        writer.write(JSON_REPLY)
         return True
 
     async def body() -> AsyncIterator[bytes]:
@@ -198,7 +198,7 @@ async def test_refused_and_timeouts_map_to_gateway_errors(scripted: Any) -> None
         await up.send("GET", "/", {}, None)
     assert (err.value.status, err.value.kind) == (502, "refused")
 
-    async def silent(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def silent(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         if req.lines[0].startswith(b"GET /slow-body"):
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
         await asyncio.sleep(1)
@@ -215,7 +215,7 @@ async def test_refused_and_timeouts_map_to_gateway_errors(scripted: Any) -> None
 
 
 async def test_a_body_cut_short_raises_a_payload_error(scripted: Any) -> None:
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
         return False
 
@@ -227,14 +227,14 @@ async def test_a_body_cut_short_raises_a_payload_error(scripted: Any) -> None:
 
 
 async def test_a_malformed_response_is_a_bad_gateway(scripted: Any) -> None:
-    srv = await scripted(answer(b"NOT HTTP AT ALL\r\n\r\n"))
+    srv = await scripted(replies_with(b"NOT HTTP AT ALL\r\n\r\n"))
     with pytest.raises(UpstreamFailure) as err:
         await client(srv.url).send("GET", "/", {}, None)
     assert err.value.status == 502
 
 
 async def test_closing_an_unfinished_response_closes_the_connection(scripted: Any) -> None:
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
         return True  # a generation that goes on; the server waits for what comes next
 
@@ -254,7 +254,7 @@ async def test_closing_an_unfinished_response_closes_the_connection(scripted: An
 
 
 async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None:
-    async def never(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def never(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         return True  # no answer; the server waits for what comes next
 
     srv = await scripted(never)
@@ -267,7 +267,7 @@ async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None
     await asyncio.sleep(0.1)
     assert srv.eofs == 1
     # The one connection slot was given back: a new request is not stuck behind it.
-    srv.reply = answer(JSON)
+    srv.reply = replies_with(JSON_REPLY)
     resp = await asyncio.wait_for(up.send("POST", "/", {}, b"{}"), 2)
     assert await resp.read() == b'{"a":1}'
 
@@ -275,9 +275,9 @@ async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None
 async def test_the_connection_limit_queues_requests(scripted: Any) -> None:
     gate = asyncio.Event()
 
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         await gate.wait()
-        writer.write(JSON)
+        writer.write(JSON_REPLY)
         return True
 
     srv = await scripted(reply)
@@ -296,7 +296,7 @@ async def test_the_connection_limit_queues_requests(scripted: Any) -> None:
 
 
 async def test_idle_connections_expire(scripted: Any) -> None:
-    srv = await scripted(answer(JSON))
+    srv = await scripted(replies_with(JSON_REPLY))
     up = client(srv.url, keepalive_timeout_s=0.05)
     await (await up.send("GET", "/", {}, None)).read()
     await (await up.send("GET", "/", {}, None)).read()
@@ -309,7 +309,7 @@ async def test_idle_connections_expire(scripted: Any) -> None:
 async def test_a_slow_reader_pauses_the_upstream(scripted: Any) -> None:
     size = 8 * 1024 * 1024
 
-    async def reply(req: Request, writer: asyncio.StreamWriter) -> bool:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
         for _ in range(size // 65536):
             writer.write(b"x" * 65536)
@@ -355,7 +355,7 @@ def test_under_uvloop() -> None:
     uvloop = pytest.importorskip("uvloop")
 
     async def scenario() -> tuple[list[bytes], int]:
-        s = Scripted(answer(JSON))
+        s = ScriptedServer(replies_with(JSON_REPLY))
         s.server = await asyncio.start_server(s.handle, "127.0.0.1", 0)
         up = client(s.url)
         try:
@@ -372,7 +372,7 @@ def test_under_uvloop() -> None:
 
 
 async def test_a_waiter_woken_then_cancelled_passes_the_slot_on(scripted: Any) -> None:
-    srv = await scripted(answer(JSON))
+    srv = await scripted(replies_with(JSON_REPLY))
     up = client(srv.url, max_connections=1)
     first = await up.send("GET", "/", {}, None)  # holds the one slot until read
     woken = asyncio.create_task(up.send("GET", "/", {}, None))
@@ -385,7 +385,7 @@ async def test_a_waiter_woken_then_cancelled_passes_the_slot_on(scripted: Any) -
 
 
 async def test_expired_idle_connections_are_closed_on_a_release(scripted: Any) -> None:
-    srv = await scripted(answer(JSON))
+    srv = await scripted(replies_with(JSON_REPLY))
     up = client(srv.url, keepalive_timeout_s=0.5)
     a, b = await asyncio.gather(*(up.send("GET", "/", {}, None) for _ in range(2)))
     await a.read()

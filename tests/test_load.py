@@ -12,8 +12,7 @@ import orjson
 from prometheus_client import CollectorRegistry
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
-from tests.conftest import metric
-from tests.processes import own_tasks
+from tests.helpers import metric, own_tasks
 
 STREAMS = 300
 

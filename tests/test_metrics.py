@@ -14,7 +14,7 @@ from proxy.events import (
     StreamTimed,
 )
 from proxy.metrics import Metrics
-from tests.conftest import metric
+from tests.helpers import metric
 
 
 def finished(status: int = 200, model: str = "m", stream: bool = False) -> RequestFinished:

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.conftest import metric
+from tests.helpers import metric
 
 
 @pytest.fixture(params=["native", "aiohttp"])

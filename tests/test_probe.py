@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,9 +13,7 @@ import orjson
 import pytest
 
 from proxy.probe import main
-from tests.processes import free_port
-
-EXE = str(Path(sys.executable).with_name("detproxy"))
+from tests.helpers import EXE, free_port
 
 
 @pytest.fixture

@@ -1,35 +1,28 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
-import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.rawtally import RawTally
 from proxy.streamresult import StreamResult
-from tests.audit._build import grouped_chat_chunks, tokens
+from tests.helpers import chat_chunk, grouped_chat_chunks, sse_event, tokens
 
-
-def event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any) -> Any:
-    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
-    return {"id": "chatcmpl-7", "object": "chat.completion.chunk", "choices": [choice], **extra}
+chunk = partial(chat_chunk, chunk_id="chatcmpl-7")
 
 
 def vllm_stream(texts: list[str], key: str = "content", usage: int | None = 42) -> list[bytes]:
-    events = [event(chunk({"role": "assistant", "content": ""}))]
+    events = [sse_event(chunk({"role": "assistant", "content": ""}))]
     for text in texts:
         delta = {"reasoning": text, "reasoning_content": text} if key == "both" else {key: text}
-        events.append(event(chunk(delta)))
-    events.append(event(chunk({"content": ""}, "stop")))
+        events.append(sse_event(chunk(delta)))
+    events.append(sse_event(chunk({"content": ""}, "stop")))
     if usage is not None:
         usage_chunk = {"id": "chatcmpl-7", "choices": [], "usage": {"completion_tokens": usage}}
-        events.append(event(usage_chunk))
+        events.append(sse_event(usage_chunk))
     return [*events, b"data: [DONE]\n\n"]
 
 
@@ -108,7 +101,7 @@ def test_crlf_framing_is_decoded_exactly() -> None:
 
 def test_an_oversized_event_switches_to_passing_bytes_through() -> None:
     first = vllm_stream(["a"])[0]
-    stream = first + event(chunk({"content": "x" * 5000})) + vllm_stream(["b"])[1]
+    stream = first + sse_event(chunk({"content": "x" * 5000})) + vllm_stream(["b"])[1]
     relayed, result, raw, parts = tally(cut(stream, [len(first), 2000, 4000]), max_bytes=1000)
     assert relayed == stream
     assert parts[:2] == [first, stream[len(first) : 2000]]  # past the bound, as it comes
@@ -118,14 +111,14 @@ def test_an_oversized_event_switches_to_passing_bytes_through() -> None:
 
 def test_documented_approximations() -> None:
     # Stray blank lines (runs of four newlines or more) count as events.
-    _, result, _, _ = tally([event(chunk({"content": "a"})) + b"\n\n"])
+    _, result, _, _ = tally([sse_event(chunk({"content": "a"})) + b"\n\n"])
     assert result.events == 2
     # One read mixing events with only reasoning and only reasoning_content counts the larger.
-    mixed = event(chunk({"reasoning": "a"})) + event(chunk({"reasoning_content": "b"}))
+    mixed = sse_event(chunk({"reasoning": "a"})) + sse_event(chunk({"reasoning_content": "b"}))
     _, result, _, _ = tally([mixed])
     assert result.token_events == 1
     # first_id comes from the first data event only.
-    _, result, _, _ = tally([event({"choices": []}) + event(chunk({"content": "a"}))])
+    _, result, _, _ = tally([sse_event({"choices": []}) + sse_event(chunk({"content": "a"}))])
     assert result.first_id is None
 
 
@@ -143,7 +136,7 @@ def test_tokens_of_several_a_chunk_in_any_split(shape: str, cuts: list[int]) -> 
     if shape == "spaced":  # Python's json spacing: '"logprobs": {'
         stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
     else:
-        stream = b"".join(event(c) for c in chunks)
+        stream = b"".join(sse_event(c) for c in chunks)
     stream += b"data: [DONE]\n\n"
     relayed, result, _, _ = tally(cut(stream, [c for c in cuts if c <= len(stream)]))
     assert relayed == stream
@@ -154,7 +147,7 @@ def test_tokens_of_several_a_chunk_in_any_split(shape: str, cuts: list[int]) -> 
 def test_completions_logprobs_list_their_tokens() -> None:
     def piece(text: str, n: int) -> bytes:
         logprobs = {"tokens": [text] * n, "token_logprobs": [-0.5] * n}
-        return event(
+        return sse_event(
             {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "logprobs": logprobs}]}
         )
 

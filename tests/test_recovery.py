@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -12,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
-from tests.conftest import metric
+from tests.helpers import metric, sse_chunks, sse_comments
 
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
@@ -51,22 +50,6 @@ def actions(registry: CollectorRegistry, action: str, outcome: str) -> float:
     )
 
 
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    async with EmulatorServer(EmulatorConfig()) as srv:
-        yield srv
-
-
-def sse(raw: bytes) -> tuple[list[dict[str, Any]], list[bytes]]:
-    chunks, comments = [], []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b":"):
-            comments.append(block)
-        elif block.startswith(b"data: ") and block != b"data: [DONE]":
-            chunks.append(orjson.loads(block[6:]))
-    return chunks, comments
-
-
 async def test_non_streaming_content_loop_is_recovered(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
@@ -93,7 +76,8 @@ async def test_streaming_restart_continues_under_the_original_id(
     client = await make_proxy(emulator.url, env=RETRY)
     slow_loop = knobs(loop_channel="content", loop_after_tokens=5, token_latency_s=0.005, **ESCAPES)
     resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=slow_loop)
-    chunks, comments = sse(await resp.read())
+    raw = await resp.read()
+    chunks, comments = sse_chunks(raw), sse_comments(raw)
     assert comments == [b": detproxy retry attempt=2 reason=loop (proxy, content)"]
     assert len({c["id"] for c in chunks}) == 1  # one id across both attempts
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
@@ -148,7 +132,7 @@ async def test_abort_ends_the_stream_cleanly(
     client = await make_proxy(emulator.url, env={"DETPROXY_LOOPS__POLICY": "abort"})
     resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=CONTENT_LOOP)
     raw = await resp.read()
-    chunks, _ = sse(raw)
+    chunks = sse_chunks(raw)
     assert raw.endswith(b"data: [DONE]\n\n")
     assert chunks[-1]["choices"][0]["finish_reason"] == "repetition"
     assert actions(registry, "abort", "loop") == 1
@@ -273,7 +257,8 @@ async def test_recovery_counts_follow_the_upstream(
         )
         assert resp.status == 200
         if stream:
-            chunks, comments = sse(await resp.read())
+            raw = await resp.read()
+            chunks, comments = sse_chunks(raw), sse_comments(raw)
             finish = chunks[-1]["choices"][0]["finish_reason"]
             seen[rid] = (1 + len(comments), finish == "stop")
         else:

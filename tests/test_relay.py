@@ -3,48 +3,36 @@ triggers and decisions, whatever the split of the upstream reads."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
-import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Abort, Continue, Retry
-from proxy.events import EventBus, InspectionStopped, UpstreamFailed
-from proxy.inspect.base import InspectorSet
-from proxy.inspect.loops import LoopConfig
-from proxy.inspect.loopwatch import LoopWatch
-from proxy.relay import StreamPlan, StreamRelay
-from proxy.streamresult import StreamResult
-from tests.test_forward import Explode
+from policies.base import Abort, Retry
+from tests.helpers import (
+    ExplodingInspector,
+    RelayRun,
+    chat_event,
+    relay,
+    sse_blocks,
+    sse_event,
+)
 
 UNIT = " and then the model says the same thing again."
 ID = "chatcmpl-1"
 
 
-def event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-
-def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    return event({"id": ID, "object": "chat.completion.chunk", "choices": [choice], **extra})
-
-
 def answer(
     reasoning: list[str], content: list[str], key: str = "reasoning", usage: bool = True
 ) -> bytes:
-    events = [chunk({"role": "assistant", "content": ""})]
+    events = [chat_event({"role": "assistant", "content": ""})]
     keys = ("reasoning", "reasoning_content") if key == "both" else (key,)
-    events += [chunk(dict.fromkeys(keys, text)) for text in reasoning]
-    events += [chunk({"content": text}) for text in content]
-    events.append(chunk({"content": ""}, "stop"))
+    events += [chat_event(dict.fromkeys(keys, text)) for text in reasoning]
+    events += [chat_event({"content": text}) for text in content]
+    events.append(chat_event({"content": ""}, "stop"))
     if usage:
-        events.append(event({"id": ID, "choices": [], "usage": {"completion_tokens": 9}}))
+        events.append(sse_event({"id": ID, "choices": [], "usage": {"completion_tokens": 9}}))
     return b"".join([*events, b"data: [DONE]\n\n"])
 
 
@@ -57,104 +45,12 @@ CONTENT_LOOP = answer(words(10), words(10) + [UNIT] * 15 + words(5))
 REASONING_LOOP = answer(words(5) + [UNIT[:9], UNIT[9:]] * 12, words(5))
 
 
-class Upstream:
-    def __init__(self, reads: list[bytes], fail: bool = False) -> None:
-        self.reads = reads
-        self.fail = fail
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        for read in self.reads:
-            yield read
-        if self.fail:
-            raise aiohttp.ClientPayloadError("connection lost")
-
-
-class Client:
-    def __init__(self) -> None:
-        self.writes: list[bytes] = []
-
-    async def write(self, data: bytes) -> None:
-        self.writes.append(data)
-
-    @property
-    def body(self) -> bytes:
-        return b"".join(self.writes)
-
-
-class GeneralRelay(StreamRelay):
-    """The general path only: the decoder, every event parsed, no templates."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._simple.templates = None
-        self._decoder.feed_data = lambda chunk: None  # type: ignore[method-assign]
-
-    @property
-    def raw(self) -> bool:
-        return False
-
-
-class Run:
-    def __init__(self, relay: StreamRelay, client: Client, result: StreamResult) -> None:
-        self.relay, self.client, self.result = relay, client, result
-        self.stopped: list[str] = []
-        self.failed: list[str] = []
-        self.decided: list[Any] = []
-
-
-def relay(
-    reads: list[bytes],
-    *,
-    loops: bool = False,
-    decision: Any = None,
-    hold: bool = False,
-    inspectors: list[Any] | None = None,
-    fail: bool = False,
-    general: bool = False,
-    max_event_bytes: int = 1 << 20,
-    endpoint: str = "chat",
-    **plan: Any,
-) -> Run:
-    bus = EventBus()
-    decided: list[Any] = []
-
-    def on_trigger(trigger: Any) -> Any:
-        decided.append(trigger)
-        return decision or Continue()
-
-    stream_plan = StreamPlan(
-        loop_watch=LoopWatch(endpoint, LoopConfig()) if loops else None,
-        on_trigger=on_trigger if loops else None,
-        hold_reasoning=hold,
-        **plan,
-    )
-    dropped: list[str] = []
-    cls = GeneralRelay if general else StreamRelay
-    r = cls(
-        endpoint,
-        InspectorSet(inspectors or [], dropped.append),
-        bus,
-        max_event_bytes,
-        0.0,
-        stream_plan,
-    )
-    stopped: list[str] = []
-    failed: list[str] = []
-    bus.subscribe(InspectionStopped, lambda ev: stopped.append(ev.reason))
-    bus.subscribe(UpstreamFailed, lambda ev: failed.append(ev.kind))
-    client = Client()
-    result = asyncio.run(r.run(Upstream(reads, fail), client))  # type: ignore[arg-type]
-    run = Run(r, client, result)
-    run.stopped, run.failed, run.decided = stopped + dropped, failed, decided
-    return run
-
-
 def split(stream: bytes, cuts: list[int]) -> list[bytes]:
     cuts = sorted(c for c in cuts if c <= len(stream))
     return [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
 
 
-def summary(run: Run, events: bool = True) -> tuple[Any, ...]:
+def summary(run: RelayRun, events: bool = True) -> tuple[Any, ...]:
     """What must agree between paths; ``events`` counts whole reads, so a decision that stops
     mid-read makes it depend on the split: compare it between runs of the same reads."""
     r = run.result
@@ -200,7 +96,7 @@ def test_a_break_mid_event_ends_with_an_inband_error(general: bool) -> None:
 
 
 def test_a_break_after_an_oversized_event_starts_with_a_blank_line() -> None:
-    big = chunk({"content": "x" * 3000})
+    big = chat_event({"content": "x" * 3000})
     first = CLEAN.split(b"\n\n")[0] + b"\n\n"
     for general in (False, True):
         run = relay([first, big[:2000]], fail=True, max_event_bytes=1000, general=general)
@@ -265,9 +161,9 @@ def test_hold_reasoning_on_the_fast_path() -> None:
 
 
 def test_a_literal_the_template_cannot_read_falls_back_and_stops_inspection() -> None:
-    good = chunk({"content": "fine"})
+    good = chat_event({"content": "fine"})
     broken = good.replace(b'"fine"', b'"bad\x01"')  # a raw control character: not JSON
-    stream = chunk({"role": "assistant", "content": ""}) + good * 3 + broken + good * 3
+    stream = chat_event({"role": "assistant", "content": ""}) + good * 3 + broken + good * 3
     for reads in ([stream], split(stream, [len(stream) - len(good) * 4])):
         run = relay(reads, loops=True)
         assert run.client.body == stream
@@ -311,7 +207,7 @@ class Collect:
 
 def test_inspectors_see_every_chunk_and_one_that_raises_is_dropped() -> None:
     collect = Collect()
-    run = relay(split(CLEAN, [300, 301]), loops=True, inspectors=[Explode(), collect])
+    run = relay(split(CLEAN, [300, 301]), loops=True, inspectors=[ExplodingInspector(), collect])
     assert run.client.body == CLEAN
     assert len(collect.chunks) == 53  # every data event but [DONE]
     assert run.stopped == ["explode"]
@@ -329,7 +225,7 @@ def test_malformed_events_switch_inspection_off_and_bytes_flow() -> None:
 
 
 def events_of(stream: bytes) -> list[bytes]:
-    return [block + b"\n\n" for block in stream.split(b"\n\n") if block]
+    return [block + b"\n\n" for block in sse_blocks(stream)]
 
 
 def test_one_event_per_read_is_handled_whole_like_the_general_path() -> None:
@@ -341,19 +237,24 @@ def test_one_event_per_read_is_handled_whole_like_the_general_path() -> None:
                 fast = relay(reads, **kw)
                 assert summary(fast) == summary(relay(reads, general=True, **kw))
                 assert fast.relay.templates is not None and fast.relay.templates.hits > 5
-    good = chunk({"content": "fine"})
-    reads = [chunk({"role": "assistant", "content": ""}), good, good, good.replace(b"fine", b"\t")]
+    good = chat_event({"content": "fine"})
+    reads = [
+        chat_event({"role": "assistant", "content": ""}),
+        good,
+        good,
+        good.replace(b"fine", b"\t"),
+    ]
     run = relay(reads, loops=True)
     assert run.client.body == b"".join(reads) and run.stopped == ["malformed_json"]
 
 
 def test_template_runs_that_only_parse_together_are_not_trusted() -> None:
-    good = chunk({"content": "fine"})
+    good = chat_event({"content": "fine"})
     # Each alone is not a chunk of the template's shape; their literals would read together
     # as two strings, ["a\",", ""], if they were decoded as one run without further checks.
     first = good.replace(b'"fine"', b'"a\\"')
     second = good.replace(b'"fine"', b'",""')
-    stream = chunk({"role": "assistant", "content": ""}) + good * 2 + first + second + good
+    stream = chat_event({"role": "assistant", "content": ""}) + good * 2 + first + second + good
     for reads in ([stream], events_of(stream)):
         run = relay(reads, loops=True)
         assert summary(run) == summary(relay(reads, loops=True, general=True))

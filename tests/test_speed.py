@@ -16,9 +16,7 @@ from proxy.metrics import inflight_bucket
 from proxy.sse import encode_event
 from proxy.streaming import speed_event
 from proxy.streamresult import StreamResult
-from tests.audit._build import grouped_chat_chunks, tokens
-from tests.conftest import metric
-from tests.test_relay import relay
+from tests.helpers import grouped_chat_chunks, metric, relay, tokens
 
 
 def test_inflight_buckets() -> None:

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
-from tests.conftest import metric
+from tests.helpers import metric, sse_blocks
 
 MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
 
@@ -111,7 +111,7 @@ async def test_engine_faults(
         json=body,
         headers=knobs(fault="reset_mid_stream", fault_after_tokens=3),
     )
-    events = [e for e in (await resp.read()).split(b"\n\n") if e]
+    events = sse_blocks(await resp.read())
     assert orjson.loads(events[-2][6:])["error"]["code"] == 502
     assert events[-1] == b"data: [DONE]"
 
@@ -119,7 +119,7 @@ async def test_engine_faults(
     assert resp.status == 503 and (await resp.json())["error"]["code"] == 503
 
     resp = await proxy.post("/v1/chat/completions", json=body, headers=knobs(fault="inband_error"))
-    events = [e for e in (await resp.read()).split(b"\n\n") if e]
+    events = sse_blocks(await resp.read())
     assert b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
 
     for fault, reason in (("malformed_sse", "malformed_sse"), ("malformed_json", "malformed_json")):

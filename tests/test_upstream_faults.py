@@ -10,8 +10,7 @@ import pytest
 from aiohttp import ClientTimeout, web
 from prometheus_client import CollectorRegistry
 
-from tests.conftest import metric
-from tests.processes import free_port
+from tests.helpers import free_port, metric, sse_blocks
 
 
 @pytest.fixture(params=["native", "aiohttp"])
@@ -23,10 +22,6 @@ def upstream_client(request: pytest.FixtureRequest) -> str:
 CHAT = "/v1/chat/completions"
 EV1 = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
 EV2 = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"b"}}]}\n\n'
-
-
-def sse_events(raw: bytes) -> list[bytes]:
-    return [block[len(b"data: ") :] for block in raw.split(b"\n\n") if block]
 
 
 async def test_refused_connection_is_502(make_proxy: Any, registry: CollectorRegistry) -> None:
@@ -94,7 +89,7 @@ async def test_break_mid_stream_ends_with_inband_error_and_done(
     client = await make_proxy(await upstream())
     resp = await client.post(CHAT, json={"model": "m", "stream": True})
     assert resp.status == 200
-    events = sse_events(await resp.read())
+    events = [block[len(b"data: ") :] for block in sse_blocks(await resp.read())]
     assert events[:2] == [EV1[6:-2], EV2[6:-2]]
     error = orjson.loads(events[2])["error"]
     assert error["code"] == 502 and "mid-stream" in error["message"]

@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import ConfigError, load_settings
-from tests.conftest import metric
+from tests.helpers import metric
 
 ANSWERS = {
     # primary content, shadow content, expected verdict

@@ -6,7 +6,7 @@ import asyncio
 import shutil
 import socket
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +17,7 @@ from prometheus_client import CollectorRegistry
 from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
 from proxy.audit.store import ChoiceDigest
 from proxy.emulator import EmulatorServer
-from tests.conftest import metric
-from tests.processes import free_port
+from tests.helpers import free_port, metric
 
 pytestmark = pytest.mark.skipif(
     shutil.which("redis-server") is None, reason="redis-server (Debian package) is not installed"
@@ -57,12 +56,6 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
     yield url
     proc.terminate()
     proc.wait(timeout=10)
-
-
-@pytest.fixture
-async def emulator() -> AsyncIterator[EmulatorServer]:
-    async with EmulatorServer() as srv:
-        yield srv
 
 
 DIGEST = (ChoiceDigest("t" * 32, "k" * 32, "l" * 32, 12, "stop"),)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.audit.shadow import TokenBucket
 from proxy.emulator import EmulatorConfig, EmulatorServer
-from tests.conftest import metric
+from tests.helpers import metric
 
 MODEL = "emulator-model"
 AUDIT_ALL = {

@@ -12,7 +12,7 @@ from proxy.audit.outcome import (
     TokenLogprob,
     outcome_from_response,
 )
-from tests.audit._build import (
+from tests.helpers import (
     CONTENT,
     REASONING,
     chat_body,

@@ -22,15 +22,15 @@ from proxy.audit.outcome import (
 from proxy.events import AuditCompleted, EventBus
 from proxy.incidents import audit_incident
 from proxy.metrics import Metrics
-from tests.audit._build import (
+from tests.helpers import (
     CONTENT,
     Token,
     chat_body,
     chat_chunks,
     completion_body,
     completion_chunks,
+    metric,
 )
-from tests.conftest import metric
 
 # What vLLM streams for a model whose logprobs come out NaN: every value null.
 NAN_CONTENT: list[Token] = [(t, None, [(alt, None) for alt, _ in top]) for t, _, top in CONTENT]

@@ -26,7 +26,6 @@ import asyncio
 import gc
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from proxy.audit.outcome import StreamAccumulator  # noqa: E402
 from proxy.inspect.loops import LoopConfig  # noqa: E402
 from proxy.inspect.loopwatch import LoopWatch  # noqa: E402
 from proxy.sse import SSEDecoder, encode_event  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 REPEAT = 5
@@ -444,12 +444,6 @@ def memory(tokens: int) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # RSS of detproxy with many open streams
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def rss_kb(pid: int) -> int:

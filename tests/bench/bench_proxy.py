@@ -47,6 +47,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from tests.helpers import free_port  # noqa: E402
+
 Popen = subprocess.Popen[bytes]
 HOST = "127.0.0.1"
 PATH = "/v1/chat/completions"
@@ -223,12 +227,6 @@ def request_body(stream: bool) -> bytes:
 
 # ---------------------------------------------------------------------------------------------
 # Processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], what: str, timeout: float = 20.0) -> None:

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from proxy.inspect.loops import LoopDetector, LoopReport  # noqa: E402
+from tests.helpers import free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "detproxy"
 SERVER = CACHE / "llama-server-0.3.36" / "build" / "bin" / "llama-server"
@@ -131,12 +131,6 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "fp1.0": {"frequency_penalty": 1.0},
     "t0.7": {"temperature": 0.7, "top_p": 0.95, "seed": 1},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str]:

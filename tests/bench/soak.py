@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import socket
 import sys
 import time
 from collections import Counter
@@ -23,13 +22,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-EXE = str(Path(sys.executable).with_name("detproxy"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.helpers import EXE, free_port
 
 
 def proc_figures(pid: int) -> dict[str, int]:

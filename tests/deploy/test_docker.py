@@ -14,7 +14,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import yaml
 
 from proxy.config import load_settings
 from tests.deploy.promql import rules
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"
@@ -285,16 +285,9 @@ def test_dockerfile_healthcheck_uses_python_against_detproxy_health() -> None:
     compile(command[2], "<HEALTHCHECK>", "exec")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def test_healthcheck_command_passes_on_a_live_detproxy_and_fails_without_one() -> None:
     code = healthcheck_command()[2]
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "DETPROXY_HEALTHCHECK_URL": f"http://127.0.0.1:{port}/detproxy/health"}
     env = {k: v for k, v in env.items() if not k.startswith("DETPROXY_") or "HEALTH" in k}
 
@@ -304,7 +297,7 @@ def test_healthcheck_command_passes_on_a_live_detproxy_and_fails_without_one() -
         ).returncode
 
     assert check() != 0, "nothing listens yet"
-    upstream = f"http://127.0.0.1:{_free_port()}"
+    upstream = f"http://127.0.0.1:{free_port()}"
     server = subprocess.Popen(
         [sys.executable, "-m", "proxy", "serve", "--port", str(port), "--upstream", upstream],
         env=env,

@@ -7,10 +7,9 @@ import aiohttp
 import pytest
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers import EmulatorClient
 
-from ._helpers import Client
-
-MakeClient = Callable[..., Awaitable[tuple[Client, EmulatorServer]]]
+MakeClient = Callable[..., Awaitable[tuple[EmulatorClient, EmulatorServer]]]
 
 
 @pytest.fixture
@@ -19,13 +18,13 @@ async def make_client() -> AsyncIterator[MakeClient]:
     servers: list[EmulatorServer] = []
     sessions: list[aiohttp.ClientSession] = []
 
-    async def make(**fields: Any) -> tuple[Client, EmulatorServer]:
+    async def make(**fields: Any) -> tuple[EmulatorClient, EmulatorServer]:
         server = EmulatorServer(EmulatorConfig(**fields))
         url = await server.start()
         servers.append(server)
         session = aiohttp.ClientSession()
         sessions.append(session)
-        return Client(session, url), server
+        return EmulatorClient(session, url), server
 
     yield make
     for session in sessions:
@@ -35,6 +34,6 @@ async def make_client() -> AsyncIterator[MakeClient]:
 
 
 @pytest.fixture
-async def client(make_client: MakeClient) -> Client:
+async def client(make_client: MakeClient) -> EmulatorClient:
     c, _ = await make_client()
     return c

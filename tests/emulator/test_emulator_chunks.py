@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from ._helpers import Client, chat, chunks, completion, stream_text
+from tests.helpers import EmulatorClient, chat, chunks, completion, metric_samples, stream_text
+
 from .conftest import MakeClient
 
 
@@ -67,20 +68,15 @@ async def test_chunk_spanning_reasoning_and_content(make_client: MakeClient) -> 
     assert hidden[-1]["finish_reason"] == "stop"
 
 
-async def metrics_of(client: Client) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in (await client.get("/metrics")).raw.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+async def metrics_of(client: EmulatorClient) -> dict[str, float]:
+    return metric_samples((await client.get("/metrics")).raw.decode())
 
 
 def spec(name: str, model: str = "emulator-model") -> str:
     return f'vllm:spec_decode_{name}_total{{engine="0",model_name="{model}"}}'
 
 
-async def test_no_spec_decode_series_without_it(client: Client) -> None:
+async def test_no_spec_decode_series_without_it(client: EmulatorClient) -> None:
     await client.chat(chat())
     text = (await client.get("/metrics")).raw.decode()
     assert "spec_decode" not in text

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from ._helpers import Client, chat, completion
+from tests.helpers import EmulatorClient, chat, completion
 
 
 def error_of(reply: Any, code: int) -> dict[str, Any]:
@@ -18,20 +18,20 @@ def error_of(reply: Any, code: int) -> dict[str, Any]:
     return dict(body["error"])
 
 
-async def test_unknown_model(client: Client) -> None:
+async def test_unknown_model(client: EmulatorClient) -> None:
     err = error_of(await client.chat(chat(model="nope")), 404)
     assert err["message"] == "The model `nope` does not exist."
     assert err["type"] == "NotFoundError"
     error_of(await client.completion(completion(model="nope")), 404)
 
 
-async def test_model_optional(client: Client) -> None:
+async def test_model_optional(client: EmulatorClient) -> None:
     body = chat()
     del body["model"]
     assert (await client.chat(body)).json()["model"] == "emulator-model"
 
 
-async def test_logprobs_over_max(client: Client) -> None:
+async def test_logprobs_over_max(client: EmulatorClient) -> None:
     err = error_of(await client.chat(chat(logprobs=True, top_logprobs=21)), 400)
     assert (
         err["message"] == "Requested sample logprobs of 21, which is greater than max allowed: 20"
@@ -42,12 +42,12 @@ async def test_logprobs_over_max(client: Client) -> None:
     assert (await client.chat(chat(logprobs=True, top_logprobs=20))).status == 200
 
 
-async def test_top_logprobs_requires_logprobs(client: Client) -> None:
+async def test_top_logprobs_requires_logprobs(client: EmulatorClient) -> None:
     err = error_of(await client.chat(chat(top_logprobs=2)), 400)
     assert "`logprobs` must be set to true" in err["message"]
 
 
-async def test_stream_options_without_stream(client: Client) -> None:
+async def test_stream_options_without_stream(client: EmulatorClient) -> None:
     err = error_of(await client.chat(chat(stream_options={"include_usage": True})), 400)
     assert err["message"] == "Stream options can only be defined when `stream=True`."
 
@@ -66,13 +66,13 @@ async def test_stream_options_without_stream(client: Client) -> None:
         {"seed": 2**63},
     ],
 )
-async def test_wrong_field_types(client: Client, field: dict[str, Any]) -> None:
+async def test_wrong_field_types(client: EmulatorClient, field: dict[str, Any]) -> None:
     err = error_of(await client.chat(chat(**field)), 400)
     assert err["type"] == "BadRequestError"
     assert err["param"] == next(iter(field))
 
 
-async def test_unknown_fields_ignored(client: Client) -> None:
+async def test_unknown_fields_ignored(client: EmulatorClient) -> None:
     assert (await client.chat(chat(frobnicate=True, user="u"))).status == 200
 
 
@@ -85,12 +85,12 @@ async def test_unknown_fields_ignored(client: Client) -> None:
         (b'{"messages": []}', "text/plain"),
     ],
 )
-async def test_bad_bodies(client: Client, raw: bytes, ctype: str) -> None:
+async def test_bad_bodies(client: EmulatorClient, raw: bytes, ctype: str) -> None:
     reply = await client.post("/v1/chat/completions", raw, headers={"Content-Type": ctype})
     error_of(reply, 400)
 
 
-async def test_context_length(client: Client) -> None:
+async def test_context_length(client: EmulatorClient) -> None:
     err = error_of(await client.chat(chat(max_tokens=5000)), 400)
     assert "maximum context length is 4096 tokens" in err["message"]
     long_prompt = " word" * 5000

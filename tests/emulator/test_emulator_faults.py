@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from proxy.emulator import EmulatorServer
+from tests.helpers import CHAT, chat, chunks, completion, parse_sse
 
-from ._helpers import CHAT, chat, chunks, completion, parse_sse
 from .conftest import MakeClient
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from ._helpers import Client, chat, chunks, stream_text
+from tests.helpers import EmulatorClient, chat, chunks, stream_text
+
 from .conftest import MakeClient
 
 UNIT = " and then the model repeats itself."
@@ -280,7 +281,7 @@ async def test_injection_endpoints_and_reset(make_client: MakeClient) -> None:
     assert server.stats()["requests"] == 0
 
 
-async def test_knobs_header_per_request(client: Client) -> None:
+async def test_knobs_header_per_request(client: EmulatorClient) -> None:
     knobs = {"flip_probability": 1.0, "flip_position": 0}
     hdr = {"X-Emulator-Knobs": orjson.dumps(knobs).decode()}
     base = (await client.chat(chat(max_tokens=5))).json()["choices"][0]["message"]["content"]

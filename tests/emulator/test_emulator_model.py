@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from ._helpers import Client, chat, chunks, completion, stream_text, without_ids
+from tests.helpers import EmulatorClient, chat, chunks, completion, stream_text, without_ids
+
 from .conftest import MakeClient
 
 
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("endpoint", ["chat", "completion"])
-async def test_same_request_same_bytes(client: Client, endpoint: str, stream: bool) -> None:
+async def test_same_request_same_bytes(client: EmulatorClient, endpoint: str, stream: bool) -> None:
     if endpoint == "chat":
         body = chat(stream=stream, logprobs=True, top_logprobs=4)
         first, second = await client.chat(body), await client.chat(body)
@@ -21,20 +22,20 @@ async def test_same_request_same_bytes(client: Client, endpoint: str, stream: bo
     assert without_ids(first.raw) == without_ids(second.raw)
 
 
-async def test_different_prompts_differ(client: Client) -> None:
+async def test_different_prompts_differ(client: EmulatorClient) -> None:
     a = (await client.completion(completion(prompt="alpha"))).json()["choices"][0]["text"]
     b = (await client.completion(completion(prompt="beta"))).json()["choices"][0]["text"]
     assert a != b
 
 
-async def test_default_temperature_is_not_greedy(client: Client) -> None:
+async def test_default_temperature_is_not_greedy(client: EmulatorClient) -> None:
     body = chat(max_tokens=40)
     del body["temperature"]
     texts = {(await client.chat(body)).json()["choices"][0]["message"]["content"] for _ in range(3)}
     assert len(texts) > 1
 
 
-async def test_seeded_sampling_is_reproducible(client: Client) -> None:
+async def test_seeded_sampling_is_reproducible(client: EmulatorClient) -> None:
     body = chat(temperature=0.8, seed=1234, max_tokens=40)
     a = (await client.chat(body)).json()["choices"][0]["message"]["content"]
     b = (await client.chat(body)).json()["choices"][0]["message"]["content"]
@@ -45,7 +46,7 @@ async def test_seeded_sampling_is_reproducible(client: Client) -> None:
     assert other["choices"][0]["message"]["content"] != a
 
 
-async def test_top_k_one_is_greedy(client: Client) -> None:
+async def test_top_k_one_is_greedy(client: EmulatorClient) -> None:
     greedy = (await client.chat(chat(max_tokens=30))).json()["choices"][0]["message"]
     topk = (await client.chat(chat(max_tokens=30, temperature=1.0, top_k=1))).json()
     assert topk["choices"][0]["message"] == greedy
@@ -55,13 +56,13 @@ async def test_top_k_one_is_greedy(client: Client) -> None:
     "penalty",
     [{"presence_penalty": 1.5}, {"frequency_penalty": 1.5}, {"repetition_penalty": 1.8}],
 )
-async def test_penalties_change_output(client: Client, penalty: dict[str, float]) -> None:
+async def test_penalties_change_output(client: EmulatorClient, penalty: dict[str, float]) -> None:
     base = (await client.chat(chat(max_tokens=60))).json()["choices"][0]["message"]["content"]
     pen = (await client.chat(chat(max_tokens=60, **penalty))).json()
     assert pen["choices"][0]["message"]["content"] != base
 
 
-async def test_max_tokens_and_natural_length(client: Client) -> None:
+async def test_max_tokens_and_natural_length(client: EmulatorClient) -> None:
     natural = (await client.chat(chat())).json()
     n = natural["usage"]["completion_tokens"]
     assert natural["choices"][0]["finish_reason"] == "stop"

@@ -8,8 +8,8 @@ import orjson
 import pytest
 
 from proxy.emulator.cli import build_parser, config_from_args
+from tests.helpers import EmulatorClient, chat, chunks, completion, parse_sse
 
-from ._helpers import Client, chat, chunks, completion
 from .conftest import MakeClient
 
 NAN_ERROR = {
@@ -64,14 +64,11 @@ async def test_requests_without_logprobs_answer_normally(make_client: MakeClient
 def _scrub(raw: bytes) -> list[Any]:
     """Bodies or stream chunks without id/created."""
     if raw.startswith(b"data: "):
-        out = []
-        for block in raw.strip().split(b"\n\n"):
-            payload = block.removeprefix(b"data: ")
-            if payload != b"[DONE]":
-                out.append(
-                    {k: v for k, v in orjson.loads(payload).items() if k not in {"id", "created"}}
-                )
-        return out
+        return [
+            {k: v for k, v in chunk.items() if k not in {"id", "created"}}
+            for chunk in parse_sse(raw)
+            if chunk != "[DONE]"
+        ]
     return [{k: v for k, v in orjson.loads(raw).items() if k not in {"id", "created"}}]
 
 
@@ -115,7 +112,7 @@ async def test_streamed_completion_logprobs_are_null(make_client: MakeClient) ->
         assert all(v is None for top in lp["top_logprobs"] for v in top.values())
 
 
-async def test_nan_mode_per_request_header(client: Client) -> None:
+async def test_nan_mode_per_request_header(client: EmulatorClient) -> None:
     reply = await client.chat(chat(logprobs=True), headers=KNOBS)
     assert reply.status == 400 and reply.json() == NAN_ERROR
     assert (await client.chat(chat(logprobs=True))).status == 200

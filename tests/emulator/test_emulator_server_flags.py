@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from proxy.emulator.cli import build_parser, config_from_args
+from tests.helpers import chat, completion
 
-from ._helpers import chat, completion
 from .conftest import MakeClient
 
 KEY = {"Authorization": "Bearer s3cret"}

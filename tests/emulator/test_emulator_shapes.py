@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import math
 
-from ._helpers import Client, chat, chunks, completion, stream_text
+from tests.helpers import EmulatorClient, chat, chunks, completion, stream_text
+
 from .conftest import MakeClient
 
 
-async def test_chat_non_stream_shape(client: Client) -> None:
+async def test_chat_non_stream_shape(client: EmulatorClient) -> None:
     reply = await client.chat(chat(), headers={"X-Request-Id": "abc123"})
     assert reply.status == 200
     assert reply.headers["Content-Type"].startswith("application/json")
@@ -33,7 +34,7 @@ async def test_chat_non_stream_shape(client: Client) -> None:
     assert 12 <= usage["completion_tokens"] <= 60
 
 
-async def test_request_id_from_body_and_random(client: Client) -> None:
+async def test_request_id_from_body_and_random(client: EmulatorClient) -> None:
     body = (await client.chat(chat(request_id="from-body"))).json()
     assert body["id"] == "chatcmpl-from-body"
     reply = await client.chat(chat(request_id="from-body"), headers={"X-Request-Id": "hdr"})
@@ -44,7 +45,7 @@ async def test_request_id_from_body_and_random(client: Client) -> None:
     assert "X-Request-Id" not in first.headers
 
 
-async def test_chat_stream_shape(client: Client) -> None:
+async def test_chat_stream_shape(client: EmulatorClient) -> None:
     plain = (await client.chat(chat())).json()
     reply = await client.chat(chat(stream=True), headers={"X-Request-Id": "s1"})
     assert reply.status == 200
@@ -79,7 +80,7 @@ async def test_chat_stream_shape(client: Client) -> None:
     assert stream_text(events) == plain["choices"][0]["message"]["content"]
 
 
-async def test_usage_chunk(client: Client) -> None:
+async def test_usage_chunk(client: EmulatorClient) -> None:
     reply = await client.chat(chat(stream=True, stream_options={"include_usage": True}))
     body = chunks(reply.events())
     assert body[-1]["choices"] == []
@@ -101,7 +102,7 @@ async def test_usage_chunk(client: Client) -> None:
     assert [c["usage"]["completion_tokens"] for c in cont[1:5]] == [1, 2, 3, 4]
 
 
-async def test_n_choices_stream_interleaved(client: Client) -> None:
+async def test_n_choices_stream_interleaved(client: EmulatorClient) -> None:
     body = (await client.chat(chat(n=3, max_tokens=5))).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     texts = {c["message"]["content"] for c in body["choices"]}
@@ -116,7 +117,7 @@ async def test_n_choices_stream_interleaved(client: Client) -> None:
     assert sampled["choices"][0]["message"] != sampled["choices"][1]["message"]
 
 
-async def test_chat_logprobs_shape(client: Client) -> None:
+async def test_chat_logprobs_shape(client: EmulatorClient) -> None:
     body = (await client.chat(chat(logprobs=True, top_logprobs=5, max_tokens=8))).json()
     content = body["choices"][0]["logprobs"]["content"]
     assert len(content) == 8
@@ -137,7 +138,7 @@ async def test_chat_logprobs_shape(client: Client) -> None:
     assert zero["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
 
 
-async def test_chat_stream_logprobs_per_chunk(client: Client) -> None:
+async def test_chat_stream_logprobs_per_chunk(client: EmulatorClient) -> None:
     full = (await client.chat(chat(logprobs=True, top_logprobs=3, max_tokens=6))).json()
     events = chunks(
         (await client.chat(chat(logprobs=True, top_logprobs=3, max_tokens=6, stream=True))).events()
@@ -149,7 +150,7 @@ async def test_chat_stream_logprobs_per_chunk(client: Client) -> None:
     assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
-async def test_completions_shapes(client: Client) -> None:
+async def test_completions_shapes(client: EmulatorClient) -> None:
     body = (await client.completion(completion(logprobs=2), {"X-Request-Id": "c1"})).json()
     assert body["id"] == "cmpl-c1"
     assert body["object"] == "text_completion"

@@ -19,7 +19,7 @@ import pytest
 
 from proxy.audit.outcome import ChoiceOutcome
 from proxy.audit.verdict import output_hash
-from tests.integration.conftest import Engine, run_detproxy, run_engine
+from tests.helpers import Engine, run_detproxy, run_engine, sse_chunks
 
 pytestmark = pytest.mark.integration
 
@@ -91,10 +91,8 @@ async def one_request(
         sig = signature(choice["message"]["content"], choice["logprobs"]["content"])
         return sig, choice["finish_reason"]
     content, entries, finish = "", [], None
-    for block in resp.text.split("\n\n"):
-        if not block.startswith("data: ") or block == "data: [DONE]":
-            continue
-        for choice in orjson.loads(block[6:]).get("choices", []):
+    for chunk in sse_chunks(resp.content):
+        for choice in chunk.get("choices", []):
             content += choice.get("delta", {}).get("content") or ""
             entries += (choice.get("logprobs") or {}).get("content") or []
             finish = choice.get("finish_reason") or finish

@@ -10,7 +10,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.integration.conftest import Engine
+from tests.helpers import Engine, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -125,10 +125,8 @@ def test_wrong_types_are_forwarded_and_the_engine_error_reaches_the_sdk(
 
 
 def engine_busy(engine: Engine) -> float:
-    with urllib.request.urlopen(engine.url + "/metrics") as resp:
-        for line in resp.read().decode().splitlines():
-            if line.startswith("llamacpp:requests_processing"):
-                return float(line.split()[-1])
+    for value in scrape(engine.url + "/metrics", "llamacpp:requests_processing").values():
+        return value
     raise AssertionError("llama-server exported no llamacpp:requests_processing")
 
 

@@ -22,7 +22,7 @@ import pytest
 from policies.base import Trigger
 from proxy.continuation import prefix_of
 from proxy.inspect.loops import LoopConfig, LoopDetector
-from tests.integration.conftest import Engine, run_detproxy
+from tests.helpers import Engine, run_detproxy, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -34,14 +34,7 @@ MAX_TOKENS = 1024
 
 
 def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/detproxy/metrics") as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("detproxy_") and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape(url + "/detproxy/metrics", "detproxy_")
 
 
 def total(counts: dict[str, float], prefix: str, *parts: str) -> float:

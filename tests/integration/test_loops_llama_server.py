@@ -4,14 +4,13 @@ some prompts. detproxy detects them and a retry ladder ends them with a normal f
 from __future__ import annotations
 
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.integration.conftest import Engine, reasoning_template, run_detproxy, run_engine
+from tests.helpers import Engine, reasoning_template, run_detproxy, run_engine, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -49,14 +48,9 @@ def loop_counts(counts: dict[str, float]) -> tuple[float, dict[str, float]]:
 
 
 def metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/detproxy/metrics") as resp:
-        text = resp.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(("detproxy_loops_total", "detproxy_policy_actions_total")):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+    return scrape(
+        url + "/detproxy/metrics", ("detproxy_loops_total", "detproxy_policy_actions_total")
+    )
 
 
 def test_loops_are_detected_and_recovered(engine: Engine, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from proxy.emulator import EmulatorServer
-from tests.processes import detproxy_serve, free_port, wait_healthy
+from tests.helpers import detproxy_serve, free_port, wait_healthy
 
 pytestmark = [
     pytest.mark.integration,

@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from proxy.sweep.cli import main
-from tests.integration.conftest import Engine
+from tests.helpers import Engine
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import xml.etree.ElementTree as ET
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
 from proxy.sweep.cli import amain, main
-from tests.sweep.upstream import Script, scripted_app
+from tests.helpers import UpstreamScript, free_port, scripted_upstream
 
 SVG = "{http://www.w3.org/2000/svg}"
 ServerFactory = Callable[[web.Application], Awaitable[TestServer]]
@@ -32,8 +31,8 @@ def svg_texts(svg: str) -> list[str]:
     return [el.text or "" for el in root.iter(SVG + "text")]
 
 
-async def serve(aiohttp_server: ServerFactory, script: Script) -> str:
-    server = await aiohttp_server(scripted_app(script))
+async def serve(aiohttp_server: ServerFactory, script: UpstreamScript) -> str:
+    server = await aiohttp_server(scripted_upstream(script))
     return str(server.make_url("")).rstrip("/")
 
 
@@ -111,10 +110,9 @@ async def test_plain_table_is_the_default(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_refused_connection_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    code = main(["--upstream", f"http://127.0.0.1:{port}", "--model", "m", "--duration", "0.2"])
+    code = main(
+        ["--upstream", f"http://127.0.0.1:{free_port()}", "--model", "m", "--duration", "0.2"]
+    )
     assert code == 2
     assert "failed" in capsys.readouterr().err
 
@@ -150,7 +148,7 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 async def test_fingerprint_change_exits_1(
     aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    script = Script(change_version=True)
+    script = UpstreamScript(change_version=True)
     url = await serve(aiohttp_server, script)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
@@ -187,7 +185,7 @@ async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
 ) -> None:
     """Its spec-decode counters read 0 after the test request and rise during the sweep: the
     same upstream."""
-    script = Script(speculative=True)
+    script = UpstreamScript(speculative=True)
     url = await serve(aiohttp_server, script)
     code, report = await sweep_json(
         capsys, "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2",
@@ -202,7 +200,7 @@ async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
 async def test_upstream_change_shows_in_the_table(
     aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = await serve(aiohttp_server, Script(change_version=True))
+    url = await serve(aiohttp_server, UpstreamScript(change_version=True))
     argv = ["--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2"]
     code = await amain([*argv, "--repeats", "1"])
     out = capsys.readouterr().out
@@ -213,7 +211,7 @@ async def test_upstream_change_shows_in_the_table(
 async def test_failed_requests_are_counted(
     aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = await serve(aiohttp_server, Script(fail_every=2, tokens=5))
+    url = await serve(aiohttp_server, UpstreamScript(fail_every=2, tokens=5))
     code, report = await sweep_json(
         capsys,
         "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.5",

@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 
+from tests.helpers import chat_event, sse_event
+
 
 class _JumpingSelector(selectors.DefaultSelector):
     """Never waits: where the loop would sleep until its next timer, time jumps there."""
@@ -46,14 +48,6 @@ def clock() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + orjson.dumps(payload) + b"\n\n"
-
-
-def _chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-    return _event({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-
-
 @dataclass
 class Upstream:
     """Each request: the role chunk at once, the first token after ``ttft_s``, one more every
@@ -75,12 +69,12 @@ class Upstream:
 
     async def stream(self, tokens: int) -> AsyncIterator[bytes]:
         factor = self._factor()
-        yield _chunk({"role": "assistant", "content": ""})
+        yield chat_event({"role": "assistant", "content": ""})
         for i in range(tokens):
             await asyncio.sleep((self.ttft_s if i == 0 else self.gap_s) * factor)
-            yield _chunk({"content": "x"})
-        yield _chunk({}, "length")
-        yield _event({"choices": [], "usage": {"completion_tokens": tokens}})
+            yield chat_event({"content": "x"})
+        yield chat_event({}, "length")
+        yield sse_event({"choices": [], "usage": {"completion_tokens": tokens}})
         yield b"data: [DONE]\n\n"
 
 
