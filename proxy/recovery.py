@@ -30,7 +30,7 @@ from proxy.events import (
     RecoveryTokens,
 )
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
-from proxy.inspect.loops import LoopConfig as DetectorConfig
+from proxy.inspect.loops import DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
 
 

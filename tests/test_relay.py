@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from policies.base import Abort, Continue, Retry
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
-from proxy.inspect.loops import LoopConfig
+from proxy.inspect.loops import DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
 from proxy.relay import StreamPlan, StreamRelay, StreamResult
 from tests.test_forward import Explode
@@ -122,7 +122,7 @@ def relay(
         return decision or Continue()
 
     stream_plan = StreamPlan(
-        loop_watch=LoopWatch(endpoint, LoopConfig()) if loops else None,
+        loop_watch=LoopWatch(endpoint, DetectorConfig()) if loops else None,
         on_trigger=on_trigger if loops else None,
         hold_reasoning=hold,
         **plan,

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from policies.base import Trigger
-from proxy.inspect.loops import LoopConfig, LoopDetector, LoopReport
+from proxy.inspect.loops import DetectorConfig, LoopDetector, LoopReport
 from proxy.openai import reasoning_of
 
 MAX_CHOICES = 128  # n is client-controlled: bound the detectors kept per response
@@ -28,7 +28,7 @@ MAX_KEPT_CHARS = 4 * 1024 * 1024
 class _ChoiceWatch:
     __slots__ = ("content", "kept", "kept_chars", "reasoning", "saw_content", "saw_reasoning")
 
-    def __init__(self, config: LoopConfig, keep: bool) -> None:
+    def __init__(self, config: DetectorConfig, keep: bool) -> None:
         self.reasoning = LoopDetector(config)
         self.content = LoopDetector(config)
         self.saw_reasoning = False
@@ -64,7 +64,7 @@ class LoopWatch:
     """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind."""
 
     def __init__(
-        self, endpoint: str, config: LoopConfig, runaway: bool = True, keep: bool = False
+        self, endpoint: str, config: DetectorConfig, runaway: bool = True, keep: bool = False
     ) -> None:
         self._chat = endpoint == "chat"
         self._config = config
