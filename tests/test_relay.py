@@ -7,13 +7,13 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import Abort, Continue, Retry
+from proxy.errors import UpstreamBodyError
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
 from proxy.inspect.loops import DetectorConfig
@@ -65,7 +65,7 @@ class Upstream:
         for read in self.reads:
             yield read
         if self.fail:
-            raise aiohttp.ClientPayloadError("connection lost")
+            raise UpstreamBodyError("connection lost")
 
 
 class Client:
