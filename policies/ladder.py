@@ -16,35 +16,20 @@ from typing import Any, ClassVar
 
 from policies.base import Abort, Continue, Decision, PolicyContext, Retry
 from policies.budget import RecoveryBudget
+from proxy.config import DEFAULT_ATTEMPTS, SAMPLING_FIELDS, STRATEGIES
 
-# From measurement (tests/bench/bench_recovery_corpus.py on llama-server + SmolLM2-135M, greedy,
-# max_tokens 1024; 33 of 55 prompts looped; tests/bench/results/recovery-corpus-2026-12-01.json):
-# the first attempt that ended most loops was a restart at temperature 0.7 with top_p 0.95 and
-# presence_penalty 1.5 (32 of 33; presence_penalty alone at temperature 0: 23; temperature
-# alone: 15; continuing instead of restarting with the same overrides: 27); after it, a greedy
-# restart with frequency_penalty 1.0 ended the last one (33 of 33). A seed keeps recoveries
-# reproducible.
-DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
-    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5, "seed": 1},
-    {"frequency_penalty": 1.0},
-)
+__all__ = [
+    "DEFAULT_ATTEMPTS",
+    "DEFAULT_RETRY_TOKENS",
+    "SAMPLING_FIELDS",
+    "STRATEGIES",
+    "Ladder",
+    "LoopLadderPolicy",
+]
+
 # What a retry of a request without max_tokens is assumed to cost until it ends (then the
 # budget is settled with what it generated).
 DEFAULT_RETRY_TOKENS = 4096
-# How an attempt recovers (an attempt's "strategy" key; restart when absent).
-STRATEGIES = frozenset({"restart", "continue"})
-SAMPLING_FIELDS = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "seed",
-        "min_p",
-    }
-)
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,6 +57,9 @@ class Runtime:
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+TARGET = web.AppKey[Upstream]("target")  # the upstream requests are forwarded to
+REFERENCE = web.AppKey[Upstream | None]("reference")  # the control engine shadows go to
 
 
 def _duplicate_store(settings: Settings) -> DuplicateStore:
@@ -150,16 +153,43 @@ def build_app(
     app[INCIDENTS] = incidents
     app[TALLY] = tally
 
-    async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-        session = make_session(settings.upstream)
-        target: Upstream = upstream or _make_upstream(
-            settings.upstream, session, settings.upstream.url
+    # One cleanup context per resource. aiohttp starts them in this order and cleans them up
+    # in the reverse one: background tasks first, then the shadow workers, the passive checks,
+    # the incident log (the tally's last line), the upstream clients, the session last.
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
+        session = app[SESSION] = make_session(settings.upstream)
+        yield
+        await session.close()
+
+    async def target_ctx(app: web.Application) -> AsyncIterator[None]:
+        if upstream is not None:  # the caller's, not closed with the app
+            app[TARGET] = upstream
+            yield
+            return
+        target = app[TARGET] = _make_upstream(
+            settings.upstream, app[SESSION], settings.upstream.url
         )
-        owned = [] if upstream is not None else [target]  # closed with the app
-        reference: Upstream | None = None
-        if settings.audit.reference_url:
-            reference = _make_upstream(settings.upstream, session, settings.audit.reference_url)
-            owned.append(reference)
+        yield
+        await target.close()
+
+    async def reference_ctx(app: web.Application) -> AsyncIterator[None]:
+        url = settings.audit.reference_url
+        reference = app[REFERENCE] = (
+            _make_upstream(settings.upstream, app[SESSION], url) if url else None
+        )
+        yield
+        if reference is not None:
+            await reference.close()
+
+    async def incidents_ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        if settings.incidents.path:
+            incidents.write(tally.summary())  # the last word of this process
+        incidents.close()
+
+    async def runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+        # Wiring only: what it builds is started and stopped by the contexts after it.
+        session, target, reference = app[SESSION], app[TARGET], app[REFERENCE]
         forwarder = Forwarder(settings, target, bus, recovery, inspector_factories, guard, clock)
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
@@ -169,7 +199,7 @@ def build_app(
                 settings,
                 bus,
                 scheduler,
-                store,
+                store,  # the auditor's: closed with it
                 lambda: forwarder.inflight,
                 target=settings.audit.reference_url or "same",
                 guard=guard,
@@ -181,30 +211,51 @@ def build_app(
                 session, settings.upstream.url, bus, settings.upstream.fingerprint_interval_s
             )
         app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, budget)
+        yield
+
+    async def auditor_ctx(app: web.Application) -> AsyncIterator[None]:
+        auditor = app[RUNTIME].auditor
+        yield
+        if auditor is not None:
+            await auditor.close()
+
+    async def scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
+        scheduler = app[RUNTIME].scheduler
         if scheduler is not None:
             scheduler.start()
+        yield
+        if scheduler is not None:
+            await scheduler.close()
+
+    async def fingerprint_ctx(app: web.Application) -> AsyncIterator[None]:
+        poller = app[RUNTIME].fingerprint
         tasks = TaskOwner("app")
         if poller is not None:
             tasks.spawn(poller.run(), name="fingerprint")
-        if settings.incidents.path:
-            tasks.spawn(
-                _write_tallies(incidents, tally, settings.incidents.tally_interval_s), name="tally"
-            )
         yield
         await tasks.close()
-        if scheduler is not None:
-            await scheduler.close()
-        if auditor is not None:
-            await auditor.close()
-        if settings.incidents.path:
-            incidents.write(tally.summary())  # the last word of this process
-        incidents.close()
-        for client in owned:
-            if isinstance(client, H1Upstream):
-                await client.close()
-        await session.close()
 
-    app.cleanup_ctx.append(upstream_ctx)
+    async def tally_ctx(app: web.Application) -> AsyncIterator[None]:
+        tasks = TaskOwner("app")
+        if settings.incidents.path:
+            every_s = settings.incidents.tally_interval_s
+            tasks.spawn(_write_tallies(incidents, tally, every_s), name="tally")
+        yield
+        await tasks.close()
+
+    app.cleanup_ctx.extend(
+        [
+            session_ctx,
+            target_ctx,
+            reference_ctx,
+            incidents_ctx,
+            runtime_ctx,
+            auditor_ctx,
+            scheduler_ctx,
+            fingerprint_ctx,
+            tally_ctx,
+        ]
+    )
     app.router.add_get("/detproxy/health", _health)
     app.router.add_get("/detproxy/metrics", metrics.handle)
     app.router.add_get("/detproxy/status", _status)

@@ -8,8 +8,10 @@ ones also have flat names (``DETPROXY_UPSTREAM``, ``DETPROXY_PORT``, ...).
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,8 +19,157 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from yarl import URL
 
-from policies.ladder import DEFAULT_ATTEMPTS, SAMPLING_FIELDS, STRATEGIES
-from proxy.inspect.loops import LoopConfig as DetectorConfig
+# This module is the leaf of detproxy's imports: what it validates lives here (the ladder's
+# vocabulary, the loop detector's thresholds, the answer extractors' syntax), and the modules
+# that use them import them from here.
+
+# From measurement (tests/bench/bench_recovery_corpus.py on llama-server + SmolLM2-135M, greedy,
+# max_tokens 1024; 33 of 55 prompts looped; tests/bench/results/recovery-corpus-2026-12-01.json):
+# the first attempt that ended most loops was a restart at temperature 0.7 with top_p 0.95 and
+# presence_penalty 1.5 (32 of 33; presence_penalty alone at temperature 0: 23; temperature
+# alone: 15; continuing instead of restarting with the same overrides: 27); after it, a greedy
+# restart with frequency_penalty 1.0 ended the last one (33 of 33). A seed keeps recoveries
+# reproducible.
+DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
+    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5, "seed": 1},
+    {"frequency_penalty": 1.0},
+)
+# How an attempt recovers (an attempt's "strategy" key; restart when absent).
+STRATEGIES = frozenset({"restart", "continue"})
+SAMPLING_FIELDS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "seed",
+        "min_p",
+    }
+)
+
+# The loop detector's anchor: the tail suffix whose earlier occurrences give the candidate
+# periods. Long enough that structured text (JSON records, table rows, list items) almost
+# never repeats it exactly.
+DETECTOR_ANCHOR_CHARS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorConfig:
+    """Thresholds of the loop detector (``proxy.inspect.loops``, whose docstring says why these
+    defaults); the ``[loops.detector]`` table of the configuration."""
+
+    min_period: int = 4
+    max_period: int = 4096
+    min_repeats: int = 4
+    min_short_repeats: int = 16
+    short_period: int = 16
+    min_covered_chars: int = 256
+    min_trivial_covered_chars: int | None = 1024
+    window_chars: int = 17408
+    check_every_chars: int = 32
+
+    def __post_init__(self) -> None:
+        if self.min_period < 1:
+            raise ValueError("min_period must be >= 1")
+        if self.max_period < self.min_period:
+            raise ValueError("max_period must be >= min_period")
+        if self.min_repeats < 2 or self.min_short_repeats < 2:
+            raise ValueError("min_repeats and min_short_repeats must be >= 2")
+        if self.short_period < 0:
+            raise ValueError("short_period must be >= 0")
+        if self.min_covered_chars < 2 * DETECTOR_ANCHOR_CHARS:
+            raise ValueError(f"min_covered_chars must be >= {2 * DETECTOR_ANCHOR_CHARS}")
+        if self.min_trivial_covered_chars is not None and self.min_trivial_covered_chars < 1:
+            raise ValueError("min_trivial_covered_chars must be >= 1 (or None to disable)")
+        if self.check_every_chars < 1:
+            raise ValueError("check_every_chars must be >= 1")
+        need = self.max_required_chars()
+        if self.window_chars < need + self.check_every_chars:
+            raise ValueError(
+                f"window_chars must be >= {need + self.check_every_chars} "
+                "(the longest required run plus check_every_chars)"
+            )
+
+    def required_chars(self, period: int, trivial: bool = False) -> int | None:
+        """Characters a back-to-back run of a ``period``-char unit must cover to fire.
+
+        ``trivial`` (a unit without letters or digits) and periods below ``min_period`` use
+        ``min_trivial_covered_chars``; ``None`` means such a run never fires.
+        """
+        reps = self.min_short_repeats if period < self.short_period else self.min_repeats
+        need = max(self.min_covered_chars, period * reps)
+        if trivial or period < self.min_period:
+            if self.min_trivial_covered_chars is None:
+                return None
+            need = max(need, self.min_trivial_covered_chars)
+        return need
+
+    def max_required_chars(self) -> int:
+        """The longest run any unit up to ``max_period`` may need: the look-back to keep."""
+        reps = self.min_short_repeats if self.max_period < self.short_period else self.min_repeats
+        longest = max(self.min_covered_chars, self.max_period * reps)
+        if self.short_period > 0:
+            short = min(self.short_period - 1, self.max_period)
+            longest = max(longest, short * self.min_short_repeats)
+        if self.min_trivial_covered_chars is not None:
+            longest = max(longest, self.min_trivial_covered_chars)
+        return longest
+
+
+_PATH_SEGMENT = re.compile(
+    r"""\.([^.\[\]\s]+)|\[\s*(-?\d+)\s*\]|\[\s*'([^']*)'\s*\]|\[\s*"([^"]*)"\s*\]"""
+)
+
+
+def json_path_segments(path: str) -> tuple[str | int, ...]:
+    """The keys and indices of an answer extractor's JSON path (``$.items[0]['a key']``)."""
+    if not path.startswith("$"):
+        raise ValueError(f"JSON path {path!r} must start with '$' (e.g. $.answer.date)")
+    segments: list[str | int] = []
+    pos = 1
+    while pos < len(path):
+        match = _PATH_SEGMENT.match(path, pos)
+        if match is None:
+            raise ValueError(
+                f"JSON path {path!r}: unexpected {path[pos:]!r} at position {pos}; "
+                "expected .key, [N], ['key'] or [\"key\"]"
+            )
+        key, number, single, double = match.groups()
+        if number is not None:
+            segments.append(int(number))
+        else:
+            segments.append(next(s for s in (key, single, double) if s is not None))
+        pos = match.end()
+    return tuple(segments)
+
+
+def answer_extractor_spec(spec: str) -> tuple[Literal["json", "regex"], str]:
+    """``("json", path)`` or ``("regex", pattern)`` of ``"json:$.path"`` or
+    ``"regex:PATTERN"``, both checked; a bad spec raises ValueError saying why."""
+    if not isinstance(spec, str):
+        raise ValueError(f"answer extractor must be a string, got {type(spec).__name__}")
+    kind, sep, argument = spec.partition(":")
+    kind = kind.strip().lower()
+    if not sep or kind not in ("json", "regex"):
+        raise ValueError(
+            f"answer extractor {spec!r}: expected 'json:$.path' (e.g. json:$.answer.date) "
+            "or 'regex:PATTERN'"
+        )
+    if kind == "json":
+        path = argument.strip()
+        if not path:
+            raise ValueError(f"answer extractor {spec!r}: the JSON path is empty")
+        json_path_segments(path)
+        return "json", path
+    if not argument:
+        raise ValueError(f"answer extractor {spec!r}: the regex is empty")
+    try:
+        re.compile(argument)
+    except re.error as exc:
+        raise ValueError(f"regex {argument!r} does not compile: {exc}") from None
+    return "regex", argument
 
 
 def _http_url(value: str) -> str:
@@ -123,9 +274,7 @@ class AuditConfig(_Section):
     @classmethod
     def _extractor(cls, value: str | None) -> str | None:
         if value is not None:
-            from proxy.audit.extract import build_extractor
-
-            build_extractor(value)
+            answer_extractor_spec(value)
         return value
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from policies.base import Trigger
+from proxy.openai import first_choice
 
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
 
@@ -79,10 +80,9 @@ def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_toke
     """Make a continuation's answer the whole answer, in place: the prefix in front of its
     text, the prefix's tokens counted as completion (the continuation counted them as prompt,
     over the client request's own ``prompt_tokens``)."""
-    choices = answer.get("choices")
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    choice = first_choice(answer)
+    if choice is None:
         return
-    choice = choices[0]
     # vLLM answers the continuation alone; llama.cpp's server answers a non-streamed
     # continuation with the prefix in front already (its stream carries the continuation only).
     if endpoint == "chat":
@@ -108,12 +108,12 @@ def _joined(prefix: str, text: Any) -> str:
 
 def content_of(endpoint: str, answer: Mapping[str, Any] | None) -> str | None:
     """The text of a non-streamed answer's first choice (chat: its content)."""
-    choices = answer.get("choices") if answer is not None else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+    choice = first_choice(answer) if answer is not None else None
+    if choice is None:
         return None
     if endpoint == "chat":
-        message = choices[0].get("message")
+        message = choice.get("message")
         text = message.get("content") if isinstance(message, dict) else None
     else:
-        text = choices[0].get("text")
+        text = choice.get("text")
     return text if isinstance(text, str) else None

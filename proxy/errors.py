@@ -1,4 +1,14 @@
-"""OpenAI-shaped error bodies (vLLM >= 0.10.1 nesting) and the faults that map to them."""
+"""OpenAI-shaped error bodies (vLLM >= 0.10.1 nesting) and the faults that map to them.
+
+The upstream's faults are detproxy's own exceptions, whichever client met them (the native
+one, ``proxy.h1``, raises them; the aiohttp one translates aiohttp's)::
+
+    UpstreamError                 any fault of the upstream's transport; ``kind``: a metrics label
+    +-- UpstreamFailure           no response head came: carries the status the client gets
+    +-- UpstreamBodyError         the body ended before it was complete (cut, malformed): "reset"
+    +-- UpstreamTimeout           the body went silent past the read timeout: "timeout"
+                                  (also a TimeoutError, as asyncio's and aiohttp's are)
+"""
 
 from __future__ import annotations
 
@@ -43,11 +53,29 @@ def inband_error_event(status: int, message: str) -> bytes:
     return b"data: " + orjson.dumps(error_payload(status, message)) + b"\n\ndata: [DONE]\n\n"
 
 
-class UpstreamFailure(Exception):
+class UpstreamError(Exception):
+    """A fault of the upstream's transport (see the module docstring for the tree)."""
+
+    kind = "error"  # refused | reset | timeout | error: a metrics label
+
+
+class UpstreamFailure(UpstreamError):
     """The upstream could not produce response headers; carries the status the client gets."""
 
     def __init__(self, status: int, message: str, kind: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.kind = kind  # refused | reset | timeout | error: a metrics label
+        self.kind = kind
+
+
+class UpstreamBodyError(UpstreamError):
+    """The upstream's body ended before it was complete: cut short, or malformed."""
+
+    kind = "reset"
+
+
+class UpstreamTimeout(UpstreamError, TimeoutError):
+    """The upstream sent nothing within the read timeout while a body was being read."""
+
+    kind = "timeout"

@@ -31,6 +31,7 @@ import orjson
 import xxhash
 
 from proxy.events import EventBus, UpstreamFingerprinted
+from proxy.promtext import samples
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ _COUNTERS = {
 # Any series of these prefixes (vLLM V1's counters, V0's gauges) means speculative decoding is on.
 _SPEC_PREFIXES = ("vllm:spec_decode_", "llamacpp:spec_decode_")
 SPEC_SERIES = "spec_decode_series"  # parse_metrics' key: how many such samples were read
+_WANTED = {name: key for key, names in _COUNTERS.items() for name in names}
+_READ = (*_WANTED, *_SPEC_PREFIXES)  # the lines parse_metrics looks at
 _SPEC_TEXT = re.compile(r"speculative_config=([A-Za-z_]\w*)")
 
 
@@ -79,22 +82,13 @@ class Fingerprint:
 def parse_metrics(text: str) -> dict[str, float]:
     """Sum each metric of interest over its label sets; ``SPEC_SERIES`` counts the samples of
     speculative-decoding series (present, even at 0, when the server runs it)."""
-    wanted = {name: key for key, names in _COUNTERS.items() for name in names}
     totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line[0] == "#":
-            continue
-        name = line.split("{", 1)[0].split(" ", 1)[0]
+    for name, value in samples(text, _READ):
         if name.startswith(_SPEC_PREFIXES):
             totals[SPEC_SERIES] = totals.get(SPEC_SERIES, 0.0) + 1
-        key = wanted.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(line.rsplit(None, 1)[-1])
-        except ValueError:
-            continue
-        totals[key] = totals.get(key, 0.0) + value
+        key = _WANTED.get(name)
+        if key is not None:
+            totals[key] = totals.get(key, 0.0) + value
     return totals
 
 

@@ -11,15 +11,13 @@ import asyncio
 import collections
 from typing import cast
 
-import aiohttp
 import httptools
 
+from proxy.errors import UpstreamBodyError, UpstreamTimeout
+
+__all__ = ["HIGH_WATER", "Closed", "Conn", "UpstreamBodyError", "expire", "forget"]
+
 HIGH_WATER = 256 * 1024
-
-
-class UpstreamBodyError(aiohttp.ClientPayloadError):
-    """The upstream's body ended before it was complete (a subclass of aiohttp's error so
-    that every reader that handles a broken aiohttp body handles this one too)."""
 
 
 class Closed(Exception):
@@ -162,7 +160,7 @@ class Conn(asyncio.Protocol):
             await self._drain
 
     async def wait_data(self, silence_s: float) -> None:
-        """Until a body chunk, the end of the body or an error (TimeoutError after
+        """Until a body chunk, the end of the body or an error (UpstreamTimeout after
         ``silence_s`` seconds of silence)."""
         waiter = self._waiter = self._loop.create_future()
         timer = self._loop.call_later(silence_s, expire, waiter)
@@ -206,4 +204,4 @@ def forget(future: asyncio.Future[None]) -> None:
 
 def expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
-        waiter.set_exception(TimeoutError("upstream sent nothing within the read timeout"))
+        waiter.set_exception(UpstreamTimeout("upstream sent nothing within the read timeout"))

@@ -23,6 +23,7 @@ import orjson
 
 from proxy.config import InjectionConfig
 from proxy.events import EventBus, InjectionFailed, InjectionSuspended
+from proxy.openai import error_detail
 
 LOGPROBS = "logprobs"
 REPETITION_DETECTION = "repetition_detection"
@@ -151,19 +152,11 @@ def blame(kinds: tuple[str, ...], reason: str) -> tuple[str, ...]:
 def error_reason(status: int, payload: bytes) -> str:
     """A short reason from an upstream error body: OpenAI's nested ``error.message``, vLLM's
     older flat ``message``, llama.cpp's ``error.message``, or the body's start."""
-    message: Any = None
     try:
         body = orjson.loads(payload)
     except orjson.JSONDecodeError:
         body = None
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict):
-            message = error.get("message")
-        elif isinstance(error, str):
-            message = error
-        if message is None:
-            message = body.get("message") or body.get("detail")
-    if not isinstance(message, str) or not message:
+    message = error_detail(body) if type(body) is dict else None
+    if message is None:
         message = payload[:_REASON_CHARS].decode("utf-8", "replace").strip() or f"HTTP {status}"
-    return str(message)[:_REASON_CHARS]
+    return message[:_REASON_CHARS]

@@ -30,7 +30,7 @@ from proxy.events import (
 )
 from proxy.exchange import Attempts
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
-from proxy.inspect.loops import LoopConfig as DetectorConfig
+from proxy.inspect.loops import DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)

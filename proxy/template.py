@@ -30,9 +30,11 @@ from typing import Any
 
 import orjson
 
+from proxy.openai import REASONING_KEYS
+
 MAX_TEMPLATES = 4  # e.g. reasoning and content chunks, and a new "created" second
-_CHAT_KEYS = ("content", "reasoning", "reasoning_content")
-_BOTH = ("reasoning", "reasoning_content")
+_CHAT_KEYS = ("content", *REASONING_KEYS)
+_BOTH = REASONING_KEYS
 _WHITESPACE = b" \t"
 
 

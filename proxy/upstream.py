@@ -1,12 +1,13 @@
 """The upstream seam: a protocol, and its aiohttp implementation with header hygiene and abort.
 
 Closing an ``UpstreamResponse`` before it is fully read closes its TCP connection: that is
-how vLLM learns a client went away and aborts the generation.
+how vLLM learns a client went away and aborts the generation. Both implementations raise
+detproxy's ``UpstreamError`` tree (``proxy.errors``): ``send`` an ``UpstreamFailure``, a body
+read an ``UpstreamBodyError`` or an ``UpstreamTimeout``; the aiohttp one translates aiohttp's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any, Protocol
@@ -15,7 +16,7 @@ import aiohttp
 from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.errors import UpstreamFailure
+from proxy.errors import UpstreamBodyError, UpstreamError, UpstreamFailure, UpstreamTimeout
 
 Body = bytes | AsyncIterable[bytes] | None
 LARGE_BODY = 1 << 20
@@ -37,9 +38,12 @@ class Upstream(Protocol):
         self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
     ) -> UpstreamResponse: ...
 
+    async def close(self) -> None:
+        """Release what this client holds (its idle connections); responses are closed first."""
 
-# What reading an upstream body can raise (the native client's UpstreamBodyError included).
-READ_ERRORS = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+
+# What reading an upstream body raises: both clients raise the UpstreamError tree only.
+READ_ERRORS: tuple[type[BaseException], ...] = (UpstreamError,)
 
 
 def is_event_stream(upstream: UpstreamResponse) -> bool:
@@ -48,9 +52,16 @@ def is_event_stream(upstream: UpstreamResponse) -> bool:
 
 def read_error_kind(exc: BaseException) -> str:
     """Name an error raised while reading an upstream body (a metrics label)."""
-    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
-        return "timeout"
-    return "reset"
+    if isinstance(exc, UpstreamError):
+        return exc.kind
+    return "timeout" if isinstance(exc, TimeoutError) else "reset"
+
+
+def _body_error(exc: Exception) -> UpstreamError:
+    """detproxy's error for one of aiohttp's, raised while reading a body."""
+    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one
+        return UpstreamTimeout(str(exc) or "upstream sent nothing within the read timeout")
+    return UpstreamBodyError(str(exc) or type(exc).__name__)
 
 
 class _AiohttpResponse:
@@ -61,11 +72,18 @@ class _AiohttpResponse:
         self.status: int = resp.status
         self.headers: Mapping[str, str] = resp.headers
 
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._resp.content.iter_any()
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for data in self._resp.content.iter_any():
+                yield data
+        except (aiohttp.ClientError, OSError) as exc:  # OSError: TimeoutError, resets
+            raise _body_error(exc) from exc
 
     async def read(self) -> bytes:
-        return await self._resp.read()
+        try:
+            return await self._resp.read()
+        except (aiohttp.ClientError, OSError) as exc:  # OSError: TimeoutError, resets
+            raise _body_error(exc) from exc
 
     def close(self) -> None:
         # close(), not release(): an unfinished response must not go back to the pool.
@@ -115,6 +133,9 @@ class AiohttpUpstream:
         except aiohttp.ClientError as exc:
             raise UpstreamFailure(502, f"upstream error: {type(exc).__name__}", "error") from exc
         return _AiohttpResponse(resp)
+
+    async def close(self) -> None:
+        """Nothing of its own: the session it sends on is the app's, closed with it."""
 
 
 def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:

@@ -29,9 +29,10 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from policies.base import Continue
+from proxy.errors import UpstreamBodyError
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
-from proxy.inspect.loops import LoopConfig
+from proxy.inspect.loops import DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
 from proxy.relay import StreamPlan, StreamRelay
 from proxy.streamresult import StreamResult
@@ -801,7 +802,7 @@ class ScriptedReads:
         for read in self.reads:
             yield read
         if self.fail:
-            raise aiohttp.ClientPayloadError("connection lost")
+            raise UpstreamBodyError("connection lost")
 
 
 class RecordedWrites:
@@ -862,7 +863,7 @@ def relay(
         return decision or Continue()
 
     stream_plan = StreamPlan(
-        loop_watch=LoopWatch(endpoint, LoopConfig()) if loops else None,
+        loop_watch=LoopWatch(endpoint, DetectorConfig()) if loops else None,
         on_trigger=on_trigger if loops else None,
         hold_reasoning=hold,
         **plan,

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +94,46 @@ def test_a_bad_event_loop_names_the_field_and_its_origin(tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"server\.event_loop") as exc:
         load_settings(path)
     assert "'auto', 'uvloop' or 'asyncio'" in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_the_configuration_imports_nothing_else_of_detproxy() -> None:
+    code = (
+        "import sys, proxy.config\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('proxy', 'policies')))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root
+    ).stdout
+    assert out.strip() == "['proxy', 'proxy.config']"
+
+
+def test_what_other_modules_define_is_checked_at_load(tmp_path: Path) -> None:
+    """The ladder's sampling fields and strategies, the detector's thresholds, the answer
+    extractor's syntax: each bad value names its field and where it came from."""
+    cases = [
+        (
+            "[[loops.ladders]]\nattempts = [{temprature = 1}]\n",
+            "loops.ladders.0.attempts",
+            "temprature",
+        ),
+        (
+            '[[loops.ladders]]\nattempts = [{strategy = "jump"}]\n',
+            "loops.ladders.0.attempts",
+            "jump",
+        ),
+        ("[loops.detector]\nmin_period = 0\n", "loops.detector", "min_period must be >= 1"),
+        ("[loops.detector]\nwindow_chars = 100\n", "loops.detector", "window_chars must be >="),
+        ("[loops.detector]\nperiod = 3\n", "loops.detector", "period"),
+        (
+            '[audit]\nanswer_extractor = "json:answer"\n',
+            "audit.answer_extractor",
+            "must start with '$'",
+        ),
+        ('[audit]\nanswer_extractor = "regex:(("\n', "audit.answer_extractor", "does not compile"),
+    ]
+    for text, field, why in cases:
+        path = write(tmp_path, text)
+        with pytest.raises(ConfigError) as exc:
+            load_settings(path)
+        assert field in str(exc.value) and why in str(exc.value) and str(path) in str(exc.value)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import aiohttp
-
+from proxy.errors import UpstreamBodyError
 from proxy.fallback import first_event
 
 
@@ -22,7 +21,7 @@ class Scripted:
         self.calls += 1
         for i, part in enumerate(self._parts):
             if self._error_after == i:
-                raise aiohttp.ClientPayloadError("reset")
+                raise UpstreamBodyError("reset")
             yield part
 
     async def read(self) -> bytes:
@@ -64,4 +63,4 @@ async def test_a_stream_that_ends_or_breaks_before_an_event_is_a_failure() -> No
     assert (await relayed(Scripted([])))[1] == "stream ended before its first event"
     assert (await relayed(Scripted([b": ping\n\n"])))[1] == "stream ended before its first event"
     broke = await relayed(Scripted([b"data: {", b"x"], error_after=1))
-    assert broke[1] == "stream broke before its first event (ClientPayloadError)"
+    assert broke[1] == "stream broke before its first event (UpstreamBodyError)"

@@ -14,6 +14,8 @@ from typing import Any, Final, Protocol
 
 import orjson
 
+from proxy.config import answer_extractor_spec, json_path_segments
+
 
 class AnswerExtractor(Protocol):
     def extract(self, content: str) -> str | None:
@@ -22,33 +24,9 @@ class AnswerExtractor(Protocol):
 
 _MISSING: Final = object()
 _FENCE = re.compile(r"```[ \t]*(?:json|JSON)?[^\n`]*\n?(.*?)```", re.DOTALL)
-_SEGMENT = re.compile(
-    r"""\.([^.\[\]\s]+)|\[\s*(-?\d+)\s*\]|\[\s*'([^']*)'\s*\]|\[\s*"([^"]*)"\s*\]"""
-)
 _OPENER = re.compile(r"[\[{]")
 _MAX_SPAN_ATTEMPTS = 16  # openers tried when looking for an embedded JSON value
 _DECODER = json.JSONDecoder()  # stateless: raw_decode finds a value and where it ends
-
-
-def _parse_path(path: str) -> tuple[str | int, ...]:
-    if not path.startswith("$"):
-        raise ValueError(f"JSON path {path!r} must start with '$' (e.g. $.answer.date)")
-    segments: list[str | int] = []
-    pos = 1
-    while pos < len(path):
-        match = _SEGMENT.match(path, pos)
-        if match is None:
-            raise ValueError(
-                f"JSON path {path!r}: unexpected {path[pos:]!r} at position {pos}; "
-                "expected .key, [N], ['key'] or [\"key\"]"
-            )
-        key, number, single, double = match.groups()
-        if number is not None:
-            segments.append(int(number))
-        else:
-            segments.append(next(s for s in (key, single, double) if s is not None))
-        pos = match.end()
-    return tuple(segments)
 
 
 def _loads(text: str) -> Any:
@@ -125,7 +103,7 @@ class JsonPathExtractor:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._segments = _parse_path(path)
+        self._segments = json_path_segments(path)
 
     def __repr__(self) -> str:
         return f"JsonPathExtractor({self.path!r})"
@@ -175,20 +153,9 @@ class RegexExtractor:
 
 
 def build_extractor(spec: str) -> AnswerExtractor:
-    """``"json:$.path"`` or ``"regex:PATTERN"``; a bad spec raises ValueError saying why."""
-    if not isinstance(spec, str):
-        raise ValueError(f"answer extractor must be a string, got {type(spec).__name__}")
-    kind, sep, argument = spec.partition(":")
-    kind = kind.strip().lower()
-    if not sep or kind not in ("json", "regex"):
-        raise ValueError(
-            f"answer extractor {spec!r}: expected 'json:$.path' (e.g. json:$.answer.date) "
-            "or 'regex:PATTERN'"
-        )
+    """``"json:$.path"`` or ``"regex:PATTERN"``; a bad spec raises ValueError saying why
+    (``proxy.config.answer_extractor_spec``, which the configuration checks too)."""
+    kind, argument = answer_extractor_spec(spec)
     if kind == "json":
-        if not argument.strip():
-            raise ValueError(f"answer extractor {spec!r}: the JSON path is empty")
-        return JsonPathExtractor(argument.strip())
-    if not argument:
-        raise ValueError(f"answer extractor {spec!r}: the regex is empty")
+        return JsonPathExtractor(argument)
     return RegexExtractor(argument)

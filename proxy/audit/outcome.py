@@ -24,6 +24,7 @@ from proxy.audit.logprobs import (
     TokenLogprob,
     parse_logprobs,
 )
+from proxy.openai import error_message, reasoning_of, usage_of
 
 __all__ = [
     "NEG_INF_LOGPROB",
@@ -33,6 +34,7 @@ __all__ = [
     "TokenLogprob",
     "error_message",
     "outcome_from_response",
+    "usage_of",
 ]
 
 _MAX_CHOICES = 1024  # distinct choice indices one stream may open before it counts as too large
@@ -74,28 +76,6 @@ def _stop_reason(value: Any) -> str | int | None:
     return _int_or_none(value)
 
 
-def _reasoning_of(obj: Mapping[str, Any]) -> str:
-    """``reasoning`` when present, else the older ``reasoning_content`` (duplicates when both)."""
-    text = obj.get("reasoning")
-    if isinstance(text, str) and text:
-        return text
-    return _str_or_empty(obj.get("reasoning_content"))
-
-
-def error_message(body: Mapping[str, Any]) -> str | None:
-    """The message of an error body (nested ``{"error": {...}}`` or flat ``object: "error"``)."""
-    err = body.get("error")
-    if err is not None:
-        if isinstance(err, Mapping):
-            message = err.get("message")
-            return message if isinstance(message, str) and message else "error"
-        return err if isinstance(err, str) and err else "error"
-    if body.get("object") == "error":
-        message = body.get("message")
-        return message if isinstance(message, str) and message else "error"
-    return None
-
-
 def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
     if not isinstance(raw, Mapping):
         return ChoiceOutcome(position, "", "", None, None)
@@ -108,7 +88,7 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
         message = raw.get("message")
         if isinstance(message, Mapping):
             content = _str_or_empty(message.get("content"))
-            reasoning = _reasoning_of(message)
+            reasoning = reasoning_of(message) or ""
         else:
             content = reasoning = ""
     else:
@@ -127,14 +107,6 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
     return ChoiceOutcome(
         index, content, reasoning, tokens, finish_reason, _stop_reason(raw.get("stop_reason"))
     )
-
-
-def usage_of(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
-    """An answer's ``usage``: prompt and completion tokens (None where absent)."""
-    usage = body.get("usage")
-    if not isinstance(usage, Mapping):
-        return None, None
-    return _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens"))
 
 
 def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
@@ -249,10 +221,8 @@ class StreamAccumulator:
                 text = delta.get("content")
                 if isinstance(text, str) and text and self._spend(len(text)):
                     state.content.append(text)
-                thought = delta.get("reasoning")
-                if not (isinstance(thought, str) and thought):
-                    thought = delta.get("reasoning_content")
-                if isinstance(thought, str) and thought and self._spend(len(thought)):
+                thought = reasoning_of(delta)
+                if thought is not None and self._spend(len(thought)):
                     state.reasoning.append(thought)
         else:
             text = raw.get("text")

@@ -20,7 +20,7 @@ import orjson
 
 from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.config import AuditConfig
-from proxy.errors import UpstreamFailure
+from proxy.errors import UpstreamError
 from proxy.events import EventBus, ShadowDropped, ShadowQueue
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 from proxy.tasks import TaskOwner
@@ -209,11 +209,11 @@ class ShadowScheduler:
         except TimeoutError:
             self._bus.publish(ShadowDropped(job.model, "timeout"))
             return
-        except (UpstreamFailure, OSError, asyncio.IncompleteReadError) as exc:
+        except UpstreamError as exc:
             log.info("shadow replay failed: %s", exc)
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
             return
-        except Exception as exc:  # aiohttp's client errors while reading the body
+        except Exception as exc:  # whatever else an Upstream implementation raises
             log.info("shadow replay failed: %r", exc)
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
             return

@@ -8,6 +8,8 @@ import logging
 
 import aiohttp
 
+from proxy.promtext import sum_samples
+
 log = logging.getLogger(__name__)
 
 RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
@@ -15,19 +17,8 @@ RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
 
 def parse_running(text: str) -> float | None:
     """The sum of the running gauges' samples; None when the text has none of them."""
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if not line.startswith(RUNNING):
-            continue
-        name = line.split("{", 1)[0].split(None, 1)[0]
-        if name not in RUNNING:
-            continue  # a longer name that starts with one of them
-        try:
-            total += float(line.rsplit(None, 1)[-1])
-        except ValueError:
-            continue
-        seen = True
-    return total if seen else None
+    totals = sum_samples(text, RUNNING)
+    return sum(totals.values()) if totals else None
 
 
 class UpstreamLoad:

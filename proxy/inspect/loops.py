@@ -19,7 +19,7 @@ tail window is checked:
    ``i`` in the run; exponential then binary search over slice comparisons, or only the new
    chars when the previous check measured the same candidate). It fires when ``d`` is the
    primitive unit (``"abcdabcd"`` reports 4, never 8) and the run covers
-   ``LoopConfig.required_chars(d)``. Otherwise every candidate inside the run is skipped (it
+   ``DetectorConfig.required_chars(d)``. Otherwise every candidate inside the run is skipped (it
    would reduce to the same unit and run), and the search continues with a longer needle (the
    run plus the char that ended it), so an earlier copy of a long run of ``"~"`` or ``"- "``
    does not yield one candidate per char.
@@ -72,78 +72,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["LoopConfig", "LoopDetector", "LoopReport"]
+from proxy.config import DETECTOR_ANCHOR_CHARS, DetectorConfig
 
-# Length of the tail suffix whose earlier occurrences give the candidate periods. Long enough
-# that structured text (JSON records, table rows, list items) almost never repeats it exactly.
-_ANCHOR = 64
+__all__ = ["DetectorConfig", "LoopDetector", "LoopReport"]
+
+_ANCHOR = DETECTOR_ANCHOR_CHARS
 # Length of the tail probe used to reject a candidate before measuring its run.
 _PROBE = 128
 _PREVIEW = 120
 # A letter or a digit (any script): a unit without one is "trivial".
 _ALNUM = re.compile(r"[^\W_]")
-
-
-@dataclass(frozen=True, slots=True)
-class LoopConfig:
-    """Thresholds of the detector; see the module docstring for why these defaults."""
-
-    min_period: int = 4
-    max_period: int = 4096
-    min_repeats: int = 4
-    min_short_repeats: int = 16
-    short_period: int = 16
-    min_covered_chars: int = 256
-    min_trivial_covered_chars: int | None = 1024
-    window_chars: int = 17408
-    check_every_chars: int = 32
-
-    def __post_init__(self) -> None:
-        if self.min_period < 1:
-            raise ValueError("min_period must be >= 1")
-        if self.max_period < self.min_period:
-            raise ValueError("max_period must be >= min_period")
-        if self.min_repeats < 2 or self.min_short_repeats < 2:
-            raise ValueError("min_repeats and min_short_repeats must be >= 2")
-        if self.short_period < 0:
-            raise ValueError("short_period must be >= 0")
-        if self.min_covered_chars < 2 * _ANCHOR:
-            raise ValueError(f"min_covered_chars must be >= {2 * _ANCHOR}")
-        if self.min_trivial_covered_chars is not None and self.min_trivial_covered_chars < 1:
-            raise ValueError("min_trivial_covered_chars must be >= 1 (or None to disable)")
-        if self.check_every_chars < 1:
-            raise ValueError("check_every_chars must be >= 1")
-        need = self.max_required_chars()
-        if self.window_chars < need + self.check_every_chars:
-            raise ValueError(
-                f"window_chars must be >= {need + self.check_every_chars} "
-                "(the longest required run plus check_every_chars)"
-            )
-
-    def required_chars(self, period: int, trivial: bool = False) -> int | None:
-        """Characters a back-to-back run of a ``period``-char unit must cover to fire.
-
-        ``trivial`` (a unit without letters or digits) and periods below ``min_period`` use
-        ``min_trivial_covered_chars``; ``None`` means such a run never fires.
-        """
-        reps = self.min_short_repeats if period < self.short_period else self.min_repeats
-        need = max(self.min_covered_chars, period * reps)
-        if trivial or period < self.min_period:
-            if self.min_trivial_covered_chars is None:
-                return None
-            need = max(need, self.min_trivial_covered_chars)
-        return need
-
-    def max_required_chars(self) -> int:
-        """The longest run any unit up to ``max_period`` may need: the look-back to keep."""
-        reps = self.min_short_repeats if self.max_period < self.short_period else self.min_repeats
-        longest = max(self.min_covered_chars, self.max_period * reps)
-        if self.short_period > 0:
-            short = min(self.short_period - 1, self.max_period)
-            longest = max(longest, short * self.min_short_repeats)
-        if self.min_trivial_covered_chars is not None:
-            longest = max(longest, self.min_trivial_covered_chars)
-        return longest
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +120,8 @@ class LoopDetector:
         "_total",
     )
 
-    def __init__(self, config: LoopConfig | None = None) -> None:
-        self._config = config if config is not None else LoopConfig()
+    def __init__(self, config: DetectorConfig | None = None) -> None:
+        self._config = config if config is not None else DetectorConfig()
         # When the window is full it is cut back to this (the longest required run plus one
         # check interval), so that it is cut only every few checks, not at each one.
         self._keep = self._config.max_required_chars() + self._config.check_every_chars
@@ -199,7 +137,7 @@ class LoopDetector:
         self._runs_at = -1
 
     @property
-    def config(self) -> LoopConfig:
+    def config(self) -> DetectorConfig:
         return self._config
 
     @property

@@ -1,7 +1,6 @@
 """Loop triggers for one response: proxy-side detectors per choice and channel, plus what the
 engine says (finish_reason ``repetition``) and runaways (``length`` with no content after
-reasoning). Reads ``reasoning`` or, on older vLLM, ``reasoning_content`` (one of them when a
-delta carries both: they are duplicates).
+reasoning). Reasoning is read by ``proxy.openai.reasoning_of``.
 
 ``on_chunk`` takes a fast path for the shape nearly every chunk has (one choice whose delta is a
 dict, for a choice already seen) and walks the general way otherwise. ``on_run`` feeds the text
@@ -16,16 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from policies.base import Trigger
-from proxy.inspect.loops import LoopConfig, LoopDetector, LoopReport
+from proxy.inspect.loops import DetectorConfig, LoopDetector, LoopReport
+from proxy.openai import reasoning_of
 
 MAX_CHOICES = 128  # n is client-controlled: bound the detectors kept per response
-
-
-def _reasoning(obj: Mapping[str, Any]) -> str | None:
-    value = obj.get("reasoning")
-    if not value:
-        value = obj.get("reasoning_content")
-    return value if isinstance(value, str) and value else None
 
 
 # The most content kept per choice for a continuation (chars); past it, a loop restarts.
@@ -35,7 +28,7 @@ MAX_KEPT_CHARS = 4 * 1024 * 1024
 class _ChoiceWatch:
     __slots__ = ("content", "kept", "kept_chars", "reasoning", "saw_content", "saw_reasoning")
 
-    def __init__(self, config: LoopConfig, keep: bool) -> None:
+    def __init__(self, config: DetectorConfig, keep: bool) -> None:
         self.reasoning = LoopDetector(config)
         self.content = LoopDetector(config)
         self.saw_reasoning = False
@@ -71,7 +64,7 @@ class LoopWatch:
     """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind."""
 
     def __init__(
-        self, endpoint: str, config: LoopConfig, runaway: bool = True, keep: bool = False
+        self, endpoint: str, config: DetectorConfig, runaway: bool = True, keep: bool = False
     ) -> None:
         self._chat = endpoint == "chat"
         self._config = config
@@ -112,7 +105,7 @@ class LoopWatch:
     def _delta(
         self, watch: _ChoiceWatch, index: int, raw: dict[str, Any], delta: dict[str, Any]
     ) -> Trigger | None:
-        trigger = self._feed(watch, index, _reasoning(delta), delta.get("content"))
+        trigger = self._feed(watch, index, reasoning_of(delta), delta.get("content"))
         finish = raw.get("finish_reason")
         if trigger is None and finish is not None:
             return self._finished(watch, index, finish, raw.get("stop_reason"))
@@ -172,7 +165,7 @@ class LoopWatch:
             if self._chat:
                 message = raw.get(part)
                 message = message if isinstance(message, dict) else {}
-                trigger = self._feed(watch, index, _reasoning(message), message.get("content"))
+                trigger = self._feed(watch, index, reasoning_of(message), message.get("content"))
             else:
                 trigger = self._feed(watch, index, None, raw.get("text"))
             finish = raw.get("finish_reason")

@@ -30,11 +30,11 @@ from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from typing import Any
 
+from proxy.audit.verdict import VERDICTS
 from proxy.report.load import AuditLine, Key3, LogData, LoopLine, Tally
 from proxy.report.stats import delta_summary, position_summary, proportion
 
 SCHEMA = "detproxy.report/1"
-VERDICTS = ("identical", "logprob_drift", "text_divergence", "answer_divergence", "incomparable")
 DIVERGED = ("text_divergence", "answer_divergence")
 WORST_RANK = {"answer_divergence": 0, "text_divergence": 1, "logprob_drift": 2}
 

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.openai import choice_text, completion_tokens_of, error_message
 from proxy.sse import SSEDecoder, SSEOverflow
 
 ERROR_BACKOFF_S = 0.1  # a worker whose request failed waits this long before the next one
@@ -107,35 +108,22 @@ class RequestRecord:
         return None if self.first_token is None else self.first_token - self.sent
 
 
-def _has_text(choice: Any) -> bool:
-    if not isinstance(choice, dict):
-        return False
-    delta = choice.get("delta")
-    if isinstance(delta, dict):
-        for key in ("content", "reasoning", "reasoning_content"):
-            if isinstance(delta.get(key), str) and delta[key]:
-                return True
-    text = choice.get("text")
-    return isinstance(text, str) and bool(text)
-
-
 def _on_event(rec: RequestRecord, payload: Any, now: float, deadline: float) -> None:
     if not isinstance(payload, dict):
         return
-    if "error" in payload and "choices" not in payload:
-        err = payload["error"]
-        msg = err.get("message") if isinstance(err, dict) else err
-        rec.error = f"in-band error: {str(msg)[:200]}"
+    message = error_message(payload) if "choices" not in payload else None
+    if message is not None:
+        rec.error = f"in-band error: {message[:200]}"
         return
-    usage = payload.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        rec.usage_tokens = usage["completion_tokens"]
+    tokens = completion_tokens_of(payload)
+    if tokens is not None:
+        rec.usage_tokens = tokens
     choices = payload.get("choices")
     if not isinstance(choices, list):
         return
     if any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
         rec.finish_seen = True
-    if now > deadline or not any(_has_text(c) for c in choices):
+    if now > deadline or not any(type(c) is dict and choice_text(c) for c in choices):
         return
     if rec.first_token is None:
         rec.first_token = now

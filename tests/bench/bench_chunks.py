@@ -46,7 +46,7 @@ from bench_proxy import LAUNCHER, MODEL, REQ_ID, _words, machine  # noqa: E402
 
 from proxy.audit.inject import strip_logprobs  # noqa: E402
 from proxy.audit.outcome import StreamAccumulator  # noqa: E402
-from proxy.inspect.loops import LoopConfig  # noqa: E402
+from proxy.inspect.loops import DetectorConfig  # noqa: E402
 from proxy.inspect.loopwatch import LoopWatch  # noqa: E402
 from proxy.sse import SSEDecoder, encode_event  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
@@ -131,7 +131,7 @@ def micro(tokens: int) -> None:
     texts = [(c["choices"][0]["delta"].get("content") or "").encode() for c in parsed]
     n = len(events)
     noop = Noop()
-    config = LoopConfig()
+    config = DetectorConfig()
 
     def empty_loop() -> int:
         for _ in events:
@@ -336,7 +336,7 @@ def relay_rows(events: list[bytes]) -> None:
     from proxy.inspect.base import InspectorSet
     from proxy.relay import StreamPlan, StreamRelay
 
-    config = LoopConfig()
+    config = DetectorConfig()
     stream = b"".join(events) + b"data: [DONE]\n\n"
     n = len(events) + 1
     by_64k = _reads(stream, 65536)
@@ -396,7 +396,7 @@ def stream_state_kb(tokens: int, top: int, audited: bool) -> tuple[float, float]
     base = tracemalloc.get_traced_memory()[0]
     tracemalloc.reset_peak()
     dec = SSEDecoder()
-    watch = LoopWatch("chat", LoopConfig())
+    watch = LoopWatch("chat", DetectorConfig())
     acc = StreamAccumulator("chat") if audited else None
     for e in events:
         for ev in dec.feed(e):
@@ -433,7 +433,7 @@ def memory(tokens: int) -> None:
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        watch = LoopWatch("chat", LoopConfig())
+        watch = LoopWatch("chat", DetectorConfig())
         for w in _words(n, 3):
             watch.on_chunk({"choices": [{"index": 0, "delta": {"content": " " + w}}]})
         gc.collect()

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from proxy.inspect.loops import LoopConfig, LoopDetector  # noqa: E402
+from proxy.inspect.loops import DetectorConfig, LoopDetector  # noqa: E402
 
 CORPUS = ROOT / "tests" / "inspect" / "corpus"
 TARGET_CHARS = 1_000_000
@@ -131,7 +131,7 @@ def make_unit(length: int, rng: random.Random) -> str:
 
 
 def bench_loops(prose: str, periods: list[int]) -> None:
-    config = LoopConfig()
+    config = DetectorConfig()
     every = config.check_every_chars
     print(
         f"  {'period':>6} {'need':>6} {'lag(check)':>10} {'lag(fed)':>9} {'repeats':>7}"
@@ -173,8 +173,8 @@ def bench_loops(prose: str, periods: list[int]) -> None:
 
 
 def main() -> None:
-    config = LoopConfig()
-    print(f"LoopConfig defaults: {config}")
+    config = DetectorConfig()
+    print(f"DetectorConfig defaults: {config}")
     print(f"python {sys.version.split()[0]}; deltas of {DELTA} chars; best of {REPEAT} runs")
     print()
     print("Normal text, ~1 MB each (us per 4-char delta; 'extra' = detector minus no-op feed)")

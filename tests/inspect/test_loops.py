@@ -11,12 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.inspect.loops import LoopConfig, LoopDetector, LoopReport
+from proxy.inspect.loops import DetectorConfig, LoopDetector, LoopReport
 
 CORPUS = Path(__file__).parent / "corpus"
 CORPUS_FILES = sorted(p for p in CORPUS.iterdir() if p.is_file())
 PROSE = (CORPUS / "prose.txt").read_text(encoding="utf-8")
-DEFAULT = LoopConfig()
+DEFAULT = DetectorConfig()
 
 
 def feed_split(
@@ -153,7 +153,7 @@ def test_loop_from_offset_zero_single_delta() -> None:
 def test_reports_primitive_unit_not_multiple() -> None:
     # A multiple of the unit (20 chars) would qualify earlier than the unit (10 chars) itself
     # under these thresholds; the detector must still report 10, and only once 10 qualifies.
-    cfg = LoopConfig(
+    cfg = DetectorConfig(
         short_period=16,
         min_short_repeats=40,
         min_covered_chars=128,
@@ -181,7 +181,7 @@ def test_unit_with_internal_repetition(inner: int, every: int) -> None:
     # on its own because the unit is not a multiple of it). When the tail sits at a unit
     # boundary the short run covers exactly one unit: the search must not skip the real period
     # while discarding the short one.
-    cfg = LoopConfig(check_every_chars=every)
+    cfg = DetectorConfig(check_every_chars=every)
     block = make_unit(inner, random.Random(inner))
     unit = block * ((200 - inner // 2) // inner) + block[: inner // 2]  # inner run < 256
     need = cfg.required_chars(len(unit))
@@ -335,7 +335,7 @@ def test_trivial_units_fire_only_when_very_long(unit: str, period: int) -> None:
 
 
 def test_trivial_units_can_be_disabled() -> None:
-    det = LoopDetector(LoopConfig(min_trivial_covered_chars=None))
+    det = LoopDetector(DetectorConfig(min_trivial_covered_chars=None))
     assert det.feed("=" * 20000) is None
     assert det.feed("\n\n" * 5000) is None
     assert det.buffered_chars <= DEFAULT.window_chars + DEFAULT.check_every_chars
@@ -366,12 +366,12 @@ def test_required_chars_is_stricter_for_short_units() -> None:
 )
 def test_bad_config_is_rejected(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError):
-        LoopConfig(**kwargs)
+        DetectorConfig(**kwargs)
 
 
 # --- split independence, and an exhaustive oracle ------------------------------------------
 
-SMALL = LoopConfig(
+SMALL = DetectorConfig(
     max_period=100,
     min_covered_chars=128,
     min_trivial_covered_chars=300,
@@ -380,7 +380,7 @@ SMALL = LoopConfig(
 )
 
 
-def oracle(text: str, cfg: LoopConfig) -> tuple[int, int] | None:
+def oracle(text: str, cfg: DetectorConfig) -> tuple[int, int] | None:
     """Brute force: at each check offset, the smallest primitive unit whose tail run qualifies."""
     every = cfg.check_every_chars
     for end in range(every, len(text) + 1, every):
@@ -416,7 +416,7 @@ def summary(rep: LoopReport | None) -> tuple[int, int, int, str, int, bool] | No
     )
 
 
-def run_split(text: str, cuts: list[int], cfg: LoopConfig) -> LoopReport | None:
+def run_split(text: str, cuts: list[int], cfg: DetectorConfig) -> LoopReport | None:
     det = LoopDetector(cfg)
     bounds = [0, *sorted(c % (len(text) + 1) for c in cuts), len(text)]
     for a, b in itertools.pairwise(bounds):

@@ -5,7 +5,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.inspect.loops import LoopConfig
+from proxy.inspect.loops import DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
 
 UNIT = " and then the model says the same thing again."
@@ -16,7 +16,7 @@ def delta(index: int = 0, finish: str | None = None, **fields: Any) -> dict[str,
 
 
 def test_content_loop_per_choice() -> None:
-    watch = LoopWatch("chat", LoopConfig())
+    watch = LoopWatch("chat", DetectorConfig())
     trigger = None
     for _ in range(40):
         watch.on_chunk(delta(0, content="ordinary text that varies " + str(_)))
@@ -32,7 +32,7 @@ def test_content_loop_per_choice() -> None:
 
 def test_duplicated_reasoning_fields_count_once() -> None:
     # vLLM 0.11.1-0.15 sends the same text as reasoning and reasoning_content.
-    watch = LoopWatch("chat", LoopConfig())
+    watch = LoopWatch("chat", DetectorConfig())
     fed = 0
     trigger = None
     while trigger is None and fed < 5000:
@@ -40,19 +40,19 @@ def test_duplicated_reasoning_fields_count_once() -> None:
         fed += len(UNIT)
     assert trigger is not None and trigger.channel == "reasoning"
     assert trigger.start_offset is not None and trigger.start_offset < len(UNIT)
-    assert fed <= LoopConfig().required_chars(len(UNIT)) + 2 * len(UNIT) + 32  # type: ignore[operator]
+    assert fed <= DetectorConfig().required_chars(len(UNIT)) + 2 * len(UNIT) + 32  # type: ignore[operator]
 
 
 def test_engine_repetition_and_runaway() -> None:
-    watch = LoopWatch("chat", LoopConfig())
+    watch = LoopWatch("chat", DetectorConfig())
     watch.on_chunk(delta(content="hello"))
     trigger = watch.on_chunk(delta(finish="repetition"))
     assert trigger is not None and (trigger.source, trigger.channel) == ("engine", "content")
-    watch = LoopWatch("chat", LoopConfig())
+    watch = LoopWatch("chat", DetectorConfig())
     watch.on_chunk(delta(reasoning_content="thinking and thinking"))
     trigger = watch.on_chunk(delta(finish="length"))
     assert trigger is not None and (trigger.source, trigger.channel) == ("runaway", "reasoning")
-    watch = LoopWatch("chat", LoopConfig(), runaway=False)
+    watch = LoopWatch("chat", DetectorConfig(), runaway=False)
     watch.on_chunk(delta(reasoning="thinking"))
     assert watch.on_chunk(delta(finish="length")) is None
 
@@ -63,10 +63,10 @@ def test_whole_answers_and_completions() -> None:
             {"index": 0, "finish_reason": "length", "message": {"content": "intro. " + UNIT * 20}}
         ]
     }
-    trigger = LoopWatch("chat", LoopConfig()).on_answer(answer)
+    trigger = LoopWatch("chat", DetectorConfig()).on_answer(answer)
     assert trigger is not None and trigger.period == len(UNIT)
     completion = {"choices": [{"index": 0, "text": "x" * 3 + UNIT * 20, "finish_reason": "length"}]}
-    assert LoopWatch("completions", LoopConfig()).on_answer(completion) is not None
+    assert LoopWatch("completions", DetectorConfig()).on_answer(completion) is not None
     normal = {
         "choices": [
             {
@@ -76,8 +76,8 @@ def test_whole_answers_and_completions() -> None:
             }
         ]
     }
-    assert LoopWatch("chat", LoopConfig()).on_answer(normal) is None
-    assert LoopWatch("chat", LoopConfig()).on_answer({"choices": "junk"}) is None
+    assert LoopWatch("chat", DetectorConfig()).on_answer(normal) is None
+    assert LoopWatch("chat", DetectorConfig()).on_answer({"choices": "junk"}) is None
 
 
 # --- the fast path and runs: the same triggers as the general walk, chunk by chunk -----------
@@ -113,7 +113,7 @@ def chunk_strategy() -> st.SearchStrategy[dict[str, Any]]:
 @given(st.lists(chunk_strategy(), max_size=120), st.booleans())
 def test_fast_path_triggers_like_the_general_walk(chunks: list[Any], chat: bool) -> None:
     endpoint = "chat" if chat else "completions"
-    fast, general = LoopWatch(endpoint, LoopConfig()), LoopWatch(endpoint, LoopConfig())
+    fast, general = LoopWatch(endpoint, DetectorConfig()), LoopWatch(endpoint, DetectorConfig())
     for chunk in chunks:
         assert fast.on_chunk(chunk) == general._choices_of(chunk, "delta")
 
@@ -133,8 +133,8 @@ def split_text(draw: st.DrawFn) -> list[str]:
 def test_a_run_names_the_chunk_that_would_have_fired(
     texts: list[str], channel: str, prefix: int
 ) -> None:
-    one_by_one = LoopWatch("chat", LoopConfig())
-    at_once = LoopWatch("chat", LoopConfig())
+    one_by_one = LoopWatch("chat", DetectorConfig())
+    at_once = LoopWatch("chat", DetectorConfig())
     head, tail = texts[:prefix], texts[prefix:]
     expected = None
     for i, text in enumerate(texts):
@@ -155,10 +155,10 @@ def test_a_run_names_the_chunk_that_would_have_fired(
 
 def test_a_run_that_loops_fires_at_the_chunk_that_reaches_the_check() -> None:
     texts = ["intro. "] + [UNIT] * 12
-    one_by_one = LoopWatch("chat", LoopConfig())
+    one_by_one = LoopWatch("chat", DetectorConfig())
     fired = next(
         i for i, t in enumerate(texts) if one_by_one.on_chunk(delta(0, content=t)) is not None
     )
-    found = LoopWatch("chat", LoopConfig()).on_run(0, "content", texts)
+    found = LoopWatch("chat", DetectorConfig()).on_run(0, "content", texts)
     assert found is not None and found[1] == fired < len(texts) - 1
     assert (found[0].source, found[0].channel, found[0].period) == ("proxy", "content", len(UNIT))

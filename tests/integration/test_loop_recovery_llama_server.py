@@ -21,7 +21,7 @@ import pytest
 
 from policies.base import Trigger
 from proxy.continuation import prefix_of
-from proxy.inspect.loops import LoopConfig, LoopDetector
+from proxy.inspect.loops import DetectorConfig, LoopDetector
 from tests.helpers import Engine, run_detproxy, scrape
 
 pytestmark = pytest.mark.integration
@@ -110,7 +110,7 @@ def test_a_burst_of_looping_requests_is_recovered(engine: Engine, tmp_path: Path
 
 def loop_in(text: str) -> Trigger | None:
     """Where detproxy's default loop detector finds a loop in ``text``, fed as a stream is."""
-    detector = LoopDetector(LoopConfig())
+    detector = LoopDetector(DetectorConfig())
     for i in range(0, len(text), 4):
         report = detector.feed(text[i : i + 4])
         if report is not None:

@@ -1,0 +1,106 @@
+"""Views of OpenAI-compatible bodies as vLLM and llama.cpp's server send them: one place for
+the rules of where a text, a usage or an error message lives.
+
+Every function reads a parsed JSON object (plain dicts, as orjson gives them) and never
+raises on junk: a member of the wrong type reads as absent. They run once per SSE event on
+the relay's hot path, so they use plain ``dict.get`` and ``type(x) is ...`` checks.
+
+Reasoning: vLLM sends it as ``reasoning_content`` (from 0.7.2), as ``reasoning`` with
+``reasoning_content`` as a duplicate (0.11.1 to 0.15) and as ``reasoning`` alone (from 0.16;
+``/work/shared/reference/vllm-api.md``). A delta carrying both carries the same text twice:
+one is read, ``reasoning`` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "REASONING_KEYS",
+    "choice_text",
+    "completion_tokens_of",
+    "error_detail",
+    "error_message",
+    "first_choice",
+    "reasoning_of",
+    "usage_of",
+]
+
+# Where a chat delta or message holds its reasoning, the current name first.
+REASONING_KEYS = ("reasoning", "reasoning_content")
+
+
+def reasoning_of(part: Mapping[str, Any]) -> str | None:
+    """The reasoning text of a chat delta or message; None when it carries none."""
+    text = part.get("reasoning")
+    if type(text) is str and text:
+        return text
+    text = part.get("reasoning_content")
+    return text if type(text) is str and text else None
+
+
+def choice_text(choice: Mapping[str, Any]) -> str | None:
+    """The text a streamed choice carries: its delta's content, else its delta's reasoning
+    (chat), or its ``text`` (completions); None when it carries none."""
+    delta = choice.get("delta")
+    if type(delta) is dict:
+        text = delta.get("content")
+        if type(text) is str and text:
+            return text
+        return reasoning_of(delta)
+    text = choice.get("text")
+    return text if type(text) is str and text else None
+
+
+def first_choice(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The first of a body's ``choices`` when it is an object."""
+    choices = body.get("choices")
+    if type(choices) is not list or not choices:
+        return None
+    choice = choices[0]
+    return choice if type(choice) is dict else None
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if type(value) is int else None  # bool is not a count
+
+
+def usage_of(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """A body's ``usage``: its prompt and completion tokens (None where absent)."""
+    usage = body.get("usage")
+    if type(usage) is not dict:
+        return None, None
+    return _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens"))
+
+
+def completion_tokens_of(body: Mapping[str, Any]) -> int | None:
+    """A body's ``usage.completion_tokens`` (a streamed usage chunk's included)."""
+    usage = body.get("usage")
+    if type(usage) is not dict:
+        return None
+    return _int_or_none(usage.get("completion_tokens"))
+
+
+def error_detail(body: Mapping[str, Any]) -> str | None:
+    """The message an error body carries, wherever its server put it: ``error.message``
+    (OpenAI, vLLM >= 0.10.1, llama.cpp), ``error`` as a string, the flat ``message`` (older
+    vLLM) or ``detail`` (FastAPI); None when it has none."""
+    err = body.get("error")
+    if type(err) is dict:
+        message = err.get("message")
+    elif type(err) is str:
+        message = err
+    else:
+        message = None
+    if message is None:
+        message = body.get("message") or body.get("detail")
+    return message if type(message) is str and message else None
+
+
+def error_message(body: Mapping[str, Any]) -> str | None:
+    """None unless ``body`` is an error (a non-null ``error``, nested since vLLM 0.10.1, or
+    the older flat ``"object": "error"``); then its message, ``"error"`` when it has none."""
+    if body.get("error") is None and body.get("object") != "error":
+        return None
+    return error_detail(body) or "error"
