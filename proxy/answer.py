@@ -16,13 +16,14 @@ from aiohttp import web
 from policies.base import Abort, Retry
 from proxy.attempts import AttemptEnd, Stages, run_attempts
 from proxy.audit.inject import strip_logprobs
-from proxy.audit.outcome import Outcome, outcome_from_response, usage_of
+from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.body import parse_answer
 from proxy.continuation import content_of, merge_answer
 from proxy.errors import UpstreamFailure, error_response
 from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.headers import client_response_headers
+from proxy.openai import usage_of
 from proxy.recovery import cut_answer
 from proxy.upstream import UpstreamResponse, read_error_kind
 

@@ -37,14 +37,9 @@ from collections.abc import Callable
 
 import orjson
 
+from proxy.openai import completion_tokens_of
 from proxy.sse import SSEDecoder, SSEOverflow, event_data
-from proxy.streamresult import (
-    StreamResult,
-    completion_tokens_of,
-    count_tokens,
-    tally_chunk,
-    text_tokens,
-)
+from proxy.streamresult import StreamResult, count_tokens, tally_chunk, text_tokens
 
 _BYTES, _DECODED, _PASS = 0, 1, 2
 _CR = 13  # ``13 in data``: a memchr (``b"\r" in data`` costs more on a short read)

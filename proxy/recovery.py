@@ -32,6 +32,7 @@ from proxy.exchange import Attempts
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
 from proxy.inspect.loops import DetectorConfig
 from proxy.inspect.loopwatch import LoopWatch
+from proxy.openai import REASONING_KEYS
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
@@ -267,9 +268,7 @@ def cut_answer(answer: dict[str, Any], endpoint: str, trigger: Trigger) -> None:
         message = choice.get("message")
         if not isinstance(message, dict):
             continue
-        names = (
-            ("reasoning", "reasoning_content") if trigger.channel == "reasoning" else ("content",)
-        )
+        names = REASONING_KEYS if trigger.channel == "reasoning" else ("content",)
         for name in names:
             if isinstance(message.get(name), str):
                 message[name] = message[name][:end]

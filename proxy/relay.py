@@ -38,6 +38,7 @@ from proxy.errors import inband_error_event
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.inspect.base import InspectorSet
 from proxy.inspect.loopwatch import LoopWatch
+from proxy.openai import reasoning_of
 from proxy.rawtally import RawTally
 from proxy.relaysimple import SimpleReads
 from proxy.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
@@ -73,7 +74,7 @@ def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
         if isinstance(delta, dict):
             if delta.get("content") or delta.get("tool_calls"):
                 return True
-            if delta.get("reasoning") or delta.get("reasoning_content"):
+            if reasoning_of(delta) is not None:
                 reasoning = True
     return False if reasoning else None
 

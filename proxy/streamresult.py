@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policies.base import Abort, Retry, Trigger
+from proxy.openai import choice_text, completion_tokens_of
 
 
 @dataclass(slots=True)
@@ -77,26 +78,10 @@ def text_tokens(chunk: dict[str, Any]) -> tuple[bool, int]:
         for choice in choices:
             if type(choice) is not dict:
                 continue
-            delta = choice.get("delta")
-            if type(delta) is dict:
-                text = (
-                    delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
-                )
-            else:
-                text = choice.get("text")
-            if text:
+            if choice_text(choice) is not None:
                 found = True
                 listed += _listed(choice.get("logprobs"))
     return found, listed
-
-
-def completion_tokens_of(chunk: dict[str, Any]) -> int | None:
-    usage = chunk.get("usage")
-    if type(usage) is dict:
-        tokens = usage.get("completion_tokens")
-        if type(tokens) is int:
-            return tokens
-    return None
 
 
 def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], float]) -> None:
