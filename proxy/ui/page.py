@@ -91,7 +91,10 @@ if(ok)match++;var show=ok&&shown<lim;if(show)shown++;tr.hidden=!show;});
 var c=d.getElementById('shown');if(c)c.textContent=shown+' shown of '+match+' matching';}
 if(f){if(f.dataset.mode==='client'){f.addEventListener('change',apply);
 f.addEventListener('submit',function(e){e.preventDefault();apply();});apply();}
-else{f.querySelectorAll('select').forEach(function(s){s.addEventListener('change',function(){f.submit();});});}}
+else{var tidy=function(){f.querySelectorAll('select,input').forEach(function(e){
+if(!e.value)e.disabled=true;});};f.addEventListener('submit',tidy);
+f.querySelectorAll('select').forEach(function(s){s.addEventListener('change',function(){
+tidy();f.submit();});});}}
 function view(){d.body.classList.toggle('viewing',location.hash.indexOf('#i-')===0);}
 if(d.body.classList.contains('report')){window.addEventListener('hashchange',view);view();}
 var panes=d.querySelectorAll('.sides pre.text');

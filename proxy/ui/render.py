@@ -156,6 +156,7 @@ def _row(row: IncidentRow, links: Links) -> str:
     attrs = (
         f' data-id="{esc(row.id)}" data-model="{esc(row.model)}" data-verdict="{esc(row.verdict)}"'
         f' data-mode="{esc(row.mode)}" data-fingerprint="{esc(row.fingerprint)}"'
+        f' data-request="{esc(row.request_id)}"'
     )
     href = esc(links.incident(row.id))
     return (
