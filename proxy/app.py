@@ -35,6 +35,7 @@ from proxy.metrics import Metrics
 from proxy.recovery import Recovery
 from proxy.status import AuditTally
 from proxy.tasks import TaskOwner
+from proxy.ui.routes import register_ui
 from proxy.upstream import AiohttpUpstream, Upstream, make_session
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -260,6 +261,7 @@ def build_app(
     app.router.add_get("/detproxy/metrics", metrics.handle)
     app.router.add_get("/detproxy/status", _status)
     app.router.add_get("/detproxy/incidents", incidents.handle)
+    register_ui(app, bus, incidents, tally)
     app.router.add_route("*", "/{tail:.*}", _dispatch)
     return app
 

@@ -22,6 +22,8 @@ from proxy.events import (
 )
 
 MAX_KEYS = 4096  # labels come from clients (model names): keep the tally bounded
+# Requests in flight are counted exactly up to this; more is counted as this ("64+").
+INFLIGHT_CAP = 64
 
 
 def _nest(counter: Counter[tuple[str, ...]]) -> dict[str, Any]:
@@ -43,6 +45,8 @@ class AuditTally:
         self.actions: Counter[tuple[str, ...]] = Counter()  # (model, action, outcome)
         self.recoveries: Counter[tuple[str, ...]] = Counter()  # (model, strategy, outcome)
         self.recovery_tokens: Counter[tuple[str, ...]] = Counter()  # (model, strategy, kind)
+        # (model, in flight at the primary, verdict): the batch-effects curve's denominators
+        self.by_inflight: Counter[tuple[str, ...]] = Counter()
         self.dropped: Counter[str] = Counter()
 
     def subscribe(self, bus: EventBus) -> None:
@@ -59,6 +63,8 @@ class AuditTally:
 
     def _audited(self, ev: AuditCompleted) -> None:
         self._add(self.audits, (ev.model, ev.mode, ev.verdict.verdict))
+        inflight = str(min(max(ev.inflight_primary, 0), INFLIGHT_CAP))
+        self._add(self.by_inflight, (ev.model, inflight, ev.verdict.verdict))
 
     def _loop(self, ev: LoopDetected) -> None:
         self._add(self.loops, (ev.model, ev.trigger.channel, ev.trigger.source))
@@ -106,5 +112,6 @@ class AuditTally:
             "policy_actions": _nest(self.actions),
             "recoveries": _nest(self.recoveries),
             "recovery_tokens": _nest(self.recovery_tokens),
+            "audits_by_inflight": _nest(self.by_inflight),
             "shadows_dropped": dict(self.dropped),
         }

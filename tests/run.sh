@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 
 # Debian packages: the engine's toolchain, promtool (from prometheus) for the alert rules, and
 # redis-server for the shared duplicate store and haproxy for the scale-out test (the tests start
-# their own on free ports).
+# their own on free ports), chromium for the incident explorer's browser tests (headless).
 missing=""
 command -v cmake >/dev/null || missing="$missing cmake"
 command -v g++ >/dev/null || missing="$missing g++ make"
@@ -16,6 +16,7 @@ command -v promtool >/dev/null || missing="$missing prometheus"
 command -v redis-server >/dev/null || missing="$missing redis-server"
 command -v amtool >/dev/null || missing="$missing prometheus-alertmanager"
 command -v haproxy >/dev/null || missing="$missing haproxy"
+command -v chromium >/dev/null || missing="$missing chromium"
 if [ -n "$missing" ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi

@@ -10,6 +10,7 @@ import orjson
 from proxy.report.load import LogReadError, read_logs
 from proxy.report.render import blocks, to_markdown, to_text
 from proxy.report.summary import build_report
+from proxy.ui.report import html_report
 
 
 def _non_negative(text: str) -> int:
@@ -38,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--top", type=_non_negative, default=10, metavar="N", help="worst items (default 10)"
     )
     p.add_argument("--model", metavar="GLOB", help="only models matching this glob")
+    p.add_argument(
+        "--html",
+        metavar="OUT",
+        help="also write the incident explorer's views to OUT: one self-contained HTML file",
+    )
     return p
 
 
@@ -52,6 +58,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"detproxy report: {exc}", file=sys.stderr)
         return 2
     report = build_report(data, args.files, args.model, args.top)
+    if args.html is not None:
+        try:
+            page = html_report(args.files, args.model)
+        except LogReadError as exc:
+            print(f"detproxy report: {exc}", file=sys.stderr)
+            return 2
+        try:
+            with open(args.html, "w", encoding="utf-8") as sink:
+                sink.write(page)
+        except OSError as exc:
+            print(f"detproxy report: cannot write {args.html}: {exc.strerror}", file=sys.stderr)
+            return 2
     if args.json:
         out = orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
         sys.stdout.write(out + "\n")

@@ -58,6 +58,7 @@ class Tally:
     dropped: dict[str, int]  # reason
     recoveries: dict[Key3, int] = field(default_factory=dict)  # (model, strategy, outcome)
     recovery_tokens: dict[Key3, int] = field(default_factory=dict)  # (model, strategy, kind)
+    by_inflight: dict[Key3, int] = field(default_factory=dict)  # (model, in flight, verdict)
 
     @property
     def weight(self) -> int:
@@ -170,6 +171,7 @@ def parse_tally(obj: dict[str, Any]) -> Tally | None:
     # Tallies of detproxy 0.1.0 have no recoveries: counted as none.
     recoveries = _nested3(obj.get("recoveries") or {}) or {}
     recovery_tokens = _nested3(obj.get("recovery_tokens") or {}) or {}
+    by_inflight = _nested3(obj.get("audits_by_inflight") or {}) or {}  # older tallies: none
     return Tally(
         process,
         ts,
@@ -180,10 +182,12 @@ def parse_tally(obj: dict[str, Any]) -> Tally | None:
         dropped,
         recoveries,
         recovery_tokens,
+        by_inflight,
     )
 
 
-def _lines(path: str) -> Iterator[bytes]:
+def iter_lines(path: str) -> Iterator[bytes]:
+    """The lines of one incident log, plain or gzip; LogReadError when it cannot be read."""
     try:
         with open(path, "rb") as raw:
             compressed = raw.read(2) == GZIP_MAGIC
@@ -200,7 +204,7 @@ def _lines(path: str) -> Iterator[bytes]:
 
 def read_into(data: LogData, path: str, seen: set[bytes]) -> None:
     """Add the records of one file (plain or gzip) to ``data``; ``seen`` dedups incidents."""
-    for raw in _lines(path):
+    for raw in iter_lines(path):
         line = raw.strip()
         if not line:
             continue
