@@ -154,44 +154,96 @@ def build_app(
     app[INCIDENTS] = incidents
     app[TALLY] = tally
 
-    # One cleanup context per resource. aiohttp starts them in this order and cleans them up
-    # in the reverse one: background tasks first, then the shadow workers, the passive checks,
-    # the incident log (the tally's last line), the upstream clients, the session last.
-    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
-        session = app[SESSION] = make_session(settings.upstream)
+    lifetime = _Lifetime(
+        settings,
+        bus,
+        recovery,
+        guard,
+        budget,
+        incidents,
+        tally,
+        upstream,
+        inspector_factories,
+        clock,
+    )
+    app.cleanup_ctx.extend(lifetime.contexts())
+    app.router.add_get("/detproxy/health", _health)
+    app.router.add_get("/detproxy/metrics", metrics.handle)
+    app.router.add_get("/detproxy/status", _status)
+    app.router.add_get("/detproxy/incidents", incidents.handle)
+    register_ui(app, bus, incidents, tally)
+    app.router.add_route("*", "/{tail:.*}", _dispatch)
+    return app
+
+
+@dataclass(frozen=True, slots=True)
+class _Lifetime:
+    """What lives as long as the app, one cleanup context per resource. aiohttp starts them in
+    ``contexts()`` order and cleans them up in the reverse one: background tasks first, then the
+    shadow workers, the passive checks, the incident log (the tally's last line), the upstream
+    clients, the session last."""
+
+    settings: Settings
+    bus: EventBus
+    recovery: Recovery
+    guard: InjectionGuard
+    budget: RecoveryBudget
+    incidents: IncidentLog
+    tally: AuditTally
+    upstream: Upstream | None  # the caller's, not closed with the app
+    inspector_factories: Sequence[InspectorFactory]
+    clock: Callable[[], float]
+
+    def contexts(self) -> list[Callable[[web.Application], AsyncIterator[None]]]:
+        return [
+            self.session_ctx,
+            self.target_ctx,
+            self.reference_ctx,
+            self.incidents_ctx,
+            self.runtime_ctx,
+            self.auditor_ctx,
+            self.scheduler_ctx,
+            self.fingerprint_ctx,
+            self.tally_ctx,
+        ]
+
+    async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        session = app[SESSION] = make_session(self.settings.upstream)
         yield
         await session.close()
 
-    async def target_ctx(app: web.Application) -> AsyncIterator[None]:
-        if upstream is not None:  # the caller's, not closed with the app
-            app[TARGET] = upstream
+    async def target_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        if self.upstream is not None:
+            app[TARGET] = self.upstream
             yield
             return
-        target = app[TARGET] = _make_upstream(
-            settings.upstream, app[SESSION], settings.upstream.url
-        )
+        config = self.settings.upstream
+        target = app[TARGET] = _make_upstream(config, app[SESSION], config.url)
         yield
         await target.close()
 
-    async def reference_ctx(app: web.Application) -> AsyncIterator[None]:
-        url = settings.audit.reference_url
+    async def reference_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        url = self.settings.audit.reference_url
         reference = app[REFERENCE] = (
-            _make_upstream(settings.upstream, app[SESSION], url) if url else None
+            _make_upstream(self.settings.upstream, app[SESSION], url) if url else None
         )
         yield
         if reference is not None:
             await reference.close()
 
-    async def incidents_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def incidents_ctx(self, app: web.Application) -> AsyncIterator[None]:
         yield
-        if settings.incidents.path:
-            incidents.write(tally.summary())  # the last word of this process
-        incidents.close()
+        if self.settings.incidents.path:
+            self.incidents.write(self.tally.summary())  # the last word of this process
+        self.incidents.close()
 
-    async def runtime_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def runtime_ctx(self, app: web.Application) -> AsyncIterator[None]:
         # Wiring only: what it builds is started and stopped by the contexts after it.
+        settings, bus, guard = self.settings, self.bus, self.guard
         session, target, reference = app[SESSION], app[TARGET], app[REFERENCE]
-        forwarder = Forwarder(settings, target, bus, recovery, inspector_factories, guard, clock)
+        forwarder = Forwarder(
+            settings, target, bus, self.recovery, self.inspector_factories, guard, self.clock
+        )
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
         auditor = None
@@ -211,16 +263,16 @@ def build_app(
             poller = FingerprintPoller(
                 session, settings.upstream.url, bus, settings.upstream.fingerprint_interval_s
             )
-        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, budget)
+        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, self.budget)
         yield
 
-    async def auditor_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def auditor_ctx(self, app: web.Application) -> AsyncIterator[None]:
         auditor = app[RUNTIME].auditor
         yield
         if auditor is not None:
             await auditor.close()
 
-    async def scheduler_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def scheduler_ctx(self, app: web.Application) -> AsyncIterator[None]:
         scheduler = app[RUNTIME].scheduler
         if scheduler is not None:
             scheduler.start()
@@ -228,7 +280,7 @@ def build_app(
         if scheduler is not None:
             await scheduler.close()
 
-    async def fingerprint_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def fingerprint_ctx(self, app: web.Application) -> AsyncIterator[None]:
         poller = app[RUNTIME].fingerprint
         tasks = TaskOwner("app")
         if poller is not None:
@@ -236,34 +288,13 @@ def build_app(
         yield
         await tasks.close()
 
-    async def tally_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def tally_ctx(self, app: web.Application) -> AsyncIterator[None]:
         tasks = TaskOwner("app")
-        if settings.incidents.path:
-            every_s = settings.incidents.tally_interval_s
-            tasks.spawn(_write_tallies(incidents, tally, every_s), name="tally")
+        if self.settings.incidents.path:
+            every_s = self.settings.incidents.tally_interval_s
+            tasks.spawn(_write_tallies(self.incidents, self.tally, every_s), name="tally")
         yield
         await tasks.close()
-
-    app.cleanup_ctx.extend(
-        [
-            session_ctx,
-            target_ctx,
-            reference_ctx,
-            incidents_ctx,
-            runtime_ctx,
-            auditor_ctx,
-            scheduler_ctx,
-            fingerprint_ctx,
-            tally_ctx,
-        ]
-    )
-    app.router.add_get("/detproxy/health", _health)
-    app.router.add_get("/detproxy/metrics", metrics.handle)
-    app.router.add_get("/detproxy/status", _status)
-    app.router.add_get("/detproxy/incidents", incidents.handle)
-    register_ui(app, bus, incidents, tally)
-    app.router.add_route("*", "/{tail:.*}", _dispatch)
-    return app
 
 
 async def _dispatch(request: web.Request) -> web.StreamResponse:

@@ -24,6 +24,7 @@ import aiohttp
 import orjson
 
 from proxy.audit.outcome import outcome_from_response
+from proxy.tasks import TaskOwner
 
 Vector = tuple[str, tuple[tuple[str, float | None], ...]]  # None: an unknown (NaN) logprob
 # Short background requests: frequent prefills, so the probe's own prefill often shares a
@@ -130,10 +131,11 @@ class Prober:
         """Probe every prompt at this level. Under load, the vector measured alone (``serial``)
         counts as one of the vectors: a change that load makes shows even when consistent."""
         stop = asyncio.Event()
+        owner = TaskOwner("probe")
         fillers = [
-            asyncio.create_task(
+            owner.spawn(
                 self.background(f"Background request {i}: tell a story.", stop),
-                name=f"probe-load-{i}",
+                name=f"load-{i}",
             )
             for i in range(level - 1)
         ]

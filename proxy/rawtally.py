@@ -127,9 +127,7 @@ class RawTally:
             return b""
         result = self._result
         now = self._clock() - self._t0
-        if result.first_event_s is None:
-            result.first_event_s = now
-        result.events += buf.count(b"\n\n", 0, end)
+        result.add_events(buf.count(b"\n\n", 0, end), now)
         if not self._first_seen:
             self._first(buf, end)
         self._count_text(buf, end, now)
@@ -269,9 +267,7 @@ class RawTally:
         if not events:
             return b""
         result = self._result
-        if result.first_event_s is None:
-            result.first_event_s = self._now()
-        result.events += len(events)
+        result.add_events(len(events), self._now())
         for event in events:
             if event.data is not None:
                 self._tally(event.data)

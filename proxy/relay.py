@@ -203,7 +203,7 @@ class StreamRelay:
             raw = encode_event(orjson.dumps(chunk))
         if self.holding:
             return self.hold(_releases_hold(chunk), raw)
-        return self.emit(raw)
+        return raw
 
     def hold(self, release: bool | None, raw: bytes) -> bytes | None:
         if release is True:
@@ -217,19 +217,14 @@ class StreamRelay:
                 self._stop_inspecting_hold()
                 return self.flush_held(b"")
             return None
-        return self.emit(raw)
+        return raw
 
     def flush_held(self, raw: bytes) -> bytes:
         if not self.held:
-            return self.emit(raw)
+            return raw
         held = b"".join(self.held) + raw
         self.held.clear()
-        return self.emit(held)
-
-    def emit(self, raw: bytes) -> bytes:
-        if raw:
-            self.result.shown = True
-        return raw
+        return held
 
     # -- one read ----------------------------------------------------------------------------
 
@@ -250,6 +245,35 @@ class StreamRelay:
                     parts.append(out)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    def _read(self, data: bytes) -> bytes:
+        """One upstream read, inspected: the bytes to write now."""
+        if not self.inspecting:
+            return self.flush_held(b"") + data
+        simple = self._simple
+        decoder = self._decoder
+        templates = simple.templates
+        if templates is not None and templates.active and not decoder.pending:
+            one = simple.relay_one(data) if not self.inspectors else None
+            if one is not None:
+                self.result.add_events(1, self.now())
+                return one
+        events: list[SSEEvent] = []
+        try:
+            split = decoder.feed_data(data)
+            if split is None:
+                events = decoder.feed(data)
+        except SSEOverflow as exc:
+            self._stop_inspecting("event_too_large")
+            return self.flush_held(b"") + exc.pending
+        n = len(split[1]) if split is not None else len(events)
+        if not n:
+            return b""
+        self.result.add_events(n, self.now())
+        out = simple.relay_simple(*split) if split is not None else self._relay_events(events)
+        if not self.inspecting:
+            out += self.flush_held(decoder.take_pending())  # raw from here on
+        return out
+
     # -- the stream -------------------------------------------------------------------------
 
     async def run(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
@@ -265,7 +289,6 @@ class StreamRelay:
             async for data in upstream.chunks():
                 out = tally.feed(data)
                 if out:
-                    result.shown = True
                     await resp.write(out)
         except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
@@ -277,7 +300,6 @@ class StreamRelay:
             return result
         out = tally.finish()
         if out:
-            result.shown = True
             await resp.write(out)
         result.complete = True
         self.inspectors.on_end(True)
@@ -288,53 +310,10 @@ class StreamRelay:
     ) -> StreamResult:
         result = self.result
         decoder = self._decoder
-        simple = self._simple
         try:
             async for data in upstream.chunks():
-                if not self.inspecting:
-                    await resp.write(self.flush_held(b"") + data)
-                    continue
-                templates = simple.templates
-                if (
-                    templates is not None
-                    and templates.active
-                    and not decoder.pending
-                    and not self.inspectors
-                ):
-                    one = simple.relay_one(data)
-                    if one is not None:
-                        if result.first_event_s is None:
-                            result.first_event_s = self.now()
-                        result.events += 1
-                        if one:
-                            result.shown = True
-                            await resp.write(one)
-                        if result.decision is not None:
-                            return result
-                        continue
-                events: list[SSEEvent] = []
-                try:
-                    split = decoder.feed_data(data)
-                    if split is None:
-                        events = decoder.feed(data)
-                except SSEOverflow as exc:
-                    self._stop_inspecting("event_too_large")
-                    await resp.write(self.flush_held(b"") + exc.pending)
-                    continue
-                n = len(split[1]) if split is not None else len(events)
-                if not n:
-                    continue
-                if result.first_event_s is None:
-                    result.first_event_s = self.now()
-                result.events += n
-                if split is not None:
-                    out = simple.relay_simple(*split)
-                else:
-                    out = self._relay_events(events)
-                if not self.inspecting:
-                    out += self.flush_held(decoder.take_pending())  # raw from here on
+                out = self._read(data)
                 if out:
-                    result.shown = True
                     await resp.write(out)
                 if result.decision is not None:
                     return result

@@ -93,7 +93,7 @@ class SimpleReads:
                 return b""
         if self._relay.holding:
             return self._relay.hold(tpl.releases if text else None, read) or b""
-        return self._relay.emit(read)
+        return read
 
     def relay_simple(self, src: bytes, datas: list[bytes]) -> bytes:
         """The simple path: ``src`` is the events ``b"data: " + d + b"\n\n"`` for d in datas."""

@@ -25,7 +25,6 @@ class StreamResult:
     first_id: str | None = None
     trigger: Trigger | None = None
     decision: Retry | Abort | None = None  # the relay stopped early on this
-    shown: bool = False  # some of this attempt's content reached the client
     # Speed as the client sees it: token events (chunks carrying text), seconds since t0.
     token_events: int = 0
     first_token_s: float | None = None
@@ -35,6 +34,12 @@ class StreamResult:
     # speculative decoding), from usage growth, else logprobs entries, else one an event.
     tokens: int = 0
     first_tokens: int = 0  # those of the first token event (read, on the raw path)
+
+    def add_events(self, n: int, at: float) -> None:
+        """``n`` whole events arrived, ``at`` seconds since the start of the request."""
+        if self.first_event_s is None:
+            self.first_event_s = at
+        self.events += n
 
     def speed(self) -> StreamSpeed | None:
         """The stream's speed in tokens; None when no token came."""

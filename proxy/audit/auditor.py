@@ -152,37 +152,26 @@ class Auditor:
             self._scheduler.count_primary_tokens(_tokens_of(outcome))
             self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
 
-    def _emit(
-        self,
-        ticket: AuditTicket,
-        mode: str,
-        choice: int,
-        verdict: Verdict,
-        primary_latency: float | None,
-        shadow_latency: float | None,
-        inflight_shadow: int | None,
-        primary: ChoiceOutcome | None = None,
-        other: ChoiceOutcome | None = None,
-        target: str = "same",
-        overlapped: bool | None = None,
-    ) -> None:
+    def _emit(self, ticket: AuditTicket, seen: Compared) -> None:
+        verdict = seen.verdict
         store_text = self._settings.incidents.store_text and verdict.verdict != "identical"
+        primary, other = seen.primary, seen.other
         self._bus.publish(
             AuditCompleted(
                 request_id=ticket.request_id,
                 model=ticket.view.model,
                 endpoint=ticket.view.endpoint,
-                mode=mode,
-                choice=choice,
+                mode=seen.mode,
+                choice=seen.choice,
                 verdict=verdict,
                 request_key=ticket.request_key,
                 inflight_primary=ticket.inflight,
-                inflight_shadow=inflight_shadow,
-                primary_latency_s=primary_latency,
-                shadow_latency_s=shadow_latency,
-                target=target,
+                inflight_shadow=seen.inflight_shadow,
+                primary_latency_s=seen.primary_latency,
+                shadow_latency_s=seen.shadow_latency,
+                target=seen.target,
                 timestamp=time.time(),
-                shadow_overlapped=overlapped,
+                shadow_overlapped=seen.overlapped,
                 prompt=_prompt_text(ticket.upstream_body) if store_text else None,
                 primary_text=_text(primary) if store_text and primary else None,
                 shadow_text=_text(other) if store_text and other else None,
@@ -193,17 +182,17 @@ class Auditor:
         first, *others = outcome.choices
         for other in others:
             verdict = compare_choices(first, other, extractor=self._extractor)
-            self._emit(
-                ticket,
+            seen = Compared(
                 "n_choices",
                 other.index,
                 verdict,
-                latency,
-                latency,
-                ticket.inflight,
-                first,
-                other,
+                primary_latency=latency,
+                shadow_latency=latency,
+                inflight_shadow=ticket.inflight,
+                primary=first,
+                other=other,
             )
+            self._emit(ticket, seen)
 
     async def _check_duplicate(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
         assert self._store is not None
@@ -214,13 +203,56 @@ class Auditor:
         if previous is None:
             return
         for index, (now, before) in enumerate(zip(digests, previous, strict=False)):
-            self._emit(
-                ticket, "duplicate", index, compare_digests(before, now), latency, None, None
-            )
+            verdict = compare_digests(before, now)
+            self._emit(ticket, Compared("duplicate", index, verdict, latency))
 
     def _shadow_job(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> ShadowJob:
+        prefill = self._audit.shadow_mode == "prefill"
+        body, headers = self._shadow_request(ticket, prefill)
+        prompt_tokens = outcome.prompt_tokens or 0
+        estimate = prompt_tokens + (1 if prefill else _completion_tokens(outcome))
+
+        def on_result(result: ShadowResult) -> None:
+            mode = "prefill" if prefill else "full"
+            shadow_choices = {c.index: c for c in result.outcome.choices}
+            for primary in outcome.choices:
+                other = shadow_choices.get(primary.index)
+                if other is None or result.outcome.error is not None:
+                    verdict = _incomparable(primary, result.outcome.error or "missing choice")
+                else:
+                    verdict = compare_choices(
+                        primary, other, extractor=self._extractor, first_token_only=prefill
+                    )
+                seen = Compared(
+                    mode,
+                    primary.index,
+                    verdict,
+                    primary_latency=latency,
+                    shadow_latency=result.latency_s,
+                    inflight_shadow=result.inflight,
+                    primary=primary,
+                    other=other,
+                    target=self._target,
+                    overlapped=result.overlapped,
+                )
+                self._emit(ticket, seen)
+
+        return ShadowJob(
+            model=ticket.view.model,
+            endpoint=ticket.view.endpoint,
+            raw_path=ticket.raw_path,
+            body=body,
+            headers=headers,
+            estimated_tokens=estimate,
+            on_result=on_result,
+        )
+
+    def _shadow_request(
+        self, ticket: AuditTicket, prefill: bool
+    ) -> tuple[dict[str, Any], dict[str, str]]:
+        """The shadow's body and headers: the primary's request, not streamed, cold when
+        ``cache_salt`` is on, one token long in prefill mode."""
         audit = self._audit
-        prefill = audit.shadow_mode == "prefill"
         body = {
             k: v for k, v in ticket.upstream_body.items() if k not in ("stream", "stream_options")
         }
@@ -242,43 +274,23 @@ class Auditor:
             headers["Authorization"] = ticket.authorization
         elif audit.service_api_key:
             headers["Authorization"] = f"Bearer {audit.service_api_key}"
-        prompt_tokens = outcome.prompt_tokens or 0
-        estimate = prompt_tokens + (1 if prefill else _completion_tokens(outcome))
+        return body, headers
 
-        def on_result(result: ShadowResult) -> None:
-            mode = "prefill" if prefill else "full"
-            shadow_choices = {c.index: c for c in result.outcome.choices}
-            for primary in outcome.choices:
-                other = shadow_choices.get(primary.index)
-                if other is None or result.outcome.error is not None:
-                    verdict = _incomparable(primary, result.outcome.error or "missing choice")
-                else:
-                    verdict = compare_choices(
-                        primary, other, extractor=self._extractor, first_token_only=prefill
-                    )
-                self._emit(
-                    ticket,
-                    mode,
-                    primary.index,
-                    verdict,
-                    latency,
-                    result.latency_s,
-                    result.inflight,
-                    primary,
-                    other,
-                    self._target,
-                    result.overlapped,
-                )
 
-        return ShadowJob(
-            model=ticket.view.model,
-            endpoint=ticket.view.endpoint,
-            raw_path=ticket.raw_path,
-            body=body,
-            headers=headers,
-            estimated_tokens=estimate,
-            on_result=on_result,
-        )
+@dataclass(frozen=True, slots=True)
+class Compared:
+    """One comparison the audit made, as an incident and the metrics see it."""
+
+    mode: str  # full | prefill | n_choices | duplicate
+    choice: int
+    verdict: Verdict
+    primary_latency: float | None
+    shadow_latency: float | None = None
+    inflight_shadow: int | None = None
+    primary: ChoiceOutcome | None = None
+    other: ChoiceOutcome | None = None
+    target: str = "same"
+    overlapped: bool | None = None
 
 
 def _completion_tokens(outcome: Outcome) -> int:

@@ -163,19 +163,26 @@ def content_key(key: int, sampling: Sampling, max_tokens: int, seen: Counter[int
 MAX_SEEN = 100_000
 
 
+@dataclass(frozen=True, slots=True)
+class _Asked:
+    """What one request asks of its choices."""
+
+    request_id: str
+    keys: list[int]  # one per prompt
+    n: int
+    max_tokens: int
+    reasoning_tokens: int
+    loop: LoopPlan | None
+    sampling: Sampling
+    ignore_eos: bool
+
+
 def _choice_plans(
-    cfg: EmulatorConfig,
-    rng: random.Random,
-    seen: Counter[int],
-    request_id: str,
-    keys: list[int],
-    n: int,
-    max_tokens: int,
-    reasoning_tokens: int,
-    loop: LoopPlan | None,
-    sampling: Sampling,
-    ignore_eos: bool,
+    cfg: EmulatorConfig, rng: random.Random, seen: Counter[int], asked: _Asked
 ) -> tuple[ChoicePlan, ...]:
+    request_id, keys, n = asked.request_id, asked.keys, asked.n
+    max_tokens, reasoning_tokens = asked.max_tokens, asked.reasoning_tokens
+    loop, sampling, ignore_eos = asked.loop, asked.sampling, asked.ignore_eos
     plans: list[ChoicePlan] = []
     for p_idx, key in enumerate(keys):
         natural = natural_length(key)
@@ -262,19 +269,8 @@ def build_chat_job(
     if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and parser and thinking):
         loop = _loop_plan(cfg, cfg.loop_channel, req.repetition_detection)
     keys = [prompt_key(model, prompt)]
-    plans = _choice_plans(
-        cfg,
-        rng,
-        seen,
-        request_id,
-        keys,
-        req.n,
-        max_tokens,
-        reasoning,
-        loop,
-        sampling,
-        req.ignore_eos,
-    )
+    asked = _Asked(request_id, keys, req.n, max_tokens, reasoning, loop, sampling, req.ignore_eos)
+    plans = _choice_plans(cfg, rng, seen, asked)
     return Job(
         endpoint="chat",
         request_id=request_id,
@@ -316,9 +312,8 @@ def build_completion_job(
     if cfg.loop_channel != "none":
         loop = _loop_plan(cfg, "content", req.repetition_detection)
     keys = [prompt_key(model, p) for p in prompts]
-    plans = _choice_plans(
-        cfg, rng, seen, request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos
-    )
+    asked = _Asked(request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos)
+    plans = _choice_plans(cfg, rng, seen, asked)
     return Job(
         endpoint="completion",
         request_id=request_id,

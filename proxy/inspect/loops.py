@@ -237,32 +237,11 @@ class LoopDetector:
                         continue
                 if _ANCHOR + 2 * d <= need and not startswith(anchor, end - _ANCHOR - 2 * d):
                     continue
-            start = known.get(d)
-            if (
-                start is not None
-                and end - every - d >= 0
-                and startswith(buf[end - every :], end - every - d)
-            ):
-                run = min(end, check_at - start)  # the run still starts where it started
-            else:
-                run = _run_length(buf, end, d)
+            run = _run_since(buf, d, known.get(d), every, check_at)
             if run >= need:
-                # If d is not primitive its unit's own period p < d was a candidate before d,
-                # with this same run, and did not qualify: only a primitive d can fire here.
-                first = buf[end - run : end - run + d]
-                if (first + first).find(first, 1) == d:
-                    trivial = d < config.min_period or _ALNUM.search(first) is None
-                    need = config.required_chars(d, trivial)
-                    if need is not None and run >= need:
-                        return LoopReport(
-                            period=d,
-                            repeats=run // d,
-                            start_offset=check_at - run,
-                            unit_preview=first[:_PREVIEW],
-                            detected_at=self._total,
-                            covered_chars=run,
-                            trivial=trivial,
-                        )
+                report = self._report_of(buf[end - run : end - run + d], run, check_at)
+                if report is not None:
+                    return report
             runs[d] = check_at - run
             # Any candidate d2 <= run - d lies inside this run: its own run cannot reach past
             # this one and reduces to the same primitive unit, so it cannot qualify either.
@@ -281,6 +260,42 @@ class LoopDetector:
                 probe = needle = buf[end - probe_len :]
                 lo = max(0, end - probe_len - max_d)
         return None
+
+    def _report_of(self, first: str, run: int, check_at: int) -> LoopReport | None:
+        """The loop a run of ``run`` chars ending at ``check_at`` is, its unit ``first``
+        (``len(first)`` is the period), when it qualifies."""
+        # If d is not primitive its unit's own period p < d was a candidate before d, with
+        # this same run, and did not qualify: only a primitive d can fire here.
+        d = len(first)
+        if (first + first).find(first, 1) != d:
+            return None
+        config = self._config
+        trivial = d < config.min_period or _ALNUM.search(first) is None
+        need = config.required_chars(d, trivial)
+        if need is None or run < need:
+            return None
+        return LoopReport(
+            period=d,
+            repeats=run // d,
+            start_offset=check_at - run,
+            unit_preview=first[:_PREVIEW],
+            detected_at=self._total,
+            covered_chars=run,
+            trivial=trivial,
+        )
+
+
+def _run_since(buf: str, d: int, start: int | None, every: int, check_at: int) -> int:
+    """The run of period ``d`` ending at the buffer's end; ``start``: where the last check
+    saw it start (the run goes on when the chars added since keep the period)."""
+    end = len(buf)
+    if (
+        start is not None
+        and end - every - d >= 0
+        and buf.startswith(buf[end - every :], end - every - d)
+    ):
+        return min(end, check_at - start)  # the run still starts where it started
+    return _run_length(buf, end, d)
 
 
 def _run_length(buf: str, end: int, d: int) -> int:

@@ -23,6 +23,7 @@ import orjson
 
 from proxy.openai import choice_text, completion_tokens_of, error_message
 from proxy.sse import SSEDecoder, SSEOverflow
+from proxy.tasks import TaskOwner
 
 ERROR_BACKOFF_S = 0.1  # a worker whose request failed waits this long before the next one
 TICK_S = 0.25  # how often a running window reports progress
@@ -215,9 +216,10 @@ async def run_window(
     """Keep ``window.concurrency`` requests in flight until the deadline, then cut the rest."""
     window.start = clock()
     counter = itertools.count()
+    owner = TaskOwner("sweep")
     tasks = [
-        asyncio.create_task(_worker(session, target, window, counter, clock))
-        for _ in range(window.concurrency)
+        owner.spawn(_worker(session, target, window, counter, clock), name=f"worker-{i}")
+        for i in range(window.concurrency)
     ]
     try:
         while (left := window.deadline - clock()) > 0:
