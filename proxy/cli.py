@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from proxy import __version__
-from proxy.config import ConfigError, load_settings
+from proxy.config import ConfigError, Settings, load_settings
 from proxy.eventloop import loop_name, new_event_loop
 
 log = logging.getLogger("detproxy")
@@ -45,6 +45,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_app(settings: Settings) -> web.Application:
+    """The app ``serve`` runs: ``build_app`` and, once it serves, the collector settled."""
+    from proxy.app import build_app
+    from proxy.collector import on_serving
+
+    app = build_app(settings)
+    app.on_startup.append(on_serving(settings.server))
+    return app
+
+
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -66,9 +76,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"detproxy: {exc}", file=sys.stderr)
         return 2
-    from proxy.app import build_app
-
-    app = build_app(settings)
+    app = serve_app(settings)
     server = settings.server
     log.info(
         "detproxy %s listening on %s:%d, upstream %s, event loop %s",

@@ -49,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gc import TIMED_LAUNCHER, collections
 from bench_proxy import (
     HOST,
     LAUNCHER,
@@ -161,6 +162,7 @@ WHAT = {
     "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit off)",
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
     "dp-audit": "detproxy, defaults with every greedy request audited, shadow budgets raised",
+    "dp-gcoff": "detproxy, defaults with gc_freeze = false, gc_threshold = Python's (700, 10, 10)",
 }
 
 # Each request a different prompt (a tag per run and a counter), read to the end; done()
@@ -255,7 +257,12 @@ def echo_module() -> str | None:
     return next((p for p in ECHO_MODULE if Path(p).exists()), None)
 
 
-def start(bench: Bench, workers: list[int], names: list[str], log_level: str) -> int:
+GC_OFF = "[server]\ngc_freeze = false\ngc_threshold = [700, 10, 10]\n"  # before issue 16
+
+
+def start(
+    bench: Bench, workers: list[int], names: list[str], log_level: str, gc_timed: bool
+) -> int:
     """Starts the upstream and the targets; returns the bytes of one stream's events."""
     tmp = bench.tmp
     (tmp / "www").mkdir()
@@ -286,7 +293,8 @@ def start(bench: Bench, workers: list[int], names: list[str], log_level: str) ->
         proc = _nginx(bench, "proxy", conf, px)
         bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
     runs: list[tuple[str, str, int]] = []
-    for name, config in CONFIGS.items():
+    configs = {**CONFIGS, "dp-gcoff": GC_OFF}
+    for name, config in configs.items():
         if name in names:
             runs.append((name, config, 1 if 1 in workers else workers[0]))
     for n in workers:
@@ -296,7 +304,10 @@ def start(bench: Bench, workers: list[int], names: list[str], log_level: str) ->
         port = free_port()
         cfg = tmp / f"{name}.toml"
         cfg.write_text(config.format(shadow_url=f"http://{HOST}:{shadow}"))
-        argv = [sys.executable, "-c", LAUNCHER, "serve", "--config", str(cfg)]
+        argv = [sys.executable, "-c", LAUNCHER]
+        if gc_timed and n == 1:  # every collection timed, written at exit (bench_gc.py)
+            argv = [sys.executable, "-c", TIMED_LAUNCHER, str(tmp / f"{name}.gc.json")]
+        argv += ["serve", "--config", str(cfg)]
         argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
         argv += ["--log-level", log_level]
         if n != 1:
@@ -385,6 +396,8 @@ class Cell:
     p99_s: float
     streams: int  # whole streams
     errors: int
+    events: float = 0.0
+    window: tuple[float, float] = (0.0, 0.0)  # wall clock
 
 
 def run_cell(
@@ -393,7 +406,7 @@ def run_cell(
     pids = tree(target.proc.pid) if target.proc is not None else []
     argv = ["wrk", "-t", "1", "-c", str(streams), "-d", f"{seconds:g}s", "--timeout", "60s"]
     argv += ["-s", str(bench.tmp / "paced.lua"), f"http://{HOST}:{target.port}{PATH}", "--", tag]
-    before = cpu_s(pids)
+    before, began = cpu_s(pids), time.time()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
     after = cpu_s(pids + [p for p in tree(pids[0]) if p not in pids] if pids else [])
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PACED ")), None)
@@ -409,6 +422,8 @@ def run_cell(
         p99_s=p99_us / 1e6,
         streams=requests,
         errors=sum(errs),
+        events=events,
+        window=(began, time.time()),
     )
 
 
@@ -421,6 +436,30 @@ def median_cell(cells: list[Cell]) -> Cell:
         sum(c.streams for c in cells),
         sum(c.errors for c in cells),
     )
+
+
+def print_collections(results: dict[tuple[int, str], list[Cell]], bench: Bench) -> None:
+    """What the collector did in each detproxy during its measured runs (--gc-timings)."""
+    print(
+        "\n== garbage collections during the measured runs ==  (count by generation, the"
+        " longest in ms, collector time per relayed event in us)"
+    )
+    print(
+        f"{'target':14} {'streams':>7} {'gen0':>6} {'gen1':>5} {'gen2':>5} {'longest':>8}"
+        f" {'us/ev':>6}"
+    )
+    for (n, name), cells in results.items():
+        path = bench.tmp / f"{name}.gc.json"
+        if not path.exists():
+            continue
+        found = collections(path, [c.window for c in cells])
+        count = [sum(1 for g, _ in found if g == gen) for gen in range(3)]
+        longest = max((d for _, d in found), default=0.0)
+        per_event = sum(d for _, d in found) / sum(c.events for c in cells) * 1e6
+        print(
+            f"{name:14} {n:7d} {count[0]:6d} {count[1]:5d} {count[2]:5d}"
+            f" {longest * 1e3:8.2f} {per_event:6.2f}"
+        )
 
 
 def loadavg() -> str:
@@ -465,6 +504,11 @@ def main() -> int:
         help="comma-separated subset of nginx,dp-default,dp-noloops,dp-audit,dp-default-wN,"
         "direct (default: all but direct)",
     )
+    ap.add_argument(
+        "--gc-timings",
+        action="store_true",
+        help="add dp-gcoff (the collector as before issue 16) and time every collection",
+    )
     ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     args = ap.parse_args()
@@ -473,6 +517,8 @@ def main() -> int:
     names = [n for n in args.targets.split(",") if n] or (
         ["nginx", *CONFIGS] + [f"dp-default-w{n}" for n in workers if n != 1]
     )
+    if args.gc_timings and "dp-gcoff" not in names:
+        names.append("dp-gcoff")
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
             print(f"{tool} not found on PATH: apt-get install -y nginx wrk", file=sys.stderr)
@@ -487,9 +533,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detproxy-paced-"))
     tmp.chmod(0o755)
     bench = Bench(tmp)
+    results: dict[tuple[int, str], list[Cell]] = {}
     print("\n".join(machine()))
     try:
-        events_bytes = start(bench, workers, names, args.log_level)
+        events_bytes = start(bench, workers, names, args.log_level, args.gc_timings)
         wire = check(bench)
         cells = len(streams) * len(bench.targets) * args.rounds
         print(
@@ -507,7 +554,6 @@ def main() -> int:
         print(f"load    : {loadavg()} (1, 5, 15 min) before the run")
         for t in bench.targets:  # warm-up: connections, templates, first-request costs
             run_cell(bench, wire, t, 50, 2, f"warm-{t.name}")
-        results: dict[tuple[int, str], list[Cell]] = {}
         order = list(bench.targets)
         t0 = time.monotonic()
         for r in range(args.rounds):
@@ -527,7 +573,9 @@ def main() -> int:
             print_table(results, bench, n)
         print(f"\nload    : {loadavg()} (1, 5, 15 min) after the run")
     finally:
-        bench.stop()
+        bench.stop()  # the timed detproxies write their collections at exit
+        if args.gc_timings:
+            print_collections(results, bench)
         if args.keep:
             print(f"kept {tmp}")
         else:
