@@ -45,6 +45,7 @@ class ServerConfig(_Section):
     # The garbage collector once serving (proxy/collector.py): start-up's objects frozen out of
     # its walks; gen-0 every 10,000 allocations instead of 700 (tests/bench/bench_gc.py).
     gc_freeze: bool = True
+    workers: int = Field(default=1, ge=1)  # serving processes on the port (proxy/workers.py)
     gc_threshold: tuple[int, int, int] = (10_000, 50, 100)  # Python's own: (700, 10, 10)
 
 
@@ -252,6 +253,7 @@ FLAT = {
     "shadow_mode": ("audit", "shadow_mode"),
     "loop_policy": ("loops", "policy"),
     "event_loop": ("server", "event_loop"),
+    "workers": ("server", "workers"),
 }
 
 
