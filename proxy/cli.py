@@ -16,7 +16,14 @@ from aiohttp import web
 from proxy import __version__
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.eventloop import loop_name, new_event_loop
-from proxy.workers import WORKER, Supervisor, WorkerIdentity, reuseport_socket, watch_supervisor
+from proxy.workers import (
+    WORKER,
+    Supervisor,
+    WorkerIdentity,
+    reuseport_socket,
+    watch_supervisor,
+    worker_budgets,
+)
 
 log = logging.getLogger("detproxy")
 
@@ -76,7 +83,7 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
         print(f"detproxy: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
         return 2
     port = held[0].getsockname()[1]
-    env = dict(os.environ)
+    env = dict(os.environ) | worker_budgets(settings, server.workers)
     if server.admin_port is not None:
         env["DETPROXY_SERVER__ADMIN_PORT"] = str(held[1].getsockname()[1])
     argv = [sys.executable, "-m", "proxy", *serve_argv, "--port", str(port)]

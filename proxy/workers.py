@@ -6,6 +6,9 @@ them. The supervisor binds the port first (a port in use fails at once, and port
 to one port for all), starts the workers, restarts one that dies (logged, counted in
 ``detproxy_worker_restarts_total``, backing off when it dies young) and, on SIGTERM or SIGINT,
 passes the signal to every worker and waits for them to drain (``server.shutdown_grace_s``).
+The shadow rate limit, concurrent shadows and the recovery token floor are split across the
+workers (``worker_budgets``); the memory duplicate store is each worker's own (Redis shares
+it); every worker appends whole lines to the same incident log.
 
 Metrics: the workers run prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
 a fresh directory per supervisor), so ``/detproxy/metrics``, whichever worker answers it, is
@@ -34,6 +37,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from proxy.config import Settings
 from proxy.tasks import TaskOwner
 
 log = logging.getLogger("detproxy.workers")
@@ -57,6 +61,29 @@ def worker_status(app: web.Application) -> dict[str, int]:
     """``status.worker``: which process answered (the only one without ``--workers``)."""
     identity = app.get(WORKER) or WorkerIdentity(0, 1)
     return {"index": identity.index, "of": identity.count, "pid": os.getpid()}
+
+
+def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
+    """Environment overrides that split the server's budgets across ``count`` workers, so that
+    together they hold to what the configuration says: shadows per second, concurrent shadows,
+    and the recovery budget's token floor. (Shares, ``max_token_share`` and
+    ``recovery_token_share``, hold per worker as they do for the whole.) A worker whose
+    clients are busier than the others' reaches its part sooner: the whole stays under the
+    limit, never over it."""
+    audit, loops = settings.audit, settings.loops
+    if audit.max_concurrent_shadows < count:
+        log.warning(
+            "audit.max_concurrent_shadows = %d is less than the %d workers: each runs 1",
+            audit.max_concurrent_shadows,
+            count,
+        )
+    return {
+        "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": repr(audit.max_shadows_per_s / count),
+        "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": str(
+            max(1, audit.max_concurrent_shadows // count)
+        ),
+        "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": str(loops.recovery_token_floor // count),
+    }
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:
