@@ -115,12 +115,14 @@ class Supervisor:
         grace_s: float,
         env: dict[str, str] | None = None,
         poll_s: float = 0.1,
+        exit_margin_s: float = 5.0,  # after the grace: a worker's cleanup, then its exit
     ) -> None:
         self._argv = list(argv)
         self._workers = [_Worker(i) for i in range(count)]
         self._grace_s = grace_s
         self._env = dict(os.environ if env is None else env)
         self._poll_s = poll_s
+        self._exit_margin_s = exit_margin_s
         self._stop_signal: int | None = None
         self._metrics_dir: Path | None = None
         self._own_dir = False
@@ -190,6 +192,10 @@ class Supervisor:
         )
 
     def _signalled(self, signum: int, frame: FrameType | None) -> None:
+        self.stop(signum)
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """What SIGTERM or SIGINT does: ``signum`` is passed on to the workers."""
         self._stop_signal = signum
 
     def live(self) -> Iterator[subprocess.Popen[bytes]]:
@@ -231,7 +237,7 @@ class Supervisor:
         )
         for proc in procs:
             proc.send_signal(signum)
-        deadline = time.monotonic() + self._grace_s + 5.0  # the workers' grace, then their exit
+        deadline = time.monotonic() + self._grace_s + self._exit_margin_s
         for proc in procs:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
