@@ -26,6 +26,7 @@ from proxy.workers import (
 )
 
 log = logging.getLogger("detproxy")
+LISTEN_BACKLOG = 4096
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -150,6 +151,10 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         port=None,
         sock=[_bind(server.host, port, shared=worker is not None) for port in listeners],
         shutdown_timeout=server.shutdown_grace_s,
+        # aiohttp's default of 128 overflows when hundreds of clients connect at once (a wrk
+        # start, a client pool after a redeploy): dropped SYNs come back 1 s, 3 s later. The
+        # kernel caps it at net.core.somaxconn (4096 on current kernels).
+        backlog=LISTEN_BACKLOG,
         handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
         access_log=None,
         print=None,

@@ -287,8 +287,11 @@ def start(
         bench.targets.append(Target("direct", up, WHAT["direct"]))
     if "nginx" in names:
         px = free_port()
+        # bench_proxy.py's proxy with a keep-alive pool as large as detproxy's (1024): with 256,
+        # most of 1000 streams would open a new upstream connection each.
+        proxy = NGINX_PROXY.replace("keepalive 256;", "keepalive 1024;")
         conf = NGINX_COMMON.format(
-            dir=tmp, name="proxy", body=NGINX_PROXY.format(host=HOST, port=px, upstream_port=up)
+            dir=tmp, name="proxy", body=proxy.format(host=HOST, port=px, upstream_port=up)
         )
         proc = _nginx(bench, "proxy", conf, px)
         bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
