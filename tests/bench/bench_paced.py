@@ -63,6 +63,7 @@ from bench_proxy import (
     lua_string,
     machine,
     make_json_answer,
+    metric_lines,
     stream_words,
     wait_port,
 )
@@ -574,6 +575,16 @@ def main() -> int:
                 )
         for n in streams:
             print_table(results, bench, n)
+        audit = next((t for t in bench.targets if t.name == "dp-audit"), None)
+        if audit is not None:
+            lines = metric_lines(audit, ("detproxy_audits_total", "detproxy_requests_total"))
+            audited = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "audits_total" in ln)
+            requests = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "requests_total" in ln)
+            verdicts = [ln for ln in lines if ln.startswith("detproxy_audits_total")]
+            print(
+                f"\ndp-audit: {audited:.0f} of {requests:.0f} streams audited; "
+                + "; ".join(verdicts)
+            )
         print(f"\nload    : {loadavg()} (1, 5, 15 min) after the run")
     finally:
         bench.stop()  # the timed detproxies write their collections at exit
