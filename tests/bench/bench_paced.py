@@ -446,7 +446,7 @@ def print_collections(results: dict[tuple[int, str], list[Cell]], bench: Bench) 
     """What the collector did in each detproxy during its measured runs (--gc-timings)."""
     print(
         "\n== garbage collections during the measured runs ==  (count by generation, the"
-        " longest in ms, collector time per relayed event in us)"
+        " longest in CPU ms, the collector's CPU time per relayed event in us)"
     )
     print(
         f"{'target':14} {'streams':>7} {'gen0':>6} {'gen1':>5} {'gen2':>5} {'longest':>8}"
