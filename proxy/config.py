@@ -43,10 +43,10 @@ class ServerConfig(_Section):
     # auto: uvloop where it can be imported, else asyncio's own loop.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # The garbage collector once serving (proxy/collector.py): start-up's objects frozen out of
-    # its walks; gen-0 every 10,000 allocations instead of 700 (tests/bench/bench_gc.py).
+    # its walks; gen-0 every 10,000 allocations instead of 700 (bench_paced.py --gc-timings).
     gc_freeze: bool = True
-    workers: int = Field(default=1, ge=1)  # serving processes on the port (proxy/workers.py)
     gc_threshold: tuple[int, int, int] = (10_000, 50, 100)  # Python's own: (700, 10, 10)
+    workers: int = Field(default=1, ge=1)  # serving processes on the port (proxy/workers.py)
 
 
 class UpstreamConfig(_Section):
