@@ -37,6 +37,7 @@ from proxy.status import AuditTally
 from proxy.tasks import TaskOwner
 from proxy.ui.routes import register_ui
 from proxy.upstream import AiohttpUpstream, Upstream, make_session
+from proxy.workers import worker_status
 
 SETTINGS = web.AppKey("settings", Settings)
 BUS = web.AppKey("bus", EventBus)
@@ -313,6 +314,7 @@ async def _status(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "version": __version__,
+            "worker": worker_status(app),  # which process answered (serve --workers N)
             "upstream": settings.upstream.url,
             "uptime_s": round(time.time() - app[STARTED_AT], 3),
             "event_loop": loop_name(asyncio.get_running_loop()),

@@ -14,10 +14,19 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from proxy import __version__
-from proxy.config import ConfigError, load_settings
+from proxy.config import ConfigError, Settings, load_settings
 from proxy.eventloop import loop_name, new_event_loop
+from proxy.workers import (
+    WORKER,
+    Supervisor,
+    WorkerIdentity,
+    reuseport_socket,
+    watch_supervisor,
+    worker_budgets,
+)
 
 log = logging.getLogger("detproxy")
+LISTEN_BACKLOG = 4096
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,10 +43,18 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         choices=["auto", "uvloop", "asyncio"],
         help="auto (default): uvloop where it can be imported, else asyncio",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="serving processes on the port (SO_REUSEPORT), supervised; default 1: this one",
+    )
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor
     p.add_argument("--log-level", default=os.environ.get("DETPROXY_LOG_LEVEL", "INFO"))
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, shared: bool = False) -> socket.socket:
+    if shared:  # a worker: the port is the supervisor's, shared with the other workers
+        return reuseport_socket(host, port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,9 +62,53 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve(args: argparse.Namespace) -> int:
+def serve_app(settings: Settings) -> web.Application:
+    """The app ``serve`` runs: ``build_app`` and, once it serves, the collector settled."""
+    from proxy.app import build_app
+    from proxy.collector import on_serving
+
+    app = build_app(settings)
+    app.on_startup.append(on_serving(settings.server))
+    return app
+
+
+def _supervise(settings: Settings, serve_argv: list[str]) -> int:
+    """``--workers N``: the port bound here first (in use: exit 2; 0: one port for all), then
+    N workers started on it and kept running (proxy/workers.py)."""
+    server = settings.server
+    try:
+        held = [reuseport_socket(server.host, server.port)]
+        if server.admin_port is not None:
+            held.append(reuseport_socket(server.host, server.admin_port))
+    except OSError as exc:
+        print(f"detproxy: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
+        return 2
+    port = held[0].getsockname()[1]
+    env = dict(os.environ) | worker_budgets(settings, server.workers)
+    if server.admin_port is not None:
+        env["DETPROXY_SERVER__ADMIN_PORT"] = str(held[1].getsockname()[1])
+    argv = [sys.executable, "-m", "proxy", *serve_argv, "--port", str(port)]
+    log.info(
+        "detproxy %s supervising %d workers on %s:%d, upstream %s",
+        __version__,
+        server.workers,
+        server.host,
+        port,
+        settings.upstream.url,
+    )
+    try:
+        return Supervisor(argv, server.workers, server.shutdown_grace_s, env).run()
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
+    worker = args.worker_index
+    tag = "" if worker is None else f" [worker {worker}]"
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s",
     )
     flags = {
         "upstream": args.upstream,
@@ -57,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
         "shadow_mode": args.shadow_mode,
         "loop_policy": args.loop_policy,
         "event_loop": args.event_loop,
+        "workers": args.workers,
     }
     try:
         settings = load_settings(
@@ -66,10 +128,13 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"detproxy: {exc}", file=sys.stderr)
         return 2
-    from proxy.app import build_app
-
-    app = build_app(settings)
     server = settings.server
+    if worker is None and server.workers > 1:
+        return _supervise(settings, serve_argv)
+    app = serve_app(settings)
+    if worker is not None:
+        app[WORKER] = WorkerIdentity(worker, server.workers)
+        app.cleanup_ctx.append(watch_supervisor(os.getppid()))
     log.info(
         "detproxy %s listening on %s:%d, upstream %s, event loop %s",
         __version__,
@@ -84,8 +149,12 @@ def _serve(args: argparse.Namespace) -> int:
         # Only the pre-bound sockets: with a host as well, aiohttp would also bind port 8080.
         host=None,
         port=None,
-        sock=[_bind(server.host, port) for port in listeners],
+        sock=[_bind(server.host, port, shared=worker is not None) for port in listeners],
         shutdown_timeout=server.shutdown_grace_s,
+        # aiohttp's default of 128 overflows when hundreds of clients connect at once (a wrk
+        # start, a client pool after a redeploy): dropped SYNs come back 1 s, 3 s later. The
+        # kernel caps it at net.core.somaxconn (4096 on current kernels).
+        backlog=LISTEN_BACKLOG,
         handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
         access_log=None,
         print=None,
@@ -129,4 +198,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] and argv[0] in TOOLS:
         return _tool(argv[0], argv[1:])
     args = parser.parse_args(argv)
-    return _serve(args)
+    return _serve(args, argv)

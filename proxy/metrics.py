@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Generic, TypeVar
 
@@ -9,6 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from proxy.audit.verdict import VERDICTS
 from proxy.events import (
@@ -181,9 +183,37 @@ class _UpstreamCollector:
                 yield GaugeMetricFamily(name, text, value=fp.load[key])
 
 
+class _SupervisorCollector:
+    """With ``--workers``: how many workers the supervisor runs and how often each restarted."""
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        from proxy.workers import supervisor_state
+
+        state = supervisor_state()
+        if state is None:
+            return
+        yield GaugeMetricFamily(
+            "detproxy_workers", "Serving processes the supervisor runs", value=state["workers"]
+        )
+        restarts = CounterMetricFamily(
+            "detproxy_worker_restarts",
+            "Workers that exited and were started again, by worker index",
+            labels=["worker"],
+        )
+        for index, count in sorted(state["restarts"].items()):
+            restarts.add_metric([index], count)
+        yield restarts
+
+
 class Metrics:
+    """``multiprocess``: prometheus_client's multiprocess mode is on (``detproxy serve
+    --workers N`` sets ``PROMETHEUS_MULTIPROC_DIR`` for its workers): values live in files
+    shared by the workers and a scrape, whichever worker answers it, sums them."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._own: list[Collector] = []  # exported by this process itself, multiprocess or not
         self.model = BoundedLabel()
         self.requests = Counter(
             "detproxy_requests",
@@ -212,10 +242,14 @@ class Metrics:
             registry=registry,
         )
         self.inflight = Gauge(
-            "detproxy_inflight_requests", "Client requests in flight", registry=registry
+            "detproxy_inflight_requests",
+            "Client requests in flight",
+            registry=registry,
+            multiprocess_mode="livesum",
         )
         self._inflight = 0  # read at scrape time: a plain int costs nothing per request
-        self.inflight.set_function(lambda: self._inflight)
+        if not self.multiprocess:  # else a scrape reads the files: the gauge is kept in them
+            self.inflight.set_function(lambda: self._inflight)
         self.upstream_errors = Counter(
             "detproxy_upstream_errors",
             "Upstream failures by kind and stage",
@@ -296,6 +330,7 @@ class Metrics:
         )
         self.upstream = _UpstreamCollector()
         registry.register(self.upstream)
+        self._own.append(self.upstream)  # every worker reads the same upstream
         self.shadow_dropped = Counter(
             "detproxy_shadow_dropped",
             "Shadow replays not made or not answered, by reason",
@@ -303,10 +338,16 @@ class Metrics:
             registry=registry,
         )
         self.shadow_queue = Gauge(
-            "detproxy_shadow_queue_depth", "Shadow replays waiting", registry=registry
+            "detproxy_shadow_queue_depth",
+            "Shadow replays waiting",
+            registry=registry,
+            multiprocess_mode="livesum",
         )
         self.shadow_inflight = Gauge(
-            "detproxy_shadow_inflight", "Shadow replays in flight", registry=registry
+            "detproxy_shadow_inflight",
+            "Shadow replays in flight",
+            registry=registry,
+            multiprocess_mode="livesum",
         )
         self.injection_failures = Counter(
             "detproxy_injection_failures",
@@ -321,6 +362,7 @@ class Metrics:
             "1 while adding kind to model's requests is suspended after repeated failures",
             ["model", "kind"],
             registry=registry,
+            multiprocess_mode="livemax",
         )
         self.recovery_budget = Gauge(
             "detproxy_recovery_budget_tokens",
@@ -328,6 +370,7 @@ class Metrics:
             " reserved (kind=spent), and what the window allows (kind=allowed)",
             ["model", "kind"],
             registry=registry,
+            multiprocess_mode="livesum",  # each worker keeps its own budget
         )
         self.recoveries = Counter(
             "detproxy_recoveries",
@@ -362,7 +405,9 @@ class Metrics:
         self._tokens_per_s = _Children(self.tokens_per_s)
 
     def watch_failures(self, sources: dict[str, Callable[[], dict[str, int]]]) -> None:
-        self.registry.register(_FailureCollector(sources))
+        collector = _FailureCollector(sources)
+        self.registry.register(collector)
+        self._own.append(collector)  # the answering worker's own
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(RequestStarted, self._started)
@@ -383,6 +428,15 @@ class Metrics:
         bus.subscribe(FallbackSent, self._fallback)
         bus.subscribe(RecoveryBudgetUsed, self._recovery_budget)
         bus.subscribe(RecoveryTokens, self._recovery_tokens)
+        if self.multiprocess:
+            bus.subscribe(RequestStarted, self._inflight_file_up)
+            bus.subscribe(RequestFinished, self._inflight_file_down)
+
+    def _inflight_file_up(self, ev: RequestStarted) -> None:
+        self.inflight.inc()
+
+    def _inflight_file_down(self, ev: RequestFinished) -> None:
+        self.inflight.dec()
 
     def _recovery_tokens(self, ev: RecoveryTokens) -> None:
         model = self.model(ev.model)
@@ -476,6 +530,17 @@ class Metrics:
     def _disconnected(self, ev: ClientDisconnected) -> None:
         self.disconnects.labels(ev.endpoint, "true" if ev.stream else "false").inc()
 
+    def exposition(self) -> bytes:
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        for collector in [*self._own, _SupervisorCollector()]:
+            registry.register(collector)
+        return generate_latest(registry)
+
     async def handle(self, request: web.Request) -> web.Response:
-        body: Any = generate_latest(self.registry)
+        body: Any = self.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,601 @@
+"""Paced streaming benchmark: one SSE event per token, tokens 20 ms apart, as an engine writes them.
+
+Run: ``.venv/bin/python tests/bench/bench_paced.py [--seconds 5] [--rounds 1]
+[--streams 100,400,1000] [--workers 1,2]``. Needs ``nginx`` with Debian's echo module
+(``apt-get install -y nginx libnginx-mod-http-echo``) and ``wrk``. Prints figures only.
+
+bench_proxy.py streams a pre-generated answer whole, so a 200-event stream arrives in one or
+two reads. Here the upstream writes what vLLM writes, paced:
+
+- nginx #1 with the echo module answers ``POST /v1/chat/completions`` with a role chunk and 64
+  one-token ``chat.completion.chunk`` events (the last one carries ``finish_reason``, as vLLM
+  sends it), then ``data: [DONE]``: 66 events, each ``echo_flush``-ed, ``echo_sleep 0.02``
+  between tokens (nginx timers: the upstream costs almost nothing). A second listener answers
+  the same text as one JSON chat completion: the reference the audited target's shadows go to;
+- the targets, each in front of nginx #1: ``nginx`` (nginx #2, ``worker_processes 1``, a plain
+  reverse proxy, ``proxy_buffering off``), ``dp-default`` (detproxy with its defaults: loop
+  inspection on, passive checks on, audit off), ``dp-noloops`` (the defaults with
+  ``[loops] enabled = false``), ``dp-audit`` (the defaults with every greedy request audited
+  and the shadow budgets raised, as bench_proxy.py's dp-audit), and with ``--workers 1,2`` also
+  ``dp-default-w2`` (the defaults, ``detproxy serve --workers 2``);
+- wrk (one thread) holds ``--streams`` connections, each POSTing a streamed greedy chat request
+  (a different prompt each time, so passive duplicate checks see no duplicates) and reading the
+  stream to its end; per cell (streams, target) one wrk run of ``--seconds``, the targets in a
+  rotated order each round, ``--rounds`` rounds;
+- each target's CPU (user + system, the process and its children: nginx's master and worker,
+  detproxy's supervisor and workers) is read from ``/proc/PID/stat`` before and after its run.
+
+Per cell: events/s (bytes wrk read over the wire bytes of one whole stream through that target,
+times 66: streams cut at the end of the run count for what they delivered), CPU per event in us,
+its ratio to nginx's, p50 and p99 stream time (request sent to last byte: wrk's latency) and
+errors (socket errors and non-2xx). With several rounds, each figure is the median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gc import TIMED_LAUNCHER, collections
+from bench_proxy import (
+    HOST,
+    LAUNCHER,
+    MODEL,
+    NGINX_COMMON,
+    NGINX_PROXY,
+    PATH,
+    Bench,
+    Target,
+    free_port,
+    lua_string,
+    machine,
+    make_json_answer,
+    metric_lines,
+    stream_words,
+    wait_port,
+)
+
+TOKENS = 64
+PACE_S = 0.02
+EVENTS = TOKENS + 2  # the role chunk, 64 token chunks, data: [DONE]
+STREAMS = (100, 400, 1000)
+ECHO_MODULE = ("/usr/lib/nginx/modules/ngx_http_echo_module.so",)
+STREAM_ID = "chatcmpl-5d1e0c3a9b7f4e2a8c6d4b2a0f1e3d5c"
+CREATED = 1718000000
+
+
+def _chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
+    choice: dict[str, object] = {"index": 0, "delta": delta, "logprobs": None}
+    choice["finish_reason"] = finish
+    if finish is not None:
+        choice["stop_reason"] = None
+    obj = {
+        "id": STREAM_ID,
+        "object": "chat.completion.chunk",
+        "created": CREATED,
+        "model": MODEL,
+        "choices": [choice],
+    }
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def paced_events() -> list[bytes]:
+    """What vLLM streams for 64 tokens: the role chunk, one chunk per token, the last with
+    ``finish_reason`` (vLLM sends no separate empty finish chunk), then ``[DONE]``."""
+    words = stream_words(TOKENS)
+    events = [_chunk({"role": "assistant", "content": ""})]
+    for i, word in enumerate(words):
+        last = i == TOKENS - 1
+        events.append(_chunk({"content": word if i == 0 else " " + word}, "stop" if last else None))
+    events.append(b"data: [DONE]\n\n")
+    return events
+
+
+def _echo(event: bytes) -> str:
+    text = event.decode()
+    assert "'" not in text and "$" not in text and "\\" not in text  # nginx quoting, echo vars
+    return "echo -n '" + text.replace("\n", "\\n") + "';"
+
+
+def paced_location(events: list[bytes]) -> str:
+    """The echo directives: role chunk and first token at once, then a token every 20 ms."""
+    lines = ["echo_read_request_body;", _echo(events[0]), _echo(events[1]), "echo_flush;"]
+    for event in events[2:-1]:
+        lines += [f"echo_sleep {PACE_S};", _echo(event), "echo_flush;"]
+    lines += [_echo(events[-1]), "echo_flush;"]
+    return "\n            ".join(lines)
+
+
+NGINX_PACED = """\
+    server {{
+        listen {host}:{port};
+        location = {path} {{
+            default_type text/event-stream;
+            add_header Cache-Control no-cache;
+            {directives}
+        }}
+    }}
+    # dp-audit's reference_url: a shadow is non-streamed; the same text as the stream, at once.
+    server {{
+        listen {host}:{shadow_port};
+        root {dir}/www;
+        location / {{
+            rewrite ^ /answer.json last;
+        }}
+        location = /answer.json {{
+            default_type application/json;
+            error_page 405 =200 $uri;
+        }}
+    }}
+"""
+
+DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit off
+CONFIGS = {
+    "dp-default": DEFAULTS,
+    "dp-noloops": "[loops]\nenabled = false\n",
+    # As bench_proxy.py's dp-audit: the shadow budgets raised so that every request is replayed
+    # (the default rate limit of 100 shadows/s would audit a few percent of these streams).
+    "dp-audit": """\
+[audit]
+sample_rate = 1.0
+reference_url = "{shadow_url}"
+max_shadows_per_s = 1000000.0
+max_concurrent_shadows = 16
+queue_size = 100000
+""",
+}
+WHAT = {
+    "direct": "nginx + echo module itself (the paced upstream)",
+    "nginx": "nginx reverse proxy, proxy_buffering off, 1 worker",
+    "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit off)",
+    "dp-noloops": "detproxy, defaults with [loops] enabled = false",
+    "dp-audit": "detproxy, defaults with every greedy request audited, shadow budgets raised",
+    "dp-gcoff": "detproxy, defaults with gc_freeze = false, gc_threshold = Python's (700, 10, 10)",
+}
+
+# Each request a different prompt (a tag per run and a counter), read to the end; done()
+# prints the figures this script reads (latency in us).
+WRK_SCRIPT = """\
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer bench"
+local head = {head}
+local tail = {tail}
+local tag = "run"
+local n = 0
+function init(args)
+    tag = args[1] or tag
+end
+function request()
+    n = n + 1
+    return wrk.format(nil, nil, nil, head .. tag .. " " .. n .. tail)
+end
+function done(summary, latency, requests)
+    local e = summary.errors
+    io.write(string.format("PACED %d %d %d %d %d %d %d %d %d %d\\n", summary.requests,
+        summary.bytes, summary.duration, e.connect, e.read, e.write, e.timeout, e.status,
+        latency:percentile(50), latency:percentile(99)))
+end
+"""
+
+MARK = "@@PROMPT@@"
+
+
+def wrk_script() -> str:
+    body = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": f"Explain how a reverse proxy relays a stream ({MARK})."},
+        ],
+        "temperature": 0,
+        "max_tokens": 256,
+        "stream": True,
+    }
+    head, tail = json.dumps(body, separators=(",", ":")).split(MARK)
+    return WRK_SCRIPT.format(head=lua_string(head.encode()), tail=lua_string(tail.encode()))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU from /proc
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and its descendants (nginx's workers, detproxy's workers)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(parents.get(pid, []))
+    return out
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (fields 14 and 15 of /proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
+    return total / TICK
+
+
+# ---------------------------------------------------------------------------------------------
+# Processes
+
+
+def echo_module() -> str | None:
+    return next((p for p in ECHO_MODULE if Path(p).exists()), None)
+
+
+GC_OFF = "[server]\ngc_freeze = false\ngc_threshold = [700, 10, 10]\n"  # before issue 16
+
+
+def start(
+    bench: Bench, workers: list[int], names: list[str], log_level: str, gc_timed: bool
+) -> int:
+    """Starts the upstream and the targets; returns the bytes of one stream's events."""
+    tmp = bench.tmp
+    (tmp / "www").mkdir()
+    (tmp / "tmp").mkdir()
+    events = paced_events()
+    text = "".join(stream_words(TOKENS)[:1] + [" " + w for w in stream_words(TOKENS)[1:]])
+    (tmp / "www" / "answer.json").write_bytes(make_json_answer(text))
+    (tmp / "paced.lua").write_text(wrk_script())
+    module = echo_module()
+    up, shadow = free_port(), free_port()
+    body = NGINX_PACED.format(
+        host=HOST,
+        port=up,
+        shadow_port=shadow,
+        dir=tmp,
+        path=PATH,
+        directives=paced_location(events),
+    )
+    conf = f"load_module {module};\n" + NGINX_COMMON.format(dir=tmp, name="paced", body=body)
+    _nginx(bench, "paced", conf, up)
+    if "direct" in names:
+        bench.targets.append(Target("direct", up, WHAT["direct"]))
+    if "nginx" in names:
+        px = free_port()
+        # bench_proxy.py's proxy with a keep-alive pool as large as detproxy's (1024): with 256,
+        # most of 1000 streams would open a new upstream connection each.
+        proxy = NGINX_PROXY.replace("keepalive 256;", "keepalive 1024;")
+        conf = NGINX_COMMON.format(
+            dir=tmp, name="proxy", body=proxy.format(host=HOST, port=px, upstream_port=up)
+        )
+        proc = _nginx(bench, "proxy", conf, px)
+        bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
+    runs: list[tuple[str, str, int]] = []
+    configs = {**CONFIGS, "dp-gcoff": GC_OFF}
+    for name, config in configs.items():
+        if name in names:
+            runs.append((name, config, 1 if 1 in workers else workers[0]))
+    for n in workers:
+        if n != 1 and f"dp-default-w{n}" in names:
+            runs.append((f"dp-default-w{n}", DEFAULTS, n))
+    for name, config, n in runs:
+        port = free_port()
+        cfg = tmp / f"{name}.toml"
+        cfg.write_text(config.format(shadow_url=f"http://{HOST}:{shadow}"))
+        argv = [sys.executable, "-c", LAUNCHER]
+        if gc_timed and n == 1:  # every collection timed, written at exit (bench_gc.py)
+            argv = [sys.executable, "-c", TIMED_LAUNCHER, str(tmp / f"{name}.gc.json")]
+        argv += ["serve", "--config", str(cfg)]
+        argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
+        argv += ["--log-level", log_level]
+        if n != 1:
+            argv += ["--workers", str(n)]
+        proc = bench.spawn(argv, f"{name}.log", cwd=tmp)
+        wait_port(port, proc, f"detproxy ({name})")
+        what = WHAT.get(name) or f"detproxy, defaults, serve --workers {n}"
+        bench.targets.append(Target(name, port, what, proc))
+    return sum(len(e) for e in events)
+
+
+def _nginx(bench: Bench, name: str, conf: str, port: int) -> subprocess.Popen[bytes]:
+    path = bench.tmp / f"{name}.conf"
+    path.write_text(conf)
+    argv = ["nginx", "-p", str(bench.tmp), "-c", str(path), "-e", str(bench.tmp / f"{name}.err")]
+    proc = bench.spawn(argv, f"{name}.log")
+    wait_port(port, proc, f"nginx ({name})")
+    return proc
+
+
+def request_bytes(port: int) -> bytes:
+    payload = json.dumps(
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "check"}],
+            "temperature": 0,
+            "stream": True,
+        }
+    ).encode()
+    return (
+        f"POST {PATH} HTTP/1.1\r\nHost: {HOST}:{port}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    ).encode() + payload
+
+
+def wire_stream(target: Target) -> tuple[int, bytes]:
+    """One whole stream through ``target``, as the bytes on the wire (headers, chunked framing):
+    what wrk counts for it."""
+    with socket.create_connection((HOST, target.port), timeout=10) as sock:
+        sock.sendall(request_bytes(target.port))
+        data = b""
+        while not data.endswith(b"\r\n0\r\n\r\n"):
+            part = sock.recv(65536)
+            if not part:
+                break
+            data += part
+    return len(data), data
+
+
+def check(bench: Bench) -> dict[str, int]:
+    """Every target streams the 66 events in order; returns each one's wire bytes per stream."""
+    expected = paced_events()
+    wire = {}
+    for target in bench.targets:
+        size, data = wire_stream(target)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+            raise SystemExit(f"{target.name}: {head[:200]!r}")
+        body, pos = b"", 0
+        while True:  # de-chunk
+            line_end = rest.index(b"\r\n", pos)
+            n = int(rest[pos:line_end], 16)
+            if n == 0:
+                break
+            body += rest[line_end + 2 : line_end + 2 + n]
+            pos = line_end + 2 + n + 2
+        events = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+        strip = [e.replace(STREAM_ID.encode(), b"") for e in events]
+        if len(events) != EVENTS or [e.count(b'"content"') for e in strip] != [
+            e.count(b'"content"') for e in expected
+        ]:
+            raise SystemExit(f"{target.name}: {len(events)} events, expected {EVENTS}")
+        wire[target.name] = size
+    return wire
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+@dataclass(frozen=True)
+class Cell:
+    events_s: float
+    cpu_us: float  # CPU per relayed event, us
+    p50_s: float
+    p99_s: float
+    streams: int  # whole streams
+    errors: int
+    events: float = 0.0
+    window: tuple[float, float] = (0.0, 0.0)  # wall clock
+
+
+def run_cell(
+    bench: Bench, wire: dict[str, int], target: Target, streams: int, seconds: float, tag: str
+) -> Cell:
+    pids = tree(target.proc.pid) if target.proc is not None else []
+    argv = ["wrk", "-t", "1", "-c", str(streams), "-d", f"{seconds:g}s", "--timeout", "60s"]
+    argv += ["-s", str(bench.tmp / "paced.lua"), f"http://{HOST}:{target.port}{PATH}", "--", tag]
+    before, began = cpu_s(pids), time.time()
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+    after = cpu_s(pids + [p for p in tree(pids[0]) if p not in pids] if pids else [])
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PACED ")), None)
+    if out.returncode != 0 or line is None:
+        raise SystemExit(f"wrk failed on {target.name}: {out.stderr or out.stdout}")
+    requests, nbytes, duration_us, *errs, p50_us, p99_us = (int(x) for x in line.split()[1:])
+    events = nbytes / wire[target.name] * EVENTS
+    cpu = after - before
+    return Cell(
+        events_s=events / (duration_us / 1e6),
+        cpu_us=cpu / events * 1e6 if events else float("nan"),
+        p50_s=p50_us / 1e6,
+        p99_s=p99_us / 1e6,
+        streams=requests,
+        errors=sum(errs),
+        events=events,
+        window=(began, time.time()),
+    )
+
+
+def median_cell(cells: list[Cell]) -> Cell:
+    return Cell(
+        statistics.median(c.events_s for c in cells),
+        statistics.median(c.cpu_us for c in cells),
+        statistics.median(c.p50_s for c in cells),
+        statistics.median(c.p99_s for c in cells),
+        sum(c.streams for c in cells),
+        sum(c.errors for c in cells),
+    )
+
+
+def print_collections(results: dict[tuple[int, str], list[Cell]], bench: Bench) -> None:
+    """What the collector did in each detproxy during its measured runs (--gc-timings)."""
+    print(
+        "\n== garbage collections during the measured runs ==  (count by generation, the"
+        " longest in CPU ms, the collector's CPU time per relayed event in us)"
+    )
+    print(
+        f"{'target':14} {'streams':>7} {'gen0':>6} {'gen1':>5} {'gen2':>5} {'longest':>8}"
+        f" {'us/ev':>6}"
+    )
+    for (n, name), cells in results.items():
+        path = bench.tmp / f"{name}.gc.json"
+        if not path.exists():
+            continue
+        found = collections(path, [c.window for c in cells])
+        count = [sum(1 for g, _ in found if g == gen) for gen in range(3)]
+        longest = max((d for _, d in found), default=0.0)
+        per_event = sum(d for _, d in found) / sum(c.events for c in cells) * 1e6
+        print(
+            f"{name:14} {n:7d} {count[0]:6d} {count[1]:5d} {count[2]:5d}"
+            f" {longest * 1e3:8.2f} {per_event:6.2f}"
+        )
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def print_table(results: dict[tuple[int, str], list[Cell]], bench: Bench, streams: int) -> None:
+    print(
+        f"\n== {streams} concurrent streams ==  (CPU/ev: CPU per relayed event, us; xN: that"
+        " against nginx's; stream times in s)"
+    )
+    print(
+        f"{'target':14} {'events/s':>9} {'CPU/ev':>7} {'xN':>5} {'p50':>6} {'p99':>6}"
+        f" {'streams':>8} {'errors':>6}  per round (CPU/ev)"
+    )
+    base = median_cell(results[(streams, "nginx")]) if (streams, "nginx") in results else None
+    for target in bench.targets:
+        cells = results[(streams, target.name)]
+        c = median_cell(cells)
+        ratio = f"{c.cpu_us / base.cpu_us:5.2f}" if base and target.proc else "    -"
+        cpu = f"{c.cpu_us:7.1f}" if target.proc else "      -"
+        rounds = " ".join(f"{x.cpu_us:.1f}" for x in cells) if target.proc else ""
+        print(
+            f"{target.name:14} {c.events_s:9.0f} {cpu} {ratio} {c.p50_s:6.2f} {c.p99_s:6.2f}"
+            f" {c.streams:8d} {c.errors:6d}  {rounds}"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=5.0, help="seconds per wrk run (default 5)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
+    ap.add_argument("--streams", default=",".join(map(str, STREAMS)), help="default 100,400,1000")
+    ap.add_argument(
+        "--workers",
+        default="1",
+        help="detproxy worker counts: 1,2 adds dp-default-w2 (serve --workers 2); default 1",
+    )
+    ap.add_argument(
+        "--targets",
+        default="",
+        help="comma-separated subset of nginx,dp-default,dp-noloops,dp-audit,dp-default-wN,"
+        "direct (default: all but direct)",
+    )
+    ap.add_argument(
+        "--gc-timings",
+        action="store_true",
+        help="add dp-gcoff (the collector as before issue 16) and time every collection",
+    )
+    ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",") if s]
+    workers = [int(w) for w in args.workers.split(",") if w]
+    names = [n for n in args.targets.split(",") if n] or (
+        ["nginx", *CONFIGS] + [f"dp-default-w{n}" for n in workers if n != 1]
+    )
+    if args.gc_timings and "dp-gcoff" not in names:
+        names.append("dp-gcoff")
+    for tool in ("nginx", "wrk"):
+        if shutil.which(tool) is None:
+            print(f"{tool} not found on PATH: apt-get install -y nginx wrk", file=sys.stderr)
+            return 2
+    if echo_module() is None:
+        print("nginx's echo module not found: apt-get install -y libnginx-mod-http-echo")
+        return 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < min(hard, 65536):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+
+    tmp = Path(tempfile.mkdtemp(prefix="detproxy-paced-"))
+    tmp.chmod(0o755)
+    bench = Bench(tmp)
+    results: dict[tuple[int, str], list[Cell]] = {}
+    print("\n".join(machine()))
+    try:
+        events_bytes = start(bench, workers, names, args.log_level, args.gc_timings)
+        wire = check(bench)
+        cells = len(streams) * len(bench.targets) * args.rounds
+        print(
+            f"plan    : {cells} wrk runs of {args.seconds:g}s (wrk -t 1), streams"
+            f" {','.join(map(str, streams))}, {args.rounds} interleaved round(s); about"
+            f" {cells * (args.seconds + 1.5):.0f}s"
+        )
+        print(
+            f"stream  : {EVENTS} events ({TOKENS} one-token chunks {PACE_S * 1000:.0f} ms apart),"
+            f" {events_bytes} B of events; wire bytes per stream: "
+            + ", ".join(f"{k} {v}" for k, v in wire.items())
+        )
+        for t in bench.targets:
+            print(f"  {t.name:14} :{t.port:<5}  {t.what}")
+        print(f"load    : {loadavg()} (1, 5, 15 min) before the run")
+        for t in bench.targets:  # warm-up: connections, templates, first-request costs
+            run_cell(bench, wire, t, 50, 2, f"warm-{t.name}")
+        order = list(bench.targets)
+        t0 = time.monotonic()
+        for r in range(args.rounds):
+            for n in streams:
+                k = (r + streams.index(n)) % len(order)
+                for t in order[k:] + order[:k]:
+                    cell = run_cell(bench, wire, t, n, args.seconds, f"{t.name}-{n}-{r}")
+                    results.setdefault((n, t.name), []).append(cell)
+                    time.sleep(0.5)  # the streams wrk cut are cancelled upstream
+                print(
+                    f"  ... round {r + 1} {n} streams done ({time.monotonic() - t0:.0f}s,"
+                    f" load {loadavg()})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        for n in streams:
+            print_table(results, bench, n)
+        audit = next((t for t in bench.targets if t.name == "dp-audit"), None)
+        if audit is not None:
+            lines = metric_lines(audit, ("detproxy_audits_total", "detproxy_requests_total"))
+            audited = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "audits_total" in ln)
+            requests = sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if "requests_total" in ln)
+            verdicts = [ln for ln in lines if ln.startswith("detproxy_audits_total")]
+            print(
+                f"\ndp-audit: {audited:.0f} of {requests:.0f} streams audited; "
+                + "; ".join(verdicts)
+            )
+        print(f"\nload    : {loadavg()} (1, 5, 15 min) after the run")
+    finally:
+        bench.stop()  # the timed detproxies write their collections at exit
+        if args.gc_timings:
+            print_collections(results, bench)
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

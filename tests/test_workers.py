@@ -1,0 +1,203 @@
+"""``detproxy serve --workers 2`` as real processes in front of the emulator: both workers
+answer on one port, the metrics are their sum, a killed worker is restarted and counted, and
+SIGTERM drains and stops them all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+
+from proxy.emulator import EmulatorConfig, EmulatorServer
+from tests.processes import free_port, wait_healthy
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAT = {
+    "model": "emulator-model",
+    "temperature": 0,
+    "max_tokens": 4,
+    "messages": [{"role": "user", "content": "hello"}],
+}
+
+
+@asynccontextmanager
+async def supervised(
+    upstream: str, log: Path, *flags: str
+) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    port = free_port()
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            upstream,
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            "--log-level",
+            "INFO",
+            *flags,
+            env={"PATH": "", "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            stderr=err,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_healthy(base + "/detproxy/health")
+        yield base, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()  # the workers see their supervisor gone and stop (tested below)
+            await proc.wait()
+
+
+def fresh() -> aiohttp.ClientSession:
+    # A connection per request: the kernel picks a worker per connection.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+async def workers_seen(base: str, want: int = 2, attempts: int = 500) -> dict[int, int]:
+    """index -> pid of the workers that answered /detproxy/status, until ``want`` did (a
+    worker still starting is not listening yet)."""
+    seen: dict[int, int] = {}
+    async with fresh() as http:
+        for _ in range(attempts):
+            async with http.get(base + "/detproxy/status") as resp:
+                worker = (await resp.json())["worker"]
+            seen[worker["index"]] = worker["pid"]
+            assert worker["of"] == 2
+            if len(seen) == want:
+                return seen
+            await asyncio.sleep(0.02)
+    raise AssertionError(f"only workers {seen} answered in {attempts} requests")
+
+
+async def metric(base: str, name: str) -> float:
+    async with fresh() as http, http.get(base + "/detproxy/metrics") as resp:
+        text = await resp.text()
+    values = [float(m) for m in re.findall(rf"^{re.escape(name)} (\S+)$", text, re.M)]
+    assert len(values) == 1, f"{name} in:\n{text}"
+    return values[0]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+
+
+async def gone(pid: int, within_s: float) -> bool:
+    for _ in range(int(within_s / 0.05)):
+        if not alive(pid):
+            return True
+        await asyncio.sleep(0.05)
+    return False
+
+
+REQUESTS = 'detproxy_requests_total{deterministic="true",endpoint="chat",model="emulator-model",stream="false"}'  # noqa: E501
+
+
+async def test_two_workers_answer_share_metrics_restart_and_stop(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    async with EmulatorServer() as emu, supervised(emu.url, log) as (base, proc):
+        pids = await workers_seen(base)
+        assert len(set(pids.values())) == 2 and proc.pid not in pids.values()
+        async with fresh() as http, http.get(base + "/detproxy/status") as resp:
+            config = (await resp.json())["config"]
+        # Each worker holds half of the server's budgets (defaults: 100/s, 4, 32768).
+        assert config["audit"]["max_shadows_per_s"] == 50
+        assert config["audit"]["max_concurrent_shadows"] == 2
+        assert config["loops"]["recovery_token_floor"] == 16384
+
+        async with fresh() as http:
+            for _ in range(40):
+                async with http.post(base + "/v1/chat/completions", json=CHAT) as resp:
+                    assert resp.status == 200 and (await resp.json())["choices"]
+        # Whichever worker answers the scrape, it reports both workers' requests.
+        for _ in range(6):
+            assert await metric(base, REQUESTS) == 40
+        assert await metric(base, "detproxy_workers") == 2
+        assert await metric(base, 'detproxy_worker_restarts_total{worker="0"}') == 0
+
+        os.kill(pids[0], signal.SIGKILL)
+        assert await gone(pids[0], 5)
+        restarted = {}
+        for _ in range(100):  # the supervisor starts worker 0 again
+            restarted = await workers_seen(base)
+            if restarted[0] != pids[0]:
+                break
+            await asyncio.sleep(0.1)
+        assert restarted[0] != pids[0] and restarted[1] == pids[1]
+        assert await metric(base, 'detproxy_worker_restarts_total{worker="0"}') == 1
+        assert await metric(base, REQUESTS) == 40  # the dead worker's counts are kept
+
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        assert not alive(restarted[0]) and not alive(restarted[1])
+    text = log.read_text()
+    assert f"worker 0 (pid {pids[0]}) exited with signal SIGKILL" in text
+    assert "SIGTERM: stopping 2 worker(s)" in text
+
+
+async def test_sigterm_lets_every_worker_finish_its_streams(tmp_path: Path) -> None:
+    slow = EmulatorConfig(token_latency_s=0.05)
+    body = {**CHAT, "max_tokens": 30, "stream": True}
+    async with EmulatorServer(slow) as emu, supervised(emu.url, tmp_path / "log") as (base, proc):
+        await workers_seen(base)
+
+        async def stream() -> bytes:
+            async with fresh() as http, http.post(base + "/v1/chat/completions", json=body) as r:
+                return await r.read()
+
+        streams = [asyncio.create_task(stream()) for _ in range(8)]
+        await asyncio.sleep(0.5)  # every stream under way (30 tokens take 1.5 s)
+        assert not any(s.done() for s in streams)
+        proc.send_signal(signal.SIGTERM)
+        bodies = await asyncio.wait_for(asyncio.gather(*streams), 30)
+        assert all(b.endswith(b"data: [DONE]\n\n") and b.count(b"\n\n") > 30 for b in bodies)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> None:
+    async with EmulatorServer() as emu, supervised(emu.url, tmp_path / "log") as (base, proc):
+        pids = await workers_seen(base)
+        proc.kill()  # no SIGTERM to pass on
+        await proc.wait()
+        for pid in pids.values():
+            assert await gone(pid, 15), f"worker {pid} still serving without its supervisor"
+
+
+async def test_a_port_in_use_stops_the_supervisor_at_start(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+            env={"PATH": "", "PYTHONPATH": str(ROOT)},
+            cwd=ROOT,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
