@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from proxy.emulator import EmulatorServer
-from tests.processes import free_port, wait_healthy
+from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BURST = 600

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 
 from proxy.emulator import EmulatorConfig, EmulatorServer
-from tests.processes import free_port, wait_healthy
+from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {
