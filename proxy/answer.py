@@ -17,15 +17,15 @@ from policies.base import Abort, Retry
 from proxy.attempts import AttemptEnd, Stages, run_attempts
 from proxy.audit.inject import strip_logprobs
 from proxy.audit.outcome import Outcome, outcome_from_response
-from proxy.body import parse_answer
-from proxy.continuation import content_of, merge_answer
-from proxy.errors import UpstreamFailure, error_response
 from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
-from proxy.headers import client_response_headers
+from proxy.http.body import parse_answer
+from proxy.http.errors import UpstreamFailure, error_response
+from proxy.http.headers import client_response_headers
+from proxy.http.upstream import UpstreamResponse, read_error_kind
+from proxy.loops.continuation import content_of, merge_answer
+from proxy.loops.recovery import cut_answer
 from proxy.openai import usage_of
-from proxy.recovery import cut_answer
-from proxy.upstream import UpstreamResponse, read_error_kind
 
 
 def attempt_headers(ex: Exchange) -> dict[str, str]:

@@ -16,27 +16,27 @@ from policies.base import PolicyChain
 from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
-from proxy.admin import ADMIN_PREFIX, admin_middlewares
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
-from proxy.audit.upstream_load import UpstreamLoad
 from proxy.config import Settings, UpstreamConfig
-from proxy.errors import error_response
-from proxy.eventloop import loop_name
+from proxy.engine.fingerprint import FingerprintPoller
+from proxy.engine.load import UpstreamLoad
 from proxy.events import EventBus
-from proxy.fingerprint import FingerprintPoller
 from proxy.forward import Forwarder
-from proxy.h1 import H1Upstream
-from proxy.incidents import IncidentLog
+from proxy.http.admin import ADMIN_PREFIX, admin_middlewares
+from proxy.http.errors import error_response
+from proxy.http.eventloop import loop_name
+from proxy.http.h1 import H1Upstream
+from proxy.http.upstream import AiohttpUpstream, Upstream, make_session
 from proxy.injection import InjectionGuard
-from proxy.inspect.base import InspectorFactory
-from proxy.metrics import Metrics
-from proxy.recovery import Recovery
-from proxy.status import AuditTally
+from proxy.loops.recovery import Recovery
+from proxy.observe.incidents import IncidentLog
+from proxy.observe.metrics import Metrics
+from proxy.observe.status import AuditTally
+from proxy.observe.ui.routes import register_ui
+from proxy.relay.inspectors import InspectorFactory
 from proxy.tasks import TaskOwner
-from proxy.ui.routes import register_ui
-from proxy.upstream import AiohttpUpstream, Upstream, make_session
 from proxy.workers import worker_status
 
 SETTINGS = web.AppKey("settings", Settings)

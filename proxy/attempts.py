@@ -18,9 +18,9 @@ import orjson
 from policies.base import Decision, Retry, Trigger
 from proxy.events import EventBus
 from proxy.exchange import Exchange, Lifecycle
-from proxy.inspect.base import InspectorFactory
-from proxy.recovery import Recovery
-from proxy.upstream import Upstream
+from proxy.http.upstream import Upstream
+from proxy.loops.recovery import Recovery
+from proxy.relay.inspectors import InspectorFactory
 
 if TYPE_CHECKING:
     from proxy.config import Settings

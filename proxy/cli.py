@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy import __version__
 from proxy.config import ConfigError, Settings, load_settings
-from proxy.eventloop import loop_name, new_event_loop
+from proxy.http.eventloop import loop_name, new_event_loop
 from proxy.workers import (
     WORKER,
     Supervisor,
@@ -173,11 +173,11 @@ TOOLS = {
 
 
 TOOL_MODULES = {
-    "probe": "proxy.probe",
-    "report": "proxy.report.cli",
-    "demo": "proxy.demo",
-    "sweep": "proxy.sweep.cli",
-    "emulator": "proxy.emulator.cli",
+    "probe": "proxy.tools.probe",
+    "report": "proxy.tools.report.cli",
+    "demo": "proxy.tools.demo",
+    "sweep": "proxy.tools.sweep.cli",
+    "emulator": "proxy.tools.emulator.cli",
 }
 
 

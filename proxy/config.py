@@ -57,7 +57,7 @@ DETECTOR_ANCHOR_CHARS = 64
 
 @dataclass(frozen=True, slots=True)
 class DetectorConfig:
-    """Thresholds of the loop detector (``proxy.inspect.loops``, whose docstring says why these
+    """Thresholds of the loop detector (``proxy.loops.detector``, whose docstring says why these
     defaults); the ``[loops.detector]`` table of the configuration."""
 
     min_period: int = 4
@@ -207,7 +207,7 @@ class UpstreamConfig(_Section):
     # non-streamed answer included: vLLM sends those only when generation is over.
     read_timeout_s: float = Field(default=3600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
-    # native: detproxy's own lean HTTP/1.1 client (proxy/h1.py); aiohttp: aiohttp's client,
+    # native: detproxy's own lean HTTP/1.1 client (proxy/http/h1.py); aiohttp: aiohttp's client,
     # slower per request (tests/bench/bench_proxy.py --aiohttp-client), kept as a fallback.
     client: Literal["native", "aiohttp"] = "native"
     keepalive_timeout_s: float = Field(default=4.0, gt=0)  # idle pooled connections

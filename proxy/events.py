@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from policies.base import Trigger
     from proxy.audit.compare import Verdict
-    from proxy.fingerprint import Fingerprint
+    from proxy.engine.fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.events import EventBus, FallbackSent
+from proxy.http.sse import SSEDecoder, SSEOverflow
+from proxy.http.upstream import READ_ERRORS, Upstream, UpstreamResponse, is_event_stream
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
-from proxy.sse import SSEDecoder, SSEOverflow
-from proxy.upstream import READ_ERRORS, Upstream, UpstreamResponse, is_event_stream
 
 log = logging.getLogger(__name__)
 

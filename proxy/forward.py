@@ -19,20 +19,20 @@ from aiohttp import web
 from proxy.answer import WholeAnswer
 from proxy.attempts import Stages
 from proxy.audit.auditor import Auditor
-from proxy.body import BadRequest, ensure_json_content_type, parse_object, read_bounded
 from proxy.classify import ENDPOINTS, classify
 from proxy.config import Settings
-from proxy.continuation import LIMIT_FIELDS
-from proxy.errors import UpstreamFailure, error_response
 from proxy.events import EventBus, RequestStarted, ShadowDropped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Attempts, Exchange, Lifecycle
 from proxy.fallback import Altered, FallbackSender
-from proxy.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.http.body import BadRequest, ensure_json_content_type, parse_object, read_bounded
+from proxy.http.errors import UpstreamFailure, error_response
+from proxy.http.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.http.upstream import Upstream, is_event_stream, read_error_kind
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
-from proxy.inspect.base import InspectorFactory
-from proxy.recovery import Recovery
+from proxy.loops.continuation import LIMIT_FIELDS
+from proxy.loops.recovery import Recovery
+from proxy.relay.inspectors import InspectorFactory
 from proxy.streaming import StreamedAnswer
-from proxy.upstream import Upstream, is_event_stream, read_error_kind
 
 
 class Forwarder:

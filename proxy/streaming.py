@@ -17,16 +17,16 @@ from aiohttp import web
 from policies.base import Abort, Decision, Retry, Trigger
 from proxy.attempts import AttemptEnd, Stages, run_attempts
 from proxy.audit.outcome import StreamAccumulator
-from proxy.errors import UpstreamFailure, inband_error_event
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
-from proxy.headers import client_response_headers
-from proxy.inspect.base import InspectorSet, StreamInspector
-from proxy.inspect.loopwatch import LoopWatch
-from proxy.recovery import abort_chunk, retry_comment
-from proxy.relay import StreamPlan, StreamRelay
-from proxy.streamresult import StreamResult
-from proxy.upstream import UpstreamResponse, is_event_stream
+from proxy.http.errors import UpstreamFailure, inband_error_event
+from proxy.http.headers import client_response_headers
+from proxy.http.upstream import UpstreamResponse, is_event_stream
+from proxy.loops.recovery import abort_chunk, retry_comment
+from proxy.loops.watch import LoopWatch
+from proxy.relay.inspectors import InspectorSet, StreamInspector
+from proxy.relay.result import StreamResult
+from proxy.relay.stream import StreamPlan, StreamRelay
 
 
 class StreamedAnswer:

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import load_settings
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 

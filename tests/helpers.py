@@ -29,13 +29,13 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from policies.base import Continue
-from proxy.errors import UpstreamBodyError
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
-from proxy.inspect.base import InspectorSet
-from proxy.inspect.loops import DetectorConfig
-from proxy.inspect.loopwatch import LoopWatch
-from proxy.relay import StreamPlan, StreamRelay
-from proxy.streamresult import StreamResult
+from proxy.http.errors import UpstreamBodyError
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.watch import LoopWatch
+from proxy.relay.inspectors import InspectorSet
+from proxy.relay.result import StreamResult
+from proxy.relay.stream import StreamPlan, StreamRelay
 
 TESTS = Path(__file__).resolve().parent
 

@@ -16,8 +16,8 @@ from proxy.app import REFERENCE, RUNTIME, SESSION, TARGET, build_app
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.config import load_settings
-from proxy.h1 import H1Upstream
-from proxy.incidents import IncidentLog
+from proxy.http.h1 import H1Upstream
+from proxy.observe.incidents import IncidentLog
 from tests.helpers import free_port
 
 

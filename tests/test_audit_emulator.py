@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry
 
-from proxy.emulator import EmulatorServer
+from proxy.tools.emulator import EmulatorServer
 from tests.helpers import metric, sse_chunks
 
 MODEL = "emulator-model"

@@ -12,7 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.emulator import EmulatorServer
+from proxy.tools.emulator import EmulatorServer
 from tests.helpers import detproxy_serve
 
 CHAT = "/v1/chat/completions"

@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.emulator import EmulatorServer
+from proxy.tools.emulator import EmulatorServer
 from tests.helpers import EXE, detproxy_serve, free_port
 
 CHAT = {

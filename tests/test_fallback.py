@@ -425,7 +425,7 @@ async def test_the_sdk_gets_no_error_from_an_emulated_vllm_with_nan_logprobs(
     request audited, chat and completions, streamed and not, 0 client-visible errors."""
     import openai
 
-    from proxy.emulator import EmulatorConfig, EmulatorServer
+    from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
     async with EmulatorServer(EmulatorConfig(nan_logprobs=True)) as emulator:
         proxy = await make_proxy(emulator.url, env=AUDIT_ALL)

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import metric, own_tasks
 
 FAULTS = [

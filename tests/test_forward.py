@@ -18,7 +18,7 @@ from tests.helpers import ExplodingInspector, metric
 
 @pytest.fixture(params=["native", "aiohttp"])
 def upstream_client(request: pytest.FixtureRequest) -> str:
-    """Every test here runs with both upstream clients (proxy/h1.py and aiohttp's)."""
+    """Every test here runs with both upstream clients (proxy/http/h1.py and aiohttp's)."""
     return str(request.param)
 
 

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from proxy.emulator import EmulatorServer
+from proxy.tools.emulator import EmulatorServer
 from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 from prometheus_client import CollectorRegistry
 
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import metric, own_tasks
 
 STREAMS = 300

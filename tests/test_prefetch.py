@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from proxy.errors import UpstreamBodyError
 from proxy.fallback import first_event
+from proxy.http.errors import UpstreamBodyError
 
 
 class Scripted:

@@ -11,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import detproxy_serve
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]

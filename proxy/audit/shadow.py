@@ -20,11 +20,11 @@ import orjson
 
 from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.config import AuditConfig
-from proxy.errors import UpstreamError
 from proxy.events import EventBus, ShadowDropped, ShadowQueue
+from proxy.http.errors import UpstreamError
+from proxy.http.upstream import Upstream
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 from proxy.tasks import TaskOwner
-from proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 

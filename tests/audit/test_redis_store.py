@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
 from proxy.audit.store import ChoiceDigest
-from proxy.emulator import EmulatorServer
+from proxy.tools.emulator import EmulatorServer
 from tests.helpers import free_port, metric
 
 pytestmark = pytest.mark.skipif(

@@ -13,7 +13,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from proxy.audit.shadow import TokenBucket
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import metric
 
 MODEL = "emulator-model"

@@ -20,8 +20,8 @@ from proxy.audit.outcome import (
     outcome_from_response,
 )
 from proxy.events import AuditCompleted, EventBus
-from proxy.incidents import audit_incident
-from proxy.metrics import Metrics
+from proxy.observe.incidents import audit_incident
+from proxy.observe.metrics import Metrics
 from tests.helpers import (
     CONTENT,
     Token,

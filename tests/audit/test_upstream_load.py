@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestServer
 
-from proxy.audit.upstream_load import UpstreamLoad, parse_running
+from proxy.engine.load import UpstreamLoad, parse_running
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import load_settings
-from proxy.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
 CONFIGS: dict[str, dict[str, str]] = {
     "off": {"DETPROXY_AUDIT__SAMPLE_RATE": "0", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"},

@@ -46,9 +46,9 @@ from bench_proxy import LAUNCHER, MODEL, REQ_ID, _words, machine  # noqa: E402
 
 from proxy.audit.inject import strip_logprobs  # noqa: E402
 from proxy.audit.outcome import StreamAccumulator  # noqa: E402
-from proxy.inspect.loops import DetectorConfig  # noqa: E402
-from proxy.inspect.loopwatch import LoopWatch  # noqa: E402
-from proxy.sse import SSEDecoder, encode_event  # noqa: E402
+from proxy.http.sse import SSEDecoder, encode_event  # noqa: E402
+from proxy.loops.detector import DetectorConfig  # noqa: E402
+from proxy.loops.watch import LoopWatch  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -333,8 +333,8 @@ def _reasoning_events(events: list[bytes]) -> list[bytes]:
 def relay_rows(events: list[bytes]) -> None:
     """µs per event of ``StreamRelay.run`` on the whole stream: what detproxy does per event."""
     from proxy.events import EventBus
-    from proxy.inspect.base import InspectorSet
-    from proxy.relay import StreamPlan, StreamRelay
+    from proxy.relay.inspectors import InspectorSet
+    from proxy.relay.stream import StreamPlan, StreamRelay
 
     config = DetectorConfig()
     stream = b"".join(events) + b"data: [DONE]\n\n"

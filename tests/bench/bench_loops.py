@@ -1,9 +1,9 @@
-"""Benchmark of the repetition-loop detector (proxy/inspect/loops.py).
+"""Benchmark of the repetition-loop detector (proxy/loops/detector.py).
 
 Run: ``.venv/bin/python tests/bench/bench_loops.py``. Prints figures only (no assertions):
 
 - cost per streamed token (a 4-char delta) of ``LoopDetector.feed`` on normal text (each corpus
-  file of tests/inspect/corpus, concatenated to about 1 MB) and on looping text (from a fresh
+  file of tests/loops/corpus, concatenated to about 1 MB) and on looping text (from a fresh
   detector until it fires), next to two baselines measured in the same run: appending the
   deltas to a list, and a no-op ``feed`` method (the call overhead any per-token hook pays);
 - the 99.9th percentile of single ``feed`` calls (those that run a check) on each text;
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from proxy.inspect.loops import DetectorConfig, LoopDetector  # noqa: E402
+from proxy.loops.detector import DetectorConfig, LoopDetector  # noqa: E402
 
 CORPUS = ROOT / "tests" / "inspect" / "corpus"
 TARGET_CHARS = 1_000_000

@@ -1,10 +1,10 @@
-"""Benchmark: reading the upstream's /metrics (proxy/promtext.py) against prometheus_client's
+"""Benchmark: reading the upstream's /metrics (proxy/engine/promtext.py) against prometheus_client's
 parser (``prometheus_client.parser.text_string_to_metric_families``).
 
 Run: ``.venv/bin/python tests/bench/bench_promtext.py``. Prints figures only (no assertions):
 per text, the p50 and p99 time of one read of the running gauge (``UpstreamLoad``'s, every
 ``quiet_poll_s`` while a shadow waits for a quiet upstream) and of the fingerprint's counters,
-by ``proxy.promtext`` and by prometheus_client (the same sums, checked equal), and the ratio.
+by ``proxy.engine.promtext`` and by prometheus_client (the same sums, checked equal), and the ratio.
 
 The texts: the emulator's ``/metrics`` (a few vLLM series), and the same with the histograms
 a vLLM server exports (names and bucket bounds as vLLM 0.1x has them, two models) and the
@@ -24,11 +24,11 @@ sys.path.insert(0, str(ROOT))
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from proxy.audit.upstream_load import RUNNING, parse_running  # noqa: E402
-from proxy.emulator.config import EmulatorConfig  # noqa: E402
-from proxy.emulator.injections import EmulatorState  # noqa: E402
-from proxy.emulator.metrics import render_metrics  # noqa: E402
-from proxy.fingerprint import _WANTED, parse_metrics  # noqa: E402
+from proxy.engine.fingerprint import _WANTED, parse_metrics  # noqa: E402
+from proxy.engine.load import RUNNING, parse_running  # noqa: E402
+from proxy.tools.emulator.config import EmulatorConfig  # noqa: E402
+from proxy.tools.emulator.injections import EmulatorState  # noqa: E402
+from proxy.tools.emulator.metrics import render_metrics  # noqa: E402
 
 ROUNDS = 300
 

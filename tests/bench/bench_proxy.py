@@ -356,7 +356,7 @@ AIOHTTP_STATIC = """\
 import sys
 from pathlib import Path
 from aiohttp import web
-from proxy.eventloop import new_event_loop
+from proxy.http.eventloop import new_event_loop
 www = Path(sys.argv[1])
 answer = (www / "chat.json").read_bytes()
 stream = (www / "chat.sse").read_bytes()

@@ -47,7 +47,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from proxy.inspect.loops import LoopDetector, LoopReport  # noqa: E402
+from proxy.loops.detector import LoopDetector, LoopReport  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "detproxy"
@@ -613,7 +613,7 @@ def main() -> None:
         "note": (
             "Written by tests/bench/bench_recovery_corpus.py: greedy chat completions on "
             "llama-server + SmolLM2-135M-Instruct Q4_1 (-np 2 -c 4096, cache_prompt false, "
-            "max_tokens 1024); looping = proxy.inspect.loops.LoopDetector (default config) "
+            "max_tokens 1024); looping = proxy.loops.detector.LoopDetector (default config) "
             "fired on the streamed content. offsets are chars, tokens count until detection."
         ),
         "engine": engine,

@@ -56,19 +56,19 @@ from policies.base import PolicyChain  # noqa: E402
 from policies.budget import RecoveryBudget  # noqa: E402
 from policies.ladder import Ladder, LoopLadderPolicy  # noqa: E402
 from proxy.app import BUS, RUNTIME, Runtime, _dispatch, build_app  # noqa: E402
-from proxy.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
 from proxy.classify import classify  # noqa: E402
 from proxy.config import Settings, load_settings  # noqa: E402
 from proxy.events import RequestFinished, RequestStarted  # noqa: E402
 from proxy.exchange import Attempts  # noqa: E402
 from proxy.forward import Forwarder  # noqa: E402
-from proxy.headers import (  # noqa: E402
+from proxy.http.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
+from proxy.http.headers import (  # noqa: E402
     client_response_headers,
     request_id_of,
     upstream_request_headers,
 )
-from proxy.recovery import Recovery  # noqa: E402
-from proxy.upstream import Body, UpstreamResponse  # noqa: E402
+from proxy.http.upstream import Body, UpstreamResponse  # noqa: E402
+from proxy.loops.recovery import Recovery  # noqa: E402
 
 # What openai-python 1.x sends with a chat completion (httpx adds the first four).
 CLIENT_HEADERS = {

@@ -273,7 +273,7 @@ def test_per_slot_kv_serial_traffic_reports_nothing(tmp_path: Path) -> None:
 
 
 def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> None:
-    from proxy.probe import main as probe
+    from proxy.tools.probe import main as probe
 
     def run(engine: Engine, levels: str) -> tuple[int, Any]:
         out = tmp_path / f"probe-{levels}.json"
@@ -309,7 +309,7 @@ def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> No
     # batch with a background prefill, which is likely but not certain on 2 shared cores (a CI
     # run found none in 3 probes of 8 runs). So here the probe's verdict must be consistent
     # with its own data; that it detects batch effects when they are there is required on the
-    # emulator, where they are certain (tests/test_probe.py, --batch-divergence-slope).
+    # emulator, where they are certain (tests/tools/test_probe.py, --batch-divergence-slope).
     tries = []
     with run_engine(tmp_path) as stock:
         for _ in range(3):

@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from policies.base import Trigger
-from proxy.continuation import prefix_of
-from proxy.inspect.loops import DetectorConfig, LoopDetector
+from proxy.loops.continuation import prefix_of
+from proxy.loops.detector import DetectorConfig, LoopDetector
 from tests.helpers import Engine, run_detproxy, scrape
 
 pytestmark = pytest.mark.integration

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.emulator import EmulatorServer
+from proxy.tools.emulator import EmulatorServer
 from tests.helpers import detproxy_serve, free_port, wait_healthy
 
 pytestmark = [

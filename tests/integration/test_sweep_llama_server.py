@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.sweep.cli import main
+from proxy.tools.sweep.cli import main
 from tests.helpers import Engine
 
 pytestmark = pytest.mark.integration

@@ -581,7 +581,7 @@ async def audit_load(
     try:
         if own:
             await proxy.ready(http)
-        before = (await proxy.status(http))["audit"]["verdicts"]
+        before = (await proxy.observe.status(http))["audit"]["verdicts"]
         sem = asyncio.Semaphore(conc)
 
         async def one(rid: str) -> None:
@@ -601,8 +601,8 @@ async def audit_load(
         await asyncio.gather(*(one(rid) for rid, _ in jobs))
         traffic_s = time.monotonic() - t0
         status = await proxy.settle(http, expected_before + n if rate_ >= 1.0 else None)
-        incidents = await proxy.incidents(http)
-        dmetrics = await proxy.metrics(http)
+        incidents = await proxy.observe.incidents(http)
+        dmetrics = await proxy.observe.metrics(http)
     finally:
         if own:
             proxy.stop()
@@ -856,7 +856,7 @@ async def step_passthrough(ctx: Ctx) -> dict[str, Any]:
                     "equal": path == "/metrics" or norm(seen[0][1]) == norm(seen[1][1]),
                 }
             )
-        st = await proxy.status(ctx.http)
+        st = await proxy.observe.status(ctx.http)
         out["fingerprint"] = st.get("upstream_fingerprint", {}).get("identity")
     finally:
         proxy.stop()
@@ -915,7 +915,7 @@ async def step_spec(ctx: Ctx) -> dict[str, Any]:
     try:
         await proxy.ready(http)
         await asyncio.sleep(1.5)
-        st = await proxy.status(http)
+        st = await proxy.observe.status(http)
         out["speculative_flag_at_start"] = st["upstream_fingerprint"]["identity"]["speculative"]
         out["fingerprint_at_start"] = st["upstream_fingerprint"]["fingerprint"]
         ref = await reference(ctx, "spec", reps=2)
@@ -945,13 +945,13 @@ async def step_spec(ctx: Ctx) -> dict[str, Any]:
             expected_before=n1,
         )
         await asyncio.sleep(2.5)
-        st = await proxy.status(http)
+        st = await proxy.observe.status(http)
         out["speculative_flag_at_end"] = st["upstream_fingerprint"]["identity"]["speculative"]
         out["fingerprint_at_end"] = st["upstream_fingerprint"]["fingerprint"]
         out["load_gauges"] = st["upstream_fingerprint"].get("load")
-        m = await proxy.metrics(http)
+        m = await proxy.observe.metrics(http)
         out["upstream_changes_total"] = msum(m, "detproxy_upstream_changes_total")
-        incidents = await proxy.incidents(http)
+        incidents = await proxy.observe.incidents(http)
         out["upstream_change_incidents"] = [
             {k: i.get(k) for k in ("ts", "before", "after")}
             for i in incidents
@@ -1030,8 +1030,8 @@ async def step_gguf(ctx: Ctx) -> dict[str, Any]:
             r = await chat(http, proxy.base, q, stream=stream, logprobs=True, max_tokens=16)
             asked.append({"stream": stream, "status": r["status"]})
         await asyncio.sleep(3)
-        st = await proxy.status(http)
-        m = await proxy.metrics(http)
+        st = await proxy.observe.status(http)
+        m = await proxy.observe.metrics(http)
     finally:
         proxy.stop()
     errors: dict[str, int] = {}
@@ -1145,7 +1145,7 @@ async def step_disconnect(ctx: Ctx) -> dict[str, Any]:
             await task
         trials.append({"stream": False, "running_before_close": was,
                        "back_to_zero_s": await back_to_zero(t_close)})  # fmt: skip
-        m = await proxy.metrics(ctx.http)
+        m = await proxy.observe.metrics(ctx.http)
     finally:
         proxy.stop()
     return {"trials": trials, "client_disconnects": msum(m, "detproxy_client_disconnects_total")}
@@ -1221,7 +1221,7 @@ async def step_loops(ctx: Ctx) -> dict[str, Any]:
                 )
 
         await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
-        m = await proxy.metrics(http)
+        m = await proxy.observe.metrics(http)
     finally:
         proxy.stop()
     finish: dict[str, int] = {}

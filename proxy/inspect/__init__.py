@@ -1,1 +1,0 @@
-"""Stream inspectors: stages that read every SSE chunk of a response as it passes."""

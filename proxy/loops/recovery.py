@@ -1,0 +1,274 @@
+"""Loop recovery for one app: builds each attempt's loop watch, asks the policies what a
+trigger leads to, and reports loops and policy actions as events."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+
+from policies.base import (
+    CONTINUE,
+    Abort,
+    Decision,
+    PolicyChain,
+    PolicyContext,
+    Retry,
+    Trigger,
+)
+from policies.budget import RecoveryBudget
+from proxy.config import LoopConfig
+from proxy.events import (
+    EventBus,
+    LoopDetected,
+    PolicyActed,
+    RecoveryBudgetUsed,
+    RecoveryTokens,
+)
+from proxy.exchange import Attempts
+from proxy.injection import REPETITION_DETECTION, InjectionGuard
+from proxy.loops.continuation import can_continue, continuation_body, estimate_tokens, prefix_of
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.watch import LoopWatch
+from proxy.openai import REASONING_KEYS
+
+MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
+
+
+class Recovery:
+    def __init__(
+        self,
+        config: LoopConfig,
+        chain: PolicyChain,
+        bus: EventBus,
+        guard: InjectionGuard | None = None,
+        budget: RecoveryBudget | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._guard = guard
+        self._budget = budget
+        self._clock = clock
+        self._published: dict[str, int] = {}  # model -> second its budget gauge was last set
+        self._chain = chain
+        self._bus = bus
+        self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
+        # Whether some ladder continues: then a stream's content is kept for its prefix.
+        self._continues = any(
+            attempt.get("strategy") == "continue"
+            for ladder in config.ladder_list()
+            for attempt in ladder.attempts
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self._config.enabled
+
+    @property
+    def reads_answers(self) -> bool:
+        """Whether a whole non-streamed answer is looked at: by the loop watch, or by a policy
+        that reads answers without a trigger."""
+        return self._config.enabled or self._chain.reads_clean_answers
+
+    @property
+    def hold_reasoning(self) -> bool:
+        return self._config.stream_mode == "hold_reasoning"
+
+    @property
+    def hold_max_bytes(self) -> int:
+        return self._config.hold_max_bytes
+
+    def watch(self, endpoint: str) -> LoopWatch | None:
+        if not self._config.enabled:
+            return None
+        return LoopWatch(
+            endpoint, self._detector, runaway=self._config.runaway, keep=self._continues
+        )
+
+    def prepare(self, body: dict[str, Any], model: str) -> dict[str, Any]:
+        """Add vLLM's repetition_detection where the operator says the upstream has it (and
+        it has not been refused for ``model`` lately)."""
+        engine = self._config.engine_detection
+        if engine is None or "repetition_detection" in body:
+            return body
+        if self._guard is not None and not self._guard.allows(model, REPETITION_DETECTION):
+            return body
+        return {**body, "repetition_detection": engine.model_dump()}
+
+    def decide(
+        self,
+        attempts: Attempts,
+        trigger: Trigger | None,
+        status: int,
+        body: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """Ask the policies about an attempt that ended (or stopped) with ``trigger``."""
+        attempts.trigger = trigger
+        if attempts.pending_retry:
+            attempts.pending_retry = False
+            self._acted(attempts, "retry", "looped_again" if trigger else "recovered")
+        if trigger is None and (attempts.stream or not self._chain.reads_clean_answers):
+            return CONTINUE
+        ctx = PolicyContext(
+            attempts.endpoint,
+            attempts.model,
+            attempts.stream,
+            attempts.count,
+            status,
+            trigger,
+            body,
+            attempts.max_tokens,
+        )
+        if trigger is None:
+            # Nothing to recover from; a non-streamed answer may still interest a policy.
+            return self._chain.decide(ctx)
+        decision = self._chain.decide(ctx)
+        attempts.looped = True
+        self._bus.publish(
+            LoopDetected(
+                attempts.request_id,
+                attempts.model,
+                attempts.endpoint,
+                attempts.stream,
+                attempts.count,
+                trigger,
+                time.time(),
+            )
+        )
+        if isinstance(decision, Retry):
+            attempts.pending_retry = True
+            if decision.reserved_tokens:
+                attempts.reserved[attempts.count + 1] = decision.reserved_tokens
+        elif isinstance(decision, Abort):
+            self._acted(attempts, "abort", decision.reason or "loop")
+        else:
+            self._acted(attempts, "observe", decision.reason or "observe")
+        return decision
+
+    def retry_failed(self, attempts: Attempts) -> None:
+        if attempts.pending_retry:
+            attempts.pending_retry = False
+            self._acted(attempts, "retry", "error")
+        self._settle(attempts, 0)
+
+    def attempt_ended(self, attempts: Attempts, tokens: int) -> None:
+        """An attempt ended (or was stopped) after generating ``tokens``: the client's own
+        request adds to what the model generated, a recovery's settles what it reserved."""
+        attempts.generated = tokens
+        if attempts.count > 1:
+            self._bus.publish(
+                RecoveryTokens(attempts.model, attempts.strategy, tokens, attempts.kept_tokens)
+            )
+        if self._budget is None:
+            return
+        if attempts.count == 1:
+            self._budget.record_generated(attempts.model, tokens)
+        self._settle(attempts, tokens, attempts.count)
+
+    def next_attempt(
+        self, attempts: Attempts, decision: Retry, base: dict[str, Any], text: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """The body of the attempt a retry sends, and the prefix it continues (None for a
+        restart). ``text`` is what the looping attempt generated in the trigger's channel
+        (None when it was not kept); ``base`` the client's request."""
+        trigger = attempts.trigger
+        if (
+            decision.strategy == "continue"
+            and trigger is not None
+            and text is not None
+            and can_continue(attempts.endpoint, base, trigger)
+        ):
+            prefix = prefix_of(text, trigger)
+            if prefix:
+                # A continued attempt generated the text after its own prefix only.
+                generated = attempts.generated + attempts.kept_tokens
+                kept = estimate_tokens(prefix, text, generated)
+                body = continuation_body(attempts.endpoint, base, decision.overrides, prefix, kept)
+                if body is not None:
+                    attempts.strategy, attempts.kept_tokens = "continue", kept
+                    return body, prefix
+        attempts.strategy, attempts.kept_tokens = "restart", 0
+        return {**base, **decision.overrides}, None
+
+    def _settle(self, attempts: Attempts, tokens: int, attempt: int | None = None) -> None:
+        """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""
+        if self._budget is None:
+            return
+        settled = False
+        # None: every reservation left, for attempts that will not be sent.
+        for number in list(attempts.reserved) if attempt is None else [attempt]:
+            reserved = attempts.reserved.pop(number, 0)
+            if reserved:
+                self._budget.settle(attempts.model, reserved, tokens)
+                settled = True
+        # The gauge follows the account: at once when a recovery moved it, else once a second
+        # per model (each request's tokens move "allowed" a little; not worth an update each).
+        now = int(self._clock())
+        if settled or attempts.count > 1 or self._published.get(attempts.model) != now:
+            if len(self._published) < MAX_PUBLISHED or attempts.model in self._published:
+                self._published[attempts.model] = now
+            use = self._budget.use(attempts.model)
+            self._bus.publish(RecoveryBudgetUsed(attempts.model, use.spent, use.allowed))
+
+    def _acted(self, attempts: Attempts, action: str, outcome: str) -> None:
+        attempts.history.append(outcome)
+        retry = action == "retry"
+        self._bus.publish(
+            PolicyActed(
+                attempts.request_id,
+                attempts.model,
+                action,
+                outcome,
+                attempts.count,
+                attempts.strategy if retry else "",
+            )
+        )
+
+
+def abort_chunk(endpoint: str, chunk_id: str | None, model: str, choice: int) -> bytes:
+    """The last event of a stream ended by a policy: finish_reason ``repetition`` (vLLM's own
+    for a loop it stopped), then ``[DONE]``."""
+    chat = endpoint == "chat"
+    end: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": "repetition"}
+    if chat:
+        end["delta"] = {}
+    else:
+        end["text"] = ""
+    payload = {
+        "id": chunk_id or ("chatcmpl-detproxy" if chat else "cmpl-detproxy"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [end],
+    }
+    return b"data: " + orjson.dumps(payload) + b"\n\ndata: [DONE]\n\n"
+
+
+def retry_comment(attempt: int, reason: str) -> bytes:
+    """Marks a restart in the stream; SSE clients ignore comments."""
+    safe = reason.replace("\n", " ").replace("\r", " ")
+    return f": detproxy retry attempt={attempt} reason={safe}\n\n".encode()
+
+
+def cut_answer(answer: dict[str, Any], endpoint: str, trigger: Trigger) -> None:
+    """End a non-streamed answer at the loop: one unit kept, finish_reason ``repetition``."""
+    for choice in answer.get("choices") or []:
+        if not isinstance(choice, dict) or choice.get("index", 0) != trigger.choice:
+            continue
+        choice["finish_reason"] = "repetition"
+        if trigger.start_offset is None or trigger.period is None:
+            continue
+        end = trigger.start_offset + trigger.period
+        if endpoint != "chat":
+            if isinstance(choice.get("text"), str):
+                choice["text"] = choice["text"][:end]
+            continue
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            continue
+        names = REASONING_KEYS if trigger.channel == "reasoning" else ("content",)
+        for name in names:
+            if isinstance(message.get(name), str):
+                message[name] = message[name][:end]

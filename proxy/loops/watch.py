@@ -1,0 +1,203 @@
+"""Loop triggers for one response: proxy-side detectors per choice and channel, plus what the
+engine says (finish_reason ``repetition``) and runaways (``length`` with no content after
+reasoning). Reasoning is read by ``proxy.openai.reasoning_of``.
+
+``on_chunk`` takes a fast path for the shape nearly every chunk has (one choice whose delta is a
+dict, for a choice already seen) and walks the general way otherwise. ``on_run`` feeds the text
+deltas of consecutive chunks at once: the detector is split-invariant, so the trigger is the one
+the chunks fed one by one would have given, and the chunk that would have fired it is located
+from the report's check offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from policies.base import Trigger
+from proxy.loops.detector import DetectorConfig, LoopDetector, LoopReport
+from proxy.openai import reasoning_of
+
+MAX_CHOICES = 128  # n is client-controlled: bound the detectors kept per response
+
+
+# The most content kept per choice for a continuation (chars); past it, a loop restarts.
+MAX_KEPT_CHARS = 4 * 1024 * 1024
+
+
+class _ChoiceWatch:
+    __slots__ = ("content", "kept", "kept_chars", "reasoning", "saw_content", "saw_reasoning")
+
+    def __init__(self, config: DetectorConfig, keep: bool) -> None:
+        self.reasoning = LoopDetector(config)
+        self.content = LoopDetector(config)
+        self.saw_reasoning = False
+        self.saw_content = False
+        # The content seen, when a recovery may continue from it.
+        self.kept: list[str] | None = [] if keep else None
+        self.kept_chars = 0
+
+    def keep(self, text: str) -> None:
+        if self.kept is not None:
+            self.kept_chars += len(text)
+            if self.kept_chars > MAX_KEPT_CHARS:
+                self.kept = None
+            else:
+                self.kept.append(text)
+
+
+def _trigger(source: str, channel: str, choice: int, report: LoopReport | None = None) -> Trigger:
+    if report is None:
+        return Trigger(source, channel, choice)
+    return Trigger(
+        source,
+        channel,
+        choice,
+        report.period,
+        report.repeats,
+        report.start_offset,
+        report.unit_preview,
+    )
+
+
+class LoopWatch:
+    """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind."""
+
+    def __init__(
+        self, endpoint: str, config: DetectorConfig, runaway: bool = True, keep: bool = False
+    ) -> None:
+        self._chat = endpoint == "chat"
+        self._config = config
+        self._runaway = runaway
+        self._keep = keep  # keep the first choice's content, for a continuation
+        self._choices: dict[int, _ChoiceWatch] = {}
+
+    def _watch(self, index: Any) -> _ChoiceWatch | None:
+        if not isinstance(index, int):
+            index = 0
+        watch = self._choices.get(index)
+        if watch is None and len(self._choices) < MAX_CHOICES:
+            watch = self._choices[index] = _ChoiceWatch(self._config, self._keep and index == 0)
+        return watch
+
+    def content(self, index: int = 0) -> str | None:
+        """The content choice ``index`` streamed so far, when it was kept."""
+        watch = self._choices.get(index)
+        if watch is None or watch.kept is None:
+            return None
+        return "".join(watch.kept)
+
+    def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
+        """One parsed SSE chunk of a stream."""
+        choices = chunk.get("choices")
+        if self._chat and type(choices) is list and len(choices) == 1:
+            raw = choices[0]
+            if type(raw) is dict:
+                delta = raw.get("delta")
+                index = raw.get("index", 0)
+                # The common shape, for a choice already watched: what _choices_of does, inline.
+                if type(delta) is dict and type(index) is int:
+                    watch = self._choices.get(index)
+                    if watch is not None:
+                        return self._delta(watch, index, raw, delta)
+        return self._choices_of(chunk, "delta")
+
+    def _delta(
+        self, watch: _ChoiceWatch, index: int, raw: dict[str, Any], delta: dict[str, Any]
+    ) -> Trigger | None:
+        trigger = self._feed(watch, index, reasoning_of(delta), delta.get("content"))
+        finish = raw.get("finish_reason")
+        if trigger is None and finish is not None:
+            return self._finished(watch, index, finish, raw.get("stop_reason"))
+        return trigger
+
+    def on_run(self, index: int, channel: str, texts: Sequence[str]) -> tuple[Trigger, int] | None:
+        """Text deltas of one ``channel`` of choice ``index``, from consecutive chunks that
+        carry nothing else this watch looks at (no other text, no finish_reason).
+
+        Returns the trigger ``on_chunk`` would have returned for one of those chunks, with that
+        chunk's position in ``texts``; ``None`` when none would have triggered.
+        """
+        watch = self._watch(index)
+        if watch is None:
+            return None
+        text = "".join(texts)
+        if not text:
+            return None
+        if channel == "reasoning":
+            watch.saw_reasoning = True
+            detector = watch.reasoning
+        else:
+            watch.saw_content = True
+            if watch.kept is not None:
+                watch.keep(text)
+            detector = watch.content
+        at = detector.total_chars
+        report = detector.feed(text)
+        if report is None:
+            return None
+        # The detector fires at the check at offset start_offset + covered_chars, during the
+        # feed of the first delta that reaches it.
+        check = report.start_offset + report.covered_chars
+        position = len(texts) - 1
+        for i, delta in enumerate(texts):
+            at += len(delta)
+            if at >= check:
+                position = i
+                break
+        return _trigger("proxy", channel, index, report), position
+
+    def on_answer(self, answer: Mapping[str, Any]) -> Trigger | None:
+        """A whole non-streamed answer: the same checks, all at once."""
+        return self._choices_of(answer, "message")
+
+    def _choices_of(self, body: Mapping[str, Any], part: str) -> Trigger | None:
+        choices = body.get("choices")
+        if not isinstance(choices, list):
+            return None
+        for raw in choices:
+            if not isinstance(raw, dict):
+                continue
+            index = raw.get("index", 0)
+            watch = self._watch(index)
+            if watch is None:
+                continue
+            if self._chat:
+                message = raw.get(part)
+                message = message if isinstance(message, dict) else {}
+                trigger = self._feed(watch, index, reasoning_of(message), message.get("content"))
+            else:
+                trigger = self._feed(watch, index, None, raw.get("text"))
+            finish = raw.get("finish_reason")
+            if trigger is None and finish is not None:
+                trigger = self._finished(watch, index, finish, raw.get("stop_reason"))
+            if trigger is not None:
+                return trigger
+        return None
+
+    def _feed(
+        self, watch: _ChoiceWatch, index: int, reasoning: str | None, content: Any
+    ) -> Trigger | None:
+        if reasoning:
+            watch.saw_reasoning = True
+            report = watch.reasoning.feed(reasoning)
+            if report is not None:
+                return _trigger("proxy", "reasoning", index, report)
+        if isinstance(content, str) and content:
+            watch.saw_content = True
+            if watch.kept is not None:
+                watch.keep(content)
+            report = watch.content.feed(content)
+            if report is not None:
+                return _trigger("proxy", "content", index, report)
+        return None
+
+    def _finished(
+        self, watch: _ChoiceWatch, index: int, finish: Any, stop_reason: Any
+    ) -> Trigger | None:
+        channel = "content" if watch.saw_content or not watch.saw_reasoning else "reasoning"
+        if finish == "repetition" or stop_reason == "repetition_detected":
+            return _trigger("engine", channel, index)
+        if self._runaway and finish == "length" and watch.saw_reasoning and not watch.saw_content:
+            return _trigger("runaway", "reasoning", index)
+        return None

@@ -1,0 +1,65 @@
+"""What the live page needs that neither the ring nor the tally keeps: audits by time (the
+identical ones too, so rates over time have denominators) and the upstream's fingerprint
+readings. A bus subscriber; bounded in buckets, keys and readings."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+from proxy.events import AuditCompleted, EventBus, UpstreamFingerprinted
+from proxy.observe.status import MAX_KEYS
+from proxy.observe.ui.timeline import Observation, Point
+
+BUCKET_S = 10.0
+MAX_BUCKETS = 6 * 360  # six hours
+MAX_READINGS = 512
+
+
+class LiveHistory:
+    def __init__(
+        self,
+        bucket_s: float = BUCKET_S,
+        max_buckets: int = MAX_BUCKETS,
+        max_readings: int = MAX_READINGS,
+    ) -> None:
+        self._bucket_s = bucket_s
+        self._max_buckets = max_buckets
+        self._buckets: dict[int, Counter[tuple[str, str]]] = {}  # bucket -> (model, verdict)
+        # Of each run of one fingerprint, its first and its latest reading.
+        self._readings: deque[Observation] = deque(maxlen=max_readings)
+
+    def subscribe(self, bus: EventBus) -> None:
+        bus.subscribe(AuditCompleted, self._audited)
+        bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
+
+    def _audited(self, ev: AuditCompleted) -> None:
+        bucket = int(ev.timestamp // self._bucket_s)
+        counts = self._buckets.get(bucket)
+        if counts is None:
+            counts = self._buckets[bucket] = Counter()
+            while len(self._buckets) > self._max_buckets:
+                del self._buckets[min(self._buckets)]
+        key = (ev.model, ev.verdict.verdict)
+        if key in counts or len(counts) < MAX_KEYS:
+            counts[key] += 1
+
+    def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
+        fp = ev.fingerprint
+        reading = Observation(fp.read_at, fp.fingerprint, fp.kind, fp.version)
+        readings = self._readings
+        same_run = len(readings) >= 2 and readings[-1].fingerprint == fp.fingerprint
+        if same_run and readings[-2].fingerprint == fp.fingerprint:
+            readings[-1] = reading  # the run's latest reading replaces the previous latest
+        else:
+            readings.append(reading)
+
+    def points(self) -> list[Point]:
+        half = self._bucket_s / 2
+        return [
+            Point(bucket * self._bucket_s + half, model, verdict, n)
+            for bucket, counts in sorted(self._buckets.items())
+            for (model, verdict), n in counts.items()
+        ]
+
+    def readings(self) -> list[Observation]:
+        return list(self._readings)

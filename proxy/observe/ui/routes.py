@@ -1,0 +1,111 @@
+"""``/detproxy/ui``: the explorer served live from the incident ring, the tally and the live
+history. Under ``/detproxy/``, so the admin guard applies to it as to every admin endpoint
+(the admin listener only, the bearer token)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Mapping
+from typing import cast
+
+from aiohttp import web
+
+from proxy.events import EventBus
+from proxy.observe.incidents import IncidentLog
+from proxy.observe.status import AuditTally
+from proxy.observe.ui.filters import FilterError, parse_filter
+from proxy.observe.ui.history import LiveHistory
+from proxy.observe.ui.incident import detail_of, incident_id
+from proxy.observe.ui.overview import Inputs, Key3, build_overview
+from proxy.observe.ui.page import UI_PATH, Links, csp, new_nonce
+from proxy.observe.ui.render import error_page, incident_page, overview_page
+
+_ID = re.compile(r"[0-9a-f]{16}")
+ALL = 10**9  # recent(ALL): the whole ring
+
+
+def _html(body: str, nonce: str, status: int = 200) -> web.Response:
+    return web.Response(
+        text=body,
+        status=status,
+        content_type="text/html",
+        charset="utf-8",
+        headers={
+            "Content-Security-Policy": csp(nonce),
+            "Cache-Control": "no-store",
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+        },
+    )
+
+
+class Explorer:
+    def __init__(
+        self,
+        incidents: IncidentLog,
+        tally: AuditTally,
+        history: LiveHistory,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._incidents = incidents
+        self._tally = tally
+        self._history = history
+        self._clock = clock
+        self._links = Links(UI_PATH)
+
+    def inputs(self) -> Inputs:
+        tally = self._tally
+        return Inputs(
+            records=self._incidents.recent(ALL),
+            audits=cast(Mapping[Key3, int], tally.audits),
+            loops=cast(Mapping[Key3, int], tally.loops),
+            recoveries=cast(Mapping[Key3, int], tally.recoveries),
+            by_inflight=cast(Mapping[Key3, int], tally.by_inflight),
+            points=self._history.points(),
+            readings=self._history.readings(),
+            now=self._clock(),
+            source="live",
+        )
+
+    def _error(self, status: int, message: str) -> web.Response:
+        nonce = new_nonce()
+        return _html(error_page(status, message, self._links, nonce), nonce, status)
+
+    async def overview(self, request: web.Request) -> web.Response:
+        try:
+            wanted = parse_filter(request.query.items())
+        except FilterError as exc:
+            return self._error(400, f"bad query parameter {exc.param}: {exc}")
+        nonce = new_nonce()
+        return _html(
+            overview_page(build_overview(self.inputs(), wanted), self._links, nonce), nonce
+        )
+
+    async def incident(self, request: web.Request) -> web.Response:
+        wanted = request.match_info["incident_id"]
+        if not _ID.fullmatch(wanted):
+            return self._error(400, "an incident id is 16 lowercase hex digits")
+        for record in self._incidents.recent(ALL):
+            if incident_id(record) == wanted:
+                detail = detail_of(record)
+                if detail is not None:
+                    nonce = new_nonce()
+                    return _html(incident_page(detail, self._links, nonce, "live"), nonce)
+        return self._error(
+            404,
+            f"no incident {wanted} in the ring (it keeps the newest; older ones are in the"
+            " incident log file: detproxy report --html)",
+        )
+
+
+def register_ui(
+    app: web.Application, bus: EventBus, incidents: IncidentLog, tally: AuditTally
+) -> None:
+    """Add the explorer's routes (before any catch-all route) and its history subscriber."""
+    history = LiveHistory()
+    history.subscribe(bus)
+    explorer = Explorer(incidents, tally, history)
+    app.router.add_get(UI_PATH, explorer.overview)
+    app.router.add_get(UI_PATH + "/", explorer.overview)
+    app.router.add_get(UI_PATH + "/incident/{incident_id}", explorer.incident)

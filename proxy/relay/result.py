@@ -1,0 +1,112 @@
+"""What one streamed attempt came to: events, the first id, tokens, usage and their timing.
+
+``StreamResult`` is the one accumulator all three relay paths report into (raw, template and
+general: ``proxy.relay.stream``); the bookkeeping per parsed chunk (``tally_chunk``) and per token
+event (``count_tokens``) lives here, once. Tokens are counted as tokens, not events: a chunk
+can carry several (vLLM's stream interval, speculative decoding), told by usage growth, else
+by logprobs entries, else one an event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from policies.base import Abort, Retry, Trigger
+from proxy.openai import choice_text, completion_tokens_of
+
+
+@dataclass(slots=True)
+class StreamResult:
+    complete: bool = False  # the upstream stream ended normally
+    first_event_s: float | None = None  # since the start of the request
+    events: int = 0
+    first_id: str | None = None
+    trigger: Trigger | None = None
+    decision: Retry | Abort | None = None  # the relay stopped early on this
+    # Speed as the client sees it: token events (chunks carrying text), seconds since t0.
+    token_events: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    completion_tokens: int | None = None  # from a usage chunk, when the upstream sends one
+    # The tokens the token events carried (a chunk can carry several: vLLM's stream interval,
+    # speculative decoding), from usage growth, else logprobs entries, else one an event.
+    tokens: int = 0
+    first_tokens: int = 0  # those of the first token event (read, on the raw path)
+
+    def add_events(self, n: int, at: float) -> None:
+        """``n`` whole events arrived, ``at`` seconds since the start of the request."""
+        if self.first_event_s is None:
+            self.first_event_s = at
+        self.events += n
+
+    def speed(self) -> StreamSpeed | None:
+        """The stream's speed in tokens; None when no token came."""
+        first, last = self.first_token_s, self.last_token_s
+        if first is None or last is None:
+            return None
+        total = self.completion_tokens or self.tokens
+        after = total - self.first_tokens  # the tokens that came after the first token event
+        decode_s = last - first
+        return StreamSpeed(
+            ttft_s=first,
+            tokens=total,
+            inter_token_s=decode_s / after if after > 0 else None,
+            tokens_per_s=after / decode_s if after > 0 and decode_s > 0 else None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpeed:
+    ttft_s: float
+    tokens: int  # the usage's completion_tokens when the upstream sent it
+    inter_token_s: float | None  # mean time between the tokens after the first token event
+    tokens_per_s: float | None  # decode rate between the first and the last token event
+
+
+def _listed(logprobs: Any) -> int:
+    """The tokens a chunk's logprobs list: chat's ``content``, completions' ``tokens``."""
+    if type(logprobs) is not dict:
+        return 0
+    entries = logprobs.get("content")
+    if type(entries) is not list:
+        entries = logprobs.get("tokens")
+    return len(entries) if type(entries) is list else 0
+
+
+def text_tokens(chunk: dict[str, Any]) -> tuple[bool, int]:
+    """Whether a parsed chunk carries text, and the logprobs entries of its choices with text."""
+    choices = chunk.get("choices")
+    found, listed = False, 0
+    if type(choices) is list:
+        for choice in choices:
+            if type(choice) is not dict:
+                continue
+            if choice_text(choice) is not None:
+                found = True
+                listed += _listed(choice.get("logprobs"))
+    return found, listed
+
+
+def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], float]) -> None:
+    """Token timing and usage of one parsed chunk (the inspected path's per-event count)."""
+    found, listed = text_tokens(chunk)
+    before = result.completion_tokens
+    usage = completion_tokens_of(chunk)
+    if usage is not None:
+        result.completion_tokens = usage
+    if found:
+        grown = usage - (before or 0) if usage is not None else 0
+        count_tokens(result, 1, now(), grown if grown > 0 else listed or 1)
+
+
+def count_tokens(result: StreamResult, events: int, at: float, tokens: int | None = None) -> None:
+    """``events`` token events at ``at``, carrying ``tokens`` tokens (one each unless known)."""
+    n = events if tokens is None else tokens
+    if result.first_token_s is None:
+        result.first_token_s = at
+        result.first_tokens = n
+    result.last_token_s = at
+    result.token_events += events
+    result.tokens += n

@@ -1,0 +1,272 @@
+"""The relay's simple path: reads whose complete events are all single ``data: `` lines.
+
+A strategy of ``StreamRelay`` (see its module docstring for the paths), which owns the per-chunk
+stages this path calls (parse, observe, transform, hold) and the result. A read arrives as its
+events' bytes and their data fields (``SSEDecoder.feed_data``); events that reach the client
+unchanged stay slices of the read (``_Out``), never copied one by one or re-encoded. Data fields
+that match a learned ``ChunkTemplate`` gather into a run: their texts are decoded in one call,
+token timing counts them at once, and the loop watch gets each stretch of one choice and channel
+in one ``on_run`` call, which names the chunk a trigger belongs to: the decision then stops at
+that chunk, and everything before it is handled as if each chunk had been parsed. Any other
+event is parsed and handled like the general path's (and may teach a template). ``relay_one``
+handles a read that is exactly one template chunk, before any splitting.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import orjson
+
+from policies.base import Trigger
+from proxy.loops.watch import LoopWatch
+from proxy.relay.result import count_tokens
+from proxy.relay.template import ChunkTemplate, Templates, decode
+
+if TYPE_CHECKING:
+    from proxy.relay.stream import StreamRelay
+
+
+class _Out:
+    """What one read's complete events (``src``) become: unchanged events stay slices of it."""
+
+    __slots__ = ("parts", "src", "start")
+
+    def __init__(self, src: bytes) -> None:
+        self.src = src
+        self.parts: list[bytes] = []
+        self.start = 0  # src[start:] is relayed unchanged so far
+
+    def put(self, offset: int, size: int, data: bytes | None) -> None:
+        """The event at ``src[offset:offset + size]`` becomes ``data`` (size 0: inserted)."""
+        if offset > self.start:
+            self.parts.append(self.src[self.start : offset])
+        if data:
+            self.parts.append(data)
+        self.start = offset + size
+
+    def take(self, end: int) -> bytes:
+        """Everything up to ``src[end]``, the changes put in."""
+        if not self.parts and not self.start:
+            return self.src if end == len(self.src) else self.src[:end]
+        if end > self.start:
+            self.parts.append(self.src[self.start : end])
+        return b"".join(self.parts)
+
+
+class SimpleReads:
+    """The simple path of one attempt's relay, and the chunk templates it learns."""
+
+    __slots__ = ("_relay", "templates")
+
+    def __init__(self, relay: StreamRelay, templates: Templates | None) -> None:
+        self._relay = relay
+        self.templates = templates
+
+    def relay_one(self, read: bytes) -> bytes | None:
+        """A read that is exactly one event matching a template (a token streamed on its own,
+        the usual read), handled without splitting it; None: take the usual way."""
+        assert self.templates is not None
+        for tpl in self.templates.active:
+            literal = tpl.literal(read, event=True)
+            if literal is not None:
+                # No raw newline in it: one event. A JSON string: what the template says.
+                if 10 in literal:
+                    return None
+                try:
+                    text = orjson.loads(literal)
+                except orjson.JSONDecodeError:
+                    return None
+                if type(text) is not str:
+                    return None
+                break
+        else:
+            return None
+        self.templates.hits += 1
+        result = self._relay.result
+        if text:
+            count_tokens(result, 1, self._relay.now())
+        watch = self._relay.plan.loop_watch
+        if watch is not None and result.trigger is None:
+            found = watch.on_run(tpl.index, tpl.channel, (text,))
+            if found is not None and self._relay.decide(found[0]):
+                return b""
+        if self._relay.holding:
+            return self._relay.hold(tpl.releases if text else None, read) or b""
+        return read
+
+    def relay_simple(self, src: bytes, datas: list[bytes]) -> bytes:
+        """The simple path: ``src`` is the events ``b"data: " + d + b"\n\n"`` for d in datas."""
+        out = _Out(src)
+        templates = self.templates if not self._relay.inspectors else None
+        offset = 0
+        i = 0
+        while i < len(datas):
+            if not self._relay.inspecting:
+                break  # the rest goes out as it came
+            if templates is not None and templates.active:
+                literals, matched = _match(datas, i, templates.active)
+                if literals:
+                    run = datas if len(literals) == len(datas) else datas[i : i + len(literals)]
+                    stop = self._relay_run(out, offset, run, literals, matched)
+                    if stop is not None:
+                        return out.take(stop)
+                    offset += sum(map(len, run)) + 8 * len(run)
+                    i += len(run)
+                    continue
+            data = datas[i]
+            if self._simple_event(data, offset, out):
+                return out.take(offset)
+            offset += len(data) + 8
+            i += 1
+        return out.take(len(src))
+
+    def _simple_event(self, data: bytes, offset: int, out: _Out) -> bool:
+        """One event of the simple path, parsed; True when a decision stops the relay."""
+        chunk = self._relay.parse(data)
+        if chunk is None:  # [DONE] or malformed: whatever was held goes first
+            self._relay.holding = False
+            if self._relay.held:
+                out.put(offset, 0, self._relay.flush_held(b""))
+            return False
+        plan = self._relay.plan
+        templates = self.templates
+        if (
+            templates is not None
+            and not self._relay.inspectors
+            and (plan.id_override is None or chunk.get("id") == plan.id_override)
+        ):
+            templates.learn(chunk, data)
+        if self._relay.observe(chunk):
+            return True
+        if plan.strip_logprobs or plan.id_override is not None or self._relay.holding:
+            size = len(data) + 8
+            raw = out.src[offset : offset + size]
+            written = self._relay.transform(chunk, raw)
+            if written is not raw:
+                out.put(offset, size, written)
+        return False
+
+    def _relay_run(
+        self,
+        out: _Out,
+        offset: int,
+        datas: list[bytes],
+        literals: list[bytes],
+        matched: list[ChunkTemplate],
+    ) -> int | None:
+        """Consecutive template hits from ``src[offset]``; returns where a decision stops."""
+        texts = decode(literals)
+        if texts is None:  # not what the templates say: parse them one by one
+            for data in datas:
+                if not self._relay.inspecting:
+                    break
+                if self._simple_event(data, offset, out):
+                    return offset
+                offset += len(data) + 8
+            return None
+        assert self.templates is not None
+        self.templates.hits += len(texts)
+        watch = self._relay.plan.loop_watch
+        found = None
+        if watch is not None and self._relay.result.trigger is None:
+            first = matched[0]
+            # One template is the usual case (list.count compares identity first).
+            if len(matched) == 1 or matched.count(first) == len(matched):
+                found = watch.on_run(first.index, first.channel, texts)
+            else:
+                found = _watch_stretches(watch, texts, matched)
+        if found is None:
+            self._count_run(texts)
+            if self._relay.holding:
+                self._hold_run(out, offset, datas, texts, matched, 0)
+            return None
+        trigger, at = found
+        self._count_run(texts[: at + 1])  # the triggering chunk is counted before the decision
+        if self._relay.holding:
+            self._hold_run(out, offset, datas[:at], texts, matched, 0)
+        if self._relay.decide(trigger):
+            return offset + sum(map(len, datas[:at])) + 8 * at
+        self._count_run(texts[at + 1 :])
+        if self._relay.holding:
+            self._hold_run(out, offset, datas, texts, matched, at)
+        return None
+
+    def _count_run(self, texts: list[str]) -> None:
+        tokens = len(texts) - texts.count("")
+        if tokens:
+            count_tokens(self._relay.result, tokens, self._relay.now())
+
+    def _hold_run(
+        self,
+        out: _Out,
+        offset: int,
+        datas: list[bytes],
+        texts: list[str],
+        matched: list[ChunkTemplate],
+        start: int,
+    ) -> None:
+        """Hold or release the hits ``datas[start:]`` (the run starts at ``src[offset]``)."""
+        for k, data in enumerate(datas):
+            size = len(data) + 8
+            if k >= start:
+                if not self._relay.holding:
+                    return
+                raw = out.src[offset : offset + size]
+                written = self._relay.hold(matched[k].releases if texts[k] else None, raw)
+                if written is not raw:
+                    out.put(offset, size, written)
+            offset += size
+
+
+def _match(
+    datas: list[bytes], start: int, active: list[ChunkTemplate]
+) -> tuple[list[bytes], list[ChunkTemplate]]:
+    """The literals of the template hits from ``datas[start]`` on, up to the first miss."""
+    literals: list[bytes] = []
+    matched: list[ChunkTemplate] = []
+    tpl = active[0]
+    # The usual case inline: a one-literal template, checked by its prefix and suffix, and
+    # the literal from quote to quote (the suffix is longer than its quote).
+    inline = tpl.middle is None
+    prefix, suffix = tpl.prefix, tpl.suffix
+    cut, end = len(prefix) - 1, 1 - len(suffix)
+    for data in datas[start:] if start else datas:
+        if inline and data.startswith(prefix) and data.endswith(suffix):
+            # A data field shorter than prefix + suffix yields a literal too short for decode().
+            literals.append(data[cut:end])
+            matched.append(tpl)
+            continue
+        for other in active:
+            literal = other.literal(data)
+            if literal is not None:
+                literals.append(literal)
+                matched.append(other)
+                tpl = other
+                inline = tpl.middle is None
+                prefix, suffix = tpl.prefix, tpl.suffix
+                cut, end = len(prefix) - 1, 1 - len(suffix)
+                break
+        else:
+            break
+    return literals, matched
+
+
+def _watch_stretches(
+    watch: LoopWatch, texts: list[str], matched: list[ChunkTemplate]
+) -> tuple[Trigger, int] | None:
+    """Feed a run to the loop watch, one call per stretch of one choice and channel."""
+    start = 0
+    while start < len(texts):
+        tpl = matched[start]
+        stop = start + 1
+        while stop < len(texts) and (matched[stop].index, matched[stop].channel) == (
+            tpl.index,
+            tpl.channel,
+        ):
+            stop += 1
+        found = watch.on_run(tpl.index, tpl.channel, texts[start:stop])
+        if found is not None:
+            return found[0], start + found[1]
+        start = stop
+    return None

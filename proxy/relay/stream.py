@@ -1,0 +1,340 @@
+"""The streaming relay: upstream SSE bytes -> decoder -> inspectors -> client, event by event.
+
+Whole events are written as soon as they are complete, byte for byte as they arrived unless a
+stage changes them (logprobs detproxy injected are stripped; a restarted attempt keeps the
+original ``id``), so a stream that breaks mid-event can still be ended cleanly with an
+in-band error. Inspection is best effort: malformed SSE or JSON switches it off for this
+response and the bytes go on. With ``hold_reasoning``, reasoning events are held back until
+reasoning ends (within a bound), so an attempt abandoned for a loop is never shown.
+
+Three paths, one result (the client gets the same bytes, whatever the split of the reads):
+
+- raw: when nothing looks at the events (no inspector, no loop watch, nothing rewritten or
+  held), each read's complete events go out in one write, undecoded; ``RawTally`` counts what
+  ``StreamResult`` reports with bytes searches (see ``proxy.relay.raw`` for its approximations);
+- simple: a read whose complete events are all single ``data: `` lines (what every engine
+  sends) is split with bytes operations (``SSEDecoder.feed_data``); unchanged events go out as
+  slices of the read, never re-encoded. Token chunks that match a learned ``ChunkTemplate``
+  are not parsed at all: their texts are decoded in one call per run and fed to the loop watch
+  at once (``LoopWatch.on_run``), which locates the chunk a trigger belongs to, so a decision
+  stops at the same event as when each chunk is parsed. A read that is one such chunk (a
+  token streamed on its own) is handled whole, not even split;
+- general: any other read goes through the decoder and is parsed event by event.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from policies.base import Abort, Continue, Decision, Retry, Trigger
+from proxy.audit.inject import strip_logprobs
+from proxy.events import EventBus, InspectionStopped, UpstreamFailed
+from proxy.http.errors import inband_error_event
+from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
+from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
+from proxy.loops.watch import LoopWatch
+from proxy.openai import reasoning_of
+from proxy.relay.inspectors import InspectorSet
+from proxy.relay.raw import RawTally
+from proxy.relay.result import StreamResult, tally_chunk
+from proxy.relay.simple import SimpleReads
+from proxy.relay.template import Templates
+
+
+@dataclass(frozen=True, slots=True)
+class StreamPlan:
+    """How one attempt's stream is relayed."""
+
+    strip_logprobs: bool = False
+    id_override: str | None = None  # a restarted attempt continues under the first id
+    hold_reasoning: bool = False
+    hold_max_bytes: int = 256 * 1024
+    loop_watch: LoopWatch | None = None
+    on_trigger: Callable[[Trigger], Decision] | None = None
+
+
+def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
+    """True: reasoning is over; False: a reasoning delta; None: neither (e.g. the role chunk)."""
+    choices = chunk.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return True  # usage or error chunks end the hold
+    reasoning = False
+    for choice in choices:
+        if not isinstance(choice, dict):
+            continue
+        if choice.get("finish_reason") is not None or choice.get("text"):
+            return True
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("content") or delta.get("tool_calls"):
+                return True
+            if reasoning_of(delta) is not None:
+                reasoning = True
+    return False if reasoning else None
+
+
+class StreamRelay:
+    """Relays one upstream SSE attempt to the client response."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        inspectors: InspectorSet,
+        bus: EventBus,
+        max_event_bytes: int,
+        t0: float,
+        plan: StreamPlan = StreamPlan(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock  # the speed metrics' time; tests inject theirs
+        self._endpoint = endpoint
+        self.inspectors = inspectors
+        self.inspecting = True
+        self._bus = bus
+        self._max_event_bytes = max_event_bytes
+        self._decoder = SSEDecoder(max_event_bytes)
+        self._t0 = t0
+        self.plan = plan
+        self.holding = plan.hold_reasoning
+        self.held: list[bytes] = []
+        self.heldbytes_ = 0
+        # Templates need chunks that reach the client unchanged and no inspector (they see
+        # dicts); strip_logprobs changes them, a restarted attempt's id is checked on learning.
+        self._simple = SimpleReads(
+            self, None if plan.strip_logprobs else Templates(endpoint == "chat")
+        )
+        self.result = StreamResult()
+
+    @property
+    def templates(self) -> Templates | None:
+        """The chunk templates the simple path learned (None: it learns none)."""
+        return self._simple.templates
+
+    @property
+    def raw(self) -> bool:
+        """Nothing looks at the events: they are relayed undecoded."""
+        plan = self.plan
+        return not (
+            self.inspectors
+            or plan.loop_watch is not None
+            or plan.strip_logprobs
+            or plan.id_override is not None
+            or plan.hold_reasoning
+        )
+
+    def now(self) -> float:
+        return self._clock() - self._t0
+
+    def _stop_inspecting(self, reason: str) -> None:
+        if self.inspecting:
+            self.inspecting = False
+            self._bus.publish(InspectionStopped(self._endpoint, reason))
+
+    def _stop_inspecting_hold(self) -> None:
+        self._bus.publish(InspectionStopped(self._endpoint, "hold_overflow"))
+
+    # -- one event -------------------------------------------------------------------------
+
+    def parse(self, data: bytes | None) -> dict[str, Any] | None:
+        if data is None or data == b"[DONE]":
+            return None
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            chunk = None
+        if not isinstance(chunk, dict):
+            self._stop_inspecting("malformed_json")
+            return None
+        return chunk
+
+    def _process(self, event: SSEEvent) -> bytes | None:
+        """Inspect one event; return the bytes to write now (None: held or withheld)."""
+        chunk = self.parse(event.data)
+        if chunk is None:  # [DONE], a comment, or malformed: whatever was held goes first
+            self.holding = False
+            return self.flush_held(event.raw)
+        if self.observe(chunk):
+            return None
+        return self.transform(chunk, event.raw)
+
+    def observe(self, chunk: dict[str, Any]) -> bool:
+        """What is measured and detected on one chunk; True when a decision stops the relay."""
+        result = self.result
+        if result.first_id is None and isinstance(chunk.get("id"), str):
+            result.first_id = chunk["id"]
+        tally_chunk(result, chunk, self.now)
+        if self.inspectors:
+            self.inspectors.on_chunk(chunk)
+        watch = self.plan.loop_watch
+        # Only the first trigger counts: after it the watch is not asked again.
+        if watch is not None and result.trigger is None:
+            trigger = watch.on_chunk(chunk)
+            if trigger is not None:
+                return self.decide(trigger)
+        return False
+
+    def decide(self, trigger: Trigger) -> bool:
+        result = self.result
+        result.trigger = trigger
+        plan = self.plan
+        decision = plan.on_trigger(trigger) if plan.on_trigger else Continue()
+        if isinstance(decision, Retry | Abort):
+            result.decision = decision
+            self.held.clear()  # a held looping attempt is never shown
+            return True
+        return False
+
+    def transform(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
+        """The bytes one inspected chunk becomes now (None: held)."""
+        plan = self.plan
+        changed = False
+        if plan.strip_logprobs and strip_logprobs(chunk):
+            changed = True  # logprobs detproxy injected: the client did not ask
+        if plan.id_override is not None and chunk.get("id") != plan.id_override:
+            chunk["id"] = plan.id_override
+            changed = True
+        if changed:
+            raw = encode_event(orjson.dumps(chunk))
+        if self.holding:
+            return self.hold(_releases_hold(chunk), raw)
+        return raw
+
+    def hold(self, release: bool | None, raw: bytes) -> bytes | None:
+        if release is True:
+            self.holding = False
+            return self.flush_held(raw)
+        if release is False or self.held:
+            self.held.append(raw)
+            self.heldbytes_ += len(raw)
+            if self.heldbytes_ > self.plan.hold_max_bytes:
+                self.holding = False  # past the bound: show what was held, stop holding
+                self._stop_inspecting_hold()
+                return self.flush_held(b"")
+            return None
+        return raw
+
+    def flush_held(self, raw: bytes) -> bytes:
+        if not self.held:
+            return raw
+        held = b"".join(self.held) + raw
+        self.held.clear()
+        return held
+
+    # -- one read ----------------------------------------------------------------------------
+
+    def _relay_events(self, events: list[SSEEvent]) -> bytes:
+        """The general path: decoded events, each parsed."""
+        parts: list[bytes] = []
+        for event in events:
+            if not self.inspecting:
+                parts.append(event.raw)
+            elif event.data is None and not event.raw.lstrip(b"\r\n").startswith(b":"):
+                self._stop_inspecting("malformed_sse")
+                parts.append(self.flush_held(event.raw))
+            else:
+                out = self._process(event)
+                if self.result.decision is not None:
+                    break
+                if out:
+                    parts.append(out)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _read(self, data: bytes) -> bytes:
+        """One upstream read, inspected: the bytes to write now."""
+        if not self.inspecting:
+            return self.flush_held(b"") + data
+        simple = self._simple
+        decoder = self._decoder
+        templates = simple.templates
+        if templates is not None and templates.active and not decoder.pending:
+            one = simple.relay_one(data) if not self.inspectors else None
+            if one is not None:
+                self.result.add_events(1, self.now())
+                return one
+        events: list[SSEEvent] = []
+        try:
+            split = decoder.feed_data(data)
+            if split is None:
+                events = decoder.feed(data)
+        except SSEOverflow as exc:
+            self._stop_inspecting("event_too_large")
+            return self.flush_held(b"") + exc.pending
+        n = len(split[1]) if split is not None else len(events)
+        if not n:
+            return b""
+        self.result.add_events(n, self.now())
+        out = simple.relay_simple(*split) if split is not None else self._relay_events(events)
+        if not self.inspecting:
+            out += self.flush_held(decoder.take_pending())  # raw from here on
+        return out
+
+    # -- the stream -------------------------------------------------------------------------
+
+    async def run(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
+        """Relay until the upstream ends or a decision stops it. Client write errors propagate."""
+        if self.raw:
+            return await self._run_raw(upstream, resp)
+        return await self._run_inspected(upstream, resp)
+
+    async def _run_raw(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
+        result = self.result
+        tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
+        try:
+            async for data in upstream.chunks():
+                out = tally.feed(data)
+                if out:
+                    await resp.write(out)
+        except READ_ERRORS as exc:
+            self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
+            # A blank line first ends an unfinished event relayed past the size bound.
+            prefix = b"\n\n" if tally.partial else b""
+            error = inband_error_event(502, "upstream connection lost mid-stream")
+            await resp.write(prefix + error)
+            self.inspectors.on_end(False)
+            return result
+        out = tally.finish()
+        if out:
+            await resp.write(out)
+        result.complete = True
+        self.inspectors.on_end(True)
+        return result
+
+    async def _run_inspected(
+        self, upstream: UpstreamResponse, resp: web.StreamResponse
+    ) -> StreamResult:
+        result = self.result
+        decoder = self._decoder
+        try:
+            async for data in upstream.chunks():
+                out = self._read(data)
+                if out:
+                    await resp.write(out)
+                if result.decision is not None:
+                    return result
+        except READ_ERRORS as exc:
+            self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
+            # Bytes of an unfinished event are dropped; a blank line first ends any partial
+            # line already relayed in raw mode, so the error event parses on its own.
+            prefix = self.flush_held(b"") + (b"" if self.inspecting else b"\n\n")
+            error = inband_error_event(502, "upstream connection lost mid-stream")
+            await resp.write(prefix + error)
+            self.inspectors.on_end(False)
+            return result
+        tail = decoder.pending
+        out = self.flush_held(b"")
+        if tail and self.inspecting:
+            # A last event without its blank line: relayed as it came unless rewritten.
+            final = decoder.flush()
+            processed = self._process(final) if final is not None else tail
+            out += (processed or b"") + self.flush_held(b"")
+        if out:
+            await resp.write(out)
+        result.complete = result.decision is None
+        self.inspectors.on_end(result.complete)
+        return result

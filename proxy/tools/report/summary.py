@@ -1,0 +1,309 @@
+"""From the records of incident logs to one report (a plain dict: what ``--json`` prints).
+
+Denominators come from tallies: for each process its last tally line (highest ``ts``), summed
+over processes. Positions, deltas and the worst items come from the audit lines read.
+
+The ``--json`` object (keys sorted; ``P`` = a proportion ``{count, denominator, of, rate,
+ci_low, ci_high}`` with a 95% Wilson interval, rate and bounds null when the denominator is 0):
+``schema``, ``files``, ``model_filter``, ``lines {read, audit, loop, tally, malformed,
+unknown_kind, duplicate}``, ``time_range {first, last} | null``, ``processes`` (ids whose last
+tally counted), ``denominators_known``, ``models {name: S}``, ``all_models S``,
+``shadows_dropped {reason: n} | null``, ``worst [{request_id, model, mode, choice, verdict, index,
+primary_token, shadow_token, margin, delta, ts, time}]``, ``notes [str]``. ``S``: ``counts_from``
+(tally|incidents), ``audited``, ``audited_by_mode`` (null without tallies), ``verdicts``,
+``verdicts_by_mode``, ``comparable``, ``rates {verdict: P}``, ``tar_r P``, ``tar_a P`` (null
+without tallies), ``incident_lines {audit, loop}``, ``positions {count, min, median, p90, max,
+histogram [{bucket, count}], near_tie {threshold_nats, count, with_margin, share}}``,
+``logprob_delta {count, null, p50, p90, p99, max}``, ``loops {counts_from, total,
+by_channel_source}``, ``recovery_strategies {strategy: {retried, recovered, looped_again,
+recovery P, generated_tokens, generated_per_retry, kept_tokens}}`` (null without tallies),
+``policy_actions {by_action, retried, recovered, recovery P, aborts,
+observed} | null``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from fnmatch import fnmatchcase
+from typing import Any
+
+from proxy.audit.verdict import VERDICTS
+from proxy.tools.report.load import AuditLine, Key3, LogData, LoopLine, Tally
+from proxy.tools.report.stats import delta_summary, position_summary, proportion
+
+SCHEMA = "detproxy.report/1"
+DIVERGED = ("text_divergence", "answer_divergence")
+WORST_RANK = {"answer_divergence": 0, "text_divergence": 1, "logprob_drift": 2}
+
+
+def latest_tallies(tallies: Iterable[Tally]) -> list[Tally]:
+    """Each process's last tally (highest ts; on a tie, the larger counts), sorted by process."""
+    last: dict[str, Tally] = {}
+    for t in tallies:
+        prev = last.get(t.process)
+        if prev is None or (t.ts, t.weight) > (prev.ts, prev.weight):
+            last[t.process] = t
+    return [last[p] for p in sorted(last)]
+
+
+def _sum(tallies: list[Tally], part: Callable[[Tally], dict[Key3, int]]) -> Counter[Key3]:
+    out: Counter[Key3] = Counter()
+    for t in tallies:
+        out.update(part(t))
+    return out
+
+
+def _nest(counts: Iterable[tuple[tuple[str, str], int]]) -> dict[str, dict[str, int]]:
+    out: dict[str, dict[str, int]] = {}
+    for (a, b), n in sorted(counts):
+        row = out.setdefault(a, {})
+        row[b] = row.get(b, 0) + n
+    return out
+
+
+def iso(ts: float) -> str:
+    """ISO 8601 UTC with milliseconds (``1970-01-01T00:00:00.000Z``)."""
+    try:
+        moment = datetime.fromtimestamp(ts, UTC)
+    except (OverflowError, ValueError, OSError):
+        return repr(ts)
+    return moment.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _time_range(data: LogData) -> dict[str, str] | None:
+    stamps = [a.ts for a in data.audits] + [lp.ts for lp in data.loops]
+    stamps += [t.ts for t in data.tallies] + [t.started for t in data.tallies]
+    return {"first": iso(min(stamps)), "last": iso(max(stamps))} if stamps else None
+
+
+def _verdicts(by_mode: dict[str, dict[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter({v: 0 for v in VERDICTS})
+    for counts in by_mode.values():
+        total.update(counts)
+    return {v: total[v] for v in (*VERDICTS, *sorted(set(total) - set(VERDICTS)))}
+
+
+def _rates(verdicts: dict[str, int]) -> dict[str, Any]:
+    audited = sum(verdicts.values())
+    comparable = audited - verdicts["incomparable"]
+    rates = {
+        v: proportion(n, audited, "audited")
+        if v == "incomparable"
+        else proportion(n, comparable, "comparable")
+        for v, n in verdicts.items()
+    }
+    return {
+        "comparable": comparable,
+        "rates": rates,
+        "tar_r": proportion(
+            verdicts["identical"] + verdicts["logprob_drift"], comparable, "comparable"
+        ),
+        "tar_a": proportion(comparable - verdicts["answer_divergence"], comparable, "comparable"),
+    }
+
+
+def _actions(by_action: dict[str, dict[str, int]]) -> dict[str, Any]:
+    retry = by_action.get("retry", {})
+    retried = sum(retry.values())
+    return {
+        "by_action": by_action,
+        "retried": retried,
+        "recovered": retry.get("recovered", 0),
+        "recovery": proportion(retry.get("recovered", 0), retried, "retried"),
+        "aborts": dict(sorted(by_action.get("abort", {}).items())),
+        "observed": sum(by_action.get("observe", {}).values()),
+    }
+
+
+def _strategies(
+    recoveries: dict[str, dict[str, int]], tokens: dict[str, dict[str, int]]
+) -> dict[str, Any]:
+    """Per recovery strategy: how often its retries recovered, and what they cost."""
+    out = {}
+    for strategy in sorted(set(recoveries) | set(tokens)):
+        outcomes = recoveries.get(strategy, {})
+        retried = sum(outcomes.values())
+        recovered = outcomes.get("recovered", 0)
+        generated = tokens.get(strategy, {}).get("generated", 0)
+        out[strategy] = {
+            "retried": retried,
+            "recovered": recovered,
+            "looped_again": outcomes.get("looped_again", 0),
+            "recovery": proportion(recovered, retried, "retried"),
+            "generated_tokens": generated,
+            "generated_per_retry": generated / retried if retried else None,
+            "kept_tokens": tokens.get(strategy, {}).get("kept", 0),
+        }
+    return out
+
+
+def model_section(
+    audits: list[AuditLine],
+    loops: list[LoopLine],
+    tally: tuple[Counter[Key3], ...] | None,
+) -> dict[str, Any]:
+    """One model's (or all models') figures; ``tally``: summed audits, loops, actions,
+    recoveries and recovery tokens."""
+    strategies: dict[str, Any] | None = None
+    if tally is not None:
+        by_mode = _nest(((mode, v), n) for (_, mode, v), n in tally[0].items())
+        loop_counts = _nest(((ch, src), n) for (_, ch, src), n in tally[1].items())
+        actions: dict[str, Any] | None = _actions(
+            _nest(((a, o), n) for (_, a, o), n in tally[2].items())
+        )
+        strategies = _strategies(
+            _nest(((st, o), n) for (_, st, o), n in tally[3].items()),
+            _nest(((st, k), n) for (_, st, k), n in tally[4].items()),
+        )
+    else:
+        by_mode = _nest(((a.mode, a.verdict), 1) for a in audits)
+        loop_counts = _nest(((lp.channel, lp.source), 1) for lp in loops)
+        actions = None
+    verdicts = _verdicts(by_mode)
+    diverged = [a for a in audits if a.verdict in DIVERGED and a.index is not None]
+    section: dict[str, Any] = {
+        "counts_from": "tally" if tally is not None else "incidents",
+        "audited": sum(verdicts.values()) if tally is not None else None,
+        "audited_by_mode": (
+            {m: sum(c.values()) for m, c in by_mode.items()} if tally is not None else None
+        ),
+        "verdicts": verdicts,
+        "verdicts_by_mode": by_mode,
+        "comparable": None,
+        "rates": None,
+        "tar_r": None,
+        "tar_a": None,
+        "incident_lines": {"audit": len(audits), "loop": len(loops)},
+        "positions": position_summary(
+            [a.index for a in diverged if a.index is not None], [a.margin for a in diverged]
+        ),
+        "logprob_delta": delta_summary([a.delta for a in audits if a.verdict != "incomparable"]),
+        "loops": {
+            "counts_from": "tally" if tally is not None else "incidents",
+            "total": sum(sum(row.values()) for row in loop_counts.values()),
+            "by_channel_source": loop_counts,
+        },
+        "policy_actions": actions,
+        "recovery_strategies": strategies,
+    }
+    if tally is not None:
+        section.update(_rates(verdicts))
+    return section
+
+
+def _worst_key(a: AuditLine) -> tuple[Any, ...]:
+    delta = math.inf if a.delta is None else a.delta  # null stands for +inf in some lines
+    index = a.index if a.index is not None and a.verdict != "logprob_drift" else math.inf
+    return (WORST_RANK[a.verdict], index, -delta, a.ts, a.request_id, a.choice)
+
+
+def worst(audits: list[AuditLine], top: int) -> list[dict[str, Any]]:
+    ranked = sorted((a for a in audits if a.verdict in WORST_RANK), key=_worst_key)
+    return [
+        {
+            "request_id": a.request_id,
+            "model": a.model,
+            "mode": a.mode,
+            "choice": a.choice,
+            "verdict": a.verdict,
+            "index": a.index,
+            "primary_token": a.primary_token,
+            "shadow_token": a.shadow_token,
+            "margin": a.margin,
+            "delta": a.delta,
+            "ts": a.ts,
+            "time": iso(a.ts),
+        }
+        for a in ranked[:top]
+    ]
+
+
+def _notes(data: LogData, tallies: list[Tally], sections: dict[str, dict[str, Any]]) -> list[str]:
+    notes = []
+    if data.malformed or data.unknown_kind or data.duplicates:
+        notes.append(
+            f"ignored {data.malformed} malformed line(s), {data.unknown_kind} line(s) of an"
+            f" unknown kind, {data.duplicates} duplicate incident line(s)"
+        )
+    if not tallies:
+        notes.append(
+            "no tally lines: denominators unknown (identical audits are only counted in"
+            " tallies), so no rates; the counts are of incident lines"
+        )
+        return notes
+    seen = Counter((a.model, a.verdict) for a in data.audits)
+    for model, sec in sections.items():
+        for verdict in sec["verdicts"]:
+            lines, counted = seen[(model, verdict)], sec["verdicts"][verdict]
+            if lines > counted:
+                notes.append(
+                    f"{model}: {lines} {verdict} incident line(s) but the tallies count {counted}"
+                    " (a tally predates later incidents, or a process wrote none)"
+                )
+    return notes
+
+
+def _only(model: str) -> Callable[[str], bool]:
+    return lambda m: m == model
+
+
+def build_report(
+    data: LogData, files: list[str], model_glob: str | None, top: int
+) -> dict[str, Any]:
+    """The whole report; ``model_glob`` keeps matching models, ``top`` the worst items."""
+
+    def keep(model: str) -> bool:
+        return model_glob is None or fnmatchcase(model, model_glob)
+
+    audits = [a for a in data.audits if keep(a.model)]
+    loops = [lp for lp in data.loops if keep(lp.model)]
+    tallies = latest_tallies(data.tallies)
+    summed = (
+        _sum(tallies, lambda t: t.audits),
+        _sum(tallies, lambda t: t.loops),
+        _sum(tallies, lambda t: t.actions),
+        _sum(tallies, lambda t: t.recoveries),
+        _sum(tallies, lambda t: t.recovery_tokens),
+    )
+    models = sorted(
+        {a.model for a in audits} | {lp.model for lp in loops} | {k[0] for c in summed for k in c}
+    )
+    models = [m for m in models if keep(m)]
+
+    def section(model: str | None) -> dict[str, Any]:
+        pick = _only(model) if model is not None else keep
+        tally = None
+        if tallies:
+            tally = tuple(Counter({k: n for k, n in c.items() if pick(k[0])}) for c in summed)
+        mine = [a for a in audits if pick(a.model)]
+        return model_section(mine, [lp for lp in loops if pick(lp.model)], tally)
+
+    sections = {m: section(m) for m in models}
+    dropped: Counter[str] = Counter()
+    for t in tallies:
+        dropped.update(t.dropped)
+    return {
+        "schema": SCHEMA,
+        "files": list(files),
+        "model_filter": model_glob,
+        "lines": {
+            "read": data.lines,
+            "audit": len(data.audits),
+            "loop": len(data.loops),
+            "tally": len(data.tallies),
+            "malformed": data.malformed,
+            "unknown_kind": data.unknown_kind,
+            "duplicate": data.duplicates,
+        },
+        "time_range": _time_range(data),
+        "processes": [t.process for t in tallies],
+        "denominators_known": bool(tallies),
+        "models": sections,
+        "all_models": section(None),
+        "shadows_dropped": dict(sorted(dropped.items())) if tallies else None,
+        "worst": worst(audits, top),
+        "notes": _notes(data, tallies, sections),
+    }

@@ -1,0 +1,141 @@
+"""The sweep: a test request, the fingerprint, then every level of every repeat, interleaved."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from proxy.engine.fingerprint import Fingerprint, FingerprintPoller
+from proxy.events import EventBus
+from proxy.tools.sweep.load import Clock, RequestRecord, Target, Window, run_window, stream_request
+from proxy.tools.sweep.stats import SCHEMA, level_summary, warnings_for
+
+PREFLIGHT_MAX_TOKENS = 8
+
+
+class SweepError(Exception):
+    """The sweep could not start: the upstream is unreachable or refuses the request."""
+
+
+@dataclass(frozen=True, slots=True)
+class SweepConfig:
+    target: Target
+    concurrency: Sequence[int] = (1, 2, 4, 8, 16)
+    duration_s: float = 10.0
+    repeats: int = 3
+    spread_warn: float = 0.10
+    extra: dict[str, Any] = field(default_factory=dict)  # echoed into the report's config
+
+
+def normalise_base(url: str) -> str:
+    """``http://h:8000/v1/`` and ``http://h:8000`` both mean the server at ``http://h:8000``."""
+    base = url.rstrip("/")
+    return base[:-3] if base.endswith("/v1") else base
+
+
+async def preflight(
+    session: aiohttp.ClientSession, target: Target, clock: Clock = time.monotonic
+) -> None:
+    """One short request: fail fast on a refused connection, a wrong model or a bad body."""
+    rec = RequestRecord(sent=clock())
+    body = target.body(0, PREFLIGHT_MAX_TOKENS)
+    await stream_request(session, target, body, rec, clock=clock)
+    if rec.error is not None:
+        raise SweepError(f"test request to {target.url} failed: {rec.error}")
+
+
+async def run_sweep(
+    config: SweepConfig,
+    on_tick: Callable[[Window, int], None] | None = None,
+    *,
+    clock: Clock = time.monotonic,
+    session: aiohttp.ClientSession | None = None,
+) -> dict[str, Any]:
+    """Run the whole sweep and return the report (see ``stats`` for its parts).
+
+    ``on_tick(window, index)`` is called a few times a second; ``index`` counts runs from 0.
+    ``clock`` times everything; ``session`` (kept open) replaces the sweep's own.
+    """
+    started = datetime.now(UTC)
+    t0 = clock()
+    if session is not None:
+        return await _sweep(config, on_tick, clock, session, started, t0)
+    # A fresh connection per request: llama-server (cpp-httplib) gives each open connection a
+    # thread from a small pool, and kept-alive idle ones starve it into dropping new requests.
+    connector = aiohttp.TCPConnector(limit=max(config.concurrency) + 4, force_close=True)
+    async with aiohttp.ClientSession(connector=connector) as own:
+        return await _sweep(config, on_tick, clock, own, started, t0)
+
+
+async def _sweep(
+    config: SweepConfig,
+    on_tick: Callable[[Window, int], None] | None,
+    clock: Clock,
+    session: aiohttp.ClientSession,
+    started: datetime,
+    t0: float,
+) -> dict[str, Any]:
+    target = config.target
+    await preflight(session, target, clock)
+    poller = FingerprintPoller(session, target.base_url, EventBus(), interval_s=0.0)
+    before = current = await poller.poll()
+    changes: list[dict[str, Any]] = []
+    windows: list[Window] = []
+    for repeat in range(1, config.repeats + 1):
+        for c in config.concurrency:
+            window = Window(c, repeat, config.duration_s)
+            index = len(windows)
+            tick = None if on_tick is None else (lambda w, i=index: on_tick(w, i))
+            windows.append(await run_window(session, target, window, tick, clock))
+            fp = await poller.poll()
+            if fp.fingerprint != current.fingerprint:
+                changes.append(_change(repeat, c, current, fp))
+                current = fp
+    fingerprint = {
+        "before": before.summary(),
+        "after": current.summary(),
+        "changed": bool(changes),
+        "changes": changes,
+    }
+    levels = [
+        level_summary(c, [w for w in windows if w.concurrency == c], config.spread_warn)
+        for c in config.concurrency
+    ]
+    warnings = warnings_for(levels, fingerprint, config.spread_warn)
+    return {
+        "schema": SCHEMA,
+        "upstream": target.base_url,
+        "model": target.model,
+        "started_at": started.isoformat(timespec="seconds"),
+        "elapsed_s": round(clock() - t0, 3),
+        "config": {
+            "concurrency": list(config.concurrency),
+            "duration_s": config.duration_s,
+            "repeats": config.repeats,
+            "max_tokens": target.max_tokens,
+            "endpoint": target.endpoint,
+            "timeout_s": target.timeout_s,
+            "spread_warn": config.spread_warn,
+            "extra_body": dict(target.extra_body),
+            "prompts": len(target.prompts),
+            **config.extra,
+        },
+        "fingerprint": fingerprint,
+        "levels": levels,
+        "warnings": warnings,
+        "ok": not warnings,
+    }
+
+
+def _change(repeat: int, concurrency: int, old: Fingerprint, new: Fingerprint) -> dict[str, Any]:
+    return {
+        "after_repeat": repeat,
+        "after_concurrency": concurrency,
+        "from": old.summary(),
+        "to": new.summary(),
+    }

@@ -1,0 +1,398 @@
+"""The native upstream client (proxy/http/h1.py) against scripted HTTP/1.1 servers: framing,
+keep-alive reuse, retries, timeouts, aborts, flow control, the connection limit."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from proxy.http.errors import UpstreamFailure
+from proxy.http.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
+from proxy.http.upstream import READ_ERRORS
+from tests.helpers import JSON_REPLY, ScriptedReply, ScriptedRequest, ScriptedServer, replies_with
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[Callable[[ScriptedReply], Awaitable[ScriptedServer]]]:
+    servers: list[asyncio.Server] = []
+
+    async def start(reply: ScriptedReply) -> ScriptedServer:
+        s = ScriptedServer(reply)
+        s.server = await asyncio.start_server(s.handle, "127.0.0.1", 0)
+        servers.append(s.server)
+        return s
+
+    yield start
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+def client(url: str, **kw: Any) -> H1Upstream:
+    opts: dict[str, Any] = {
+        "connect_timeout_s": 2.0,
+        "read_timeout_s": 5.0,
+        "keepalive_timeout_s": 4.0,
+        "max_connections": 16,
+    }
+    opts.update(kw)
+    return H1Upstream(url, **opts)
+
+
+async def test_content_length_answers_reuse_one_connection(scripted: Any) -> None:
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url)
+    for _ in range(3):
+        resp = await up.send("POST", "/v1/chat/completions?x=1", {"X-Request-Id": "r1"}, b"{}")
+        assert resp.status == 200
+        assert resp.headers["content-type"] == "application/json"
+        assert await resp.read() == b'{"a":1}'
+    assert srv.connections == 1 and len(srv.requests) == 3
+    req = srv.requests[0]
+    assert req.lines[0] == b"POST /v1/chat/completions?x=1 HTTP/1.1"
+    assert req.header(b"host") == srv.url.removeprefix("http://").encode()
+    assert req.header(b"x-request-id") == b"r1"
+    assert req.header(b"content-length") == b"2" and req.body == b"{}"
+    await up.close()
+    await asyncio.sleep(0.05)
+    assert srv.eofs == 1  # closing the client closes its idle connections
+
+
+async def test_chunked_body_is_decoded_and_streamed(scripted: Any) -> None:
+    parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    resp = await up.send("POST", "/s", {}, b"{}")
+    got = [chunk async for chunk in resp.chunks()]
+    assert b"".join(got) == b"".join(parts) and len(got) >= 2  # relayed as it came
+    assert await (await up.send("POST", "/s", {}, b"{}")).read() == b"".join(parts)
+    assert srv.connections == 1
+
+
+async def test_a_body_delimited_by_close_ends_with_the_connection(scripted: Any) -> None:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nall of it")
+        return False  # close: that is the end of the body
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    for _ in range(2):
+        assert await (await up.send("GET", "/", {}, None)).read() == b"all of it"
+    assert srv.connections == 2  # never pooled
+
+
+async def test_connection_close_and_http10_are_not_reused(scripted: Any) -> None:
+    replies = [
+        b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+        b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    ]
+
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(replies[req.conn % 2])
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    for _ in range(3):
+        assert await (await up.send("GET", "/", {}, None)).read() == b"ok"
+    assert srv.connections == 3
+
+
+async def test_head_and_204_have_no_body(scripted: Any) -> None:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        if req.lines[0].startswith(b"HEAD"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    head = await asyncio.wait_for(up.send("HEAD", "/", {}, None), 2)
+    assert head.status == 200 and head.headers["content-length"] == "1234"
+    assert await asyncio.wait_for(head.read(), 2) == b""
+    for _ in range(2):
+        resp = await up.send("DELETE", "/x", {}, None)
+        assert resp.status == 204 and await resp.read() == b""
+    assert srv.connections == 2  # HEAD's connection is not reused; the 204s share one
+
+
+async def test_an_interim_100_continue_is_skipped(scripted: Any) -> None:
+    srv = await scripted(replies_with(b"HTTP/1.1 100 Continue\r\n\r\n" + JSON_REPLY))
+    up = client(srv.url)
+    resp = await up.send("POST", "/", {"Expect": "100-continue"}, b"{}")
+    assert resp.status == 200 and await resp.read() == b'{"a":1}'
+
+
+async def test_request_framing(scripted: Any) -> None:
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url + "/prefix/")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"hello "
+        yield b""
+        yield b"world"
+
+    await (await up.send("POST", "/a", {}, body())).read()
+    await (await up.send("POST", "/b", {}, None)).read()
+    await (await up.send("GET", "/c", {}, None)).read()
+    streamed, empty, get = srv.requests
+    assert streamed.lines[0] == b"POST /prefix/a HTTP/1.1"
+    assert streamed.header(b"transfer-encoding") == b"chunked" and streamed.body == b"hello world"
+    assert empty.header(b"content-length") == b"0"
+    assert get.header(b"content-length") is None and get.header(b"transfer-encoding") is None
+
+
+async def test_a_stale_pooled_connection_is_retried_once(scripted: Any) -> None:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        if sum(r.conn == req.conn for r in srv.requests) == 2:
+            return False  # the second request on a connection: hang up without answering
+        writer.write(JSON_REPLY)
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    for _ in range(2):
+        assert await (await up.send("POST", "/", {}, b"{}")).read() == b'{"a":1}'
+    assert [r.conn for r in srv.requests] == [0, 0, 1]
+
+
+async def test_a_streamed_body_is_not_sent_twice(scripted: Any) -> None:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        if sum(r.conn == req.conn for r in srv.requests) == 2:
+            return False
+        writer.write(JSON_REPLY)
+        return True
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"{}"
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    await (await up.send("POST", "/", {}, b"{}")).read()
+    with pytest.raises(UpstreamFailure) as err:
+        await up.send("POST", "/", {}, body())
+    assert (err.value.status, err.value.kind) == (502, "reset")
+    assert len(srv.requests) == 2
+
+
+async def test_refused_and_timeouts_map_to_gateway_errors(scripted: Any) -> None:
+    up = client("http://127.0.0.1:9")  # discard port: nothing listens
+    with pytest.raises(UpstreamFailure) as err:
+        await up.send("GET", "/", {}, None)
+    assert (err.value.status, err.value.kind) == (502, "refused")
+
+    async def silent(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        if req.lines[0].startswith(b"GET /slow-body"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await asyncio.sleep(1)
+        return False
+
+    srv = await scripted(silent)
+    up = client(srv.url, read_timeout_s=0.2)
+    with pytest.raises(UpstreamFailure) as err:
+        await up.send("GET", "/slow-head", {}, None)
+    assert (err.value.status, err.value.kind) == (504, "timeout")
+    resp = await up.send("GET", "/slow-body", {}, None)
+    with pytest.raises(TimeoutError):
+        await resp.read()
+
+
+async def test_a_body_cut_short_raises_a_payload_error(scripted: Any) -> None:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        return False
+
+    srv = await scripted(reply)
+    resp = await client(srv.url).send("GET", "/", {}, None)
+    with pytest.raises(UpstreamBodyError) as err:
+        await resp.read()
+    assert isinstance(err.value, READ_ERRORS)  # what every reader handles
+
+
+async def test_a_malformed_response_is_a_bad_gateway(scripted: Any) -> None:
+    srv = await scripted(replies_with(b"NOT HTTP AT ALL\r\n\r\n"))
+    with pytest.raises(UpstreamFailure) as err:
+        await client(srv.url).send("GET", "/", {}, None)
+    assert err.value.status == 502
+
+
+async def test_closing_an_unfinished_response_closes_the_connection(scripted: Any) -> None:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        return True  # a generation that goes on; the server waits for what comes next
+
+    srv = await scripted(reply)
+    up = client(srv.url)
+    resp = await up.send("POST", "/", {}, b"{}")
+    async for chunk in resp.chunks():
+        assert chunk == b"first"
+        break
+    resp.close()
+    for _ in range(50):
+        if srv.eofs:
+            break
+        await asyncio.sleep(0.02)
+    assert srv.eofs == 1  # the upstream saw the client go: it can abort the generation
+    assert up.idle_connections == 0
+
+
+async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None:
+    async def never(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        return True  # no answer; the server waits for what comes next
+
+    srv = await scripted(never)
+    up = client(srv.url, max_connections=1)
+    task = asyncio.create_task(up.send("POST", "/", {}, b"{}"))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    assert srv.eofs == 1
+    # The one connection slot was given back: a new request is not stuck behind it.
+    srv.reply = replies_with(JSON_REPLY)
+    resp = await asyncio.wait_for(up.send("POST", "/", {}, b"{}"), 2)
+    assert await resp.read() == b'{"a":1}'
+
+
+async def test_the_connection_limit_queues_requests(scripted: Any) -> None:
+    gate = asyncio.Event()
+
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        await gate.wait()
+        writer.write(JSON_REPLY)
+        return True
+
+    srv = await scripted(reply)
+    up = client(srv.url, max_connections=2)
+
+    async def one() -> bytes:
+        resp = await up.send("POST", "/", {}, b"{}")
+        return await resp.read()
+
+    tasks = [asyncio.create_task(one()) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    assert srv.connections == 2 and not any(t.done() for t in tasks)
+    gate.set()
+    assert await asyncio.wait_for(asyncio.gather(*tasks), 5) == [b'{"a":1}'] * 3
+    assert srv.connections == 2  # the third request waited for a pooled connection
+
+
+async def test_idle_connections_expire(scripted: Any) -> None:
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url, keepalive_timeout_s=0.05)
+    await (await up.send("GET", "/", {}, None)).read()
+    await (await up.send("GET", "/", {}, None)).read()
+    assert srv.connections == 1
+    await asyncio.sleep(0.15)
+    await (await up.send("GET", "/", {}, None)).read()
+    assert srv.connections == 2
+
+
+async def test_a_slow_reader_pauses_the_upstream(scripted: Any) -> None:
+    size = 8 * 1024 * 1024
+
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size // 65536):
+            writer.write(b"x" * 65536)
+            await writer.drain()
+        return True
+
+    srv = await scripted(reply)
+    resp = await client(srv.url).send("GET", "/big", {}, None)
+    await asyncio.sleep(0.3)  # nobody reads: the client must stop reading the socket
+    held = resp._conn.held
+    assert held <= HIGH_WATER + 512 * 1024, held
+    total = 0
+    async for chunk in resp.chunks():
+        total += len(chunk)
+    assert total == size
+
+
+async def test_an_upstream_gone_during_a_streamed_upload_is_a_bad_gateway(scripted: Any) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()  # before the body
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(20):
+            yield b"x" * 1024
+            await asyncio.sleep(0.02)
+
+    try:
+        up = client(f"http://127.0.0.1:{port}")
+        with pytest.raises(UpstreamFailure) as err:
+            await asyncio.wait_for(up.send("PUT", "/upload", {}, body()), 5)
+        assert err.value.status == 502
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_under_uvloop() -> None:
+    """uvloop's transports are not asyncio.Transport subclasses: the client must not care."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def scenario() -> tuple[list[bytes], int]:
+        s = ScriptedServer(replies_with(JSON_REPLY))
+        s.server = await asyncio.start_server(s.handle, "127.0.0.1", 0)
+        up = client(s.url)
+        try:
+            bodies = [await (await up.send("POST", "/", {}, b"{}")).read() for _ in range(3)]
+            await up.close()
+            return bodies, s.connections
+        finally:
+            s.server.close()
+            await s.server.wait_closed()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        bodies, connections = runner.run(scenario())
+    assert bodies == [b'{"a":1}'] * 3 and connections == 1
+
+
+async def test_a_waiter_woken_then_cancelled_passes_the_slot_on(scripted: Any) -> None:
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url, max_connections=1)
+    first = await up.send("GET", "/", {}, None)  # holds the one slot until read
+    woken = asyncio.create_task(up.send("GET", "/", {}, None))
+    next_in_line = asyncio.create_task(up.send("GET", "/", {}, None))
+    await asyncio.sleep(0.05)  # both wait for the slot
+    await first.read()  # frees it: `woken` gets it...
+    woken.cancel()  # ...and is cancelled before it runs
+    resp = await asyncio.wait_for(next_in_line, 2)
+    assert await resp.read() == b'{"a":1}'
+
+
+async def test_expired_idle_connections_are_closed_on_a_release(scripted: Any) -> None:
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url, keepalive_timeout_s=0.5)
+    a, b = await asyncio.gather(*(up.send("GET", "/", {}, None) for _ in range(2)))
+    await a.read()
+    await b.read()  # two idle connections
+    await asyncio.sleep(0.3)
+    await (await up.send("GET", "/", {}, None)).read()  # the newest is used again
+    await asyncio.sleep(0.3)  # the other one is now past the keep-alive time
+    await (await up.send("GET", "/", {}, None)).read()
+    await asyncio.sleep(0.05)
+    assert (srv.connections, srv.eofs, up.idle_connections) == (2, 1, 1)

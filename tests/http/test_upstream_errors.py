@@ -1,0 +1,120 @@
+"""Both upstream clients (proxy/http/h1.py and aiohttp's, proxy/http/upstream.py) raise
+detproxy's own errors, the same type for the same fault: a body cut short, a body gone silent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from proxy.config import UpstreamConfig
+from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamTimeout
+from proxy.http.h1 import H1Upstream
+from proxy.http.upstream import (
+    READ_ERRORS,
+    AiohttpUpstream,
+    Upstream,
+    make_session,
+    read_error_kind,
+)
+from tests.helpers import ScriptedRequest, ScriptedServer
+
+READ_TIMEOUT_S = 0.2
+CUT_LENGTH = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial"
+CUT_CHUNKED = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b"b\r\ndata: {}\n\n\r\n8\r\ndata: {"
+)
+SILENT = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
+
+
+def cut(raw: bytes) -> Callable[[ScriptedRequest, asyncio.StreamWriter], Awaitable[bool]]:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(raw)
+        await writer.drain()
+        return False  # the server closes the connection
+
+    return reply
+
+
+def silent(raw: bytes) -> Callable[[ScriptedRequest, asyncio.StreamWriter], Awaitable[bool]]:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(raw)
+        await writer.drain()
+        await asyncio.sleep(10 * READ_TIMEOUT_S)
+        return False
+
+    return reply
+
+
+@pytest.fixture(params=["native", "aiohttp"])
+async def connect(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[Callable[[Any], Awaitable[Upstream]]]:
+    servers: list[asyncio.Server] = []
+    clients: list[Upstream] = []
+    sessions: list[Any] = []
+
+    async def start(reply: Any) -> Upstream:
+        script = ScriptedServer(reply)
+        script.server = await asyncio.start_server(script.handle, "127.0.0.1", 0)
+        servers.append(script.server)
+        config = UpstreamConfig(url=script.url, read_timeout_s=READ_TIMEOUT_S)
+        client: Upstream
+        if request.param == "native":
+            client = H1Upstream(
+                script.url,
+                connect_timeout_s=2.0,
+                read_timeout_s=READ_TIMEOUT_S,
+                keepalive_timeout_s=4.0,
+                max_connections=4,
+            )
+        else:
+            session = make_session(config)
+            sessions.append(session)
+            client = AiohttpUpstream(session, script.url)
+        clients.append(client)
+        return client
+
+    yield start
+    for client in clients:
+        await client.close()
+    for session in sessions:
+        await session.close()
+    for server in servers:
+        server.close()
+        await server.wait_closed()
+
+
+async def read_all(client: Upstream, how: str) -> bytes:
+    resp = await client.send("GET", "/", {}, None)
+    try:
+        if how == "read":
+            return await resp.read()
+        return b"".join([data async for data in resp.chunks()])
+    finally:
+        resp.close()
+
+
+@pytest.mark.parametrize("how", ["read", "chunks"])
+@pytest.mark.parametrize("raw", [CUT_LENGTH, CUT_CHUNKED], ids=["length", "chunked"])
+async def test_a_body_cut_short_is_an_upstream_body_error(
+    connect: Any, how: str, raw: bytes
+) -> None:
+    client = await connect(cut(raw))
+    with pytest.raises(UpstreamError) as err:
+        await read_all(client, how)
+    assert type(err.value) is UpstreamBodyError
+    assert isinstance(err.value, READ_ERRORS) and read_error_kind(err.value) == "reset"
+
+
+@pytest.mark.parametrize("how", ["read", "chunks"])
+async def test_a_silent_body_is_an_upstream_timeout(connect: Any, how: str) -> None:
+    client = await connect(silent(SILENT))
+    with pytest.raises(UpstreamError) as err:
+        await read_all(client, how)
+    assert type(err.value) is UpstreamTimeout
+    assert isinstance(err.value, READ_ERRORS) and read_error_kind(err.value) == "timeout"
+    assert isinstance(err.value, TimeoutError)  # what `except TimeoutError` readers expect

@@ -1,0 +1,164 @@
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.watch import LoopWatch
+
+UNIT = " and then the model says the same thing again."
+
+
+def delta(index: int = 0, finish: str | None = None, **fields: Any) -> dict[str, Any]:
+    return {"choices": [{"index": index, "delta": fields, "finish_reason": finish}]}
+
+
+def test_content_loop_per_choice() -> None:
+    watch = LoopWatch("chat", DetectorConfig())
+    trigger = None
+    for _ in range(40):
+        watch.on_chunk(delta(0, content="ordinary text that varies " + str(_)))
+        trigger = trigger or watch.on_chunk(delta(1, content=UNIT))
+    assert trigger is not None
+    assert (trigger.source, trigger.channel, trigger.choice, trigger.period) == (
+        "proxy",
+        "content",
+        1,
+        len(UNIT),
+    )
+
+
+def test_duplicated_reasoning_fields_count_once() -> None:
+    # vLLM 0.11.1-0.15 sends the same text as reasoning and reasoning_content.
+    watch = LoopWatch("chat", DetectorConfig())
+    fed = 0
+    trigger = None
+    while trigger is None and fed < 5000:
+        trigger = watch.on_chunk(delta(reasoning=UNIT, reasoning_content=UNIT))
+        fed += len(UNIT)
+    assert trigger is not None and trigger.channel == "reasoning"
+    assert trigger.start_offset is not None and trigger.start_offset < len(UNIT)
+    assert fed <= DetectorConfig().required_chars(len(UNIT)) + 2 * len(UNIT) + 32  # type: ignore[operator]
+
+
+def test_engine_repetition_and_runaway() -> None:
+    watch = LoopWatch("chat", DetectorConfig())
+    watch.on_chunk(delta(content="hello"))
+    trigger = watch.on_chunk(delta(finish="repetition"))
+    assert trigger is not None and (trigger.source, trigger.channel) == ("engine", "content")
+    watch = LoopWatch("chat", DetectorConfig())
+    watch.on_chunk(delta(reasoning_content="thinking and thinking"))
+    trigger = watch.on_chunk(delta(finish="length"))
+    assert trigger is not None and (trigger.source, trigger.channel) == ("runaway", "reasoning")
+    watch = LoopWatch("chat", DetectorConfig(), runaway=False)
+    watch.on_chunk(delta(reasoning="thinking"))
+    assert watch.on_chunk(delta(finish="length")) is None
+
+
+def test_whole_answers_and_completions() -> None:
+    answer = {
+        "choices": [
+            {"index": 0, "finish_reason": "length", "message": {"content": "intro. " + UNIT * 20}}
+        ]
+    }
+    trigger = LoopWatch("chat", DetectorConfig()).on_answer(answer)
+    assert trigger is not None and trigger.period == len(UNIT)
+    completion = {"choices": [{"index": 0, "text": "x" * 3 + UNIT * 20, "finish_reason": "length"}]}
+    assert LoopWatch("completions", DetectorConfig()).on_answer(completion) is not None
+    normal = {
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "message": {"content": "\n".join(f"{i}. item {i}" for i in range(300))},
+            }
+        ]
+    }
+    assert LoopWatch("chat", DetectorConfig()).on_answer(normal) is None
+    assert LoopWatch("chat", DetectorConfig()).on_answer({"choices": "junk"}) is None
+
+
+# --- the fast path and runs: the same triggers as the general walk, chunk by chunk -----------
+
+PIECES = [UNIT, UNIT[:7], UNIT[7:], " other words", "", "x" * 40, "- ", "\n"]
+
+
+def chunk_strategy() -> st.SearchStrategy[dict[str, Any]]:
+    text = st.sampled_from(PIECES)
+    delta = st.fixed_dictionaries(
+        {},
+        optional={
+            "content": st.one_of(text, st.none(), st.just(5)),
+            "reasoning": st.one_of(text, st.none()),
+            "reasoning_content": text,
+            "role": st.just("assistant"),
+        },
+    )
+    choice = st.fixed_dictionaries(
+        {"delta": st.one_of(delta, st.none(), st.just("junk"))},
+        optional={
+            "index": st.sampled_from([0, 0, 0, 1, True, "0", None]),
+            "finish_reason": st.sampled_from([None, "stop", "length", "repetition"]),
+            "stop_reason": st.sampled_from([None, "repetition_detected"]),
+        },
+    )
+    return st.fixed_dictionaries(
+        {"choices": st.one_of(st.lists(choice, min_size=1, max_size=1), st.lists(choice))}
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(chunk_strategy(), max_size=120), st.booleans())
+def test_fast_path_triggers_like_the_general_walk(chunks: list[Any], chat: bool) -> None:
+    endpoint = "chat" if chat else "completions"
+    fast, general = LoopWatch(endpoint, DetectorConfig()), LoopWatch(endpoint, DetectorConfig())
+    for chunk in chunks:
+        assert fast.on_chunk(chunk) == general._choices_of(chunk, "delta")
+
+
+@st.composite
+def split_text(draw: st.DrawFn) -> list[str]:
+    """A text that may loop (noise, then a unit repeated), cut into deltas anywhere."""
+    unit = draw(st.sampled_from([UNIT, "- ", "ab" * 20 + "!", "the same line\n"]))
+    noise = draw(st.text(alphabet="abc \n", max_size=300))
+    text = noise + unit * draw(st.integers(0, 80)) + draw(st.text(alphabet="xyz", max_size=50))
+    cuts = sorted(draw(st.lists(st.integers(0, len(text)), max_size=60)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(split_text(), st.sampled_from(["content", "reasoning"]), st.integers(0, 60))
+def test_a_run_names_the_chunk_that_would_have_fired(
+    texts: list[str], channel: str, prefix: int
+) -> None:
+    one_by_one = LoopWatch("chat", DetectorConfig())
+    at_once = LoopWatch("chat", DetectorConfig())
+    head, tail = texts[:prefix], texts[prefix:]
+    expected = None
+    for i, text in enumerate(texts):
+        trigger = one_by_one.on_chunk(delta(0, **{channel: text}))
+        if trigger is not None:
+            expected = (trigger, i)
+            break
+    found = at_once.on_run(0, channel, head)
+    if found is None:
+        found = at_once.on_run(0, channel, tail)
+        if found is not None:
+            found = (found[0], found[1] + len(head))
+    assert found == expected
+    if expected is None:  # what a later finish chunk sees: the same channels seen
+        finish = delta(0, finish="length")
+        assert at_once.on_chunk(finish) == one_by_one.on_chunk(finish)
+
+
+def test_a_run_that_loops_fires_at_the_chunk_that_reaches_the_check() -> None:
+    texts = ["intro. "] + [UNIT] * 12
+    one_by_one = LoopWatch("chat", DetectorConfig())
+    fired = next(
+        i for i, t in enumerate(texts) if one_by_one.on_chunk(delta(0, content=t)) is not None
+    )
+    found = LoopWatch("chat", DetectorConfig()).on_run(0, "content", texts)
+    assert found is not None and found[1] == fired < len(texts) - 1
+    assert (found[0].source, found[0].channel, found[0].period) == ("proxy", "content", len(UNIT))

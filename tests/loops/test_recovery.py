@@ -1,0 +1,298 @@
+"""Loops through detproxy against the emulator: detected, recovered, never multiplied."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers import metric, sse_chunks, sse_comments
+
+MODEL = "emulator-model"
+ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
+RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+
+
+def chat(prompt: str = "tell me a story", **extra: Any) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 200,
+        "messages": [{"role": "user", "content": prompt}],
+        **extra,
+    }
+
+
+def knobs(**fields: Any) -> dict[str, str]:
+    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
+
+
+# A model that loops at temperature 0 and whose loop a presence penalty always ends
+# (loop_escape_probability 1): these tests are about what detproxy does with one retry; how the
+# counts follow a retry that may loop again is test_recovery_counts_follow_the_upstream.
+ESCAPES = {"loop_escape_probability": 1.0}
+CONTENT_LOOP = knobs(loop_channel="content", loop_after_tokens=5, **ESCAPES)
+REASONING_LOOP = knobs(loop_channel="reasoning", loop_after_tokens=3, reasoning_tokens=6, **ESCAPES)
+
+
+def loops(registry: CollectorRegistry, channel: str, source: str) -> float:
+    return metric(registry, "detproxy_loops_total", model=MODEL, channel=channel, source=source)
+
+
+def actions(registry: CollectorRegistry, action: str, outcome: str) -> float:
+    return metric(
+        registry, "detproxy_policy_actions_total", model=MODEL, action=action, outcome=outcome
+    )
+
+
+async def test_non_streaming_content_loop_is_recovered(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url, env=RETRY)
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    assert resp.status == 200
+    assert resp.headers["X-Detproxy-Attempts"] == "2"
+    assert resp.headers["X-Detproxy-Recovered"] == "true"
+    answer = await resp.json()
+    assert "repeats itself" not in answer["choices"][0]["message"]["content"]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert loops(registry, "content", "proxy") == 1
+    assert actions(registry, "retry", "recovered") == 1
+    assert emulator.stats()["requests"] == 2
+    incidents = await (await client.get("/detproxy/incidents")).json()
+    assert incidents[0]["kind"] == "loop" and incidents[0]["period"] == len(
+        " and then the model repeats itself."
+    )
+
+
+async def test_streaming_restart_continues_under_the_original_id(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url, env=RETRY)
+    slow_loop = knobs(loop_channel="content", loop_after_tokens=5, token_latency_s=0.005, **ESCAPES)
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=slow_loop)
+    raw = await resp.read()
+    chunks, comments = sse_chunks(raw), sse_comments(raw)
+    assert comments == [b": detproxy retry attempt=2 reason=loop (proxy, content)"]
+    assert len({c["id"] for c in chunks}) == 1  # one id across both attempts
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    for _ in range(20):  # the looping attempt's connection was closed: the engine aborted it
+        if emulator.stats()["aborted"] == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert emulator.stats()["aborted"] == 1
+    assert actions(registry, "retry", "recovered") == 1
+
+
+async def test_the_sdk_reads_a_restarted_stream(make_proxy: Any, emulator: EmulatorServer) -> None:
+    client = await make_proxy(emulator.url, env=RETRY)
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        stream = await sdk.chat.completions.create(**chat(stream=True), extra_headers=CONTENT_LOOP)
+        parts = [c async for c in stream]
+    finally:
+        await sdk.close()
+    text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert "repeats itself" in text  # restart mode: what was shown stays shown
+    assert parts[-1].choices[0].finish_reason == "stop"
+
+
+async def test_hold_reasoning_never_shows_the_looping_attempt(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(
+        emulator.url, env=RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "hold_reasoning"}
+    )
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        stream = await sdk.chat.completions.create(
+            **chat(stream=True), extra_headers=REASONING_LOOP
+        )
+        parts = [c async for c in stream]
+    finally:
+        await sdk.close()
+    reasoning = "".join(
+        getattr(c.choices[0].delta, "reasoning", None) or "" for c in parts if c.choices
+    )
+    content = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+    assert reasoning and "repeats itself" not in reasoning
+    assert content
+    assert loops(registry, "reasoning", "proxy") == 1
+    assert actions(registry, "retry", "recovered") == 1
+
+
+async def test_abort_ends_the_stream_cleanly(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url, env={"DETPROXY_LOOPS__POLICY": "abort"})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=CONTENT_LOOP)
+    raw = await resp.read()
+    chunks = sse_chunks(raw)
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "repetition"
+    assert actions(registry, "abort", "loop") == 1
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    answer = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "repetition"
+    assert answer["choices"][0]["message"]["content"].count("repeats itself") == 1
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+
+
+async def test_observe_only_records(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    client = await make_proxy(emulator.url)  # the default policy is observe
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    answer = await resp.json()
+    assert answer["choices"][0]["finish_reason"] == "length"
+    assert "X-Detproxy-Attempts" in resp.headers and emulator.stats()["requests"] == 1
+    assert loops(registry, "content", "proxy") == 1
+    assert actions(registry, "observe", "observe") == 1
+
+
+async def test_engine_repetition_and_runaway_are_triggers(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    async with EmulatorServer(EmulatorConfig(engine_repetition_detection=True)) as emu:
+        client = await make_proxy(
+            emu.url,
+            env=RETRY | {"DETPROXY_LOOPS__ENGINE_DETECTION": ENGINE_DETECTION},
+        )
+        resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+        assert resp.headers["X-Detproxy-Recovered"] == "true"
+        assert loops(registry, "content", "engine") == 1
+        # A runaway: reasoning to the token limit, no content, too short for the detector.
+        resp = await client.post(
+            "/v1/chat/completions", json=chat(max_tokens=12), headers=REASONING_LOOP
+        )
+        assert resp.headers["X-Detproxy-Attempts"] == "2"
+        assert loops(registry, "reasoning", "runaway") == 1
+
+
+async def test_the_recovery_budget_holds(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    # No share of generated tokens, a floor of one retry's reservation (max_tokens 200): the
+    # first loop's retry fits; once it has generated tokens, no second one does.
+    env = {
+        "DETPROXY_LOOPS__RECOVERY_TOKEN_SHARE": "0",
+        "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": "200",
+    }
+    client = await make_proxy(emulator.url, env=RETRY | env)
+    for _ in range(5):
+        await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    retried = actions(registry, "retry", "recovered") + actions(registry, "retry", "looped_again")
+    assert retried == 1
+    assert actions(registry, "abort", "budget_exhausted") == 4
+    assert emulator.stats()["requests"] == 6  # 5 requests, 1 retry: load not multiplied
+    spent = metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="spent")
+    assert 0 < spent <= 200  # the retry's reservation was settled with what it generated
+    assert metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="allowed") == 200
+    status = await (await client.get("/detproxy/status")).json()
+    assert status["recovery_budget"][MODEL]["spent"] == spent
+
+
+async def test_a_loop_that_persists_exhausts_the_ladder(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    # A loop at temperature 0 without a penalty holds whatever the seed (on the emulator as on
+    # real models); a ladder that changes neither keeps looping even where a penalty would help.
+    ladder = '[{"models": "*", "attempts": [{"seed": 1}, {"seed": 2}]}]'
+    client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": ladder})
+    resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    assert resp.headers["X-Detproxy-Attempts"] == "3"
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+    assert actions(registry, "retry", "looped_again") == 2
+    assert actions(registry, "abort", "attempts_exhausted") == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_each_retry_settles_its_own_reservation(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry, stream: bool
+) -> None:
+    # Two retries that loop again: each reserved max_tokens when it was decided, and each is
+    # settled with what it generated, so the budget spent is what the retries generated (a
+    # second retry decided before the first had ended once left the first's estimate spent).
+    ladder = '[{"models": "*", "attempts": [{"seed": 1}, {"seed": 2}]}]'
+    client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": ladder})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=stream), headers=CONTENT_LOOP)
+    await resp.read()
+    assert actions(registry, "retry", "looped_again") == 2
+    generated = metric(
+        registry,
+        "detproxy_recovery_tokens_total",
+        model=MODEL,
+        strategy="restart",
+        kind="generated",
+    )
+    spent = metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="spent")
+    # Streamed, the loop stopped each retry before its max_tokens: less than reserved.
+    assert 0 < generated < 2 * 200 if stream else generated == 2 * 200
+    assert spent == generated
+
+
+async def test_recovery_counts_follow_the_upstream(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    """With the default ladder (a presence penalty, then temperature 0.7 with it) and a model
+    whose loop each such retry ends only with probability 0.7 (seeded), every count detproxy
+    reports matches what the emulator says each attempt did."""
+    client = await make_proxy(
+        emulator.url, env=RETRY | {"DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": "10000000"}
+    )
+    loop = knobs(loop_channel="content", loop_after_tokens=5, loop_escape_probability=0.7)
+    seen: dict[str, tuple[int, bool]] = {}  # request id: (attempts, recovered) as the client saw
+    for i in range(24):
+        rid = f"loop-{i}"
+        stream = i % 2 == 1
+        resp = await client.post(
+            "/v1/chat/completions",
+            json=chat(f"story number {i}", stream=stream),
+            headers=loop | {"X-Request-Id": rid},
+        )
+        assert resp.status == 200
+        if stream:
+            raw = await resp.read()
+            chunks, comments = sse_chunks(raw), sse_comments(raw)
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+            seen[rid] = (1 + len(comments), finish == "stop")
+        else:
+            await resp.read()
+            seen[rid] = (
+                int(resp.headers["X-Detproxy-Attempts"]),
+                resp.headers["X-Detproxy-Recovered"] == "true",
+            )
+    looped = dict.fromkeys(seen, 0)
+    escaped = dict.fromkeys(seen, 0)
+    for rec in emulator.injections():
+        assert rec["request_id"] in seen, rec
+        if rec["kind"] == "loop":
+            looped[rec["request_id"]] += 1
+        elif rec["kind"] == "loop_escape":
+            escaped[rec["request_id"]] += 1
+    recovered = [rid for rid in seen if escaped[rid]]
+    exhausted = [rid for rid in seen if not escaped[rid]]
+    retries_looped = sum(looped.values()) - len(seen)
+    # What the emulator did (seeded, the same every run): some first retries recovered, some
+    # looped again, and some requests looped on every attempt.
+    assert recovered and exhausted and retries_looped > len(exhausted)
+    for rid, (attempts, was_recovered) in seen.items():
+        assert escaped[rid] <= 1 and looped[rid] >= 1
+        assert attempts == looped[rid] + escaped[rid], rid  # each attempt, as it went
+        assert was_recovered == bool(escaped[rid]), rid
+        if not escaped[rid]:
+            assert attempts == 3  # the ladder ran out
+    for _ in range(100):  # outcomes are counted when the upstream response has ended
+        if actions(registry, "abort", "attempts_exhausted") == len(exhausted):
+            break
+        await asyncio.sleep(0.05)
+    assert actions(registry, "retry", "recovered") == len(recovered)
+    assert actions(registry, "retry", "looped_again") == retries_looped
+    assert actions(registry, "abort", "attempts_exhausted") == len(exhausted)
+    assert loops(registry, "content", "proxy") == sum(looped.values())
+    assert emulator.stats()["requests"] == sum(looped.values()) + len(recovered)

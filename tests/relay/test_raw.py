@@ -1,0 +1,156 @@
+from __future__ import annotations
+
+import json
+from functools import partial
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.relay.raw import RawTally
+from proxy.relay.result import StreamResult
+from tests.helpers import chat_chunk, grouped_chat_chunks, sse_event, tokens
+
+chunk = partial(chat_chunk, chunk_id="chatcmpl-7")
+
+
+def vllm_stream(texts: list[str], key: str = "content", usage: int | None = 42) -> list[bytes]:
+    events = [sse_event(chunk({"role": "assistant", "content": ""}))]
+    for text in texts:
+        delta = {"reasoning": text, "reasoning_content": text} if key == "both" else {key: text}
+        events.append(sse_event(chunk(delta)))
+    events.append(sse_event(chunk({"content": ""}, "stop")))
+    if usage is not None:
+        usage_chunk = {"id": "chatcmpl-7", "choices": [], "usage": {"completion_tokens": usage}}
+        events.append(sse_event(usage_chunk))
+    return [*events, b"data: [DONE]\n\n"]
+
+
+def tally(reads: list[bytes], endpoint: str = "chat", max_bytes: int = 1 << 20) -> Any:
+    result = StreamResult()
+    raw = RawTally(endpoint, result, 0.0, max_bytes)
+    relayed = [raw.feed(read) for read in reads]
+    relayed.append(raw.finish())
+    return b"".join(relayed), result, raw, relayed
+
+
+def cut(stream: bytes, cuts: list[int]) -> list[bytes]:
+    cuts = sorted(cuts)
+    return [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+
+
+TEXTS = ["Hel", "", "lo", ' "quoted" ', "\\", "é", "content", '"content":"x"']
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(TEXTS), max_size=30),
+    st.sampled_from(["content", "reasoning", "reasoning_content", "both"]),
+    st.lists(st.integers(0, 4000), max_size=10),
+)
+def test_counts_a_vllm_stream_in_any_split(texts: list[str], key: str, cuts: list[int]) -> None:
+    events = vllm_stream(texts, key)
+    stream = b"".join(events)
+    relayed, result, _, parts = tally(cut(stream, [c for c in cuts if c <= len(stream)]))
+    assert relayed == stream
+    assert all(p.endswith(b"\n\n") for p in parts if p)  # only whole events go out
+    assert result.events == len(events)
+    assert result.first_id == "chatcmpl-7"
+    assert result.token_events == sum(1 for t in texts if t)
+    assert result.completion_tokens == 42
+    assert (result.first_token_s is None) == (result.token_events == 0)
+    assert result.first_event_s is not None
+
+
+def test_completions_and_python_spacing() -> None:
+    stream = b"".join(
+        b"data: " + json.dumps({"id": "cmpl-1", "choices": [{"text": t}]}).encode() + b"\n\n"
+        for t in ["a", "", "b", "c"]
+    )
+    _, result, _, _ = tally([stream], endpoint="completions")
+    assert (result.events, result.token_events, result.first_id) == (4, 3, "cmpl-1")
+    spaced = b"".join(
+        b"data: " + json.dumps(chunk({"content": t})).encode() + b"\n\n" for t in ["a", "", "b"]
+    )
+    _, result, _, _ = tally([spaced[:10], spaced[10:]])
+    assert (result.events, result.token_events) == (3, 2)
+
+
+def test_a_partial_event_waits_and_an_unterminated_last_one_is_counted() -> None:
+    events = vllm_stream(["a", "b"], usage=None)
+    stream = b"".join(events)[:-2]  # the last event lacks its blank line
+    result = StreamResult()
+    raw = RawTally("chat", result, 0.0, 1 << 20)
+    assert raw.feed(events[0][:10]) == b""
+    assert raw.feed(events[0][10:] + events[1][:5]) == events[0]
+    rest = stream[len(events[0]) + 5 :]
+    assert raw.feed(rest) == stream[len(events[0]) : -len(b"data: [DONE]")]
+    assert raw.finish() == b"data: [DONE]"
+    assert result.events == len(events) - 1  # as the decoder counts: the last had no end
+    assert result.token_events == 2
+
+
+def test_crlf_framing_is_decoded_exactly() -> None:
+    events = vllm_stream(["a", "", "b"])
+    stream = b"".join(events).replace(b"\n", b"\r\n")
+    relayed, result, _, _ = tally(cut(stream, [7, 100, 101, 300]))
+    assert relayed == stream
+    assert (result.events, result.token_events, result.completion_tokens) == (7, 2, 42)
+    assert result.first_id == "chatcmpl-7"
+
+
+def test_an_oversized_event_switches_to_passing_bytes_through() -> None:
+    first = vllm_stream(["a"])[0]
+    stream = first + sse_event(chunk({"content": "x" * 5000})) + vllm_stream(["b"])[1]
+    relayed, result, raw, parts = tally(cut(stream, [len(first), 2000, 4000]), max_bytes=1000)
+    assert relayed == stream
+    assert parts[:2] == [first, stream[len(first) : 2000]]  # past the bound, as it comes
+    assert raw.partial
+    assert result.events == 1  # the events before it; nothing counted after
+
+
+def test_documented_approximations() -> None:
+    # Stray blank lines (runs of four newlines or more) count as events.
+    _, result, _, _ = tally([sse_event(chunk({"content": "a"})) + b"\n\n"])
+    assert result.events == 2
+    # One read mixing events with only reasoning and only reasoning_content counts the larger.
+    mixed = sse_event(chunk({"reasoning": "a"})) + sse_event(chunk({"reasoning_content": "b"}))
+    _, result, _, _ = tally([mixed])
+    assert result.token_events == 1
+    # first_id comes from the first data event only.
+    _, result, _, _ = tally([sse_event({"choices": []}) + sse_event(chunk({"content": "a"}))])
+    assert result.first_id is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(["logprobs", "continuous_usage", "spaced"]),
+    st.lists(st.integers(0, 6000), max_size=8),
+)
+def test_tokens_of_several_a_chunk_in_any_split(shape: str, cuts: list[int]) -> None:
+    """Twelve tokens, four a chunk: counted from the usage growth or the logprobs entries."""
+    chunks = grouped_chat_chunks(
+        tokens(12), 4, logprobs=shape != "continuous_usage", final_usage=False,
+        continuous_usage=shape == "continuous_usage",
+    )  # fmt: skip
+    if shape == "spaced":  # Python's json spacing: '"logprobs": {'
+        stream = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    else:
+        stream = b"".join(sse_event(c) for c in chunks)
+    stream += b"data: [DONE]\n\n"
+    relayed, result, _, _ = tally(cut(stream, [c for c in cuts if c <= len(stream)]))
+    assert relayed == stream
+    assert result.token_events == 3 and result.tokens == 12
+    assert result.first_tokens in (4, 8, 12)  # the first read with text: one chunk or more
+
+
+def test_completions_logprobs_list_their_tokens() -> None:
+    def piece(text: str, n: int) -> bytes:
+        logprobs = {"tokens": [text] * n, "token_logprobs": [-0.5] * n}
+        return sse_event(
+            {"id": "cmpl-1", "choices": [{"index": 0, "text": text, "logprobs": logprobs}]}
+        )
+
+    reads = [piece("ab", 2), piece("cde", 3) + piece("f", 1)]
+    _, result, _, _ = tally(reads, endpoint="completions")
+    assert (result.token_events, result.tokens, result.first_tokens) == (3, 6, 2)

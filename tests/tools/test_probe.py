@@ -1,0 +1,128 @@
+"""`detproxy probe` against the emulator, started as a user starts it."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from proxy.tools.probe import main
+from tests.helpers import EXE, free_port
+
+
+@pytest.fixture
+def start_emulator() -> Iterator[Any]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*flags: str) -> str:
+        port = free_port()
+        proc = subprocess.Popen(
+            [EXE, "emulator", "--port", str(port), *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).close()
+                return url
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("emulator did not start")
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def probe(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, Any]:
+    code = main(["--model", "emulator-model", "--runs", "5", "--json", *args])
+    out = capsys.readouterr().out
+    return code, orjson.loads(out) if out.strip() else None
+
+
+def test_stable_upstream_exits_0(start_emulator: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    url = start_emulator()
+    code, report = probe(capsys, "--upstream", url, "--prompt", "Hello there")
+    assert code == 0 and report["stable"]
+    (result,) = report["results"]
+    assert (result["distinct_vectors"], result["first_token_flips"], result["max_abs_delta"]) == (
+        1,
+        False,
+        0.0,
+    )
+    code, report = probe(
+        capsys,
+        "--upstream",
+        url,
+        "--prompt",
+        "Hello",
+        "--endpoint",
+        "completions",
+        "--top-logprobs",
+        "5",
+    )
+    assert code == 0 and report["results"][0]["distinct_vectors"] == 1
+
+
+def test_intrinsic_nondeterminism_exits_1(
+    start_emulator: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    url = start_emulator("--logprob-jitter", "0.5", "--seed", "3")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("first prompt\n\nsecond prompt\n")
+    code, report = probe(capsys, "--upstream", url, "--prompts", str(prompts), "--runs", "12")
+    assert code == 1 and not report["stable"]
+    assert [r["prompt"] for r in report["results"]] == ["first prompt", "second prompt"]
+    assert all(r["distinct_vectors"] >= 2 for r in report["results"])
+    # Drift at GPU magnitudes (tenths of a nat to a few nats), not a rounding nudge.
+    assert all(0.05 < r["max_abs_delta"] < 3.5 for r in report["results"])
+    assert not any(r["first_token_flips"] for r in report["results"])
+
+
+def test_concurrency_separates_batch_effects(
+    start_emulator: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # With 3 in flight a request is hit with p = min(1, 0.5 * 2) = 1; alone, never.
+    url = start_emulator("--batch-divergence-slope", "0.5", "--token-latency", "0.01")
+    code = main(
+        [
+            "--upstream",
+            url,
+            "--model",
+            "emulator-model",
+            "--prompt",
+            "batch me",
+            "--runs",
+            "4",
+            "--concurrency",
+            "1,3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "batch effects" in out
+    lines = out.splitlines()
+    alone = next(line for line in lines if line.strip().startswith("1 "))
+    loaded = next(line for line in lines if line.strip().startswith("3 "))
+    assert alone.split()[2] == "1" and int(loaded.split()[2]) >= 2
+
+
+def test_usage_and_connection_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["--upstream", f"http://127.0.0.1:{free_port()}", "--model", "m", "--prompt", "x"])
+        == 2
+    )
+    assert "cannot reach" in capsys.readouterr().err
+    assert main(["--model", "m", "--prompt", "x"]) == 2  # --upstream missing
+    assert (
+        main(["--upstream", "http://x", "--model", "m", "--prompt", "x", "--concurrency", "0"]) == 2
+    )
