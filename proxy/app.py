@@ -111,6 +111,23 @@ def _scheduler(
     )
 
 
+def _recovery_budget(settings: Settings) -> RecoveryBudget:
+    loops = settings.loops
+    return RecoveryBudget(
+        loops.recovery_token_share, loops.recovery_token_floor, loops.recovery_window_s
+    )
+
+
+def _policy_chain(settings: Settings, budget: RecoveryBudget) -> PolicyChain:
+    """The default chain: the loop ladder."""
+    loops = settings.loops
+    ladders = [
+        Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
+        for lad in loops.ladder_list()
+    ]
+    return PolicyChain([LoopLadderPolicy(ladders, budget, loops.max_attempts)])
+
+
 def build_app(
     settings: Settings,
     *,
@@ -128,18 +145,12 @@ def build_app(
     bus = EventBus()
     metrics = Metrics(registry if registry is not None else CollectorRegistry())
     metrics.subscribe(bus)
-    loops = settings.loops
-    budget = RecoveryBudget(
-        loops.recovery_token_share, loops.recovery_token_floor, loops.recovery_window_s
-    )
-    ladders = [
-        Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
-        for lad in loops.ladder_list()
-    ]
-    ladder = LoopLadderPolicy(ladders, budget, loops.max_attempts)
-    chain = policies or PolicyChain([ladder])
+    budget = _recovery_budget(settings)
+    chain = policies or _policy_chain(settings, budget)
     guard = InjectionGuard(settings.injection, bus)
-    recovery = Recovery(loops, chain, bus, guard, budget if loops.enabled else None)
+    recovery = Recovery(
+        settings.loops, chain, bus, guard, budget if settings.loops.enabled else None
+    )
     metrics.watch_failures(
         {"subscriber": lambda: dict(bus.failures), "policy": lambda: dict(chain.failures)}
     )
