@@ -46,7 +46,7 @@ class Stages:
         return self.clock() - ex.t0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # one per attempt on the request path: a frozen init costs more
 class AttemptEnd:
     """How one attempt ended, for the loop to decide on."""
 

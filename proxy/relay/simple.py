@@ -65,7 +65,7 @@ class SimpleReads:
 
     def relay_one(self, read: bytes) -> bytes | None:
         """A read that is exactly one event matching a template (a token streamed on its own,
-        the usual read), handled without splitting it; None: take the usual way."""
+        the usual read), handled without splitting it and counted; None: take the usual way."""
         assert self.templates is not None
         for tpl in self.templates.active:
             literal = tpl.literal(read, event=True)
@@ -83,16 +83,21 @@ class SimpleReads:
         else:
             return None
         self.templates.hits += 1
-        result = self._relay.result
+        relay = self._relay
+        result = relay.result
+        now = relay.now()
+        if result.first_event_s is None:
+            result.first_event_s = now
+        result.events += 1
         if text:
-            count_tokens(result, 1, self._relay.now())
-        watch = self._relay.plan.loop_watch
+            count_tokens(result, 1, now)
+        watch = relay.plan.loop_watch
         if watch is not None and result.trigger is None:
             found = watch.on_run(tpl.index, tpl.channel, (text,))
-            if found is not None and self._relay.decide(found[0]):
+            if found is not None and relay.decide(found[0]):
                 return b""
-        if self._relay.holding:
-            return self._relay.hold(tpl.releases if text else None, read) or b""
+        if relay.holding:
+            return relay.hold(tpl.releases if text else None, read) or b""
         return read
 
     def relay_simple(self, src: bytes, datas: list[bytes]) -> bytes:

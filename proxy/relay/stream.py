@@ -255,7 +255,6 @@ class StreamRelay:
         if templates is not None and templates.active and not decoder.pending:
             one = simple.relay_one(data) if not self.inspectors else None
             if one is not None:
-                self.result.add_events(1, self.now())
                 return one
         events: list[SSEEvent] = []
         try:
