@@ -160,6 +160,22 @@ def reasoning_template() -> str:
     return str(Path(src) / "models/templates/Qwen-QwQ-32B.jinja")
 
 
+def engine_busy(engine: Engine) -> float:
+    """The requests llama-server is processing now (``llamacpp:requests_processing``)."""
+    for value in scrape(engine.url + "/metrics", "llamacpp:requests_processing").values():
+        return value
+    raise AssertionError("llama-server exported no llamacpp:requests_processing")
+
+
+def wait_engine_idle(engine: Engine, timeout_s: float = 120.0) -> None:
+    """Until llama-server processes nothing: a request its client left may still generate."""
+    deadline = time.monotonic() + timeout_s
+    while engine_busy(engine) != 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"llama-server still busy after {timeout_s} s")
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def run_engine(logdir: Path, *args: str) -> Iterator[Engine]:
     """llama-server on a free loopback port with these extra arguments."""

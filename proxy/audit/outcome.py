@@ -14,7 +14,7 @@ dropped when the choice finished with "stop", in both paths, so it never reads a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,6 +231,22 @@ class StreamAccumulator:
         logprobs = raw.get("logprobs")
         if logprobs is not None and not state.broken:
             self._on_logprobs(state, logprobs)
+
+    def on_run(self, index: int, channel: str, texts: Sequence[str]) -> None:
+        """Token chunks that carry only a text (the relay's template path): what
+        ``on_chunk`` would have kept of each."""
+        state = self._choices.get(index)
+        if state is None:
+            if len(self._choices) >= _MAX_CHOICES:
+                self._overflow()
+                return
+            state = self._choices[index] = _ChoiceState()
+        if self._full:
+            return
+        kept = state.reasoning if self._chat and channel == "reasoning" else state.content
+        for text in texts:
+            if text and self._spend(len(text)):
+                kept.append(text)
 
     def _on_logprobs(self, state: _ChoiceState, logprobs: Any) -> None:
         try:

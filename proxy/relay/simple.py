@@ -14,12 +14,14 @@ handles a read that is exactly one template chunk, before any splitting.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import orjson
 
 from policies.base import Trigger
 from proxy.loops.watch import LoopWatch
+from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import count_tokens
 from proxy.relay.template import ChunkTemplate, Templates, decode
 
@@ -57,11 +59,13 @@ class _Out:
 class SimpleReads:
     """The simple path of one attempt's relay, and the chunk templates it learns."""
 
-    __slots__ = ("_relay", "templates")
+    __slots__ = ("_relay", "reads_runs", "templates")
 
     def __init__(self, relay: StreamRelay, templates: Templates | None) -> None:
         self._relay = relay
         self.templates = templates
+        # Template hits are not parsed: only when every inspector reads runs of texts.
+        self.reads_runs = not relay.inspectors or relay.inspectors.runs
 
     def relay_one(self, read: bytes) -> bytes | None:
         """A read that is exactly one event matching a template (a token streamed on its own,
@@ -91,6 +95,8 @@ class SimpleReads:
         result.events += 1
         if text:
             count_tokens(result, 1, now)
+        if relay.inspectors:
+            relay.inspectors.on_run(tpl.index, tpl.channel, (text,))
         watch = relay.plan.loop_watch
         if watch is not None and result.trigger is None:
             found = watch.on_run(tpl.index, tpl.channel, (text,))
@@ -103,7 +109,7 @@ class SimpleReads:
     def relay_simple(self, src: bytes, datas: list[bytes]) -> bytes:
         """The simple path: ``src`` is the events ``b"data: " + d + b"\n\n"`` for d in datas."""
         out = _Out(src)
-        templates = self.templates if not self._relay.inspectors else None
+        templates = self.templates if self.reads_runs else None
         offset = 0
         i = 0
         while i < len(datas):
@@ -138,7 +144,7 @@ class SimpleReads:
         templates = self.templates
         if (
             templates is not None
-            and not self._relay.inspectors
+            and self.reads_runs
             and (plan.id_override is None or chunk.get("id") == plan.id_override)
         ):
             templates.learn(chunk, data)
@@ -182,25 +188,29 @@ class SimpleReads:
             else:
                 found = _watch_stretches(watch, texts, matched)
         if found is None:
-            self._count_run(texts)
+            self._count_run(texts, matched)
             if self._relay.holding:
                 self._hold_run(out, offset, datas, texts, matched, 0)
             return None
         trigger, at = found
-        self._count_run(texts[: at + 1])  # the triggering chunk is counted before the decision
+        # The triggering chunk is counted (and inspected) before the decision.
+        self._count_run(texts[: at + 1], matched[: at + 1])
         if self._relay.holding:
             self._hold_run(out, offset, datas[:at], texts, matched, 0)
         if self._relay.decide(trigger):
             return offset + sum(map(len, datas[:at])) + 8 * at
-        self._count_run(texts[at + 1 :])
+        self._count_run(texts[at + 1 :], matched[at + 1 :])
         if self._relay.holding:
             self._hold_run(out, offset, datas, texts, matched, at)
         return None
 
-    def _count_run(self, texts: list[str]) -> None:
+    def _count_run(self, texts: list[str], matched: list[ChunkTemplate]) -> None:
         tokens = len(texts) - texts.count("")
         if tokens:
             count_tokens(self._relay.result, tokens, self._relay.now())
+        inspectors = self._relay.inspectors
+        if inspectors and texts:
+            _inspect_stretches(inspectors, texts, matched)
 
     def _hold_run(
         self,
@@ -257,21 +267,39 @@ def _match(
     return literals, matched
 
 
-def _watch_stretches(
-    watch: LoopWatch, texts: list[str], matched: list[ChunkTemplate]
-) -> tuple[Trigger, int] | None:
-    """Feed a run to the loop watch, one call per stretch of one choice and channel."""
+def _stretches(matched: list[ChunkTemplate]) -> Iterator[tuple[ChunkTemplate, int, int]]:
+    """The stretches of a run that belong to one choice and channel: (template, start, stop)."""
     start = 0
-    while start < len(texts):
+    while start < len(matched):
         tpl = matched[start]
         stop = start + 1
-        while stop < len(texts) and (matched[stop].index, matched[stop].channel) == (
+        while stop < len(matched) and (matched[stop].index, matched[stop].channel) == (
             tpl.index,
             tpl.channel,
         ):
             stop += 1
+        yield tpl, start, stop
+        start = stop
+
+
+def _watch_stretches(
+    watch: LoopWatch, texts: list[str], matched: list[ChunkTemplate]
+) -> tuple[Trigger, int] | None:
+    """Feed a run to the loop watch, one call per stretch of one choice and channel."""
+    for tpl, start, stop in _stretches(matched):
         found = watch.on_run(tpl.index, tpl.channel, texts[start:stop])
         if found is not None:
             return found[0], start + found[1]
-        start = stop
     return None
+
+
+def _inspect_stretches(
+    inspectors: InspectorSet, texts: list[str], matched: list[ChunkTemplate]
+) -> None:
+    """Hand a run to the inspectors, one call per stretch of one choice and channel."""
+    first = matched[0]
+    if len(matched) == 1 or matched.count(first) == len(matched):  # the usual case: one
+        inspectors.on_run(first.index, first.channel, texts)
+        return
+    for tpl, start, stop in _stretches(matched):
+        inspectors.on_run(tpl.index, tpl.channel, texts[start:stop])

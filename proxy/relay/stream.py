@@ -253,7 +253,7 @@ class StreamRelay:
         decoder = self._decoder
         templates = simple.templates
         if templates is not None and templates.active and not decoder.pending:
-            one = simple.relay_one(data) if not self.inspectors else None
+            one = simple.relay_one(data) if simple.reads_runs else None
             if one is not None:
                 return one
         events: list[SSEEvent] = []

@@ -19,7 +19,7 @@ import pytest
 
 from proxy.audit.outcome import ChoiceOutcome
 from proxy.audit.verdict import output_hash
-from tests.helpers import Engine, run_detproxy, run_engine, sse_chunks
+from tests.helpers import Engine, run_detproxy, run_engine, sse_chunks, wait_engine_idle
 
 pytestmark = pytest.mark.integration
 
@@ -313,6 +313,9 @@ def test_probe_separates_batch_effects_on_the_stock_engine(tmp_path: Path) -> No
     tries = []
     with run_engine(tmp_path) as stock:
         for _ in range(3):
+            # The last try's background requests may still be generating (the engine finishes
+            # a request its client left): "alone" must be alone.
+            wait_engine_idle(stock)
             code, report = run(stock, "1,4")
             tries.append(report)
             if code == 1:

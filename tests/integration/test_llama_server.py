@@ -10,7 +10,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.helpers import Engine, scrape
+from tests.helpers import Engine, engine_busy
 
 pytestmark = pytest.mark.integration
 
@@ -122,12 +122,6 @@ def test_wrong_types_are_forwarded_and_the_engine_error_reaches_the_sdk(
             )
         errors.append(exc.value.body)
     assert errors[0] == errors[1] and "max_tokens" in str(errors[1])
-
-
-def engine_busy(engine: Engine) -> float:
-    for value in scrape(engine.url + "/metrics", "llamacpp:requests_processing").values():
-        return value
-    raise AssertionError("llama-server exported no llamacpp:requests_processing")
 
 
 def test_client_disconnect_stops_generation(engine: Engine, detproxy_url: str) -> None:

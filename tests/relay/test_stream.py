@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from policies.base import Abort, Retry
+from proxy.audit.outcome import StreamAccumulator
 from tests.helpers import (
     ExplodingInspector,
     RelayRun,
@@ -259,3 +260,68 @@ def test_template_runs_that_only_parse_together_are_not_trusted() -> None:
         run = relay(reads, loops=True)
         assert summary(run) == summary(relay(reads, loops=True, general=True))
         assert run.client.body == stream and run.stopped == ["malformed_json"]
+
+
+# --- an audited stream on the template path ---------------------------------------------------
+
+
+def two_choices(n: int) -> bytes:
+    """Two choices (n=2) streamed interleaved, token by token, then their finish."""
+
+    def event(index: int, delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return sse_event({"id": ID, "object": "chat.completion.chunk", "choices": [choice]})
+
+    events = [event(i, {"role": "assistant", "content": ""}) for i in (0, 1)]
+    for k, text in enumerate(words(n)):
+        events.append(event(k % 2, {"content": text}))
+    events += [event(i, {"content": ""}, "stop") for i in (0, 1)]
+    return b"".join([*events, b"data: [DONE]\n\n"])
+
+
+AUDITED = [*STREAMS, two_choices(40)]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    st.sampled_from(AUDITED),
+    st.lists(st.integers(0, 12000), max_size=12),
+    st.sampled_from(DECISIONS),
+)
+def test_an_audited_stream_accumulates_on_the_template_path_what_the_general_path_does(
+    stream: bytes, cuts: list[int], decision: Any
+) -> None:
+    reads = split(stream, cuts)
+    fast_acc, general_acc = StreamAccumulator("chat"), StreamAccumulator("chat")
+    kw = {"loops": True, "decision": decision}
+    fast = relay(reads, inspectors=[fast_acc], **kw)
+    general = relay(reads, inspectors=[general_acc], general=True, **kw)
+    assert summary(fast) == summary(general)
+    assert fast_acc.outcome() == general_acc.outcome()
+
+
+def test_the_audit_accumulator_keeps_the_template_path_and_other_inspectors_do_not() -> None:
+    for stream in (CLEAN, two_choices(40)):
+        reads = events_of(stream)
+        acc = StreamAccumulator("chat")
+        fast = relay(reads, inspectors=[acc])
+        assert fast.relay.templates is not None and fast.relay.templates.hits > 15
+        outcome = acc.outcome()
+        assert outcome.error is None and all(c.content for c in outcome.choices)
+
+    class ChunksOnly:  # an inspector without on_run sees every chunk parsed
+        name = "chunks"
+
+        def __init__(self) -> None:
+            self.chunks: list[dict[str, Any]] = []
+
+        def on_chunk(self, chunk: dict[str, Any]) -> None:
+            self.chunks.append(chunk)
+
+        def on_end(self, complete: bool) -> None:
+            pass
+
+    seen = ChunksOnly()
+    run = relay(events_of(CLEAN), inspectors=[seen])
+    assert run.relay.templates is not None and run.relay.templates.hits == 0
+    assert len(seen.chunks) == CLEAN.count(b"data: {")
