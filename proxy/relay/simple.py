@@ -181,30 +181,26 @@ class SimpleReads:
         watch = self._relay.plan.loop_watch
         found = None
         if watch is not None and self._relay.result.trigger is None:
-            first = matched[0]
-            # One template is the usual case (list.count compares identity first).
-            if len(matched) == 1 or matched.count(first) == len(matched):
-                found = watch.on_run(first.index, first.channel, texts)
-            else:
-                found = _watch_stretches(watch, texts, matched)
+            found = _watch_stretches(watch, texts, matched)
         if found is None:
-            self._count_run(texts, matched)
+            self._tally_run(texts, matched)
             if self._relay.holding:
                 self._hold_run(out, offset, datas, texts, matched, 0)
             return None
         trigger, at = found
         # The triggering chunk is counted (and inspected) before the decision.
-        self._count_run(texts[: at + 1], matched[: at + 1])
+        self._tally_run(texts[: at + 1], matched[: at + 1])
         if self._relay.holding:
             self._hold_run(out, offset, datas[:at], texts, matched, 0)
         if self._relay.decide(trigger):
             return offset + sum(map(len, datas[:at])) + 8 * at
-        self._count_run(texts[at + 1 :], matched[at + 1 :])
+        self._tally_run(texts[at + 1 :], matched[at + 1 :])
         if self._relay.holding:
             self._hold_run(out, offset, datas, texts, matched, at)
         return None
 
-    def _count_run(self, texts: list[str], matched: list[ChunkTemplate]) -> None:
+    def _tally_run(self, texts: list[str], matched: list[ChunkTemplate]) -> None:
+        """Token timing for template hits, and their texts to the inspectors."""
         tokens = len(texts) - texts.count("")
         if tokens:
             count_tokens(self._relay.result, tokens, self._relay.now())
@@ -269,6 +265,11 @@ def _match(
 
 def _stretches(matched: list[ChunkTemplate]) -> Iterator[tuple[ChunkTemplate, int, int]]:
     """The stretches of a run that belong to one choice and channel: (template, start, stop)."""
+    first = matched[0]
+    # One template is the usual case (list.count compares identity first).
+    if len(matched) == 1 or matched.count(first) == len(matched):
+        yield first, 0, len(matched)
+        return
     start = 0
     while start < len(matched):
         tpl = matched[start]
@@ -282,12 +283,16 @@ def _stretches(matched: list[ChunkTemplate]) -> Iterator[tuple[ChunkTemplate, in
         start = stop
 
 
+def _part(texts: list[str], start: int, stop: int) -> list[str]:
+    return texts if start == 0 and stop == len(texts) else texts[start:stop]
+
+
 def _watch_stretches(
     watch: LoopWatch, texts: list[str], matched: list[ChunkTemplate]
 ) -> tuple[Trigger, int] | None:
     """Feed a run to the loop watch, one call per stretch of one choice and channel."""
     for tpl, start, stop in _stretches(matched):
-        found = watch.on_run(tpl.index, tpl.channel, texts[start:stop])
+        found = watch.on_run(tpl.index, tpl.channel, _part(texts, start, stop))
         if found is not None:
             return found[0], start + found[1]
     return None
@@ -297,9 +302,5 @@ def _inspect_stretches(
     inspectors: InspectorSet, texts: list[str], matched: list[ChunkTemplate]
 ) -> None:
     """Hand a run to the inspectors, one call per stretch of one choice and channel."""
-    first = matched[0]
-    if len(matched) == 1 or matched.count(first) == len(matched):  # the usual case: one
-        inspectors.on_run(first.index, first.channel, texts)
-        return
     for tpl, start, stop in _stretches(matched):
-        inspectors.on_run(tpl.index, tpl.channel, texts[start:stop])
+        inspectors.on_run(tpl.index, tpl.channel, _part(texts, start, stop))
