@@ -34,4 +34,7 @@ export LLAMA_SRC="$(sed -n 's/^LLAMA_SRC=//p' <<<"$engine")"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 .venv/bin/mypy
+# The GPU harnesses run only on the lent machine: type-check them here, so a rename in proxy/
+# that they call cannot go unnoticed until the next device session.
+.venv/bin/mypy --strict tests/gpu/validate.py tests/gpu/vllm/validate.py
 .venv/bin/python -m pytest -m "integration or not integration" "$@"

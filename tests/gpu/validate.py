@@ -110,7 +110,8 @@ async def chat(
     if not stream:
         choice = orjson.loads(raw)["choices"][0]
         return signature(choice["message"]["content"] or "", choice["logprobs"]["content"])
-    content, entries = "", []
+    content = ""
+    entries: list[Any] = []
     for block in raw.split(b"\n\n"):
         if not block.startswith(b"data: ") or block == b"data: [DONE]":
             continue

@@ -4,7 +4,7 @@
 #   /root/payload  the parts as they arrive      /root/site   the installed wheels
 #   /root/model    bf16 checkpoint + tokenizer   /root/work   logs, state, results
 #   bash tests/gpu/vllm/on_device.sh receive        # moves the carried .gpu/vllm/* away
-#   bash tests/gpu/vllm/on_device.sh setup          # install, patch, convert, start vLLM x4
+#   bash tests/gpu/vllm/on_device.sh setup          # install, patch, convert, start vLLM x5
 #   bash tests/gpu/vllm/on_device.sh validate ARGS  # tests/gpu/vllm/validate.py; results in $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
@@ -15,13 +15,15 @@ export PYTHONPATH="$S:$repo" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USA
   VLLM_HOST_IP=127.0.0.1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # name port extra-env extra-args...: one vLLM OpenAI server, in its own session so it outlives
-# the call that starts it. --kv-cache-memory-bytes fixes the KV cache, so the four instances
-# can start at once without one's memory profiling counting another's allocations.
+# the call that starts it. --kv-cache-memory-bytes fixes the KV cache, so the five instances
+# can start at once without one's memory profiling counting another's allocations. All but
+# "graphs" run --enforce-eager (as the reference bring-up did); "graphs" runs vLLM's production
+# default (torch.compile and CUDA graphs).
 start() {
   local name=$1 port=$2 envs=$3; shift 3
   ( cd "$W" && setsid env $envs python3 -m vllm.entrypoints.openai.api_server \
       --served-model-name smollm2 --max-model-len 4096 --host 127.0.0.1 --port "$port" \
-      --max-logprobs 20 --enforce-eager --gpu-memory-utilization 0.15 \
+      --max-logprobs 20 --gpu-memory-utilization 0.15 \
       --kv-cache-memory-bytes 4294967296 "$@" > "$W/vllm-$name.log" 2>&1 < /dev/null & \
     echo $! > "$W/vllm-$name.pid" )
 }
@@ -52,16 +54,19 @@ setup)
   python3 tests/gpu/vllm/convert.py "$P/model/model.gguf" "$M" 2>&1 | grep -v Warning | tail -12
   [ -f "$M/model.safetensors" ] || { echo "conversion failed"; exit 1; }
   echo "converted in $(( $(date +%s) - t0 )) s"
-  start stock 8001 "X=1" --model "$M" --tokenizer "$M" --dtype bfloat16
-  start bi 8002 "VLLM_BATCH_INVARIANT=1" --model "$M" --tokenizer "$M" --dtype bfloat16
-  start spec 8003 "X=1" --model "$M" --tokenizer "$M" --dtype bfloat16 --speculative-config \
+  bf16=(--model "$M" --tokenizer "$M" --dtype bfloat16)
+  start stock 8001 "X=1" "${bf16[@]}" --enforce-eager
+  start bi 8002 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager
+  start spec 8003 "X=1" "${bf16[@]}" --enforce-eager --speculative-config \
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-  start gguf 8004 "X=1" --model "$P/model/model.gguf" --tokenizer "$M"
-  echo "4 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004"
+  start gguf 8004 "X=1" --model "$P/model/model.gguf" --tokenizer "$M" --enforce-eager
+  start graphs 8005 "X=1" "${bf16[@]}"
+  echo "5 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004, graphs (CUDA graphs, torch.compile) :8005"
   python3 - "$W" <<'PY'
 import os, sys, time, urllib.request
 work = sys.argv[1]
 t0 = time.time()
+# graphs compiles for a while: the validation waits for it in its own step
 left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004}
 while left and time.time() - t0 < 150:
     for name, port in list(left.items()):
@@ -88,7 +93,7 @@ validate)
   shift
   python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
     --stock http://127.0.0.1:8001 --bi http://127.0.0.1:8002 --spec http://127.0.0.1:8003 \
-    --gguf http://127.0.0.1:8004 --logs "$W" "$@"
+    --gguf http://127.0.0.1:8004 --graphs http://127.0.0.1:8005 --logs "$W" "$@"
   ;;
 *) echo "usage: $0 receive|info|setup|validate" >&2; exit 2 ;;
 esac

@@ -206,7 +206,8 @@ async def chat(
             "finish": choice.get("finish_reason"),
         }
     events, errors = parse_sse(raw)
-    text, entries, finish, seen_lp = "", [], None, False
+    text, finish, seen_lp = "", None, False
+    entries: list[Any] = []
     for event in events:
         for choice in event.get("choices") or []:
             text += (choice.get("delta") or {}).get("content") or ""
@@ -468,8 +469,10 @@ class Ctx:
         self.args = args
         self.http = http
         self.url = {"stock": args.stock, "bi": args.bi, "spec": args.spec, "gguf": args.gguf}
+        if args.graphs:
+            self.url["graphs"] = args.graphs
         self.work: Path = args.work
-        self.deadline = time.monotonic() + args.deadline_s
+        self.deadline: float = time.monotonic() + args.deadline_s
         state = args.work / "results.json"
         self.results: dict[str, Any] = (
             orjson.loads(state.read_bytes()) if args.resume and state.exists() else {}
@@ -581,7 +584,7 @@ async def audit_load(
     try:
         if own:
             await proxy.ready(http)
-        before = (await proxy.observe.status(http))["audit"]["verdicts"]
+        before = (await proxy.status(http))["audit"]["verdicts"]
         sem = asyncio.Semaphore(conc)
 
         async def one(rid: str) -> None:
@@ -601,8 +604,8 @@ async def audit_load(
         await asyncio.gather(*(one(rid) for rid, _ in jobs))
         traffic_s = time.monotonic() - t0
         status = await proxy.settle(http, expected_before + n if rate_ >= 1.0 else None)
-        incidents = await proxy.observe.incidents(http)
-        dmetrics = await proxy.observe.metrics(http)
+        incidents = await proxy.incidents(http)
+        dmetrics = await proxy.metrics(http)
     finally:
         if own:
             proxy.stop()
@@ -613,7 +616,7 @@ async def audit_load(
     }
     audits = {rid: i for rid, i in audits.items() if rid in plan}
     refs = ctx.refs[truth]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rid, (p, stream, asked) in plan.items():
         got = received[rid]
         t = truth_of(got, refs[p], asked)
@@ -811,7 +814,7 @@ async def step_passthrough(ctx: Ctx) -> dict[str, Any]:
                     row["direct"] = raws[0][1][:2500].decode(errors="replace")
                     row["detproxy"] = raws[1][1][:2500].decode(errors="replace")
                 out["raw"].append(row)
-        bad = [
+        bad: list[tuple[str, dict[str, Any]]] = [
             ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
             (
                 "top_logprobs over --max-logprobs",
@@ -856,7 +859,7 @@ async def step_passthrough(ctx: Ctx) -> dict[str, Any]:
                     "equal": path == "/metrics" or norm(seen[0][1]) == norm(seen[1][1]),
                 }
             )
-        st = await proxy.observe.status(ctx.http)
+        st = await proxy.status(ctx.http)
         out["fingerprint"] = st.get("upstream_fingerprint", {}).get("identity")
     finally:
         proxy.stop()
@@ -867,7 +870,7 @@ async def step_reference(ctx: Ctx) -> dict[str, Any]:
     names = ["stock", "bi"]
     got = await asyncio.gather(*(reference(ctx, n) for n in names))
     ctx.results["t1_s"] = max(g["mean_request_s"] for g in got)
-    out = {n: g for n, g in zip(names, got, strict=True)}
+    out: dict[str, Any] = {n: g for n, g in zip(names, got, strict=True)}
     out["stock_equals_bi"] = [
         (a["text"] == b["text"], a["lp"] == b["lp"])
         for a, b in zip(ctx.refs["stock"], ctx.refs["bi"], strict=True)
@@ -915,7 +918,7 @@ async def step_spec(ctx: Ctx) -> dict[str, Any]:
     try:
         await proxy.ready(http)
         await asyncio.sleep(1.5)
-        st = await proxy.observe.status(http)
+        st = await proxy.status(http)
         out["speculative_flag_at_start"] = st["upstream_fingerprint"]["identity"]["speculative"]
         out["fingerprint_at_start"] = st["upstream_fingerprint"]["fingerprint"]
         ref = await reference(ctx, "spec", reps=2)
@@ -945,13 +948,13 @@ async def step_spec(ctx: Ctx) -> dict[str, Any]:
             expected_before=n1,
         )
         await asyncio.sleep(2.5)
-        st = await proxy.observe.status(http)
+        st = await proxy.status(http)
         out["speculative_flag_at_end"] = st["upstream_fingerprint"]["identity"]["speculative"]
         out["fingerprint_at_end"] = st["upstream_fingerprint"]["fingerprint"]
         out["load_gauges"] = st["upstream_fingerprint"].get("load")
-        m = await proxy.observe.metrics(http)
+        m = await proxy.metrics(http)
         out["upstream_changes_total"] = msum(m, "detproxy_upstream_changes_total")
-        incidents = await proxy.observe.incidents(http)
+        incidents = await proxy.incidents(http)
         out["upstream_change_incidents"] = [
             {k: i.get(k) for k in ("ts", "before", "after")}
             for i in incidents
@@ -967,6 +970,29 @@ async def step_spec(ctx: Ctx) -> dict[str, Any]:
         out["acceptance_rate_engine"] = round(acc / drafts, 4) if drafts else None
     finally:
         proxy.stop()
+    return out
+
+
+async def step_graphs(ctx: Ctx) -> dict[str, Any]:
+    """vLLM's production default (torch.compile, CUDA graphs) instead of --enforce-eager: its
+    own serial reference against the eager one, and the audit at 16 and 32 in flight."""
+    url = ctx.url.get("graphs")
+    if not url or not await engine_up(ctx.http, url, min(240, ctx.left() - 120)):
+        return {"status": "skipped", "reason": "graphs instance not up"}
+    ref = await reference(ctx, "graphs")
+    eager, graphs = ctx.refs["stock"], ctx.refs["graphs"]
+    out: dict[str, Any] = {
+        "reference": ref,
+        "graphs_vs_eager_serial": {
+            "text_differs": [p for p, r in enumerate(graphs) if r["text"] != eager[p]["text"]],
+            "logprobs_differ": [p for p, r in enumerate(graphs) if r["lp"] != eager[p]["lp"]],
+            "first_token_diff": [
+                first_diff(graphs[p]["lp"], eager[p]["lp"]) for p in range(len(PROMPTS))
+            ],
+        },
+    }
+    for conc in (16, 32):
+        out[f"c{conc}"] = await audit_load(ctx, f"graphs-c{conc}", "graphs", "graphs", conc, N_LOAD)
     return out
 
 
@@ -1030,8 +1056,8 @@ async def step_gguf(ctx: Ctx) -> dict[str, Any]:
             r = await chat(http, proxy.base, q, stream=stream, logprobs=True, max_tokens=16)
             asked.append({"stream": stream, "status": r["status"]})
         await asyncio.sleep(3)
-        st = await proxy.observe.status(http)
-        m = await proxy.observe.metrics(http)
+        st = await proxy.status(http)
+        m = await proxy.metrics(http)
     finally:
         proxy.stop()
     errors: dict[str, int] = {}
@@ -1145,7 +1171,7 @@ async def step_disconnect(ctx: Ctx) -> dict[str, Any]:
             await task
         trials.append({"stream": False, "running_before_close": was,
                        "back_to_zero_s": await back_to_zero(t_close)})  # fmt: skip
-        m = await proxy.observe.metrics(ctx.http)
+        m = await proxy.metrics(ctx.http)
     finally:
         proxy.stop()
     return {"trials": trials, "client_disconnects": msum(m, "detproxy_client_disconnects_total")}
@@ -1221,7 +1247,7 @@ async def step_loops(ctx: Ctx) -> dict[str, Any]:
                 )
 
         await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
-        m = await proxy.observe.metrics(http)
+        m = await proxy.metrics(http)
     finally:
         proxy.stop()
     finish: dict[str, int] = {}
@@ -1274,7 +1300,7 @@ def sweep_step(name: str) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
     return run
 
 
-NEEDS_REFS = {f"audit_c{c}" for c in (8, 16, 32, 2, 4)} | {"random10", "spec"}
+NEEDS_REFS = {f"audit_c{c}" for c in (8, 16, 32, 2, 4)} | {"random10", "spec", "graphs"}
 
 
 def est_audit(ctx: Ctx, conc: int, n: int = N_LOAD, share: float = 1.0) -> float:
@@ -1286,7 +1312,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
-        (f"audit_c{conc}", audit_pair(conc), lambda c, k=conc: est_audit(c, k))  # type: ignore[misc]
+        (f"audit_c{conc}", audit_pair(conc), lambda c, k=conc: est_audit(c, k))
         for conc in LOADS
     ],
     ("random10", step_random10, lambda c: est_audit(c, LOADS[-1], share=0.2)),
@@ -1294,6 +1320,12 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
         "spec",
         step_spec,
         lambda c: len(PROMPTS) * 2 * c.t1 * 3.5 + est_audit(c, 16, N_LOAD // 2) + 20,
+    ),
+    (
+        "graphs",
+        step_graphs,
+        # a graphs request is about 4x faster than an eager one (12 ms a step, eager)
+        lambda c: len(PROMPTS) * REPS * c.t1 / 3 + 2 * est_audit(c, 16) / 3 + 30,
     ),
     ("gguf_nan", step_gguf, lambda c: 40),
     ("prefix_cache", step_prefix, lambda c: len(PROMPTS) * 4 * c.t1 * 1.2 + 5),
@@ -1303,7 +1335,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     *[
         (f"sweep_{n}", sweep_step(n),
          lambda c: len(SWEEP_LEVELS.split(",")) * SWEEP_DURATION * 2 + 15)
-        for n in ("stock", "bi", "spec")
+        for n in ("stock", "bi", "spec", "graphs")
     ],
 ]  # fmt: skip
 
@@ -1381,6 +1413,14 @@ def markdown(res: dict[str, Any]) -> str:
 def md_step(name: str, s: dict[str, Any]) -> list[str]:
     if name.startswith("audit_") or name == "random10":
         return md_audit([s["stock"], s["bi"]])
+    if name == "graphs":
+        return [
+            *md_audit([s["c16"], s["c32"]]),
+            "",
+            f"- graphs serial vs eager serial: {s['graphs_vs_eager_serial']}",
+            f"- graphs reference: unstable prompts {s['reference']['unstable_prompts']}, mean "
+            f"request {s['reference']['mean_request_s']} s, tokens {s['reference']['tokens']}",
+        ]
     if name == "spec":
         if "serial" not in s:
             return [f"{s}"]
@@ -1466,6 +1506,7 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     for name in ("stock", "bi", "spec", "gguf"):
         ap.add_argument(f"--{name}", required=True, help=f"{name} vLLM base URL")
+    ap.add_argument("--graphs", help="vLLM base URL: CUDA graphs and torch.compile (optional)")
     ap.add_argument("--work", type=Path, required=True, help="state and logs (kept)")
     ap.add_argument("--out", type=Path, required=True, help="results.json, results.md")
     ap.add_argument("--logs", type=Path, help="vLLM logs to copy tails of into --out")
@@ -1477,8 +1518,9 @@ async def main() -> None:
     if args.quick:
         quick()
     if args.logs:
-        for name in ("stock", "bi", "spec", "gguf"):
-            PIDS[getattr(args, name)] = args.logs / f"vllm-{name}.pid"
+        for name in ("stock", "bi", "spec", "gguf", "graphs"):
+            if getattr(args, name):
+                PIDS[getattr(args, name)] = args.logs / f"vllm-{name}.pid"
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     wanted = set(args.steps.split(",")) if args.steps else None
