@@ -6,7 +6,7 @@
 #           (the list of ../../../../shared/reference/vllm-on-h200.md; openai is the SDK too)
 #   model:  SmolLM2-135M-Instruct Q4_1 GGUF (converted to bf16 safetensors on the device,
 #           where torch and transformers are; the GGUF is also served as is, for the NaN case)
-# all in one uncompressed tar (the wheels are compressed already), split in 62 MiB parts
+# all in one uncompressed tar (the wheels are compressed already), split in 58 MiB parts
 # .gpu/vllm/part-0 .. part-N (one device call carries at most 64 MiB, the tree included),
 # with its sha256 in .gpu/vllm/payload.sha256.
 set -euo pipefail
@@ -42,11 +42,11 @@ if ! ls "$stage"/vllm/vllm-0.23.0-*.whl >/dev/null 2>&1; then
   "${pip[@]}" -d "$stage/vllm" vllm==0.23.0
 fi
 cp -n "$gguf" "$stage/model/model.gguf"
-# deps and model first, vLLM last; parts of 62 MiB (about 10 s, so always rebuilt)
+# deps and model first, vLLM last; 58 MiB parts: with the tree, under the 64 MiB a call carries
 tar -C "$stage" -cf "$out/payload.tar" --exclude=.done wheels model vllm
 sha256sum "$out/payload.tar" | cut -d' ' -f1 > "$out/payload.sha256"
 rm -f "$out"/part-*
-split -b 62M -d -a 1 "$out/payload.tar" "$out/part-"
+split -b 58M -d -a 1 "$out/payload.tar" "$out/part-"
 rm "$out/payload.tar"
 ls -l "$out"/part-* "$out/payload.sha256"
 echo "parts: $(ls "$out"/part-* | wc -l)"
