@@ -19,13 +19,16 @@ export PYTHONPATH="$S:$repo" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USA
 # can start at once without one's memory profiling counting another's allocations. All but
 # "graphs" run --enforce-eager (as the reference bring-up did); "graphs" runs vLLM's production
 # default (torch.compile and CUDA graphs).
+# The server writes its own pid file ($$ of the shell it then execs into): setsid forks when
+# started as a group leader (a job of a shell with job control), so $! would be the pid of a
+# parent gone at once (2026-12-01: every instance then looked dead to the validation).
 start() {
   local name=$1 port=$2 envs=$3; shift 3
-  ( cd "$W" && setsid env $envs python3 -m vllm.entrypoints.openai.api_server \
+  ( cd "$W" && setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/vllm-$name.pid" \
+      env $envs python3 -m vllm.entrypoints.openai.api_server \
       --served-model-name smollm2 --max-model-len 4096 --host 127.0.0.1 --port "$port" \
       --max-logprobs 20 --gpu-memory-utilization 0.15 \
-      --kv-cache-memory-bytes 4294967296 "$@" > "$W/vllm-$name.log" 2>&1 < /dev/null & \
-    echo $! > "$W/vllm-$name.pid" )
+      --kv-cache-memory-bytes 4294967296 "$@" > "$W/vllm-$name.log" 2>&1 < /dev/null & )
 }
 case "${1:-}" in
 receive)
@@ -70,7 +73,10 @@ t0 = time.time()
 left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004}
 while left and time.time() - t0 < 150:
     for name, port in list(left.items()):
-        pid = int(open(f"{work}/vllm-{name}.pid").read())
+        try:
+            pid = int(open(f"{work}/vllm-{name}.pid").read())
+        except (OSError, ValueError):  # not written yet
+            continue
         try:
             os.kill(pid, 0)
         except OSError:  # died: say why at once, so the next call can fix it

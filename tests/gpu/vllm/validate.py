@@ -799,20 +799,28 @@ async def step_passthrough(ctx: Ctx) -> dict[str, Any]:
         ):
             for stream in (False, True):
                 raws = []
-                for url in (base, proxy.base):
+                # direct, detproxy, direct again: is a difference detproxy's or the engine's?
+                for url in (base, proxy.base, base):
                     b = {"model": MODEL, "temperature": 0, "max_tokens": 24, "stream": stream}
                     b |= body | {"cache_salt": salt()}
                     async with ctx.http.post(f"{url}/v1/{endpoint}", json=b) as resp:
                         raws.append((resp.status, norm(await resp.read())))
-                row = {
+                row: dict[str, Any] = {
                     "endpoint": endpoint,
                     "stream": stream,
                     "bytes_equal": raws[0] == raws[1],
+                    "direct_repeat_equal": raws[0] == raws[2],
                     "size": len(raws[0][1]),
                 }
-                if raws[0] != raws[1]:  # both, normalised, to see what differs
-                    row["direct"] = raws[0][1][:2500].decode(errors="replace")
-                    row["detproxy"] = raws[1][1][:2500].decode(errors="replace")
+                if raws[0] != raws[1]:  # where they part, normalised, to see what differs
+                    a, d = raws[0][1], raws[1][1]
+                    at = common_prefix(a.decode(errors="replace"), d.decode(errors="replace"))
+                    row["first_difference_at"] = at
+                    row["direct"] = a.decode(errors="replace")[max(0, at - 300) : at + 600]
+                    row["detproxy"] = d.decode(errors="replace")[max(0, at - 300) : at + 600]
+                    row["direct_again"] = raws[2][1].decode(errors="replace")[
+                        max(0, at - 300) : at + 600
+                    ]
                 out["raw"].append(row)
         bad: list[tuple[str, dict[str, Any]]] = [
             ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "hi"}]}),
@@ -970,6 +978,48 @@ async def step_spec(ctx: Ctx) -> dict[str, Any]:
         out["acceptance_rate_engine"] = round(acc / drafts, 4) if drafts else None
     finally:
         proxy.stop()
+    return out
+
+
+async def step_spec_fresh(ctx: Ctx) -> dict[str, Any]:
+    """The fingerprint's speculative flag on a speculative server that has served nothing yet
+    (run it first after ``setup``): set from the start, and no upstream change once drafts
+    are counted."""
+    http, url = ctx.http, ctx.url["spec"]
+    if not await engine_up(http, url, min(120, ctx.left() - 30)):
+        return {"status": "skipped", "reason": "spec instance not up"}
+    before = await engine_metrics(http, url)
+    async with http.get(url + "/server_info") as resp:
+        server_info_status = resp.status
+    out: dict[str, Any] = {
+        "requests_before": msum(before, "vllm:request_success_total"),
+        "draft_tokens_before": msum(before, "vllm:spec_decode_num_draft_tokens_total"),
+        "spec_series_at_start": sorted(
+            {k.split("{", 1)[0] for k in before if k.startswith("vllm:spec_decode")}
+        ),
+        "server_info_status": server_info_status,
+    }
+    cfg = {"upstream": {"fingerprint_interval_s": 1}, "audit": {"sample_rate": 0.0}}
+    proxy = Detproxy(url, cfg, ctx.work, "spec-fresh")
+    try:
+        await proxy.ready(http)
+        await asyncio.sleep(1.5)
+        st = await proxy.status(http)
+        out["flag_at_start"] = st["upstream_fingerprint"]["identity"]["speculative"]
+        out["fingerprint_at_start"] = st["upstream_fingerprint"]["fingerprint"]
+        for p in (2, 3, 9, 0):  # quoting prompts: n-gram drafts
+            r = await chat(http, proxy.base, PROMPTS[p % len(PROMPTS)], cache_salt=salt())
+            out.setdefault("statuses", []).append(r["status"])
+        await asyncio.sleep(2.5)
+        st = await proxy.status(http)
+        out["flag_at_end"] = st["upstream_fingerprint"]["identity"]["speculative"]
+        out["fingerprint_at_end"] = st["upstream_fingerprint"]["fingerprint"]
+        m = await proxy.metrics(http)
+        out["upstream_changes_total"] = msum(m, "detproxy_upstream_changes_total")
+    finally:
+        proxy.stop()
+    after = await engine_metrics(http, url)
+    out["draft_tokens_after"] = msum(after, "vllm:spec_decode_num_draft_tokens_total")
     return out
 
 
@@ -1268,6 +1318,90 @@ async def step_loops(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+def common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+async def looping_through(
+    ctx: Ctx, cfg: dict[str, Any], name: str, direct: dict[str, str]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The looping prompts through a detproxy of ``cfg``, streamed and not, 4 in flight."""
+    http = ctx.http
+    proxy = Detproxy(ctx.url["stock"], cfg, ctx.work, name)
+    got: list[dict[str, Any]] = []
+    try:
+        await proxy.ready(http)
+        sem = asyncio.Semaphore(4)
+
+        async def one(prompt: str, stream: bool) -> None:
+            async with sem:
+                r = await chat(http, proxy.base, prompt, stream=stream, max_tokens=384,
+                               cache_salt=salt())  # fmt: skip
+            text = r.get("text") or ""
+            got.append(
+                {
+                    "prompt": LOOPING.index(prompt),
+                    "stream": stream,
+                    "status": r["status"],
+                    "error": r.get("error"),
+                    "finish": r.get("finish"),
+                    "looped": looped(text),
+                    "attempts": r.get("attempts"),
+                    "chars": len(text),
+                    "greedy_prefix_kept_chars": common_prefix(text, direct[prompt]),
+                }
+            )
+
+        await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
+        metrics = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    return sorted(got, key=lambda g: (g["prompt"], g["stream"])), metrics
+
+
+async def step_loops_strategies(ctx: Ctx) -> dict[str, Any]:
+    """The default ladder's attempts as restarts, then the same attempts continuing from the
+    loop's onset (``continue_final_message`` on vLLM): recovered, looped again, tokens spent
+    and kept, and how much of the greedy answer before the loop the client still got."""
+    direct: dict[str, str] = {}
+    for prompt in LOOPING:
+        r = await chat(ctx.http, ctx.url["stock"], prompt, max_tokens=384, cache_salt=salt())
+        direct[prompt] = r.get("text") or ""
+    attempts = [
+        {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5, "seed": 1},
+        {"frequency_penalty": 1.0},
+    ]
+    out: dict[str, Any] = {"direct_looped": [p for p, t in direct.items() if looped(t)]}
+    for strategy in ("restart", "continue"):
+        ladder = [{"models": "*", "attempts": [a | {"strategy": strategy} for a in attempts]}]
+        cfg = {"audit": {"sample_rate": 0.0}, "loops": {"policy": "retry", "ladders": ladder}}
+        got, m = await looping_through(ctx, cfg, f"loops-{strategy}", direct)
+        on_looping = [g for g in got if looped(direct[LOOPING[g["prompt"]]])]
+        out[strategy] = {
+            "client_errors": sum(1 for g in got if g["status"] != 200),
+            "client_still_looping": sum(1 for g in got if g["looped"]),
+            "finish": {
+                f: sum(1 for g in got if str(g["finish"]) == f)
+                for f in sorted({str(g["finish"]) for g in got})
+            },
+            "greedy_prefix_kept_chars_on_looping_prompts": spread(
+                [float(g["greedy_prefix_kept_chars"]) for g in on_looping]
+            ),
+            "recoveries": {k: v for k, v in m.items() if k.startswith("detproxy_recoveries_total")},
+            "recovery_tokens": {
+                k: v for k, v in m.items() if k.startswith("detproxy_recovery_tokens_total")
+            },
+            "loops_total": msum(m, "detproxy_loops_total"),
+            "rows": got,
+        }
+    return out
+
+
 def sweep_step(name: str) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
     async def run(ctx: Ctx) -> dict[str, Any]:
         args = ["sweep", "--upstream", ctx.url[name], "--model", MODEL, "--concurrency",
@@ -1309,6 +1443,7 @@ def est_audit(ctx: Ctx, conc: int, n: int = N_LOAD, share: float = 1.0) -> float
 
 
 STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx], float]]] = [
+    ("spec_fresh", step_spec_fresh, lambda c: 30),
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
@@ -1332,6 +1467,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("disconnect", step_disconnect, lambda c: 25),
     ("probe", step_probe, lambda c: 45),
     ("loops", step_loops, lambda c: 16 * 3 * c.t1 + 30),
+    ("loops_strategies", step_loops_strategies, lambda c: 2 * 16 * 3 * c.t1 + 40),
     *[
         (f"sweep_{n}", sweep_step(n),
          lambda c: len(SWEEP_LEVELS.split(",")) * SWEEP_DURATION * 2 + 15)
