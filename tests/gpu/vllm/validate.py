@@ -1,8 +1,9 @@
 """Real-vLLM validation: detproxy in front of vLLM 0.23.0 on the lent H200, measured against truth.
 
-Four vLLM instances serve the same bf16 SmolLM2-135M checkpoint (on_device.sh starts them):
-stock, ``VLLM_BATCH_INVARIANT=1`` (the control), n-gram speculative decoding, and the GGUF
-itself (whose logprobs are NaN). Each step below starts its own detproxy (``python3 -m proxy
+Five vLLM instances serve SmolLM2-135M (on_device.sh starts them): the bf16 checkpoint eager
+(stock), with ``VLLM_BATCH_INVARIANT=1`` (the control), with n-gram speculative decoding, and
+with CUDA graphs and torch.compile (graphs, optional); and the GGUF itself (whose logprobs are
+NaN). Each step below starts its own detproxy (``python3 -m proxy
 serve``, from the carried source) and writes what it measured into results.json and
 results.md, after every step, in --work and --out. Steps run in order of priority and are
 skipped when the time left (--deadline-s) is short of their estimate; ``--resume`` runs the
