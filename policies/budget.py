@@ -11,6 +11,10 @@ generated once its attempt ended.
 Counts live in one-second buckets per model with running totals, so memory is fixed per model
 and each call costs O(1); models are capped (the model name is client-controlled), the
 overflow sharing one account.
+
+Replicas share the budget through ``proxy.loops.budget_sync``: each publishes its own window
+totals (``local_totals``) and adds the others' (``set_others``), so every decision stays local
+and O(1), the fleet's totals at most one sync interval old.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class RecoveryBudget:
         self._window = max(1, int(window_s))
         self._clock = clock
         self._accounts: dict[str, _Account] = {}
+        # The other replicas' window totals per model: (generated, spent), as last synced.
+        self._others: dict[str, tuple[int, int]] = {}
 
     def record_generated(self, model: str, tokens: int) -> None:
         """A client request's own attempt generated ``tokens``."""
@@ -100,19 +106,36 @@ class RecoveryBudget:
         account.spent_total += actual - reserved
 
     def use(self, model: str) -> BudgetUse:
-        account = self._accounts.get(self._key(model))
-        if account is None:
-            return BudgetUse(0, 0, self._floor)
-        account.advance(int(self._clock()))
-        generated = account.generated_total
-        return BudgetUse(
-            generated, max(0, account.spent_total), max(self._floor, int(self._share * generated))
-        )
+        key = self._key(model)
+        account = self._accounts.get(key)
+        generated, spent = self._others.get(key, (0, 0))
+        if account is not None:
+            account.advance(int(self._clock()))
+            generated += account.generated_total
+            spent += max(0, account.spent_total)
+        return BudgetUse(generated, spent, max(self._floor, int(self._share * generated)))
+
+    def local_totals(self) -> dict[str, tuple[int, int]]:
+        """This replica's own window totals per model: (generated, spent)."""
+        second = int(self._clock())
+        out = {}
+        for model, account in self._accounts.items():
+            account.advance(second)
+            out[model] = (account.generated_total, max(0, account.spent_total))
+        return out
+
+    def set_others(self, others: dict[str, tuple[int, int]]) -> None:
+        """The other replicas' window totals per model, replacing the last ones."""
+        capped: dict[str, tuple[int, int]] = {}
+        for model, totals in others.items():
+            if model in self._accounts or model in capped or len(capped) < MAX_MODELS:
+                capped[model] = totals
+        self._others = capped
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """Per model, for ``/detproxy/status``."""
         out = {}
-        for model in self._accounts:
+        for model in self._accounts.keys() | self._others.keys():
             use = self.use(model)
             out[model] = {"generated": use.generated, "spent": use.spent, "allowed": use.allowed}
         return out

@@ -6,7 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -39,6 +39,9 @@ from proxy.relay.inspectors import InspectorFactory
 from proxy.tasks import TaskOwner
 from proxy.workers import worker_status
 
+if TYPE_CHECKING:
+    from proxy.loops.budget_sync import RedisBudgetSync
+
 SETTINGS = web.AppKey("settings", Settings)
 BUS = web.AppKey("bus", EventBus)
 METRICS = web.AppKey("metrics", Metrics)
@@ -59,6 +62,7 @@ class Runtime:
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
+BUDGET_SYNC = web.AppKey["RedisBudgetSync | None"]("budget_sync")
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 TARGET = web.AppKey[Upstream]("target")  # the upstream requests are forwarded to
 REFERENCE = web.AppKey[Upstream | None]("reference")  # the control engine shadows go to
@@ -217,6 +221,7 @@ class _Lifetime:
             self.scheduler_ctx,
             self.fingerprint_ctx,
             self.tally_ctx,
+            self.budget_sync_ctx,
         ]
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -308,6 +313,23 @@ class _Lifetime:
         yield
         await tasks.close()
 
+    async def budget_sync_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        loops = self.settings.loops
+        tasks = TaskOwner("app")
+        sync = None
+        if loops.enabled and loops.recovery_budget_store == "redis":
+            from proxy.loops.budget_sync import RedisBudgetSync  # the optional `redis` extra
+
+            sync = RedisBudgetSync(
+                loops.recovery_budget_redis_url, self.budget, self.bus, loops.recovery_budget_sync_s
+            )
+            tasks.spawn(sync.run(), name="recovery-budget-sync")
+        app[BUDGET_SYNC] = sync
+        yield
+        await tasks.close()
+        if sync is not None:
+            await sync.close()
+
 
 async def _dispatch(request: web.Request) -> web.StreamResponse:
     if request.path.startswith(ADMIN_PREFIX):
@@ -317,6 +339,10 @@ async def _dispatch(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+def _budget_store_status(sync: RedisBudgetSync | None) -> dict[str, object]:
+    return {"store": "memory"} if sync is None else sync.status()
 
 
 async def _status(request: web.Request) -> web.Response:
@@ -337,6 +363,7 @@ async def _status(request: web.Request) -> web.Response:
             "passive_pending": _passive_pending(app[RUNTIME].auditor),
             "injection": app[RUNTIME].forwarder.guard.snapshot(),
             "recovery_budget": app[RUNTIME].recovery_budget.snapshot(),
+            "recovery_budget_store": _budget_store_status(app[BUDGET_SYNC]),
             "incidents": {
                 "recorded": len(app[INCIDENTS].recent(10**9)),
                 "written": app[INCIDENTS].written,

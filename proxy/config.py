@@ -336,6 +336,11 @@ class LoopConfig(_Section):
     recovery_token_share: float = Field(default=1.0, ge=0)
     recovery_token_floor: int = Field(default=32768, ge=0)
     recovery_window_s: int = Field(default=300, ge=1)
+    # redis: the budget holds for every replica together (proxy/loops/budget_sync.py), synced
+    # every recovery_budget_sync_s; memory: each replica's own.
+    recovery_budget_store: Literal["memory", "redis"] = "memory"
+    recovery_budget_redis_url: str = "redis://127.0.0.1:6379/0"
+    recovery_budget_sync_s: float = Field(default=1.0, gt=0)
     runaway: bool = True
     ladders: list[LadderConfig] = Field(default_factory=list)
     engine_detection: EngineDetectionConfig | None = None  # inject repetition_detection

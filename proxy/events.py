@@ -249,6 +249,14 @@ class RecoveryBudgetUsed:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedStoreFailed:
+    """A store shared by the replicas (Redis) did not answer; the replica went on alone."""
+
+    store: str  # recovery_budget
+    reason: str  # the exception's type
+
+
+@dataclass(frozen=True, slots=True)
 class RecoveryTokens:
     """A recovery's attempt ended: what it made the engine generate, and (``continue``) the
     tokens before the loop it kept instead of generating them again."""

@@ -66,7 +66,7 @@ def worker_status(app: web.Application) -> dict[str, int]:
 def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
     """Environment overrides that split the server's budgets across ``count`` workers, so that
     together they hold to what the configuration says: shadows per second, concurrent shadows,
-    and the recovery budget's token floor. (Shares, ``max_token_share`` and
+    and the recovery budget's token floor (unless Redis shares it). (Shares, ``max_token_share`` and
     ``recovery_token_share``, hold per worker as they do for the whole.) A worker whose
     clients are busier than the others' reaches its part sooner: the whole stays under the
     limit, never over it."""
@@ -77,13 +77,16 @@ def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
             audit.max_concurrent_shadows,
             count,
         )
-    return {
+    split = {
         "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": repr(audit.max_shadows_per_s / count),
         "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": str(
             max(1, audit.max_concurrent_shadows // count)
         ),
-        "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR": str(loops.recovery_token_floor // count),
     }
+    # A budget shared through Redis is one account for every worker already.
+    if loops.recovery_budget_store == "memory":
+        split["DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR"] = str(loops.recovery_token_floor // count)
+    return split
 
 
 def reuseport_socket(host: str, port: int) -> socket.socket:

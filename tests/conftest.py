@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import build_app
 from proxy.config import load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers import redis_server
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -79,3 +81,10 @@ async def emulator() -> AsyncIterator[EmulatorServer]:
     override this fixture."""
     async with EmulatorServer(EmulatorConfig()) as srv:
         yield srv
+
+
+@pytest.fixture
+def redis_url(tmp_path: Path) -> Iterator[str]:
+    """A real redis-server of the test's own (tests using it carry ``NEEDS_REDIS``)."""
+    with redis_server(tmp_path) as url:
+        yield url

@@ -16,7 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
+from proxy.config import Settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from proxy.workers import worker_budgets
 from tests.helpers import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,3 +203,15 @@ async def test_a_port_in_use_stops_the_supervisor_at_start(tmp_path: Path) -> No
         _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
+
+
+def test_the_workers_split_the_budgets_a_redis_store_does_not_need_split() -> None:
+    memory = Settings.model_validate({"loops": {"recovery_token_floor": 3000}})
+    split = worker_budgets(memory, 3)
+    assert split["DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR"] == "1000"
+    shared = Settings.model_validate(
+        {"loops": {"recovery_token_floor": 3000, "recovery_budget_store": "redis"}}
+    )
+    split = worker_budgets(shared, 3)
+    assert "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR" not in split  # one account for all of them
+    assert split["DETPROXY_AUDIT__MAX_SHADOWS_PER_S"] == repr(shared.audit.max_shadows_per_s / 3)

@@ -191,31 +191,34 @@ class LoopDetector:
         return None
 
     def _check(self) -> LoopReport | None:
-        config = self._config
+        """A check at the window's end: the runs the check before this one measured are
+        re-verified on the new chars only."""
         buf = self._buf
-        end = len(buf)
-        if end < config.min_covered_chars:
+        if len(buf) < self._config.min_covered_chars:
             return None
-        every = config.check_every_chars
+        every = self._config.check_every_chars
         check_at = self._buf_end
-        known = self._runs if self._runs_at == check_at - every and end >= every else {}
-        runs: dict[int, int] = {}
-        self._runs = runs
+        known = self._runs if self._runs_at == check_at - every and len(buf) >= every else {}
+        self._runs = {}
         self._runs_at = check_at
-        anchor = buf[end - _ANCHOR :]
+        return self._scan(buf, known, check_at)
+
+    def _scan(self, buf: str, known: dict[int, int], check_at: int) -> LoopReport | None:
+        """Candidate periods: distances back to earlier occurrences of ``needle`` (a tail
+        suffix: the anchor, later maybe a longer probe), nearest first, each occurrence
+        within ``[lo, hi]`` (so every distance is at least ``end - hi``)."""
+        config = self._config
+        runs = self._runs
+        end = len(buf)
+        every = config.check_every_chars
+        anchor = needle = buf[end - _ANCHOR :]
         probe_len = _PROBE
         probe: str | None = None
-        # Candidate periods are the distances back to earlier occurrences of `needle` (a
-        # suffix of the tail: the anchor, later possibly a longer probe), nearest first.
-        # Occurrences must start at or after `lo` and end at or before `hi`, which makes
-        # every candidate distance at least `end - hi`.
-        needle = anchor
         max_d = min(config.max_period, end // config.min_repeats)
         lo = max(0, end - _ANCHOR - max_d)
         hi = end - 1
         reps = min(config.min_repeats, config.min_short_repeats)
-        rfind = buf.rfind
-        startswith = buf.startswith
+        rfind, startswith = buf.rfind, buf.startswith
         while hi - lo >= len(needle):
             at = rfind(needle, lo, hi)
             if at < 0:

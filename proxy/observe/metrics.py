@@ -31,6 +31,7 @@ from proxy.events import (
     RequestStarted,
     ShadowDropped,
     ShadowQueue,
+    SharedStoreFailed,
     StreamTimed,
     UpstreamFailed,
     UpstreamFingerprinted,
@@ -386,6 +387,13 @@ class Metrics:
             ["model", "strategy", "kind"],
             registry=registry,
         )
+        self.shared_store_errors = Counter(
+            "detproxy_shared_store_errors",
+            "Syncs with a store the replicas share (Redis) that failed, by store"
+            " (recovery_budget) and reason; the replica decides alone meanwhile",
+            ["store", "reason"],
+            registry=registry,
+        )
         self.fallbacks = Counter(
             "detproxy_fallbacks",
             "Client requests sent again as the client sent them after an altered one failed,"
@@ -428,6 +436,7 @@ class Metrics:
         bus.subscribe(FallbackSent, self._fallback)
         bus.subscribe(RecoveryBudgetUsed, self._recovery_budget)
         bus.subscribe(RecoveryTokens, self._recovery_tokens)
+        bus.subscribe(SharedStoreFailed, self._shared_store_failed)
         if self.multiprocess:
             bus.subscribe(RequestStarted, self._inflight_file_up)
             bus.subscribe(RequestFinished, self._inflight_file_down)
@@ -437,6 +446,9 @@ class Metrics:
 
     def _inflight_file_down(self, ev: RequestFinished) -> None:
         self.inflight.dec()
+
+    def _shared_store_failed(self, ev: SharedStoreFailed) -> None:
+        self.shared_store_errors.labels(ev.store, ev.reason).inc()
 
     def _recovery_tokens(self, ev: RecoveryTokens) -> None:
         model = self.model(ev.model)

@@ -3,59 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import socket
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
 import redis.asyncio as redis
 from prometheus_client import CollectorRegistry
 
 from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
 from proxy.audit.store import ChoiceDigest
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import free_port, metric
+from tests.helpers import NEEDS_REDIS, free_port, metric
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("redis-server") is None, reason="redis-server (Debian package) is not installed"
-)
-
-
-@pytest.fixture
-def redis_url(tmp_path: Path) -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(tmp_path),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            import time
-
-            time.sleep(0.05)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
+pytestmark = NEEDS_REDIS
 
 
 DIGEST = (ChoiceDigest("t" * 32, "k" * 32, "l" * 32, 12, "stop"),)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from proxy.loops.detector import DetectorConfig, LoopDetector  # noqa: E402
 
-CORPUS = ROOT / "tests" / "inspect" / "corpus"
+CORPUS = ROOT / "tests" / "loops" / "corpus"
 TARGET_CHARS = 1_000_000
 DELTA = 4
 REPEAT = 3

@@ -60,3 +60,25 @@ def test_models_are_capped() -> None:
     assert budget.try_reserve("new-1", 1)  # the overflow account
     assert not budget.try_reserve("new-2", 1)  # shares it
     assert len(budget.snapshot()) == MAX_MODELS + 1
+
+
+def test_the_other_replicas_totals_count_in_every_decision() -> None:
+    clock = Clock()
+    budget = RecoveryBudget(share=0.5, floor_tokens=0, window_s=60, clock=clock)
+    budget.record_generated("m", 100)
+    assert budget.use("m") == BudgetUse(100, 0, 50)
+    # Two other replicas generated 300 tokens and spent 140 on recoveries.
+    budget.set_others({"m": (300, 140)})
+    assert budget.use("m") == BudgetUse(400, 140, 200)
+    assert budget.try_reserve("m", 60)
+    assert not budget.try_reserve("m", 1)  # 140 + 60 of 200: the fleet's budget is spent
+    assert budget.local_totals() == {"m": (100, 60)}  # what this replica publishes: its own
+    budget.set_others({})  # the others went away
+    assert budget.use("m") == BudgetUse(100, 60, 50)
+
+
+def test_a_model_only_the_others_saw_is_in_the_snapshot() -> None:
+    budget = RecoveryBudget(share=1.0, floor_tokens=10, window_s=60, clock=Clock())
+    budget.set_others({"elsewhere": (40, 5)})
+    assert budget.snapshot() == {"elsewhere": {"generated": 40, "spent": 5, "allowed": 40}}
+    assert budget.local_totals() == {}
