@@ -35,6 +35,10 @@ class Conn(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # One timer for the read timeout, re-armed when it fires early, instead of one
+        # scheduled and cancelled per body chunk (a stream waits once per token).
+        self._silence_timer: asyncio.TimerHandle | None = None
+        self._silence_deadline = 0.0
         self._drain: asyncio.Future[None] | None = None
         self.method = "GET"
         self.status = 0
@@ -162,13 +166,31 @@ class Conn(asyncio.Protocol):
     async def wait_data(self, silence_s: float) -> None:
         """Until a body chunk, the end of the body or an error (UpstreamTimeout after
         ``silence_s`` seconds of silence)."""
-        waiter = self._waiter = self._loop.create_future()
-        timer = self._loop.call_later(silence_s, expire, waiter)
+        loop = self._loop
+        waiter = self._waiter = loop.create_future()
+        deadline = self._silence_deadline = loop.time() + silence_s
+        timer = self._silence_timer
+        if timer is not None and timer.when() > deadline:  # a shorter timeout than the last
+            timer.cancel()
+            timer = None
+        if timer is None:
+            self._silence_timer = loop.call_at(deadline, self._silence_check)
         try:
             await waiter
         finally:
-            timer.cancel()
             self._waiter = None
+
+    def _silence_check(self) -> None:
+        """The timer fired: a wait that began since has a later deadline (re-arm for it);
+        no wait now, nothing to time (the next one arms it again)."""
+        self._silence_timer = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return
+        if self._loop.time() >= self._silence_deadline:
+            expire(waiter)
+        else:
+            self._silence_timer = self._loop.call_at(self._silence_deadline, self._silence_check)
 
     def take(self) -> bytes:
         chunks = self.chunks
@@ -192,6 +214,9 @@ class Conn(asyncio.Protocol):
 
     def close(self) -> None:
         self.closed = True
+        if self._silence_timer is not None:
+            self._silence_timer.cancel()
+            self._silence_timer = None
         if self.transport is not None:
             self.transport.close()
 

@@ -118,3 +118,39 @@ async def test_a_silent_body_is_an_upstream_timeout(connect: Any, how: str) -> N
     assert type(err.value) is UpstreamTimeout
     assert isinstance(err.value, READ_ERRORS) and read_error_kind(err.value) == "timeout"
     assert isinstance(err.value, TimeoutError)  # what `except TimeoutError` readers expect
+
+
+def trickle(chunks: int, gap_s: float, then_silent_s: float = 0.0) -> Any:
+    """A chunked body: ``chunks`` chunks ``gap_s`` apart, then (optionally) silence."""
+
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(chunks):
+            writer.write(b"1\r\nx\r\n")
+            await writer.drain()
+            await asyncio.sleep(gap_s)
+        if then_silent_s:
+            await asyncio.sleep(then_silent_s)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return False
+
+    return reply
+
+
+@pytest.mark.parametrize("how", ["read", "chunks"])
+async def test_a_body_that_keeps_coming_outlasts_the_read_timeout(connect: Any, how: str) -> None:
+    # 12 chunks 0.05 s apart: 0.6 s in all, three read timeouts, never 0.2 s of silence.
+    client = await connect(trickle(12, READ_TIMEOUT_S / 4))
+    assert await read_all(client, how) == b"x" * 12
+
+
+@pytest.mark.parametrize("how", ["read", "chunks"])
+async def test_silence_after_some_chunks_is_an_upstream_timeout(connect: Any, how: str) -> None:
+    client = await connect(trickle(6, READ_TIMEOUT_S / 4, then_silent_s=10 * READ_TIMEOUT_S))
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(UpstreamTimeout):
+        await read_all(client, how)
+    # The last chunk came at 0.25 s: the timeout counts from it, not from the first chunk.
+    assert 5 * READ_TIMEOUT_S / 4 + READ_TIMEOUT_S * 0.9 <= loop.time() - started < 1.5
