@@ -23,7 +23,13 @@ from proxy.http.body import parse_answer
 from proxy.http.errors import UpstreamFailure, error_response
 from proxy.http.headers import client_response_headers
 from proxy.http.upstream import UpstreamResponse, read_error_kind
-from proxy.loops.continuation import content_of, merge_answer
+from proxy.loops.continuation import (
+    Continued,
+    content_of,
+    merge_answer,
+    merge_closed,
+    reasoning_keys,
+)
 from proxy.loops.recovery import cut_answer
 from proxy.openai import usage_of
 
@@ -60,7 +66,8 @@ class WholeAnswer:
         # The last answer that can be relayed: a retry that fails gives it back to the client.
         self._kept: tuple[UpstreamResponse, bytes, dict[str, Any] | None] | None = None
         self._error: web.Response | None = None  # the exchange failed with nothing to relay
-        self._continued: str | None = None  # the prefix the pending attempt continues
+        self._continued: Continued | None = None  # what the pending attempt goes on from
+        self._reasoning_keys: tuple[str, ...] = ()  # where the looping answer had reasoning
         self._prompt_tokens: Any = None  # the client request's, from its first answer
 
     async def respond(self) -> web.StreamResponse:
@@ -139,17 +146,26 @@ class WholeAnswer:
                 payload = orjson.dumps(answer)
         if ex.attempts.count == 1:
             self._prompt_tokens = usage_of(answer)[0]
-        if self._continued is not None:
-            merge_answer(ex.endpoint, answer, self._continued, self._prompt_tokens)
+        continued = self._continued
+        if continued is not None:
+            if continued.closes_reasoning:
+                merge_closed(answer, continued.prefix, self._reasoning_keys, self._prompt_tokens)
+            else:
+                merge_answer(ex.endpoint, answer, continued.prefix, self._prompt_tokens)
             payload = orjson.dumps(answer)
         return payload
 
     def generated_text(self) -> str | None:
-        return content_of(self.exchange.endpoint, self._answer)
+        ex = self.exchange
+        trigger = ex.attempts.trigger if ex.attempts is not None else None
+        channel = trigger.channel if trigger is not None else "content"
+        return content_of(ex.endpoint, self._answer, channel)
 
-    async def retry(self, body: bytes, prefix: str | None, decision: Retry) -> bool:
+    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         ex, stages = self.exchange, self._stages
-        self._continued = prefix
+        if continued is not None and continued.closes_reasoning:
+            self._reasoning_keys = reasoning_keys(ex.endpoint, self._answer)
+        self._continued = continued
         self._kept = (self._upstream, self._payload, self._answer)
         try:
             self._upstream = await stages.upstream.send(

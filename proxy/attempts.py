@@ -19,6 +19,7 @@ from policies.base import Decision, Retry, Trigger
 from proxy.events import EventBus
 from proxy.exchange import Exchange, Lifecycle
 from proxy.http.upstream import Upstream
+from proxy.loops.continuation import Continued
 from proxy.loops.recovery import Recovery
 from proxy.relay.inspectors import InspectorFactory
 
@@ -71,8 +72,8 @@ class Answer(Protocol):
         """What the attempt that ended generated in its trigger's channel (a continuation's
         prefix is cut from it); None when it was not kept."""
 
-    async def retry(self, body: bytes, prefix: str | None, decision: Retry) -> bool:
-        """Send the next attempt (``prefix``: the text it continues, None for a restart);
+    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
+        """Send the next attempt (``continued``: what it goes on from, None for a restart);
         False when it could not be sent and the answer has what to give the client."""
 
 
@@ -93,10 +94,10 @@ async def run_attempts(answer: Answer, recovery: Recovery) -> Decision | None:
             recovery.attempt_ended(attempts, end.generated)
         if not isinstance(decision, Retry) or attempts.count >= MAX_ATTEMPTS:
             return decision
-        body, prefix = recovery.next_attempt(
+        body, continued = recovery.next_attempt(
             attempts, decision, ex.retry_base, answer.generated_text()
         )
         attempts.count += 1
         ex.ticket = None  # an answer produced under overrides is not audited
-        if not await answer.retry(orjson.dumps(body), prefix, decision):
+        if not await answer.retry(orjson.dumps(body), continued, decision):
             return None

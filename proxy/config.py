@@ -35,7 +35,7 @@ DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
     {"frequency_penalty": 1.0},
 )
 # How an attempt recovers (an attempt's "strategy" key; restart when absent).
-STRATEGIES = frozenset({"restart", "continue"})
+STRATEGIES = frozenset({"restart", "continue", "close_reasoning"})
 SAMPLING_FIELDS = frozenset(
     {
         "temperature",
@@ -323,6 +323,15 @@ class EngineDetectionConfig(_Section):
     min_count: int = Field(default=8, ge=2)
 
 
+class ReasoningMarkersConfig(_Section):
+    """How a model's reasoning is marked in its own output (``close_reasoning`` writes them
+    around the kept reasoning): the first entry whose glob matches the model."""
+
+    models: str = "*"
+    start: str = "<think>"
+    end: str = "</think>"
+
+
 class LoopConfig(_Section):
     # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
@@ -344,6 +353,9 @@ class LoopConfig(_Section):
     runaway: bool = True
     ladders: list[LadderConfig] = Field(default_factory=list)
     engine_detection: EngineDetectionConfig | None = None  # inject repetition_detection
+    reasoning_markers: list[ReasoningMarkersConfig] = Field(
+        default_factory=lambda: [ReasoningMarkersConfig()]
+    )
     detector: dict[str, int | None] = Field(default_factory=dict)  # LoopDetector thresholds
 
     # Replaced by the token budget above: accepted only to say so at start.

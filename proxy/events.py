@@ -174,7 +174,7 @@ class PolicyActed:
     action: str
     outcome: str
     attempt: int
-    strategy: str = ""  # for retry: restart | continue (how the attempt recovered)
+    strategy: str = ""  # for retry: restart | continue | close_reasoning (how it recovered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +262,6 @@ class RecoveryTokens:
     tokens before the loop it kept instead of generating them again."""
 
     model: str
-    strategy: str  # restart | continue
+    strategy: str  # restart | continue | close_reasoning
     generated: int
     kept: int

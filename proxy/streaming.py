@@ -22,6 +22,7 @@ from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
 from proxy.http.headers import client_response_headers
 from proxy.http.upstream import UpstreamResponse, is_event_stream
+from proxy.loops.continuation import Continued
 from proxy.loops.recovery import abort_chunk, retry_comment
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
@@ -45,6 +46,8 @@ class StreamedAnswer:
         self._watch: LoopWatch | None = None
         self._result: StreamResult | None = None  # the last attempt's
         self._first_id: str | None = None  # a restarted attempt keeps the first attempt's id
+        # The attempt after a closed reasoning: its reasoning deltas are the answer's content.
+        self._closes_reasoning = False
 
     async def respond(self) -> web.StreamResponse:
         ex, stages = self.exchange, self._stages
@@ -116,6 +119,7 @@ class StreamedAnswer:
             hold_max_bytes=recovery.hold_max_bytes,
             loop_watch=self._watch,
             on_trigger=self._on_trigger if inspected else None,
+            reasoning_as_content=self._closes_reasoning,
         )
         relay = StreamRelay(
             ex.endpoint,
@@ -147,24 +151,26 @@ class StreamedAnswer:
         result, watch = self._result, self._watch
         if watch is None or result is None or result.trigger is None:
             return None
-        return watch.content(result.trigger.choice)
+        return watch.kept(result.trigger.choice, result.trigger.channel)
 
     # -- the next attempt ----------------------------------------------------------------------
 
-    async def retry(self, body: bytes, prefix: str | None, decision: Retry) -> bool:
+    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         ex = self.exchange
         attempts = ex.attempts
         assert attempts is not None
         marker = retry_comment(attempts.count, decision.reason)
-        if prefix is None:  # a restart: the client sees the answer start again
+        if continued is None:  # a restart: the client sees the answer start again
             await self._resp.write(marker)
+        self._closes_reasoning = continued is not None and continued.closes_reasoning
         upstream = await self._open(body)
         if upstream is None:
             # Refused: the client's own request, the answer it would have had.
             self._stages.recovery.retry_failed(attempts)
             attempts.fell_back = True
+            self._closes_reasoning = False
             upstream = await self._open(ex.original)
-            if upstream is not None and prefix is not None:
+            if upstream is not None and continued is not None:
                 await self._resp.write(marker)  # the client's own request, from its start
         if upstream is None:
             await self._resp.write(inband_error_event(502, "retry after a loop failed"))

@@ -9,21 +9,43 @@ answers the continuation (llama.cpp's server, non-streamed: with the prefix in f
 client gets prefix + continuation as one answer (streamed: the continuation goes on after what
 the client already has, under the same id).
 
+``close_reasoning`` is the same for a loop in the reasoning channel of a chat answer: the
+reasoning up to the onset and one unit, between the model's reasoning markers
+(``[[loops.reasoning_markers]]``, ``<think>`` and ``</think>`` by default), becomes the final
+assistant message, so the engine goes on with the answer. Whatever it writes then is the
+answer's content, in whichever field it comes: a reasoning parser that sees no end marker in
+the output (vLLM's ``deepseek_r1``) reports it all as reasoning. The client gets the kept
+reasoning as its reasoning (streamed: it has it already) and that answer as its content. It
+relies on the model's chat template rendering a final assistant message's reasoning: templates
+that keep only what follows ``</think>`` of assistant messages (DeepSeek-R1's distills, QwQ)
+drop it, and the engine then answers without the reasoning it had.
+
 Where continuing cannot keep the answer whole, the attempt restarts instead: a loop the engine
-reported (no onset known), a loop in the reasoning channel (the reasoning parser would read a
-continued message as content), several choices, logprobs the client asked for (the prefix's
-would be missing), a prompt that is not one string.
+reported (no onset known), a loop in the reasoning channel for ``continue`` (the reasoning
+parser would read a continued message as content), several choices, logprobs the client asked
+for (the prefix's would be missing), a prompt that is not one string.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from policies.base import Trigger
-from proxy.openai import first_choice
+from proxy.openai import REASONING_KEYS, first_choice, reasoning_of
 
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class Continued:
+    """What the next attempt goes on from: the kept text of the looping attempt's channel, and
+    whether that text is reasoning the attempt closes (what the engine writes next is the
+    answer's content)."""
+
+    prefix: str
+    closes_reasoning: bool = False
 
 
 def prefix_of(text: str, trigger: Trigger) -> str | None:
@@ -42,6 +64,19 @@ def can_continue(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bo
     if endpoint == "chat":
         return isinstance(body.get("messages"), list)
     return isinstance(body.get("prompt"), str)
+
+
+def can_close_reasoning(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bool:
+    if endpoint != "chat" or trigger.source != "proxy" or trigger.channel != "reasoning":
+        return False
+    if trigger.choice != 0 or body.get("n") not in (None, 1) or body.get("logprobs"):
+        return False
+    return isinstance(body.get("messages"), list)
+
+
+def closed_reasoning(reasoning: str, start: str, end: str) -> str:
+    """The final assistant message that ends the reasoning at ``reasoning``."""
+    return f"{start}\n{reasoning.strip(chr(10))}\n{end}\n\n"
 
 
 def continuation_body(
@@ -91,6 +126,32 @@ def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_toke
             message["content"] = _joined(prefix, message.get("content"))
     else:
         choice["text"] = _joined(prefix, choice.get("text"))
+    _kept_as_completion(answer, prompt_tokens)
+
+
+def merge_closed(
+    answer: dict[str, Any], reasoning: str, keys: tuple[str, ...], prompt_tokens: Any
+) -> None:
+    """Make the answer to a closed reasoning the whole answer, in place: the kept ``reasoning``
+    in the fields ``keys`` the looping answer carried it in, and all the engine wrote after it
+    (reasoning or content, as its parser read it) as the content."""
+    choice = first_choice(answer)
+    message = choice.get("message") if choice is not None else None
+    if not isinstance(message, dict):
+        return
+    own = message.get("content")
+    written = (reasoning_of(message) or "") + (own if isinstance(own, str) else "")
+    for key in REASONING_KEYS:
+        message.pop(key, None)
+    for key in keys or REASONING_KEYS[:1]:
+        message[key] = reasoning
+    message["content"] = written
+    _kept_as_completion(answer, prompt_tokens)
+
+
+def _kept_as_completion(answer: dict[str, Any], prompt_tokens: Any) -> None:
+    """The prefix's tokens, counted as prompt by the continuation (over the client request's
+    own ``prompt_tokens``), counted as completion."""
     usage = answer.get("usage")
     if isinstance(usage, dict) and isinstance(prompt_tokens, int):
         cont_prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -106,14 +167,47 @@ def _joined(prefix: str, text: Any) -> str:
     return own if own.startswith(prefix) else prefix + own
 
 
-def content_of(endpoint: str, answer: Mapping[str, Any] | None) -> str | None:
-    """The text of a non-streamed answer's first choice (chat: its content)."""
+def content_of(
+    endpoint: str, answer: Mapping[str, Any] | None, channel: str = "content"
+) -> str | None:
+    """The text of a non-streamed answer's first choice in ``channel`` (chat: its content or
+    its reasoning)."""
     choice = first_choice(answer) if answer is not None else None
     if choice is None:
         return None
     if endpoint == "chat":
         message = choice.get("message")
-        text = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            return None
+        if channel == "reasoning":
+            return reasoning_of(message)
+        text = message.get("content")
     else:
         text = choice.get("text")
     return text if isinstance(text, str) else None
+
+
+def reasoning_keys(endpoint: str, answer: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The fields a non-streamed chat answer carries its reasoning in."""
+    choice = first_choice(answer) if answer is not None and endpoint == "chat" else None
+    message = choice.get("message") if choice is not None else None
+    if not isinstance(message, dict):
+        return ()
+    return tuple(k for k in REASONING_KEYS if isinstance(message.get(k), str))
+
+
+def move_reasoning_to_content(chunk: dict[str, Any]) -> None:
+    """A streamed chunk after closed reasoning: its reasoning delta is the answer's content."""
+    choices = chunk.get("choices")
+    if type(choices) is not list:
+        return
+    for choice in choices:
+        delta = choice.get("delta") if type(choice) is dict else None
+        if type(delta) is not dict:
+            continue
+        text = reasoning_of(delta)
+        for key in REASONING_KEYS:
+            delta.pop(key, None)
+        if text:
+            own = delta.get("content")
+            delta["content"] = (own if type(own) is str else "") + text

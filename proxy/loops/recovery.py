@@ -3,6 +3,7 @@ trigger leads to, and reports loops and policy actions as events."""
 
 from __future__ import annotations
 
+import fnmatch
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,7 +30,15 @@ from proxy.events import (
 )
 from proxy.exchange import Attempts
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
-from proxy.loops.continuation import can_continue, continuation_body, estimate_tokens, prefix_of
+from proxy.loops.continuation import (
+    Continued,
+    can_close_reasoning,
+    can_continue,
+    closed_reasoning,
+    continuation_body,
+    estimate_tokens,
+    prefix_of,
+)
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
 from proxy.openai import REASONING_KEYS
@@ -55,9 +64,9 @@ class Recovery:
         self._chain = chain
         self._bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
-        # Whether some ladder continues: then a stream's content is kept for its prefix.
+        # Whether some ladder continues: then a stream's text is kept for its prefix.
         self._continues = any(
-            attempt.get("strategy") == "continue"
+            attempt.get("strategy") in ("continue", "close_reasoning")
             for ladder in config.ladder_list()
             for attempt in ladder.attempts
         )
@@ -169,28 +178,42 @@ class Recovery:
 
     def next_attempt(
         self, attempts: Attempts, decision: Retry, base: dict[str, Any], text: str | None
-    ) -> tuple[dict[str, Any], str | None]:
-        """The body of the attempt a retry sends, and the prefix it continues (None for a
-        restart). ``text`` is what the looping attempt generated in the trigger's channel
-        (None when it was not kept); ``base`` the client's request."""
+    ) -> tuple[dict[str, Any], Continued | None]:
+        """The body of the attempt a retry sends, and what it continues (None for a restart).
+        ``text`` is what the looping attempt generated in the trigger's channel (None when it
+        was not kept); ``base`` the client's request."""
         trigger = attempts.trigger
+        strategy = decision.strategy
+        endpoint = attempts.endpoint
+        closes = strategy == "close_reasoning"
         if (
-            decision.strategy == "continue"
+            strategy in ("continue", "close_reasoning")
             and trigger is not None
             and text is not None
-            and can_continue(attempts.endpoint, base, trigger)
+            and (
+                can_close_reasoning(endpoint, base, trigger)
+                if closes
+                else can_continue(endpoint, base, trigger)
+            )
         ):
             prefix = prefix_of(text, trigger)
             if prefix:
                 # A continued attempt generated the text after its own prefix only.
                 generated = attempts.generated + attempts.kept_tokens
                 kept = estimate_tokens(prefix, text, generated)
-                body = continuation_body(attempts.endpoint, base, decision.overrides, prefix, kept)
+                message = self._closed(attempts.model, prefix) if closes else prefix
+                body = continuation_body(endpoint, base, decision.overrides, message, kept)
                 if body is not None:
-                    attempts.strategy, attempts.kept_tokens = "continue", kept
-                    return body, prefix
+                    attempts.strategy, attempts.kept_tokens = strategy, kept
+                    return body, Continued(prefix, closes)
         attempts.strategy, attempts.kept_tokens = "restart", 0
         return {**base, **decision.overrides}, None
+
+    def _closed(self, model: str, reasoning: str) -> str:
+        for markers in self._config.reasoning_markers:
+            if fnmatch.fnmatchcase(model, markers.models):
+                return closed_reasoning(reasoning, markers.start, markers.end)
+        return closed_reasoning(reasoning, "<think>", "</think>")
 
     def _settle(self, attempts: Attempts, tokens: int, attempt: int | None = None) -> None:
         """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""

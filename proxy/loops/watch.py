@@ -26,24 +26,41 @@ MAX_KEPT_CHARS = 4 * 1024 * 1024
 
 
 class _ChoiceWatch:
-    __slots__ = ("content", "kept", "kept_chars", "reasoning", "saw_content", "saw_reasoning")
+    __slots__ = (
+        "content",
+        "kept",
+        "kept_chars",
+        "kept_reasoning",
+        "reasoning",
+        "saw_content",
+        "saw_reasoning",
+    )
 
     def __init__(self, config: DetectorConfig, keep: bool) -> None:
         self.reasoning = LoopDetector(config)
         self.content = LoopDetector(config)
         self.saw_reasoning = False
         self.saw_content = False
-        # The content seen, when a recovery may continue from it.
+        # The content and the reasoning seen, when a recovery may continue from them.
         self.kept: list[str] | None = [] if keep else None
+        self.kept_reasoning: list[str] | None = [] if keep else None
         self.kept_chars = 0
 
     def keep(self, text: str) -> None:
         if self.kept is not None:
             self.kept_chars += len(text)
             if self.kept_chars > MAX_KEPT_CHARS:
-                self.kept = None
+                self.kept = self.kept_reasoning = None
             else:
                 self.kept.append(text)
+
+    def keep_reasoning(self, text: str) -> None:
+        if self.kept_reasoning is not None:
+            self.kept_chars += len(text)
+            if self.kept_chars > MAX_KEPT_CHARS:
+                self.kept = self.kept_reasoning = None
+            else:
+                self.kept_reasoning.append(text)
 
 
 def _trigger(source: str, channel: str, choice: int, report: LoopReport | None = None) -> Trigger:
@@ -69,7 +86,7 @@ class LoopWatch:
         self._chat = endpoint == "chat"
         self._config = config
         self._runaway = runaway
-        self._keep = keep  # keep the first choice's content, for a continuation
+        self._keep = keep  # keep the first choice's texts, for a continuation
         self._choices: dict[int, _ChoiceWatch] = {}
 
     def _watch(self, index: Any) -> _ChoiceWatch | None:
@@ -80,12 +97,13 @@ class LoopWatch:
             watch = self._choices[index] = _ChoiceWatch(self._config, self._keep and index == 0)
         return watch
 
-    def content(self, index: int = 0) -> str | None:
-        """The content choice ``index`` streamed so far, when it was kept."""
+    def kept(self, index: int = 0, channel: str = "content") -> str | None:
+        """What choice ``index`` streamed so far in ``channel``, when it was kept."""
         watch = self._choices.get(index)
-        if watch is None or watch.kept is None:
+        if watch is None:
             return None
-        return "".join(watch.kept)
+        kept = watch.kept_reasoning if channel == "reasoning" else watch.kept
+        return None if kept is None else "".join(kept)
 
     def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
         """One parsed SSE chunk of a stream."""
@@ -126,6 +144,8 @@ class LoopWatch:
             return None
         if channel == "reasoning":
             watch.saw_reasoning = True
+            if watch.kept_reasoning is not None:
+                watch.keep_reasoning(text)
             detector = watch.reasoning
         else:
             watch.saw_content = True
@@ -180,6 +200,8 @@ class LoopWatch:
     ) -> Trigger | None:
         if reasoning:
             watch.saw_reasoning = True
+            if watch.kept_reasoning is not None:
+                watch.keep_reasoning(reasoning)
             report = watch.reasoning.feed(reasoning)
             if report is not None:
                 return _trigger("proxy", "reasoning", index, report)

@@ -375,8 +375,8 @@ class Metrics:
         )
         self.recoveries = Counter(
             "detproxy_recoveries",
-            "Loop retries by how they recovered (strategy: restart | continue) and how that"
-            " ended (recovered, looped_again, error)",
+            "Loop retries by how they recovered (strategy: restart | continue |"
+            " close_reasoning) and how that ended (recovered, looped_again, error)",
             ["model", "strategy", "outcome"],
             registry=registry,
         )

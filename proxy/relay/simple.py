@@ -150,7 +150,12 @@ class SimpleReads:
             templates.learn(chunk, data)
         if self._relay.observe(chunk):
             return True
-        if plan.strip_logprobs or plan.id_override is not None or self._relay.holding:
+        if (
+            plan.strip_logprobs
+            or plan.id_override is not None
+            or plan.reasoning_as_content
+            or self._relay.holding
+        ):
             size = len(data) + 8
             raw = out.src[offset : offset + size]
             written = self._relay.transform(chunk, raw)

@@ -38,6 +38,7 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.http.errors import inband_error_event
 from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
+from proxy.loops.continuation import move_reasoning_to_content
 from proxy.loops.watch import LoopWatch
 from proxy.openai import reasoning_of
 from proxy.relay.inspectors import InspectorSet
@@ -57,6 +58,8 @@ class StreamPlan:
     hold_max_bytes: int = 256 * 1024
     loop_watch: LoopWatch | None = None
     on_trigger: Callable[[Trigger], Decision] | None = None
+    # After a closed reasoning (close_reasoning): reasoning deltas are the answer's content.
+    reasoning_as_content: bool = False
 
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
@@ -107,7 +110,10 @@ class StreamRelay:
         # Templates need chunks that reach the client unchanged and no inspector (they see
         # dicts); strip_logprobs changes them, a restarted attempt's id is checked on learning.
         self._simple = SimpleReads(
-            self, None if plan.strip_logprobs else Templates(endpoint == "chat")
+            self,
+            None
+            if plan.strip_logprobs or plan.reasoning_as_content
+            else Templates(endpoint == "chat"),
         )
         self.result = StreamResult()
 
@@ -126,6 +132,7 @@ class StreamRelay:
             or plan.strip_logprobs
             or plan.id_override is not None
             or plan.hold_reasoning
+            or plan.reasoning_as_content
         )
 
     def now(self) -> float:
@@ -151,6 +158,8 @@ class StreamRelay:
         if not isinstance(chunk, dict):
             self._stop_inspecting("malformed_json")
             return None
+        if self.plan.reasoning_as_content:
+            move_reasoning_to_content(chunk)  # seen, counted and relayed as content
         return chunk
 
     def _process(self, event: SSEEvent) -> bytes | None:
@@ -199,6 +208,8 @@ class StreamRelay:
         if plan.id_override is not None and chunk.get("id") != plan.id_override:
             chunk["id"] = plan.id_override
             changed = True
+        if plan.reasoning_as_content:
+            changed = True  # parse moved its reasoning
         if changed:
             raw = encode_event(orjson.dumps(chunk))
         if self.holding:

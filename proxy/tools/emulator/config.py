@@ -52,6 +52,11 @@ class EmulatorConfig(BaseModel):
     # Reasoning channel (chat only).
     reasoning_tokens: int = Field(default=0, ge=0)
     reasoning_style: ReasoningStyle = "reasoning"
+    # A chat request that continues a final assistant message ending the reasoning
+    # (continue_final_message, its content containing "</think>") is answered without
+    # reasoning; where the parser puts that answer: vLLM's deepseek_r1 reads output with no end
+    # marker as reasoning ("reasoning"), qwen3 as content ("content").
+    closed_reasoning_answer: Literal["reasoning", "content"] = "reasoning"
 
     # Injected nondeterminism (greedy requests only).
     # flip: the rank-2 token at flip_position.

@@ -63,6 +63,8 @@ class Job:
     nan_logprobs: bool = False
     # Per prompt: (its token count, its prefix-cache block hashes).
     prompts: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # The answer to a closed reasoning, reported in the reasoning field(s) by the parser.
+    answer_as_reasoning: bool = False
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -264,6 +266,8 @@ def build_chat_job(
     kwargs = req.chat_template_kwargs or {}
     thinking = kwargs.get("enable_thinking", kwargs.get("thinking", True)) is not False
     parser = cfg.reasoning_tokens > 0 or cfg.loop_channel == "reasoning"
+    closed = closes_reasoning(body)
+    thinking = thinking and not closed  # the reasoning is over: the model answers
     reasoning = cfg.reasoning_tokens if parser and thinking else 0
     loop = None
     if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and parser and thinking):
@@ -287,7 +291,20 @@ def build_chat_job(
         include_reasoning=req.include_reasoning,
         reasoning_style=cfg.reasoning_style,
         nan_logprobs=cfg.nan_logprobs,
+        answer_as_reasoning=closed and parser and cfg.closed_reasoning_answer == "reasoning",
     )
+
+
+def closes_reasoning(body: dict[str, Any]) -> bool:
+    """A continuation of a final assistant message that ends the reasoning."""
+    messages = body.get("messages")
+    if body.get("continue_final_message") is not True or not isinstance(messages, list):
+        return False
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return False
+    content = last.get("content")
+    return isinstance(content, str) and "</think>" in content
 
 
 def build_completion_job(

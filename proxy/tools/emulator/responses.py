@@ -105,6 +105,8 @@ def chat_delta(job: Job, steps: list[Step]) -> dict[str, Any]:
     """The delta of a chunk holding ``steps`` (reasoning first, then content; ``{}`` if none)."""
     reasoning = "".join(s.text for s in steps if s.channel == "reasoning")
     content = "".join(s.text for s in steps if s.channel == "content")
+    if job.answer_as_reasoning:
+        reasoning, content = reasoning + content, ""
     delta: dict[str, Any] = reasoning_fields(job, reasoning) if reasoning else {}
     if content:
         delta["content"] = content
@@ -177,6 +179,8 @@ class ChunkBuilder:
 
 
 def chat_message(job: Job, reasoning: str, content: str) -> dict[str, Any]:
+    if job.answer_as_reasoning:
+        reasoning, content = reasoning + content, ""
     msg: dict[str, Any] = {
         "role": "assistant",
         "content": content if content or not job.reasoning_active else None,
