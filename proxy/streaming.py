@@ -103,21 +103,22 @@ class StreamedAnswer:
         if ex.ticket is not None:
             self._accumulator = StreamAccumulator(ex.endpoint)
             found.append(self._accumulator)
+        recovery = stages.recovery
+        # A fallback after a refused retry is relayed as it comes: nothing to recover to.
+        inspected = not ex.attempts.fell_back
+        self._watch = recovery.watch(ex.endpoint) if inspected else None
+        if self._watch is not None:
+            found.insert(0, self._watch)  # its triggers go to the policies (on_trigger)
         bus = stages.bus
         self._inspectors = InspectorSet(
             found,
             on_failure=lambda name: bus.publish(InspectionStopped(ex.endpoint, "inspector_error")),
         )
-        recovery = stages.recovery
-        # A fallback after a refused retry is relayed as it comes: nothing to recover to.
-        inspected = not ex.attempts.fell_back
-        self._watch = recovery.watch(ex.endpoint) if inspected else None
         plan = StreamPlan(
             strip_logprobs=ex.ticket is not None and ex.ticket.injected,
             id_override=self._first_id,
             hold_reasoning=recovery.hold_reasoning,
             hold_max_bytes=recovery.hold_max_bytes,
-            loop_watch=self._watch,
             on_trigger=self._on_trigger if inspected else None,
             reasoning_as_content=self._closes_reasoning,
         )

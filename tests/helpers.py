@@ -909,16 +909,16 @@ def relay(
         return decision or Continue()
 
     stream_plan = StreamPlan(
-        loop_watch=LoopWatch(endpoint, DetectorConfig()) if loops else None,
         on_trigger=on_trigger if loops else None,
         hold_reasoning=hold,
         **plan,
     )
     dropped: list[str] = []
     cls = GeneralRelay if general else StreamRelay
+    watch = [LoopWatch(endpoint, DetectorConfig())] if loops else []
     r = cls(
         endpoint,
-        InspectorSet(inspectors or [], dropped.append),
+        InspectorSet([*watch, *(inspectors or [])], dropped.append),
         bus,
         max_event_bytes,
         0.0,

@@ -78,7 +78,13 @@ def _trigger(source: str, channel: str, choice: int, report: LoopReport | None =
 
 
 class LoopWatch:
-    """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind."""
+    """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind.
+
+    A ``RunInspector`` (``proxy.relay.inspectors``) whose answers are triggers: the relay runs
+    it first among a response's inspectors, isolated like them."""
+
+    name = "loop_watch"
+    triggers = True
 
     def __init__(
         self, endpoint: str, config: DetectorConfig, runaway: bool = True, keep: bool = False
@@ -166,6 +172,9 @@ class LoopWatch:
                 position = i
                 break
         return _trigger("proxy", channel, index, report), position
+
+    def on_end(self, complete: bool) -> None:
+        """Nothing to finish: a loop is a trigger while the stream runs, or nothing."""
 
     def on_answer(self, answer: Mapping[str, Any]) -> Trigger | None:
         """A whole non-streamed answer: the same checks, all at once."""

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import orjson
 
 from policies.base import Trigger
-from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import count_tokens
 from proxy.relay.template import ChunkTemplate, Templates, decode
@@ -95,13 +94,13 @@ class SimpleReads:
         result.events += 1
         if text:
             count_tokens(result, 1, now)
-        if relay.inspectors:
-            relay.inspectors.on_run(tpl.index, tpl.channel, (text,))
-        watch = relay.plan.loop_watch
-        if watch is not None and result.trigger is None:
-            found = watch.on_run(tpl.index, tpl.channel, (text,))
-            if found is not None and relay.decide(found[0]):
-                return b""
+        inspectors = relay.inspectors
+        if inspectors:
+            inspectors.on_run(tpl.index, tpl.channel, (text,))
+            if inspectors.watching and result.trigger is None:
+                found = inspectors.trigger_in_run(tpl.index, tpl.channel, (text,))
+                if found is not None and relay.decide(found[0]):
+                    return b""
         if relay.holding:
             return relay.hold(tpl.releases if text else None, read) or b""
         return read
@@ -183,29 +182,31 @@ class SimpleReads:
             return None
         assert self.templates is not None
         self.templates.hits += len(texts)
-        watch = self._relay.plan.loop_watch
+        relay = self._relay
+        inspectors = relay.inspectors
         found = None
-        if watch is not None and self._relay.result.trigger is None:
-            found = _watch_stretches(watch, texts, matched)
+        if inspectors.watching and relay.result.trigger is None:  # the first trigger counts
+            found = _trigger_in_stretches(inspectors, texts, matched)
         if found is None:
             self._tally_run(texts, matched)
-            if self._relay.holding:
+            if relay.holding:
                 self._hold_run(out, offset, datas, texts, matched, 0)
             return None
         trigger, at = found
         # The triggering chunk is counted (and inspected) before the decision.
         self._tally_run(texts[: at + 1], matched[: at + 1])
-        if self._relay.holding:
+        if relay.holding:
             self._hold_run(out, offset, datas[:at], texts, matched, 0)
-        if self._relay.decide(trigger):
+        if relay.decide(trigger):
             return offset + sum(map(len, datas[:at])) + 8 * at
         self._tally_run(texts[at + 1 :], matched[at + 1 :])
-        if self._relay.holding:
+        if relay.holding:
             self._hold_run(out, offset, datas, texts, matched, at)
         return None
 
     def _tally_run(self, texts: list[str], matched: list[ChunkTemplate]) -> None:
-        """Token timing for template hits, and their texts to the inspectors."""
+        """Token timing for template hits, and their texts to the inspectors that do not
+        trigger."""
         tokens = len(texts) - texts.count("")
         if tokens:
             count_tokens(self._relay.result, tokens, self._relay.now())
@@ -292,12 +293,13 @@ def _part(texts: list[str], start: int, stop: int) -> list[str]:
     return texts if start == 0 and stop == len(texts) else texts[start:stop]
 
 
-def _watch_stretches(
-    watch: LoopWatch, texts: list[str], matched: list[ChunkTemplate]
+def _trigger_in_stretches(
+    inspectors: InspectorSet, texts: list[str], matched: list[ChunkTemplate]
 ) -> tuple[Trigger, int] | None:
-    """Feed a run to the loop watch, one call per stretch of one choice and channel."""
+    """Feed a run to the watchers (the loop watch), one call per stretch of one choice and
+    channel, up to the first trigger: it, and the position in the run of its chunk."""
     for tpl, start, stop in _stretches(matched):
-        found = watch.on_run(tpl.index, tpl.channel, _part(texts, start, stop))
+        found = inspectors.trigger_in_run(tpl.index, tpl.channel, _part(texts, start, stop))
         if found is not None:
             return found[0], start + found[1]
     return None
@@ -306,6 +308,6 @@ def _watch_stretches(
 def _inspect_stretches(
     inspectors: InspectorSet, texts: list[str], matched: list[ChunkTemplate]
 ) -> None:
-    """Hand a run to the inspectors, one call per stretch of one choice and channel."""
+    """Hand a run to the inspectors that do not trigger, one call per stretch."""
     for tpl, start, stop in _stretches(matched):
         inspectors.on_run(tpl.index, tpl.channel, _part(texts, start, stop))

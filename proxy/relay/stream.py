@@ -39,7 +39,6 @@ from proxy.http.errors import inband_error_event
 from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.loops.continuation import move_reasoning_to_content
-from proxy.loops.watch import LoopWatch
 from proxy.openai import reasoning_of
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.raw import RawTally
@@ -56,7 +55,7 @@ class StreamPlan:
     id_override: str | None = None  # a restarted attempt continues under the first id
     hold_reasoning: bool = False
     hold_max_bytes: int = 256 * 1024
-    loop_watch: LoopWatch | None = None
+    # What a trigger of an inspector (the loop watch) leads to; None: nothing (observed).
     on_trigger: Callable[[Trigger], Decision] | None = None
     # After a closed reasoning (close_reasoning): reasoning deltas are the answer's content.
     reasoning_as_content: bool = False
@@ -128,7 +127,6 @@ class StreamRelay:
         plan = self.plan
         return not (
             self.inspectors
-            or plan.loop_watch is not None
             or plan.strip_logprobs
             or plan.id_override is not None
             or plan.hold_reasoning
@@ -179,11 +177,8 @@ class StreamRelay:
             result.first_id = chunk["id"]
         tally_chunk(result, chunk, self.now)
         if self.inspectors:
-            self.inspectors.on_chunk(chunk)
-        watch = self.plan.loop_watch
-        # Only the first trigger counts: after it the watch is not asked again.
-        if watch is not None and result.trigger is None:
-            trigger = watch.on_chunk(chunk)
+            # Only the first trigger counts: after it the watchers are not asked again.
+            trigger = self.inspectors.on_chunk(chunk, result.trigger is None)
             if trigger is not None:
                 return self.decide(trigger)
         return False

@@ -349,10 +349,9 @@ def relay_rows(events: list[bytes]) -> None:
 
         async def once() -> None:
             found: list[Any] = [StreamAccumulator("chat")] if audit else []
-            plan = StreamPlan(
-                loop_watch=LoopWatch("chat", config) if loops else None,
-                hold_reasoning=hold,
-            )
+            if loops:
+                found.insert(0, LoopWatch("chat", config))
+            plan = StreamPlan(hold_reasoning=hold)
             relay = StreamRelay(
                 "chat", InspectorSet(found, lambda name: None), EventBus(), 8 << 20, 0.0, plan
             )

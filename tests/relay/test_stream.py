@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 from policies.base import Abort, Retry
 from proxy.audit.outcome import StreamAccumulator
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.watch import LoopWatch
 from tests.helpers import (
     ExplodingInspector,
     RelayRun,
@@ -325,3 +327,37 @@ def test_the_audit_accumulator_keeps_the_template_path_and_other_inspectors_do_n
     run = relay(events_of(CLEAN), inspectors=[seen])
     assert run.relay.templates is not None and run.relay.templates.hits == 0
     assert len(seen.chunks) == CLEAN.count(b"data: {")
+
+
+class BrokenWatch(LoopWatch):
+    """A loop watch with a bug: it raises on the first text it is given."""
+
+    def on_chunk(self, chunk: Any) -> Any:
+        raise RuntimeError("watch bug")
+
+    def on_run(self, index: int, channel: str, texts: Any) -> Any:
+        raise RuntimeError("watch bug")
+
+
+@pytest.mark.parametrize("general", [False, True])
+def test_a_loop_watch_that_raises_is_dropped_and_the_stream_goes_on(general: bool) -> None:
+    # The watch is an inspector like the others: isolated, reported, the bytes keep flowing.
+    collect = Collect()
+    watch = BrokenWatch("chat", DetectorConfig())
+    run = relay([CONTENT_LOOP], decision=Retry("loop"), inspectors=[watch, collect],
+                general=general)  # fmt: skip
+    assert run.client.body == CONTENT_LOOP  # the loop it would have caught goes through
+    assert run.result.complete and run.result.trigger is None and run.result.decision is None
+    assert run.stopped == ["loop_watch"]
+    assert len(collect.chunks) == len(sse_blocks(CONTENT_LOOP)) - 1  # all but [DONE]
+
+
+def test_a_trigger_no_policy_decides_on_is_recorded_and_the_stream_goes_on() -> None:
+    # The watch with no policy to ask (no on_trigger): the trigger is kept, nothing stops.
+    watch = LoopWatch("chat", DetectorConfig())
+    observed = relay([CONTENT_LOOP], inspectors=[watch])
+    stopped = relay([CONTENT_LOOP], loops=True, decision=Retry("loop"))
+    assert observed.result.trigger == stopped.result.trigger is not None
+    assert observed.result.decision is None and observed.client.body == CONTENT_LOOP
+    assert stopped.result.decision == Retry("loop")
+    assert CONTENT_LOOP.startswith(stopped.client.body) and stopped.client.body != CONTENT_LOOP
