@@ -194,23 +194,27 @@ class LoopDetector:
         """A check at the window's end: the runs the check before this one measured are
         re-verified on the new chars only."""
         buf = self._buf
-        if len(buf) < self._config.min_covered_chars:
+        end = len(buf)
+        config = self._config
+        if end < config.min_covered_chars:
             return None
-        every = self._config.check_every_chars
+        every = config.check_every_chars
         check_at = self._buf_end
-        known = self._runs if self._runs_at == check_at - every and len(buf) >= every else {}
+        known = self._runs if self._runs_at == check_at - every and end >= every else {}
         self._runs = {}
         self._runs_at = check_at
-        return self._scan(buf, known, check_at)
+        # The scan's first search, here: most checks of ordinary text end with it (the
+        # anchor did not occur before, so no distance is a candidate).
+        max_d = min(config.max_period, end // config.min_repeats)
+        at = buf.rfind(buf[end - _ANCHOR :], max(0, end - _ANCHOR - max_d), end - 1)
+        return None if at < 0 else self._scan(buf, known, check_at, at)
 
-    def _scan(self, buf: str, known: dict[int, int], check_at: int) -> LoopReport | None:
+    def _scan(self, buf: str, known: dict[int, int], check_at: int, at: int) -> LoopReport | None:
         """Candidate periods: distances back to earlier occurrences of ``needle`` (a tail
-        suffix: the anchor, later maybe a longer probe), nearest first, each occurrence
-        within ``[lo, hi]`` (so every distance is at least ``end - hi``)."""
+        suffix: the anchor, later maybe a longer probe), nearest first, each occurrence in
+        ``[lo, hi]`` (so every distance is at least ``end - hi``); ``at``: the first."""
         config = self._config
-        runs = self._runs
-        end = len(buf)
-        every = config.check_every_chars
+        runs, end, every = self._runs, len(buf), config.check_every_chars
         anchor = needle = buf[end - _ANCHOR :]
         probe_len = _PROBE
         probe: str | None = None
@@ -220,10 +224,12 @@ class LoopDetector:
         reps = min(config.min_repeats, config.min_short_repeats)
         rfind, startswith = buf.rfind, buf.startswith
         while hi - lo >= len(needle):
-            at = rfind(needle, lo, hi)
             if at < 0:
-                return None
+                at = rfind(needle, lo, hi)
+                if at < 0:
+                    return None
             d = end - len(needle) - at
+            at = -1  # the next candidate is searched for
             hi = end - d - 1
             need = config.required_chars(d, d < config.min_period)
             if need is None or need > end:
