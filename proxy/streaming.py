@@ -22,7 +22,7 @@ from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
 from proxy.http.headers import client_response_headers
 from proxy.http.upstream import UpstreamResponse, is_event_stream
-from proxy.loops.continuation import Continued
+from proxy.loops.continuation import Continued, reasoning_event
 from proxy.loops.recovery import abort_chunk, retry_comment
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
@@ -165,6 +165,13 @@ class StreamedAnswer:
             await self._resp.write(marker)
         self._closes_reasoning = continued is not None and continued.closes_reasoning
         upstream = await self._open(body)
+        hidden = self._result.hidden_reasoning_keys if self._result is not None else ()
+        if upstream is not None and continued is not None and continued.closes_reasoning and hidden:
+            # The reasoning was held, never shown: the client gets the kept part of it.
+            assert ex.view is not None
+            await self._resp.write(
+                reasoning_event(self._first_id, ex.view.model, continued.prefix, hidden)
+            )
         if upstream is None:
             # Refused: the client's own request, the answer it would have had.
             self._stages.recovery.retry_failed(attempts)

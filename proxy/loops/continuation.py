@@ -15,8 +15,9 @@ reasoning up to the onset and one unit, between the model's reasoning markers
 assistant message, so the engine goes on with the answer. Whatever it writes then is the
 answer's content, in whichever field it comes: a reasoning parser that sees no end marker in
 the output (vLLM's ``deepseek_r1``) reports it all as reasoning. The client gets the kept
-reasoning as its reasoning (streamed: it has it already) and that answer as its content. It
-relies on the model's chat template rendering a final assistant message's reasoning: templates
+reasoning as its reasoning (streamed: it has it already, or, held, gets it in one chunk) and
+that answer as its content. It relies on the model's chat template rendering a final
+assistant message's reasoning: templates
 that keep only what follows ``</think>`` of assistant messages (DeepSeek-R1's distills, QwQ)
 drop it, and the engine then answers without the reasoning it had.
 
@@ -28,9 +29,12 @@ for (the prefix's would be missing), a prompt that is not one string.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from policies.base import Trigger
 from proxy.openai import REASONING_KEYS, first_choice, reasoning_of
@@ -194,6 +198,20 @@ def reasoning_keys(endpoint: str, answer: Mapping[str, Any] | None) -> tuple[str
     if not isinstance(message, dict):
         return ()
     return tuple(k for k in REASONING_KEYS if isinstance(message.get(k), str))
+
+
+def reasoning_event(chunk_id: str | None, model: str, text: str, keys: tuple[str, ...]) -> bytes:
+    """One streamed chunk carrying ``text`` as reasoning, in the fields ``keys``: the kept
+    reasoning of a closed one, for a client that never saw it (it was held)."""
+    delta: dict[str, Any] = dict.fromkeys(keys, text)
+    chunk = {
+        "id": chunk_id or "chatcmpl-detproxy",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def move_reasoning_to_content(chunk: dict[str, Any]) -> None:

@@ -34,6 +34,8 @@ class StreamResult:
     # speculative decoding), from usage growth, else logprobs entries, else one an event.
     tokens: int = 0
     first_tokens: int = 0  # those of the first token event (read, on the raw path)
+    # A decision dropped held reasoning the client never saw: the fields it came in.
+    hidden_reasoning_keys: tuple[str, ...] = ()
 
     def add_events(self, n: int, at: float) -> None:
         """``n`` whole events arrived, ``at`` seconds since the start of the request."""

@@ -39,7 +39,7 @@ from proxy.http.errors import inband_error_event
 from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.loops.continuation import move_reasoning_to_content
-from proxy.openai import reasoning_of
+from proxy.openai import REASONING_KEYS, reasoning_of
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.raw import RawTally
 from proxy.relay.result import StreamResult, tally_chunk
@@ -190,7 +190,13 @@ class StreamRelay:
         decision = plan.on_trigger(trigger) if plan.on_trigger else Continue()
         if isinstance(decision, Retry | Abort):
             result.decision = decision
-            self.held.clear()  # a held looping attempt is never shown
+            if self.held:  # a held looping attempt is never shown
+                held = b"".join(self.held)
+                result.hidden_reasoning_keys = (
+                    tuple(k for k in REASONING_KEYS if b'"' + k.encode() + b'":"' in held)
+                    or REASONING_KEYS[:1]
+                )
+                self.held.clear()
             return True
         return False
 

@@ -146,3 +146,27 @@ async def test_a_streamed_reasoning_loop_is_closed_and_the_answer_follows(
     assert answer and no_loop_in(answer)
     assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert recoveries(registry, "close_reasoning", "recovered") == 1
+
+
+async def test_with_hold_reasoning_the_client_gets_the_kept_reasoning_once_then_the_answer(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    # The looping attempt's reasoning was held, never shown: the kept part of it is sent as
+    # one reasoning chunk, in the field the upstream uses, before the answer.
+    env = RETRY | CLOSE | {"DETPROXY_LOOPS__STREAM_MODE": "hold_reasoning"}
+    client = await make_proxy(emulator.url, env=env)
+    headers = knobs(**STUCK, reasoning_style="reasoning_content")
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=headers)
+    raw = await resp.read()
+    assert not sse_comments(raw)
+    events = sse_chunks(raw)
+    assert len({e["id"] for e in events}) == 1
+    deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+    reasoning = [d["reasoning_content"] for d in deltas if d.get("reasoning_content")]
+    assert len(reasoning) == 1 and no_loop_in(reasoning[0])  # the kept reasoning, whole
+    assert not any(d.get("reasoning") for d in deltas)  # the upstream's field only
+    first_content = next(i for i, d in enumerate(deltas) if d.get("content"))
+    assert deltas.index(next(d for d in deltas if d.get("reasoning_content"))) < first_content
+    answer = "".join(d.get("content") or "" for d in deltas)
+    assert answer and no_loop_in(answer)
+    assert recoveries(registry, "close_reasoning", "recovered") == 1
