@@ -375,6 +375,44 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[2]), access_log=None, print
             loop=new_event_loop("auto"))
 """
 
+# --ceiling, the other candidate: a lean asyncio protocol with httptools' parser (what uvicorn's
+# httptools implementation and detproxy's upstream client are built on), answering the same
+# bytes: what a server of detproxy's own could reach before any proxy work (issue 16).
+HTTPTOOLS_STATIC = """\
+import asyncio, sys
+from pathlib import Path
+import httptools
+from proxy.http.eventloop import new_event_loop
+www = Path(sys.argv[1])
+answer = (www / "chat.json").read_bytes()
+stream = (www / "chat.sse").read_bytes()
+JSON = (b"HTTP/1.1 200 OK\\r\\nContent-Type: application/json\\r\\nContent-Length: "
+        + str(len(answer)).encode() + b"\\r\\n\\r\\n" + answer)
+SSE = (b"HTTP/1.1 200 OK\\r\\nContent-Type: text/event-stream\\r\\nTransfer-Encoding: chunked"
+       b"\\r\\n\\r\\n" + b"%x\\r\\n" % len(stream) + stream + b"\\r\\n0\\r\\n\\r\\n")
+class Server(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+    def data_received(self, data):
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+    def on_url(self, url):
+        self.url = url
+    def on_message_complete(self):
+        self.transport.write(SSE if b"bench=sse" in self.url else JSON)
+        if not self.parser.should_keep_alive():
+            self.transport.close()
+async def main():
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(Server, "127.0.0.1", int(sys.argv[2]), backlog=4096)
+    await server.serve_forever()
+new_event_loop("auto").run_until_complete(main())
+"""
+
 # ``detproxy serve`` exactly as a user runs it, with the venv's interpreter.
 LAUNCHER = "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))"
 
@@ -445,6 +483,14 @@ class Bench:
             wait_port(port, proc, "aiohttp static server")
             what = "aiohttp's server alone, same bytes from memory: the ceiling"
             self.targets.append(Target("aio-static", port, what, proc))
+            port = free_port()
+            proc = self.spawn(
+                [sys.executable, "-c", HTTPTOOLS_STATIC, str(tmp / "www"), str(port)],
+                "ht-static.log",
+            )
+            wait_port(port, proc, "httptools static server")
+            what = "asyncio + httptools alone, same bytes from memory: a lean server's ceiling"
+            self.targets.append(Target("ht-static", port, what, proc))
         configs = dict(DETPROXY_CONFIGS)
         if aiohttp_client:
             configs["dp-off-aio"] = '[upstream]\nclient = "aiohttp"\n' + DETPROXY_CONFIGS["dp-off"]
@@ -841,7 +887,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detproxy-bench-"))
     tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
     bench = Bench(tmp)
-    runs = len(modes) * len(concs) * (5 + args.ceiling + args.aiohttp_client) * args.rounds
+    runs = len(modes) * len(concs) * (5 + 2 * args.ceiling + args.aiohttp_client) * args.rounds
     print("\n".join(machine()))
     print(
         f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
