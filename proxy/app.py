@@ -147,7 +147,10 @@ def build_app(
         middlewares=admin_middlewares(settings.server),
     )
     bus = EventBus()
-    metrics = Metrics(registry if registry is not None else CollectorRegistry())
+    metrics = Metrics(
+        registry if registry is not None else CollectorRegistry(),
+        budget_shared=settings.loops.recovery_budget_store == "redis",
+    )
     metrics.subscribe(bus)
     budget = _recovery_budget(settings)
     chain = policies or _policy_chain(settings, budget)

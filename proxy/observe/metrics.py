@@ -211,7 +211,9 @@ class Metrics:
     --workers N`` sets ``PROMETHEUS_MULTIPROC_DIR`` for its workers): values live in files
     shared by the workers and a scrape, whichever worker answers it, sums them."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, budget_shared: bool = False) -> None:
+        """``budget_shared``: the recovery budget is the whole fleet's (Redis), so every worker
+        reports the same account: across workers it is their max, not their sum."""
         self.registry = registry
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._own: list[Collector] = []  # exported by this process itself, multiprocess or not
@@ -371,7 +373,8 @@ class Metrics:
             " reserved (kind=spent), and what the window allows (kind=allowed)",
             ["model", "kind"],
             registry=registry,
-            multiprocess_mode="livesum",  # each worker keeps its own budget
+            # Each worker keeps its own part of the budget, unless Redis shares one account.
+            multiprocess_mode="livemax" if budget_shared else "livesum",
         )
         self.recoveries = Counter(
             "detproxy_recoveries",

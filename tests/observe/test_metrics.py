@@ -85,3 +85,12 @@ def test_every_verdict_series_of_a_model_and_mode_starts_together_at_zero() -> N
         line = f'detproxy_audits_total{{mode="full",model="m",verdict="{name}"}}'
         assert f"{line} {'1.0' if name == 'identical' else '0.0'}" in text, name
     assert 'mode="prefill"' not in text  # only the mode that was seen
+
+
+def test_a_shared_recovery_budget_is_the_max_across_workers_not_the_sum() -> None:
+    # Every worker reports the fleet's account when Redis shares it (--workers N aggregates
+    # gauges by their multiprocess mode); its own part of the budget otherwise.
+    own = Metrics(CollectorRegistry()).recovery_budget
+    shared = Metrics(CollectorRegistry(), budget_shared=True).recovery_budget
+    assert own._multiprocess_mode == "livesum"
+    assert shared._multiprocess_mode == "livemax"
