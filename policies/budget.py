@@ -128,7 +128,7 @@ class RecoveryBudget:
         """The other replicas' window totals per model, replacing the last ones."""
         capped: dict[str, tuple[int, int]] = {}
         for model, totals in others.items():
-            if model in self._accounts or model in capped or len(capped) < MAX_MODELS:
+            if model in self._accounts or len(capped) < MAX_MODELS:
                 capped[model] = totals
         self._others = capped
 

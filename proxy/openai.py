@@ -5,6 +5,9 @@ Every function reads a parsed JSON object (plain dicts, as orjson gives them) an
 raises on junk: a member of the wrong type reads as absent. They run once per SSE event on
 the relay's hot path, so they use plain ``dict.get`` and ``type(x) is ...`` checks.
 
+``stream_event`` is the one builder of a chunk detproxy writes itself (a policy's last event, a
+held reasoning it hands back), shaped as the upstream's own.
+
 Reasoning: vLLM sends it as ``reasoning_content`` (from 0.7.2), as ``reasoning`` with
 ``reasoning_content`` as a duplicate (0.11.1 to 0.15) and as ``reasoning`` alone (from 0.16;
 ``/work/shared/reference/vllm-api.md``). A delta carrying both carries the same text twice:
@@ -13,8 +16,11 @@ one is read, ``reasoning`` first.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 __all__ = [
     "REASONING_KEYS",
@@ -23,7 +29,9 @@ __all__ = [
     "error_detail",
     "error_message",
     "first_choice",
+    "first_message",
     "reasoning_of",
+    "stream_event",
     "usage_of",
 ]
 
@@ -60,6 +68,26 @@ def first_choice(body: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     choice = choices[0]
     return choice if type(choice) is dict else None
+
+
+def first_message(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``message`` of a non-streamed chat body's first choice when it is an object."""
+    choice = first_choice(body)
+    message = choice.get("message") if choice is not None else None
+    return message if type(message) is dict else None
+
+
+def stream_event(endpoint: str, chunk_id: str | None, model: str, choice: dict[str, Any]) -> bytes:
+    """One SSE event of a chunk detproxy writes itself: ``choice`` under the stream's id."""
+    chat = endpoint == "chat"
+    chunk = {
+        "id": chunk_id or ("chatcmpl-detproxy" if chat else "cmpl-detproxy"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def _int_or_none(value: Any) -> int | None:

@@ -600,6 +600,11 @@ COMPLETIONS = "/v1/completions"
 MESSAGES = [{"role": "user", "content": "Tell me about determinism in batched inference."}]
 
 
+def knobs(**fields: Any) -> dict[str, str]:
+    """The header that sets emulator knobs for one request."""
+    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
+
+
 def chat(**extra: Any) -> dict[str, Any]:
     """A greedy chat request to the emulator's model."""
     body: dict[str, Any] = {"model": "emulator-model", "messages": MESSAGES, "temperature": 0}

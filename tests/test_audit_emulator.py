@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import orjson
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import metric, sse_chunks
+from tests.helpers import knobs, metric, sse_chunks
 
 MODEL = "emulator-model"
 FAST = {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000"}
@@ -17,10 +16,6 @@ FAST = {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000"}
 
 def audits(registry: CollectorRegistry, mode: str, verdict: str) -> float:
     return metric(registry, "detproxy_audits_total", model=MODEL, mode=mode, verdict=verdict)
-
-
-def knobs(**fields: Any) -> dict[str, str]:
-    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
 
 
 def chat(prompt: str, **extra: Any) -> dict[str, Any]:

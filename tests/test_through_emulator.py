@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric, sse_blocks
+from tests.helpers import knobs, metric, sse_blocks
 
 MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
 
@@ -21,10 +21,6 @@ MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}
 async def emulator() -> AsyncIterator[EmulatorServer]:
     async with EmulatorServer(EmulatorConfig(reasoning_tokens=4, reasoning_style="both")) as srv:
         yield srv
-
-
-def knobs(**fields: Any) -> dict[str, str]:
-    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
 
 
 @pytest.fixture

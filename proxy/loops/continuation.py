@@ -29,15 +29,12 @@ for (the prefix's would be missing), a prompt that is not one string.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from policies.base import Trigger
-from proxy.openai import REASONING_KEYS, first_choice, reasoning_of
+from proxy.openai import REASONING_KEYS, first_choice, first_message, reasoning_of, stream_event
 
 LIMIT_FIELDS = ("max_completion_tokens", "max_tokens")
 
@@ -119,16 +116,16 @@ def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_toke
     """Make a continuation's answer the whole answer, in place: the prefix in front of its
     text, the prefix's tokens counted as completion (the continuation counted them as prompt,
     over the client request's own ``prompt_tokens``)."""
-    choice = first_choice(answer)
-    if choice is None:
-        return
     # vLLM answers the continuation alone; llama.cpp's server answers a non-streamed
     # continuation with the prefix in front already (its stream carries the continuation only).
     if endpoint == "chat":
-        message = choice.get("message")
-        if isinstance(message, dict):
+        message = first_message(answer)
+        if message is not None:
             message["content"] = _joined(prefix, message.get("content"))
     else:
+        choice = first_choice(answer)
+        if choice is None:
+            return
         choice["text"] = _joined(prefix, choice.get("text"))
     _kept_as_completion(answer, prompt_tokens)
 
@@ -139,9 +136,8 @@ def merge_closed(
     """Make the answer to a closed reasoning the whole answer, in place: the kept ``reasoning``
     in the fields ``keys`` the looping answer carried it in, and all the engine wrote after it
     (reasoning or content, as its parser read it) as the content."""
-    choice = first_choice(answer)
-    message = choice.get("message") if choice is not None else None
-    if not isinstance(message, dict):
+    message = first_message(answer)
+    if message is None:
         return
     own = message.get("content")
     written = (reasoning_of(message) or "") + (own if isinstance(own, str) else "")
@@ -176,26 +172,25 @@ def content_of(
 ) -> str | None:
     """The text of a non-streamed answer's first choice in ``channel`` (chat: its content or
     its reasoning)."""
-    choice = first_choice(answer) if answer is not None else None
-    if choice is None:
+    if answer is None:
         return None
     if endpoint == "chat":
-        message = choice.get("message")
-        if not isinstance(message, dict):
+        message = first_message(answer)
+        if message is None:
             return None
         if channel == "reasoning":
             return reasoning_of(message)
         text = message.get("content")
     else:
-        text = choice.get("text")
+        choice = first_choice(answer)
+        text = choice.get("text") if choice is not None else None
     return text if isinstance(text, str) else None
 
 
 def reasoning_keys(endpoint: str, answer: Mapping[str, Any] | None) -> tuple[str, ...]:
     """The fields a non-streamed chat answer carries its reasoning in."""
-    choice = first_choice(answer) if answer is not None and endpoint == "chat" else None
-    message = choice.get("message") if choice is not None else None
-    if not isinstance(message, dict):
+    message = first_message(answer) if answer is not None and endpoint == "chat" else None
+    if message is None:
         return ()
     return tuple(k for k in REASONING_KEYS if isinstance(message.get(k), str))
 
@@ -203,15 +198,13 @@ def reasoning_keys(endpoint: str, answer: Mapping[str, Any] | None) -> tuple[str
 def reasoning_event(chunk_id: str | None, model: str, text: str, keys: tuple[str, ...]) -> bytes:
     """One streamed chunk carrying ``text`` as reasoning, in the fields ``keys``: the kept
     reasoning of a closed one, for a client that never saw it (it was held)."""
-    delta: dict[str, Any] = dict.fromkeys(keys, text)
-    chunk = {
-        "id": chunk_id or "chatcmpl-detproxy",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+    choice = {
+        "index": 0,
+        "delta": dict.fromkeys(keys, text),
+        "logprobs": None,
+        "finish_reason": None,
     }
-    return b"data: " + orjson.dumps(chunk) + b"\n\n"
+    return stream_event("chat", chunk_id, model, choice)
 
 
 def move_reasoning_to_content(chunk: dict[str, Any]) -> None:

@@ -8,8 +8,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import orjson
-
 from policies.base import (
     CONTINUE,
     Abort,
@@ -20,7 +18,7 @@ from policies.base import (
     Trigger,
 )
 from policies.budget import RecoveryBudget
-from proxy.config import LoopConfig
+from proxy.config import LoopConfig, ReasoningMarkersConfig
 from proxy.events import (
     EventBus,
     LoopDetected,
@@ -41,7 +39,7 @@ from proxy.loops.continuation import (
 )
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
-from proxy.openai import REASONING_KEYS
+from proxy.openai import REASONING_KEYS, stream_event
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
@@ -210,10 +208,11 @@ class Recovery:
         return {**base, **decision.overrides}, None
 
     def _closed(self, model: str, reasoning: str) -> str:
-        for markers in self._config.reasoning_markers:
-            if fnmatch.fnmatchcase(model, markers.models):
-                return closed_reasoning(reasoning, markers.start, markers.end)
-        return closed_reasoning(reasoning, "<think>", "</think>")
+        markers = next(
+            (m for m in self._config.reasoning_markers if fnmatch.fnmatchcase(model, m.models)),
+            ReasoningMarkersConfig(),
+        )
+        return closed_reasoning(reasoning, markers.start, markers.end)
 
     def _settle(self, attempts: Attempts, tokens: int, attempt: int | None = None) -> None:
         """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""
@@ -253,20 +252,12 @@ class Recovery:
 def abort_chunk(endpoint: str, chunk_id: str | None, model: str, choice: int) -> bytes:
     """The last event of a stream ended by a policy: finish_reason ``repetition`` (vLLM's own
     for a loop it stopped), then ``[DONE]``."""
-    chat = endpoint == "chat"
     end: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": "repetition"}
-    if chat:
+    if endpoint == "chat":
         end["delta"] = {}
     else:
         end["text"] = ""
-    payload = {
-        "id": chunk_id or ("chatcmpl-detproxy" if chat else "cmpl-detproxy"),
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [end],
-    }
-    return b"data: " + orjson.dumps(payload) + b"\n\ndata: [DONE]\n\n"
+    return stream_event(endpoint, chunk_id, model, end) + b"data: [DONE]\n\n"
 
 
 def retry_comment(attempt: int, reason: str) -> bytes:

@@ -46,21 +46,14 @@ class _ChoiceWatch:
         self.kept_reasoning: list[str] | None = [] if keep else None
         self.kept_chars = 0
 
-    def keep(self, text: str) -> None:
-        if self.kept is not None:
+    def keep(self, text: str, reasoning: bool = False) -> None:
+        kept = self.kept_reasoning if reasoning else self.kept
+        if kept is not None:
             self.kept_chars += len(text)
             if self.kept_chars > MAX_KEPT_CHARS:
                 self.kept = self.kept_reasoning = None
             else:
-                self.kept.append(text)
-
-    def keep_reasoning(self, text: str) -> None:
-        if self.kept_reasoning is not None:
-            self.kept_chars += len(text)
-            if self.kept_chars > MAX_KEPT_CHARS:
-                self.kept = self.kept_reasoning = None
-            else:
-                self.kept_reasoning.append(text)
+                kept.append(text)
 
 
 def _trigger(source: str, channel: str, choice: int, report: LoopReport | None = None) -> Trigger:
@@ -151,7 +144,7 @@ class LoopWatch:
         if channel == "reasoning":
             watch.saw_reasoning = True
             if watch.kept_reasoning is not None:
-                watch.keep_reasoning(text)
+                watch.keep(text, reasoning=True)
             detector = watch.reasoning
         else:
             watch.saw_content = True
@@ -210,7 +203,7 @@ class LoopWatch:
         if reasoning:
             watch.saw_reasoning = True
             if watch.kept_reasoning is not None:
-                watch.keep_reasoning(reasoning)
+                watch.keep(reasoning, reasoning=True)
             report = watch.reasoning.feed(reasoning)
             if report is not None:
                 return _trigger("proxy", "reasoning", index, report)

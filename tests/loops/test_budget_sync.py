@@ -12,10 +12,21 @@ from policies.budget import RecoveryBudget
 from proxy.events import EventBus, SharedStoreFailed
 from proxy.loops.budget_sync import MODELS, PREFIX, RedisBudgetSync
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import NEEDS_REDIS, free_port, metric
-from tests.loops.test_recovery import CONTENT_LOOP, MODEL, RETRY, actions, chat
+from tests.helpers import NEEDS_REDIS, chat, free_port, knobs, metric
 
 pytestmark = NEEDS_REDIS
+
+MODEL = "emulator-model"
+RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+# A loop that a retry's presence penalty always ends; one retry reserves max_tokens (200).
+CONTENT_LOOP = knobs(loop_channel="content", loop_after_tokens=5, loop_escape_probability=1.0)
+ASK = chat(max_tokens=200)
+
+
+def actions(registry: CollectorRegistry, action: str, outcome: str) -> float:
+    return metric(
+        registry, "detproxy_policy_actions_total", model=MODEL, action=action, outcome=outcome
+    )
 
 
 class Clock:
@@ -122,7 +133,7 @@ async def test_two_detproxies_hold_one_recovery_budget(
     first = await make_proxy(emulator.url, env=env)
     second_registry = CollectorRegistry()
     second = await make_proxy(emulator.url, env=env, registry=second_registry)
-    resp = await first.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    resp = await first.post("/v1/chat/completions", json=ASK, headers=CONTENT_LOOP)
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     for _ in range(100):  # until the second replica has seen the first one's spending
         status = await (await second.get("/detproxy/status")).json()
@@ -131,7 +142,7 @@ async def test_two_detproxies_hold_one_recovery_budget(
         await asyncio.sleep(0.02)
     assert status["recovery_budget_store"]["store"] == "redis"
     assert status["recovery_budget_store"]["replicas"] == 2
-    resp = await second.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+    resp = await second.post("/v1/chat/completions", json=ASK, headers=CONTENT_LOOP)
     assert resp.status == 200
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert actions(registry, "retry", "recovered") == 1
@@ -159,7 +170,7 @@ async def test_without_redis_each_detproxy_has_its_own_budget(
     first = await make_proxy(emulator.url, env=env)
     second = await make_proxy(emulator.url, env=env, registry=CollectorRegistry())
     for client in (first, second):
-        resp = await client.post("/v1/chat/completions", json=chat(), headers=CONTENT_LOOP)
+        resp = await client.post("/v1/chat/completions", json=ASK, headers=CONTENT_LOOP)
         assert resp.headers["X-Detproxy-Recovered"] == "true"
     status = await (await second.get("/detproxy/status")).json()
     assert status["recovery_budget_store"] == {"store": "memory"}

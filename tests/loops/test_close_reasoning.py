@@ -20,9 +20,11 @@ from proxy.loops.continuation import (
 )
 from proxy.loops.detector import LoopDetector
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import metric, sse_chunks, sse_comments
-from tests.loops.test_recovery import MODEL, RETRY, chat, knobs
+from tests.helpers import chat, knobs, metric, sse_chunks, sse_comments
 
+MODEL = "emulator-model"
+RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+ASK, STREAMED = chat(max_tokens=200), chat(max_tokens=200, stream=True)
 TRIGGER = Trigger("proxy", "reasoning", 0, 40, 8, 100, "unit")
 CLOSE = {
     "DETPROXY_LOOPS__LADDERS": orjson.dumps(
@@ -30,7 +32,12 @@ CLOSE = {
     ).decode()
 }
 # A reasoning loop no sampling change ends (loop_escape_probability 0): a restart loops again.
-STUCK = {"loop_channel": "reasoning", "loop_after_tokens": 3, "reasoning_tokens": 6}
+STUCK = {
+    "loop_channel": "reasoning",
+    "loop_after_tokens": 3,
+    "reasoning_tokens": 6,
+    "loop_escape_probability": 0.0,
+}
 
 
 def test_what_can_close_its_reasoning() -> None:
@@ -96,7 +103,7 @@ async def test_a_reasoning_loop_is_closed_and_answered(
 ) -> None:
     client = await make_proxy(emulator.url, env=RETRY | CLOSE)
     headers = knobs(**STUCK, closed_reasoning_answer=parser)
-    resp = await client.post("/v1/chat/completions", json=chat(), headers=headers)
+    resp = await client.post("/v1/chat/completions", json=ASK, headers=headers)
     assert resp.status == 200
     assert resp.headers["X-Detproxy-Strategy"] == "close_reasoning"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -119,7 +126,7 @@ async def test_a_restart_does_not_end_the_same_loop(
     # The control: the same loop, recovered by restarting, loops again.
     restart = orjson.dumps([{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]).decode()
     client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": restart})
-    resp = await client.post("/v1/chat/completions", json=chat(), headers=knobs(**STUCK))
+    resp = await client.post("/v1/chat/completions", json=ASK, headers=knobs(**STUCK))
     assert resp.status == 200
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert recoveries(registry, "restart", "looped_again") == 1
@@ -131,7 +138,7 @@ async def test_a_streamed_reasoning_loop_is_closed_and_the_answer_follows(
 ) -> None:
     client = await make_proxy(emulator.url, env=RETRY | CLOSE)
     headers = knobs(**STUCK, closed_reasoning_answer=parser)
-    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=headers)
+    resp = await client.post("/v1/chat/completions", json=STREAMED, headers=headers)
     assert resp.status == 200
     raw = await resp.read()
     assert not sse_comments(raw)  # not a restart: nothing to mark
@@ -156,7 +163,7 @@ async def test_with_hold_reasoning_the_client_gets_the_kept_reasoning_once_then_
     env = RETRY | CLOSE | {"DETPROXY_LOOPS__STREAM_MODE": "hold_reasoning"}
     client = await make_proxy(emulator.url, env=env)
     headers = knobs(**STUCK, reasoning_style="reasoning_content")
-    resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=headers)
+    resp = await client.post("/v1/chat/completions", json=STREAMED, headers=headers)
     raw = await resp.read()
     assert not sse_comments(raw)
     events = sse_chunks(raw)

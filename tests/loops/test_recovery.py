@@ -6,12 +6,11 @@ import asyncio
 from typing import Any
 
 import openai
-import orjson
 import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric, sse_chunks, sse_comments
+from tests.helpers import knobs, metric, sse_chunks, sse_comments
 
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
@@ -26,10 +25,6 @@ def chat(prompt: str = "tell me a story", **extra: Any) -> dict[str, Any]:
         "messages": [{"role": "user", "content": prompt}],
         **extra,
     }
-
-
-def knobs(**fields: Any) -> dict[str, str]:
-    return {"X-Emulator-Knobs": orjson.dumps(fields).decode()}
 
 
 # A model that loops at temperature 0 and whose loop a presence penalty always ends

@@ -55,7 +55,8 @@ class EmulatorConfig(BaseModel):
     # A chat request that continues a final assistant message ending the reasoning
     # (continue_final_message, its content containing "</think>") is answered without
     # reasoning; where the parser puts that answer: vLLM's deepseek_r1 reads output with no end
-    # marker as reasoning ("reasoning"), qwen3 as content ("content").
+    # marker as reasoning ("reasoning"; the pitfall of vllm#17349 in reference/vllm-api.md:
+    # the answer in reasoning, content null), qwen3 as content ("content").
     closed_reasoning_answer: Literal["reasoning", "content"] = "reasoning"
 
     # Injected nondeterminism (greedy requests only).
