@@ -149,7 +149,7 @@ class WholeAnswer:
         continued = self._continued
         if continued is not None:
             if continued.closes_reasoning:
-                merge_closed(answer, continued.prefix, self._reasoning_keys, self._prompt_tokens)
+                merge_closed(answer, continued, self._reasoning_keys, self._prompt_tokens)
             else:
                 merge_answer(ex.endpoint, answer, continued.prefix, self._prompt_tokens)
             payload = orjson.dumps(answer)

@@ -203,7 +203,7 @@ class Recovery:
                 body = continuation_body(endpoint, base, decision.overrides, message, kept)
                 if body is not None:
                     attempts.strategy, attempts.kept_tokens = strategy, kept
-                    return body, Continued(prefix, closes)
+                    return body, Continued(prefix, closes, message)
         attempts.strategy, attempts.kept_tokens = "restart", 0
         return {**base, **decision.overrides}, None
 

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    args: argparse.Namespace, log: Path, extra: Sequence[str] = ()
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     cmd = [
         str(args.server),
@@ -153,6 +156,7 @@ def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[
         "2",
         "-c",
         "4096",
+        *extra,
     ]
     print("engine:", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from policies.base import Trigger
 from proxy.loops.continuation import (
+    Continued,
     can_close_reasoning,
     closed_reasoning,
     content_of,
@@ -67,7 +68,8 @@ def test_the_answer_after_a_closed_reasoning_is_the_content(keys: tuple[str, ...
         ],
         "usage": {"prompt_tokens": 50, "completion_tokens": 5, "total_tokens": 55},
     }
-    merge_closed(answer, "Two and two.", keys, prompt_tokens=20)
+    closed = closed_reasoning("Two and two.", "<think>", "</think>")
+    merge_closed(answer, Continued("Two and two.", True, closed), keys, prompt_tokens=20)
     message = answer["choices"][0]["message"]
     assert message["content"] == "The answer is 4."
     for key in keys or ("reasoning",):
@@ -76,6 +78,27 @@ def test_the_answer_after_a_closed_reasoning_is_the_content(keys: tuple[str, ...
     assert answer["usage"] == {"prompt_tokens": 20, "completion_tokens": 35, "total_tokens": 55}
     assert content_of("chat", answer, "reasoning") == "Two and two."
     assert reasoning_keys("chat", answer) == (keys or ("reasoning",))
+
+
+@pytest.mark.parametrize("echo", ["message", "parsed"])
+def test_an_engine_that_answers_with_the_closed_reasoning_in_front_gets_it_taken_off(
+    echo: str,
+) -> None:
+    # llama.cpp's server answers a non-streamed continuation with the final assistant message
+    # in front (measured: the markers in the content); a parser might read it as reasoning.
+    closed = closed_reasoning("Two and two.", "<think>", "</think>")
+    message: dict[str, Any] = {"role": "assistant"}
+    if echo == "message":
+        message["content"] = closed + "The answer is 4."
+    else:
+        message |= {"reasoning_content": "Two and two.", "content": "The answer is 4."}
+    answer: dict[str, Any] = {"choices": [{"index": 0, "message": message}]}
+    merge_closed(answer, Continued("Two and two.", True, closed), ("reasoning_content",), 20)
+    assert answer["choices"][0]["message"] == {
+        "role": "assistant",
+        "reasoning_content": "Two and two.",
+        "content": "The answer is 4.",
+    }
 
 
 def test_a_streamed_reasoning_delta_becomes_content() -> None:

@@ -11,12 +11,14 @@ from prometheus_client import CollectorRegistry
 
 from policies.base import Trigger
 from proxy.loops.continuation import (
+    SNAP_CHARS,
     can_continue,
     content_of,
     continuation_body,
     estimate_tokens,
     merge_answer,
     prefix_of,
+    word_end,
 )
 from tests.helpers import metric, sse_chunks, sse_event
 
@@ -34,6 +36,20 @@ def test_the_prefix_is_the_text_before_the_loop_and_one_unit() -> None:
     assert prefix_of(LOOPING, TRIGGER) == "The sea is calm tonight." + UNIT
     assert prefix_of(LOOPING, Trigger("engine", "content", 0)) is None  # no onset known
     assert prefix_of("short", TRIGGER) is None  # the offsets are past the text
+
+
+def test_the_prefix_is_cut_at_a_word_end() -> None:
+    # A unit that does not end on a word: the cut moves back to the end of one.
+    text = "Once upon a time there was a cat" * 10
+    trigger = Trigger("proxy", "content", 0, 32, 8, 0, "")
+    assert text[:32].endswith("a cat") and text[32] == "O"  # the raw cut is inside "catOnce"
+    assert prefix_of(text, trigger) == "Once upon a time there was a"
+    assert word_end("word one\ntwo", 9) == 8  # before the newline
+    assert word_end("word one\ntwo", 8) == 8  # already there
+    assert word_end("word  two", 6) == 4  # a space run: before its first space
+    assert word_end("x" * 100, 90) == 90  # no word end near: the cut stays
+    assert word_end("a " + "x" * 100, 90) == 90
+    assert word_end("abc", 3) == 3  # the text's end
 
 
 def test_what_can_be_continued() -> None:
@@ -169,7 +185,10 @@ def continued_prefix(scripted: Scripted) -> str:
     # repeat, which can be a character or so before the first whole unit.
     assert LOOPING.startswith(prefix)
     assert prefix.count("The waves roll in") == 1
-    assert ONSET + len(UNIT) - 3 <= len(prefix) <= ONSET + len(UNIT)
+    # Up to the unit's end, or a word end just before it (the detector's onset can be a few
+    # characters early, and the cut then moves back to the end of a word).
+    assert ONSET + len(UNIT) - 3 - SNAP_CHARS <= len(prefix) <= ONSET + len(UNIT)
+    assert len(prefix) > ONSET and LOOPING[len(prefix)] == " " and prefix[-1] != " "
     return prefix
 
 

@@ -3,13 +3,14 @@
 # lives outside the repository copy (a path not carried by the next call is removed there):
 #   /root/payload  the parts as they arrive      /root/site   the installed wheels
 #   /root/model    bf16 checkpoint + tokenizer   /root/work   logs, state, results
+#   /root/model-think  the same with <think> and </think> as tokens (think_tokenizer.py)
 #   bash tests/gpu/vllm/on_device.sh receive        # moves the carried .gpu/vllm/* away
-#   bash tests/gpu/vllm/on_device.sh setup          # install, patch, convert, start vLLM x5
+#   bash tests/gpu/vllm/on_device.sh setup          # install, patch, convert, start vLLM x6
 #   bash tests/gpu/vllm/on_device.sh validate ARGS  # tests/gpu/vllm/validate.py; results in $OUT
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 repo=$PWD
-P=/root/payload S=/root/site M=/root/model W=/root/work
+P=/root/payload S=/root/site M=/root/model W=/root/work T=/root/model-think
 mkdir -p "$P" "$W"
 export PYTHONPATH="$S:$repo" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   VLLM_HOST_IP=127.0.0.1 VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
@@ -64,13 +65,17 @@ setup)
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
   start gguf 8004 "X=1" --model "$P/model/model.gguf" --tokenizer "$M" --enforce-eager
   start graphs 8005 "X=1" "${bf16[@]}"
-  echo "5 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004, graphs (CUDA graphs, torch.compile) :8005"
+  # A stand-in reasoning model: vLLM's deepseek_r1 parser, a template that opens <think>.
+  python3 tests/gpu/vllm/think_tokenizer.py "$M" "$T" 2>&1 | grep -v Warning | tail -4 &&
+    start think 8006 "X=1" --model "$T" --tokenizer "$T" --dtype bfloat16 --enforce-eager \
+      --reasoning-parser deepseek_r1 --chat-template "$repo/tests/integration/think.jinja"
+  echo "6 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004, graphs (CUDA graphs, torch.compile) :8005, think (deepseek_r1 parser) :8006"
   python3 - "$W" <<'PY'
 import os, sys, time, urllib.request
 work = sys.argv[1]
 t0 = time.time()
 # graphs compiles for a while: the validation waits for it in its own step
-left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004}
+left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004, "think": 8006}
 while left and time.time() - t0 < 150:
     for name, port in list(left.items()):
         try:
@@ -99,7 +104,8 @@ validate)
   shift
   python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
     --stock http://127.0.0.1:8001 --bi http://127.0.0.1:8002 --spec http://127.0.0.1:8003 \
-    --gguf http://127.0.0.1:8004 --graphs http://127.0.0.1:8005 --logs "$W" "$@"
+    --gguf http://127.0.0.1:8004 --graphs http://127.0.0.1:8005 --think http://127.0.0.1:8006 \
+    --logs "$W" "$@"
   ;;
 *) echo "usage: $0 receive|info|setup|validate" >&2; exit 2 ;;
 esac

@@ -192,6 +192,7 @@ async def chat(
     out: dict[str, Any] = {"status": status, "latency_s": round(time.monotonic() - t0, 4)}
     out["attempts"] = hdrs.get("X-Detproxy-Attempts")
     out["recovered"] = hdrs.get("X-Detproxy-Recovered")
+    out["strategy"] = hdrs.get("X-Detproxy-Strategy")
     if status != 200:
         out["error"] = raw[:300].decode(errors="replace")
         return out
@@ -203,20 +204,25 @@ async def chat(
         lp = (choice.get("logprobs") or {}).get("content") if choice.get("logprobs") else None
         return out | {
             "text": choice["message"].get("content") or "",
+            "reasoning": reasoning_in(choice["message"]),
             "lp": lp_entries(lp),
             "finish": choice.get("finish_reason"),
         }
     events, errors = parse_sse(raw)
-    text, finish, seen_lp = "", None, False
+    text, reasoning, finish, seen_lp = "", "", None, False
     entries: list[Any] = []
     for event in events:
         for choice in event.get("choices") or []:
             text += (choice.get("delta") or {}).get("content") or ""
+            reasoning += reasoning_in(choice.get("delta") or {})
             if choice.get("logprobs"):
                 seen_lp = True
                 entries += choice["logprobs"].get("content") or []
             finish = choice.get("finish_reason") or finish
     out |= {"text": text, "lp": lp_entries(entries) if seen_lp else None, "finish": finish}
+    out["reasoning"] = reasoning
+    out["restart_marks"] = raw.count(b"\n: detproxy retry") + raw.startswith(b": detproxy retry")
+    out["ids"] = len({e.get("id") for e in events if isinstance(e, dict)})
     if errors:
         out |= {"status": -2, "error": str(errors[0])[:300]}
     return out
@@ -260,6 +266,13 @@ async def complete(
     if errors:
         out["error"] = str(errors[0])[:300]
     return out
+
+
+def reasoning_in(message: dict[str, Any]) -> str:
+    """A message's or delta's reasoning: ``reasoning`` (vLLM >= 0.16) or ``reasoning_content``
+    (older; both, the same text, in between)."""
+    value = message.get("reasoning") or message.get("reasoning_content")
+    return value if isinstance(value, str) else ""
 
 
 def looped(text: str, min_covered: int = 200) -> bool:
@@ -472,6 +485,8 @@ class Ctx:
         self.url = {"stock": args.stock, "bi": args.bi, "spec": args.spec, "gguf": args.gguf}
         if args.graphs:
             self.url["graphs"] = args.graphs
+        if args.think:
+            self.url["think"] = args.think
         self.work: Path = args.work
         self.deadline: float = time.monotonic() + args.deadline_s
         state = args.work / "results.json"
@@ -1403,6 +1418,244 @@ async def step_loops_strategies(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+async def tokenize(http: aiohttp.ClientSession, base: str, body: dict[str, Any]) -> list[int]:
+    status, raw, _ = await post(http, base + "/tokenize", {"model": MODEL, **body}, {})
+    if status != 200:
+        raise RuntimeError(f"/tokenize {status}: {raw[:200]!r}")
+    tokens: list[int] = orjson.loads(raw)["tokens"]
+    return tokens
+
+
+async def step_retokenize(ctx: Ctx) -> dict[str, Any]:
+    """Is a continued prefix what the engine generated? For each looping prompt: the greedy
+    answer with its token ids; the prefix detproxy keeps (cut on a word end) and the raw cut
+    (onset + one unit); each rendered as a final assistant message by vLLM's /tokenize
+    (``continue_final_message``) against the prompt's own tokens followed by the generated
+    ones; then the greedy continuation of the kept prefix against the original's rest."""
+    from policies.base import Trigger
+    from proxy.loops.continuation import prefix_of
+    from proxy.loops.detector import LoopDetector
+
+    base, http = ctx.url["stock"], ctx.http
+    rows: list[dict[str, Any]] = []
+    for prompt in LOOPING:
+        user = [{"role": "user", "content": prompt}]
+        status, raw, _ = await post(
+            http,
+            base + "/v1/chat/completions",
+            {"model": MODEL, "messages": user, "temperature": 0, "max_tokens": 384,
+             "logprobs": True, "return_tokens_as_token_ids": True, "cache_salt": salt()},
+            {},
+        )  # fmt: skip
+        if status != 200:
+            rows.append({"prompt": prompt, "error": raw[:200].decode(errors="replace")})
+            continue
+        choice = orjson.loads(raw)["choices"][0]
+        text = choice["message"]["content"] or ""
+        tokens = [str(e.get("token")) for e in (choice.get("logprobs") or {}).get("content") or []]
+        if not tokens or not all(t.startswith("token_id:") for t in tokens):
+            rows.append({"prompt": prompt, "error": "no token ids (return_tokens_as_token_ids)"})
+            continue
+        ids = [int(t.split(":", 1)[1]) for t in tokens]
+        report = LoopDetector().feed(text)
+        if report is None:
+            rows.append({"prompt": prompt, "loop": False})
+            continue
+        trigger = Trigger("proxy", "content", 0, report.period, report.repeats,
+                          report.start_offset)  # fmt: skip
+        prompt_ids = await tokenize(http, base, {"messages": user, "add_generation_prompt": True})
+        row: dict[str, Any] = {"prompt": prompt, "loop": True, "generated_tokens": len(ids)}
+        raw_cut = text[: report.start_offset + report.period]
+        for name, prefix in (("kept", prefix_of(text, trigger) or ""), ("raw_cut", raw_cut)):
+            rendered = await tokenize(
+                http,
+                base,
+                {"messages": [*user, {"role": "assistant", "content": prefix}],
+                 "add_generation_prompt": False, "continue_final_message": True},
+            )  # fmt: skip
+            own = rendered[len(prompt_ids) :]
+            row[name] = {
+                "chars": len(prefix),
+                "ends_on": repr(text[len(prefix) - 1 : len(prefix) + 1]),
+                "prompt_part_equal": rendered[: len(prompt_ids)] == prompt_ids,
+                "faithful": rendered[: len(prompt_ids)] == prompt_ids and own == ids[: len(own)],
+                "tokens": len(own),
+            }
+        kept = prefix_of(text, trigger) or ""
+        cont = await chat(
+            http, base, prompt, max_tokens=384 - row["kept"]["tokens"], cache_salt=salt(),
+            extra={"messages": [*user, {"role": "assistant", "content": kept}],
+                   "continue_final_message": True, "add_generation_prompt": False},
+        )  # fmt: skip
+        rest = text[len(kept) :]
+        got = cont.get("text") or ""
+        row["greedy_continuation"] = {
+            "chars": len(got),
+            "original_rest_chars": len(rest),
+            "common_prefix_chars": common_prefix(got, rest),
+            "equal_over_common_length": got[: len(rest)] == rest[: len(got)],
+        }
+        rows.append(row)
+    looping = [r for r in rows if r.get("loop")]
+    return {
+        "looping": len(looping),
+        "kept_faithful": sum(r["kept"]["faithful"] for r in looping),
+        "raw_cut_faithful": sum(r["raw_cut"]["faithful"] for r in looping),
+        "continuation_equal": sum(
+            r["greedy_continuation"]["equal_over_common_length"] for r in looping
+        ),
+        "rows": rows,
+    }
+
+
+REASON_TOKENS = 512
+REASON_ATTEMPTS = [
+    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5, "seed": 1},
+    {"frequency_penalty": 1.0},
+]
+
+
+async def step_close_reasoning(ctx: Ctx) -> dict[str, Any]:
+    """Reasoning loops on the stand-in reasoning model (think_tokenizer.py, vLLM's
+    deepseek_r1 parser): the default ladder's attempts as restarts, then closing the
+    reasoning; streamed and not, 4 in flight. Then one non-streamed close against the same
+    continuation asked directly."""
+    base, http = ctx.url.get("think"), ctx.http
+    if not base:
+        return {"status": "skipped", "reason": "no think server"}
+    direct = {}
+    for prompt in LOOPING:
+        r = await chat(http, base, prompt, max_tokens=REASON_TOKENS, cache_salt=salt())
+        direct[prompt] = r
+    out: dict[str, Any] = {
+        "direct": [
+            {"status": r["status"], "finish": r.get("finish"),
+             "reasoning_chars": len(r.get("reasoning") or ""),
+             "content_chars": len(r.get("text") or ""),
+             "reasoning_looped": looped(r.get("reasoning") or "")}
+            for r in direct.values()
+        ],
+    }  # fmt: skip
+    for strategy in ("restart", "close_reasoning"):
+        rows, m = await reasoning_through(ctx, base, strategy, direct)
+        out[strategy] = {
+            "client_errors": sum(1 for g in rows if g["status"] != 200),
+            "answered": sum(1 for g in rows if g["answered"]),
+            "requests": len(rows),
+            "streamed_reasoning_shown_once": sum(
+                1 for g in rows if g["stream"] and g["reasoning_is_greedy_prefix"]
+            ),
+            "restart_marks": sum(g["restart_marks"] or 0 for g in rows),
+            "recoveries": {k: v for k, v in m.items() if k.startswith("detproxy_recoveries_total")},
+            "recovery_tokens": {
+                k: v for k, v in m.items() if k.startswith("detproxy_recovery_tokens_total")
+            },
+            "loops_total": {k: v for k, v in m.items() if k.startswith("detproxy_loops_total")},
+            "rows": rows,
+        }
+    out["faithful"] = await closed_against_direct(ctx, base, direct)
+    return out
+
+
+async def reasoning_through(
+    ctx: Ctx, base: str, strategy: str, direct: dict[str, dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """The looping prompts on the think server through a detproxy whose ladder recovers by
+    ``strategy``, streamed and not, 4 in flight."""
+    http = ctx.http
+    ladder = [{"models": "*", "attempts": [a | {"strategy": strategy} for a in REASON_ATTEMPTS]}]
+    cfg = {"audit": {"sample_rate": 0.0}, "loops": {"policy": "retry", "ladders": ladder}}
+    proxy = Detproxy(base, cfg, ctx.work, f"reason-{strategy}")
+    rows: list[dict[str, Any]] = []
+    try:
+        await proxy.ready(http)
+        sem = asyncio.Semaphore(4)
+
+        async def one(prompt: str, stream: bool) -> None:
+            async with sem:
+                r = await chat(http, proxy.base, prompt, stream=stream,
+                               max_tokens=REASON_TOKENS, cache_salt=salt())  # fmt: skip
+            content, reasoning = r.get("text") or "", r.get("reasoning") or ""
+            greedy: str = direct[prompt].get("reasoning") or ""
+            rows.append(
+                {
+                    "prompt": LOOPING.index(prompt),
+                    "stream": stream,
+                    "status": r["status"],
+                    "error": r.get("error"),
+                    "finish": r.get("finish"),
+                    "attempts": r.get("attempts"),
+                    "strategy": r.get("strategy"),
+                    "reasoning_chars": len(reasoning),
+                    "content_chars": len(content),
+                    "answered": r["status"] == 200
+                    and r.get("finish") in ("stop", "length")
+                    and bool(content.strip())
+                    and not looped(content),
+                    # Streamed: what the client saw of the reasoning is the greedy one
+                    # (nothing shown twice) unless a restart started it again.
+                    "reasoning_is_greedy_prefix": greedy.startswith(reasoning),
+                    "restart_marks": r.get("restart_marks"),
+                    "ids": r.get("ids"),
+                    "content_head": content[:120],
+                }
+            )
+
+        await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
+        metrics = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    return sorted(rows, key=lambda g: (g["prompt"], g["stream"])), metrics
+
+
+async def closed_against_direct(
+    ctx: Ctx, base: str, direct: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One non-streamed close_reasoning at greedy (frequency_penalty 1.0) through detproxy, on
+    the first prompt whose greedy reasoning detproxy's detector finds a loop in, against the
+    continuation of its kept reasoning asked of vLLM directly."""
+    from proxy.loops.continuation import closed_reasoning
+    from proxy.loops.detector import LoopDetector
+
+    looping = [p for p, r in direct.items() if LoopDetector().feed(r.get("reasoning") or "")]
+    if not looping:
+        return {"status": "skipped", "reason": "no reasoning loop"}
+
+    http = ctx.http
+    greedy = {"strategy": "close_reasoning", "frequency_penalty": 1.0}
+    ladder = [{"models": "*", "attempts": [greedy], "on_exhausted": "observe"}]
+    cfg = {"audit": {"sample_rate": 0.0}, "loops": {"policy": "retry", "ladders": ladder}}
+    proxy = Detproxy(base, cfg, ctx.work, "reason-faithful")
+    prompt = looping[0]
+    try:
+        await proxy.ready(http)
+        r = await chat(http, proxy.base, prompt, max_tokens=REASON_TOKENS, cache_salt=salt())
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    kept_tokens = int(msum(m, "detproxy_recovery_tokens_total", kind="kept"))
+    kept = r.get("reasoning") or ""
+    closed = closed_reasoning(kept, "<think>", "</think>")
+    messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": closed}]
+    d = await chat(
+        http, base, prompt, max_tokens=REASON_TOKENS - kept_tokens, cache_salt=salt(),
+        extra={"messages": messages, "continue_final_message": True,
+               "add_generation_prompt": False, "frequency_penalty": 1.0},
+    )  # fmt: skip
+    # vLLM's deepseek_r1 parser reads output without </think> as reasoning: all of it is
+    # what the engine wrote after the closed reasoning.
+    written = (d.get("reasoning") or "") + (d.get("text") or "")
+    return {
+        "strategy": r.get("strategy"),
+        "kept_chars": len(kept),
+        "kept_tokens": kept_tokens,
+        "content_chars": len(r.get("text") or ""),
+        "direct_chars": len(written),
+        "equal": (r.get("text") or "") == written,
+        "common_prefix_chars": common_prefix(r.get("text") or "", written),
+    }
+
+
 def sweep_step(name: str) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
     async def run(ctx: Ctx) -> dict[str, Any]:
         args = ["sweep", "--upstream", ctx.url[name], "--model", MODEL, "--concurrency",
@@ -1469,6 +1722,9 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("probe", step_probe, lambda c: 45),
     ("loops", step_loops, lambda c: 16 * 3 * c.t1 + 30),
     ("loops_strategies", step_loops_strategies, lambda c: 2 * 16 * 3 * c.t1 + 40),
+    ("retokenize", step_retokenize, lambda c: len(LOOPING) * 6 * c.t1 + 10),
+    # measured on the H200 (2026-12-01): 57 s with the serial request at 2-3.5 s
+    ("close_reasoning", step_close_reasoning, lambda c: 16 * c.t1 + 30),
     *[
         (f"sweep_{n}", sweep_step(n),
          lambda c: len(SWEEP_LEVELS.split(",")) * SWEEP_DURATION * 2 + 15)
@@ -1644,6 +1900,7 @@ async def main() -> None:
     for name in ("stock", "bi", "spec", "gguf"):
         ap.add_argument(f"--{name}", required=True, help=f"{name} vLLM base URL")
     ap.add_argument("--graphs", help="vLLM base URL: CUDA graphs and torch.compile (optional)")
+    ap.add_argument("--think", help="vLLM base URL: the stand-in reasoning model (optional)")
     ap.add_argument("--work", type=Path, required=True, help="state and logs (kept)")
     ap.add_argument("--out", type=Path, required=True, help="results.json, results.md")
     ap.add_argument("--logs", type=Path, help="vLLM logs to copy tails of into --out")
@@ -1655,7 +1912,7 @@ async def main() -> None:
     if args.quick:
         quick()
     if args.logs:
-        for name in ("stock", "bi", "spec", "gguf", "graphs"):
+        for name in ("stock", "bi", "spec", "gguf", "graphs", "think"):
             if getattr(args, name):
                 PIDS[getattr(args, name)] = args.logs / f"vllm-{name}.pid"
     args.work.mkdir(parents=True, exist_ok=True)
