@@ -1,6 +1,6 @@
 """Reasoning loops on the real engine: ``close_reasoning`` against ``restart``.
 
-Run: ``.venv/bin/python tests/bench/bench_close_reasoning.py`` (~15 min on 2 idle cores).
+Run: ``.venv/bin/python tests/bench/bench_close_reasoning.py`` (48 min on 2 cores here, shared for part of it).
 Prints figures only (no assertions); detproxy is not involved. llama-server + SmolLM2-135M
 serves a thinking chat template (``tests/integration/think.jinja``: the generation prompt
 opens ``<think>``, as DeepSeek-R1's and Qwen3-thinking's do) with ``--reasoning-format
