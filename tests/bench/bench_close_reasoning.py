@@ -1,9 +1,9 @@
 """Reasoning loops on the real engine: ``close_reasoning`` against ``restart``.
 
-Run: ``.venv/bin/python tests/bench/bench_close_reasoning.py`` (48 min on 2 cores here, shared for part of it).
-Prints figures only (no assertions); detproxy is not involved. llama-server + SmolLM2-135M
-serves a thinking chat template (``tests/integration/think.jinja``: the generation prompt
-opens ``<think>``, as DeepSeek-R1's and Qwen3-thinking's do) with ``--reasoning-format
+Run: ``.venv/bin/python tests/bench/bench_close_reasoning.py`` (48 min on 2 cores here, shared
+for part of it). Prints figures only (no assertions); detproxy is not involved. llama-server +
+SmolLM2-135M serves a thinking chat template (``tests/integration/think.jinja``: the generation
+prompt opens ``<think>``, as DeepSeek-R1's and Qwen3-thinking's do) with ``--reasoning-format
 deepseek``, so what the model writes after ``<think>`` streams as ``reasoning_content``.
 SmolLM2 is not a reasoning model: it never writes ``</think>`` by itself, so every answer is
 all reasoning, and a loop in it is a reasoning loop. That is the case ``close_reasoning`` is
