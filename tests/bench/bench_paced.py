@@ -142,6 +142,78 @@ NGINX_PACED = """\
     }}
 """
 
+# --ht-relay: the floor of a relay in Python on the same event loop. A lean asyncio protocol
+# with httptools' parsers that forwards the client's request bytes to the upstream (one
+# upstream connection per client connection) and writes every upstream read to the client from
+# the read's own callback: no task, no future, no await per event, nothing inspected. What a
+# callback-driven relay of detproxy's own could reach at best (issue 16).
+HTTPTOOLS_RELAY = """\
+import asyncio, sys
+import httptools
+from proxy.http.eventloop import new_event_loop
+UPSTREAM = ("127.0.0.1", int(sys.argv[1]))
+TASK = sys.argv[3:] == ["task"]
+class Upstream(asyncio.Protocol):
+    def __init__(self, client):
+        self.client = client
+        self.parser = httptools.HttpResponseParser(self)
+        self.chunks, self.waiter = [], None
+    def connection_made(self, transport):
+        self.transport = transport
+        if TASK:
+            self.pump = asyncio.ensure_future(self.relay())
+    def data_received(self, data):
+        if TASK:  # handed to a task, as an awaiting relay does
+            self.chunks.append(data)
+            if self.waiter is not None and not self.waiter.done():
+                self.waiter.set_result(None)
+        else:
+            self.client.transport.write(data)
+        self.parser.feed_data(data)  # where the response ends: the connection is kept
+    async def relay(self):
+        while True:
+            while not self.chunks:
+                self.waiter = asyncio.get_running_loop().create_future()
+                await self.waiter
+            data = b"".join(self.chunks) if len(self.chunks) > 1 else self.chunks[0]
+            self.chunks.clear()
+            self.client.transport.write(data)
+    def connection_lost(self, exc):
+        if TASK:
+            self.pump.cancel()
+        self.client.upstream = None
+        self.client.transport.close()
+class Client(asyncio.Protocol):
+    def connection_made(self, transport):
+        self.transport = transport
+        self.parser = httptools.HttpRequestParser(self)
+        self.upstream, self.parts = None, []
+    def data_received(self, data):
+        self.parts.append(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.transport.close()
+    def on_message_complete(self):
+        request, self.parts = b"".join(self.parts), []
+        if self.upstream is None:
+            asyncio.ensure_future(self.connect(request))
+        else:
+            self.upstream.transport.write(request)
+    async def connect(self, request):
+        loop = asyncio.get_running_loop()
+        _, self.upstream = await loop.create_connection(lambda: Upstream(self), *UPSTREAM)
+        self.upstream.transport.write(request)
+    def connection_lost(self, exc):
+        if self.upstream is not None:
+            self.upstream.transport.close()
+async def main():
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(Client, "127.0.0.1", int(sys.argv[2]), backlog=4096)
+    await server.serve_forever()
+new_event_loop("auto").run_until_complete(main())
+"""
+
 DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit off
 CONFIGS = {
     "dp-default": DEFAULTS,
@@ -164,6 +236,8 @@ WHAT = {
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
     "dp-audit": "detproxy, defaults with every greedy request audited, shadow budgets raised",
     "dp-gcoff": "detproxy, defaults with gc_freeze = false, gc_threshold = Python's (700, 10, 10)",
+    "ht-relay": "asyncio + httptools, each read relayed from its callback: a Python relay's floor",
+    "ht-relay-task": "ht-relay with each read handed to a task that awaits it and writes it",
 }
 
 # Each request a different prompt (a tag per run and a counter), read to the end; done()
@@ -296,6 +370,13 @@ def start(
         )
         proc = _nginx(bench, "proxy", conf, px)
         bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
+    for name, mode in (("ht-relay", []), ("ht-relay-task", ["task"])):
+        if name in names:
+            port = free_port()
+            argv = [sys.executable, "-c", HTTPTOOLS_RELAY, str(up), str(port), *mode]
+            proc = bench.spawn(argv, f"{name}.log", cwd=tmp)
+            wait_port(port, proc, name)
+            bench.targets.append(Target(name, port, WHAT[name], proc))
     runs: list[tuple[str, str, int]] = []
     configs = {**CONFIGS, "dp-gcoff": GC_OFF}
     for name, config in configs.items():
@@ -506,7 +587,7 @@ def main() -> int:
         "--targets",
         default="",
         help="comma-separated subset of nginx,dp-default,dp-noloops,dp-audit,dp-default-wN,"
-        "direct (default: all but direct)",
+        "direct,ht-relay,ht-relay-task (default: all but direct and the ht- relays)",
     )
     ap.add_argument(
         "--gc-timings",
