@@ -44,8 +44,8 @@ SNAP_CHARS = 64  # how far back a prefix's cut may move to end on a word
 class Continued:
     """What the next attempt goes on from: the kept text of the looping attempt's channel,
     whether that text is reasoning the attempt closes (what the engine writes next is the
-    answer's content), and the final assistant message sent for it (the closed reasoning;
-    the prefix itself when empty)."""
+    answer's content), and the final assistant message sent for it (the closed reasoning, or
+    the prefix itself)."""
 
     prefix: str
     closes_reasoning: bool = False
@@ -65,10 +65,10 @@ def prefix_of(text: str, trigger: Trigger) -> str | None:
 def word_end(text: str, end: int) -> int:
     """``end``, or the nearest word end before it (a non-space followed by a space), within
     ``SNAP_CHARS``. Byte-level BPE and SentencePiece tokenizers attach a space to the word
-    after it, so a prefix cut there tokenises into the tokens the engine generated for it
-    (one cut inside a word does not: measured on llama-server, 28 of 33 loop prefixes
-    re-tokenised faithfully uncut); and ending on a non-space, it loses nothing to a chat
-    template that trims the message."""
+    after it, so a prefix cut there tokenises into the tokens the engine generated for it (on
+    llama-server, 31 of 32 loop prefixes against 27 of 32 cut at the unit's end:
+    tests/bench/bench_recovery_corpus.py --retok-only); and ending on a non-space, it loses
+    nothing to a chat template that trims the message."""
     if end == len(text) or (text[end].isspace() and not text[end - 1].isspace()):
         return end
     for at in range(end - 1, max(0, end - SNAP_CHARS), -1):

@@ -48,6 +48,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from policies.base import Trigger  # noqa: E402
+from proxy.loops.continuation import prefix_of  # noqa: E402
 from proxy.loops.detector import LoopDetector, LoopReport  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
@@ -368,6 +370,33 @@ def cut(full: str, loop: dict[str, Any]) -> str:
     return full[: loop["start_offset"] + loop["period"]]
 
 
+async def retok_only(args: argparse.Namespace, url: str) -> None:
+    """The corpus, then /tokenize of each loop's prefix cut raw (onset + one unit) and cut where
+    detproxy cuts it (``prefix_of``: moved back to a word end), against the generated ids."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        engine = Engine(session, url, slots=2)
+        prompts = OPEN_ENDED[: args.limit] if args.limit else OPEN_ENDED
+        bases = await asyncio.gather(*(engine.chat(p, {}, ids=True) for p in prompts))
+        counts = {"raw": [0, 0], "word_end": [0, 0]}  # [on a token boundary, faithful]
+        n = 0
+        for base in bases:
+            loop = base["loop"]
+            if not loop:
+                continue
+            n += 1
+            full = base["_text"]
+            trigger = Trigger("proxy", "content", 0, loop["period"], loop["repeats"],
+                              loop["start_offset"])  # fmt: skip
+            for name, prefix in (("raw", cut(full, loop)), ("word_end", prefix_of(full, trigger))):
+                r = retokenisation(base, prefix or "", await engine.tokenize(prefix or ""))
+                counts[name][0] += r["cut_on_token_boundary"]
+                counts[name][1] += r["faithful"]
+    for name, (boundary, faithful) in counts.items():
+        print(f"{name:9} cut on a token boundary {boundary}/{n}, faithful {faithful}/{n}")
+
+
 def fmt_mean(values: list[int]) -> str:
     return f"{statistics.mean(values):7.0f}" if values else "      -"
 
@@ -584,6 +613,9 @@ def main() -> None:
         "--second-after", type=int, default=1, help="continue>continue after the N best firsts"
     )
     parser.add_argument("--summary", type=Path, help="only print the summary of a --json file")
+    parser.add_argument(
+        "--retok-only", action="store_true", help="only the corpus and the prefixes' /tokenize"
+    )
     parser.add_argument("--log", type=Path, default=Path("/tmp/bench-recovery-llama-server.log"))
     args = parser.parse_args()
     if args.summary:
@@ -594,6 +626,9 @@ def main() -> None:
     if url is None:
         proc, url = start_server(args, args.log)
     try:
+        if args.retok_only:
+            asyncio.run(retok_only(args, url))
+            return
         data = asyncio.run(run(args, url))
     finally:
         if proc is not None:
