@@ -475,22 +475,17 @@ class Bench:
         self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
         self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off"))
         if ceiling:
-            port = free_port()
-            proc = self.spawn(
-                [sys.executable, "-c", AIOHTTP_STATIC, str(tmp / "www"), str(port)],
-                "aio-static.log",
-            )
-            wait_port(port, proc, "aiohttp static server")
-            what = "aiohttp's server alone, same bytes from memory: the ceiling"
-            self.targets.append(Target("aio-static", port, what, proc))
-            port = free_port()
-            proc = self.spawn(
-                [sys.executable, "-c", HTTPTOOLS_STATIC, str(tmp / "www"), str(port)],
-                "ht-static.log",
-            )
-            wait_port(port, proc, "httptools static server")
-            what = "asyncio + httptools alone, same bytes from memory: a lean server's ceiling"
-            self.targets.append(Target("ht-static", port, what, proc))
+            for name, script, what in (
+                ("aio-static", AIOHTTP_STATIC,
+                 "aiohttp's server alone, same bytes from memory: the ceiling"),
+                ("ht-static", HTTPTOOLS_STATIC,
+                 "asyncio + httptools alone, same bytes from memory: a lean server's ceiling"),
+            ):  # fmt: skip
+                port = free_port()
+                argv = [sys.executable, "-c", script, str(tmp / "www"), str(port)]
+                proc = self.spawn(argv, f"{name}.log")
+                wait_port(port, proc, name)
+                self.targets.append(Target(name, port, what, proc))
         configs = dict(DETPROXY_CONFIGS)
         if aiohttp_client:
             configs["dp-off-aio"] = '[upstream]\nclient = "aiohttp"\n' + DETPROXY_CONFIGS["dp-off"]

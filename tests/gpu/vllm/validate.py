@@ -1139,13 +1139,9 @@ async def step_gguf(ctx: Ctx) -> dict[str, Any]:
         "client_asking_logprobs_through_detproxy": asked,
         "audit": st["audit"],
         "injection": st.get("injection"),
-        "fallbacks": {k: v for k, v in m.items() if k.startswith("detproxy_fallbacks_total")},
-        "injection_failures": {
-            k: v for k, v in m.items() if k.startswith("detproxy_injection_failures_total")
-        },
-        "injection_suspended": {
-            k: v for k, v in m.items() if k.startswith("detproxy_injection_suspended")
-        },
+        "fallbacks": series(m, "detproxy_fallbacks_total"),
+        "injection_failures": series(m, "detproxy_injection_failures_total"),
+        "injection_suspended": series(m, "detproxy_injection_suspended"),
     }
 
 
@@ -1327,10 +1323,8 @@ async def step_loops(ctx: Ctx) -> dict[str, Any]:
         "client_errors": sum(1 for g in got if g["status"] != 200),
         "client_finish": finish,
         "client_still_looping": sum(1 for g in got if g["looped"]),
-        "loops_total": {k: v for k, v in m.items() if k.startswith("detproxy_loops_total")},
-        "policy_actions": {
-            k: v for k, v in m.items() if k.startswith("detproxy_policy_actions_total")
-        },
+        "loops_total": series(m, "detproxy_loops_total"),
+        "policy_actions": series(m, "detproxy_policy_actions_total"),
     }
 
 
@@ -1343,12 +1337,16 @@ def common_prefix(a: str, b: str) -> int:
     return n
 
 
+Row = Callable[[str, bool, dict[str, Any]], dict[str, Any]]
+
+
 async def looping_through(
-    ctx: Ctx, cfg: dict[str, Any], name: str, direct: dict[str, str]
+    ctx: Ctx, base: str, cfg: dict[str, Any], name: str, max_tokens: int, row: Row
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """The looping prompts through a detproxy of ``cfg``, streamed and not, 4 in flight."""
+    """The looping prompts through a detproxy of ``cfg`` in front of ``base``, streamed and
+    not, 4 in flight: ``row(prompt, stream, what the client got)`` for each, and the metrics."""
     http = ctx.http
-    proxy = Detproxy(ctx.url["stock"], cfg, ctx.work, name)
+    proxy = Detproxy(base, cfg, ctx.work, name)
     got: list[dict[str, Any]] = []
     try:
         await proxy.ready(http)
@@ -1356,28 +1354,36 @@ async def looping_through(
 
         async def one(prompt: str, stream: bool) -> None:
             async with sem:
-                r = await chat(http, proxy.base, prompt, stream=stream, max_tokens=384,
+                r = await chat(http, proxy.base, prompt, stream=stream, max_tokens=max_tokens,
                                cache_salt=salt())  # fmt: skip
-            text = r.get("text") or ""
-            got.append(
-                {
-                    "prompt": LOOPING.index(prompt),
-                    "stream": stream,
-                    "status": r["status"],
-                    "error": r.get("error"),
-                    "finish": r.get("finish"),
-                    "looped": looped(text),
-                    "attempts": r.get("attempts"),
-                    "chars": len(text),
-                    "greedy_prefix_kept_chars": common_prefix(text, direct[prompt]),
-                }
-            )
+            got.append({"prompt": LOOPING.index(prompt), "stream": stream} | row(prompt, stream, r))
 
         await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
         metrics = await proxy.metrics(http)
     finally:
         proxy.stop()
     return sorted(got, key=lambda g: (g["prompt"], g["stream"])), metrics
+
+
+def series(metrics: dict[str, float], name: str) -> dict[str, float]:
+    """The samples of one metric family, by their full names."""
+    return {k: v for k, v in metrics.items() if k.startswith(name)}
+
+
+def continued_row(direct: dict[str, str]) -> Row:
+    def row(prompt: str, stream: bool, r: dict[str, Any]) -> dict[str, Any]:
+        text = r.get("text") or ""
+        return {
+            "status": r["status"],
+            "error": r.get("error"),
+            "finish": r.get("finish"),
+            "looped": looped(text),
+            "attempts": r.get("attempts"),
+            "chars": len(text),
+            "greedy_prefix_kept_chars": common_prefix(text, direct[prompt]),
+        }
+
+    return row
 
 
 async def step_loops_strategies(ctx: Ctx) -> dict[str, Any]:
@@ -1396,7 +1402,9 @@ async def step_loops_strategies(ctx: Ctx) -> dict[str, Any]:
     for strategy in ("restart", "continue"):
         ladder = [{"models": "*", "attempts": [a | {"strategy": strategy} for a in attempts]}]
         cfg = {"audit": {"sample_rate": 0.0}, "loops": {"policy": "retry", "ladders": ladder}}
-        got, m = await looping_through(ctx, cfg, f"loops-{strategy}", direct)
+        got, m = await looping_through(
+            ctx, ctx.url["stock"], cfg, f"loops-{strategy}", 384, continued_row(direct)
+        )
         on_looping = [g for g in got if looped(direct[LOOPING[g["prompt"]]])]
         out[strategy] = {
             "client_errors": sum(1 for g in got if g["status"] != 200),
@@ -1408,10 +1416,8 @@ async def step_loops_strategies(ctx: Ctx) -> dict[str, Any]:
             "greedy_prefix_kept_chars_on_looping_prompts": spread(
                 [float(g["greedy_prefix_kept_chars"]) for g in on_looping]
             ),
-            "recoveries": {k: v for k, v in m.items() if k.startswith("detproxy_recoveries_total")},
-            "recovery_tokens": {
-                k: v for k, v in m.items() if k.startswith("detproxy_recovery_tokens_total")
-            },
+            "recoveries": series(m, "detproxy_recoveries_total"),
+            "recovery_tokens": series(m, "detproxy_recovery_tokens_total"),
             "loops_total": msum(m, "detproxy_loops_total"),
             "rows": got,
         }
@@ -1537,7 +1543,13 @@ async def step_close_reasoning(ctx: Ctx) -> dict[str, Any]:
         ],
     }  # fmt: skip
     for strategy in ("restart", "close_reasoning"):
-        rows, m = await reasoning_through(ctx, base, strategy, direct)
+        ladder = [
+            {"models": "*", "attempts": [a | {"strategy": strategy} for a in REASON_ATTEMPTS]}
+        ]
+        cfg = {"audit": {"sample_rate": 0.0}, "loops": {"policy": "retry", "ladders": ladder}}
+        rows, m = await looping_through(
+            ctx, base, cfg, f"reason-{strategy}", REASON_TOKENS, reasoning_row(direct)
+        )
         out[strategy] = {
             "client_errors": sum(1 for g in rows if g["status"] != 200),
             "answered": sum(1 for g in rows if g["answered"]),
@@ -1546,66 +1558,40 @@ async def step_close_reasoning(ctx: Ctx) -> dict[str, Any]:
                 1 for g in rows if g["stream"] and g["reasoning_is_greedy_prefix"]
             ),
             "restart_marks": sum(g["restart_marks"] or 0 for g in rows),
-            "recoveries": {k: v for k, v in m.items() if k.startswith("detproxy_recoveries_total")},
-            "recovery_tokens": {
-                k: v for k, v in m.items() if k.startswith("detproxy_recovery_tokens_total")
-            },
-            "loops_total": {k: v for k, v in m.items() if k.startswith("detproxy_loops_total")},
+            "recoveries": series(m, "detproxy_recoveries_total"),
+            "recovery_tokens": series(m, "detproxy_recovery_tokens_total"),
+            "loops_total": series(m, "detproxy_loops_total"),
             "rows": rows,
         }
     out["faithful"] = await closed_against_direct(ctx, base, direct)
     return out
 
 
-async def reasoning_through(
-    ctx: Ctx, base: str, strategy: str, direct: dict[str, dict[str, Any]]
-) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """The looping prompts on the think server through a detproxy whose ladder recovers by
-    ``strategy``, streamed and not, 4 in flight."""
-    http = ctx.http
-    ladder = [{"models": "*", "attempts": [a | {"strategy": strategy} for a in REASON_ATTEMPTS]}]
-    cfg = {"audit": {"sample_rate": 0.0}, "loops": {"policy": "retry", "ladders": ladder}}
-    proxy = Detproxy(base, cfg, ctx.work, f"reason-{strategy}")
-    rows: list[dict[str, Any]] = []
-    try:
-        await proxy.ready(http)
-        sem = asyncio.Semaphore(4)
+def reasoning_row(direct: dict[str, dict[str, Any]]) -> Row:
+    def row(prompt: str, stream: bool, r: dict[str, Any]) -> dict[str, Any]:
+        content, reasoning = r.get("text") or "", r.get("reasoning") or ""
+        greedy: str = direct[prompt].get("reasoning") or ""
+        return {
+            "status": r["status"],
+            "error": r.get("error"),
+            "finish": r.get("finish"),
+            "attempts": r.get("attempts"),
+            "strategy": r.get("strategy"),
+            "reasoning_chars": len(reasoning),
+            "content_chars": len(content),
+            "answered": r["status"] == 200
+            and r.get("finish") in ("stop", "length")
+            and bool(content.strip())
+            and not looped(content),
+            # Streamed: what the client saw of the reasoning is the greedy one (nothing
+            # shown twice) unless a restart started it again.
+            "reasoning_is_greedy_prefix": greedy.startswith(reasoning),
+            "restart_marks": r.get("restart_marks"),
+            "ids": r.get("ids"),
+            "content_head": content[:120],
+        }
 
-        async def one(prompt: str, stream: bool) -> None:
-            async with sem:
-                r = await chat(http, proxy.base, prompt, stream=stream,
-                               max_tokens=REASON_TOKENS, cache_salt=salt())  # fmt: skip
-            content, reasoning = r.get("text") or "", r.get("reasoning") or ""
-            greedy: str = direct[prompt].get("reasoning") or ""
-            rows.append(
-                {
-                    "prompt": LOOPING.index(prompt),
-                    "stream": stream,
-                    "status": r["status"],
-                    "error": r.get("error"),
-                    "finish": r.get("finish"),
-                    "attempts": r.get("attempts"),
-                    "strategy": r.get("strategy"),
-                    "reasoning_chars": len(reasoning),
-                    "content_chars": len(content),
-                    "answered": r["status"] == 200
-                    and r.get("finish") in ("stop", "length")
-                    and bool(content.strip())
-                    and not looped(content),
-                    # Streamed: what the client saw of the reasoning is the greedy one
-                    # (nothing shown twice) unless a restart started it again.
-                    "reasoning_is_greedy_prefix": greedy.startswith(reasoning),
-                    "restart_marks": r.get("restart_marks"),
-                    "ids": r.get("ids"),
-                    "content_head": content[:120],
-                }
-            )
-
-        await asyncio.gather(*(one(p, s) for p in LOOPING for s in (False, True)))
-        metrics = await proxy.metrics(http)
-    finally:
-        proxy.stop()
-    return sorted(rows, key=lambda g: (g["prompt"], g["stream"])), metrics
+    return row
 
 
 async def closed_against_direct(
