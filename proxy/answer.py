@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from policies.base import Abort, Retry
 from proxy.attempts import AttemptEnd, Stages, run_attempts
@@ -20,7 +19,7 @@ from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.body import parse_answer
-from proxy.http.errors import UpstreamFailure, error_response
+from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import client_response_headers
 from proxy.http.upstream import UpstreamResponse, read_error_kind
 from proxy.loops.continuation import (
@@ -65,16 +64,18 @@ class WholeAnswer:
         self._outcome: Outcome | None = None  # the audited (first) answer's
         # The last answer that can be relayed: a retry that fails gives it back to the client.
         self._kept: tuple[UpstreamResponse, bytes, dict[str, Any] | None] | None = None
-        self._error: web.Response | None = None  # the exchange failed with nothing to relay
+        # The exchange failed with nothing to relay: the status and message the client gets.
+        self._error: tuple[int, str] | None = None
         self._continued: Continued | None = None  # what the pending attempt goes on from
         self._reasoning_keys: tuple[str, ...] = ()  # where the looping answer had reasoning
         self._prompt_tokens: Any = None  # the client request's, from its first answer
 
-    async def respond(self) -> web.StreamResponse:
+    async def respond(self) -> None:
         ex = self.exchange
         decision = await run_attempts(self, self._stages.recovery)
         if self._error is not None:
-            return self._error
+            status, message = self._error
+            return await send_error(ex.client, status, message, request_id=ex.request_id)
         upstream, answer = self._upstream, self._answer
         attempts = ex.attempts
         assert attempts is not None
@@ -90,7 +91,7 @@ class WholeAnswer:
         headers = client_response_headers(upstream.headers, ex.request_id)
         headers.update(attempt_headers(ex))
         self._stages.lifecycle.finished(ex, upstream.status, "ok")
-        return web.Response(status=upstream.status, body=self._payload, headers=headers)
+        await ex.client.respond(upstream.status, headers, self._payload)
 
     async def attempt(self) -> AttemptEnd | None:
         ex, stages = self.exchange, self._stages
@@ -109,11 +110,7 @@ class WholeAnswer:
                 return None
             status = 504 if kind == "timeout" else 502
             stages.lifecycle.finished(ex, status, "upstream_error")
-            self._error = error_response(
-                status,
-                "upstream connection lost before the response was complete",
-                request_id=ex.request_id,
-            )
+            self._error = (status, "upstream connection lost before the response was complete")
             return None
         status = upstream.status
         if self._kept is not None and status >= 400:
@@ -169,7 +166,7 @@ class WholeAnswer:
         self._kept = (self._upstream, self._payload, self._answer)
         try:
             self._upstream = await stages.upstream.send(
-                "POST", ex.request.raw_path, ex.headers, body
+                "POST", ex.client.raw_path, ex.headers, body
             )
         except UpstreamFailure as exc:
             stages.bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))

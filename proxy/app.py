@@ -25,6 +25,7 @@ from proxy.engine.load import UpstreamLoad
 from proxy.events import EventBus
 from proxy.forward import Forwarder
 from proxy.http.admin import ADMIN_PREFIX, admin_middlewares
+from proxy.http.aioside import AiohttpSide
 from proxy.http.errors import error_response
 from proxy.http.eventloop import loop_name
 from proxy.http.h1 import H1Upstream
@@ -337,7 +338,10 @@ class _Lifetime:
 async def _dispatch(request: web.Request) -> web.StreamResponse:
     if request.path.startswith(ADMIN_PREFIX):
         return error_response(404, f"no detproxy endpoint at {request.path}")
-    return await request.app[RUNTIME].forwarder.handle(request)
+    client = AiohttpSide(request)
+    await request.app[RUNTIME].forwarder.handle(client)
+    assert client.response is not None  # every path answers, or raises
+    return client.response
 
 
 async def _health(request: web.Request) -> web.Response:

@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from proxy.classify import RequestView
 from proxy.events import (
     ClientDisconnected,
@@ -29,6 +27,7 @@ if TYPE_CHECKING:
     from policies.base import Trigger
     from proxy.audit.auditor import Auditor, AuditTicket
     from proxy.audit.outcome import Outcome
+    from proxy.http.clientside import ClientSide
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ class Attempts:
 class Exchange:
     """One client request, from its arrival to its last byte."""
 
-    request: web.Request
+    client: ClientSide  # the request, and the response written to it
     endpoint: str  # chat | completions | other
     t0: float  # on the forwarder's clock
     inflight_at_start: int  # client requests in flight when it arrived, itself included

@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from proxy.answer import WholeAnswer
 from proxy.attempts import Stages
@@ -24,8 +23,9 @@ from proxy.config import Settings
 from proxy.events import EventBus, RequestStarted, ShadowDropped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Attempts, Exchange, Lifecycle
 from proxy.fallback import Altered, FallbackSender
-from proxy.http.body import BadRequest, ensure_json_content_type, parse_object, read_bounded
-from proxy.http.errors import UpstreamFailure, error_response
+from proxy.http.body import BadRequest, ensure_json_content_type, parse_object
+from proxy.http.clientside import ClientSide
+from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import client_response_headers, request_id_of, upstream_request_headers
 from proxy.http.upstream import Upstream, is_event_stream, read_error_kind
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
@@ -69,16 +69,18 @@ class Forwarder:
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        endpoint = ENDPOINTS.get(request.path)
+    async def handle(self, client: ClientSide) -> None:
+        """Answers one client request, whichever server received it."""
+        endpoint = ENDPOINTS.get(client.path)
         self.inflight += 1
         self.started += 1
-        ex = Exchange(request, endpoint or "other", self._clock(), self.inflight)
+        ex = Exchange(client, endpoint or "other", self._clock(), self.inflight)
         self._bus.publish(RequestStarted(ex.endpoint))
         try:
-            if endpoint is not None and request.method == "POST":
-                return await self._openai(ex)
-            return await self._passthrough(ex)
+            if endpoint is not None and client.method == "POST":
+                await self._openai(ex)
+            else:
+                await self._passthrough(ex)
         except asyncio.CancelledError:
             # The client left while detproxy waited (for the upstream's headers, say).
             if not ex.finished:
@@ -92,16 +94,16 @@ class Forwarder:
 
     # -- the OpenAI endpoints ---------------------------------------------------------------
 
-    async def _openai(self, ex: Exchange) -> web.StreamResponse:
-        request = ex.request
-        ex.request_id = rid = request_id_of(request.headers)
+    async def _openai(self, ex: Exchange) -> None:
+        client = ex.client
+        ex.request_id = rid = request_id_of(client.headers)
         try:
-            ensure_json_content_type(request)
-            raw = await read_bounded(request, self._settings.server.max_body_bytes)
+            ensure_json_content_type(client.headers)
+            raw = await client.read_body(self._settings.server.max_body_bytes)
             body = parse_object(raw)
         except BadRequest as exc:
             self._lifecycle.finished(ex, exc.status, "bad_request")
-            return error_response(exc.status, exc.message, request_id=rid)
+            return await send_error(client, exc.status, exc.message, request_id=rid)
         cfg = self._settings.classify
         view = classify(
             ex.endpoint,
@@ -110,23 +112,23 @@ class Forwarder:
             seeded_is_deterministic=cfg.seeded_is_deterministic,
         )
         ex.view, ex.body, ex.original = view, body, raw
-        ex.headers = upstream_request_headers(request.headers, rid, proxy_reads_body=True)
+        ex.headers = upstream_request_headers(client.headers, rid, proxy_reads_body=True)
         self._lifecycle.classified(ex)
         auditor = self._lifecycle.auditor
         if auditor is not None:
-            ex.ticket = auditor.plan(view, body, rid, request.raw_path, request.headers)
+            ex.ticket = auditor.plan(view, body, rid, client.raw_path, client.headers)
         ex.attempts = Attempts(
             rid, view.model, ex.endpoint, view.stream, max_tokens=max_tokens_of(body)
         )
         sent, altered = self._altered(ex)
         try:
             upstream, fell_back = await self._sender.send(
-                request.raw_path, ex.headers, sent, altered
+                client.raw_path, ex.headers, sent, altered
             )
         except UpstreamFailure as exc:
             self._bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))
             self._lifecycle.finished(ex, exc.status, "upstream_error")
-            return error_response(exc.status, exc.message, request_id=rid)
+            return await send_error(client, exc.status, exc.message, request_id=rid)
         if fell_back:
             ex.retry_base = body  # the upstream refused an addition: none in this request's retries
             if ex.ticket is not None and ex.ticket.injected:
@@ -134,8 +136,9 @@ class Forwarder:
                 self._bus.publish(ShadowDropped(view.model, "injection_failed"))
                 ex.ticket = None
         if is_event_stream(upstream):
-            return await StreamedAnswer(self._stages, ex, upstream).respond()
-        return await WholeAnswer(self._stages, ex, upstream, self._recovery.reads_answers).respond()
+            await StreamedAnswer(self._stages, ex, upstream).respond()
+        else:
+            await WholeAnswer(self._stages, ex, upstream, self._recovery.reads_answers).respond()
 
     def _altered(self, ex: Exchange) -> tuple[bytes, Altered | None]:
         """The bytes sent for the client's request, and what detproxy added to them: the
@@ -161,35 +164,31 @@ class Forwarder:
 
     # -- everything else --------------------------------------------------------------------
 
-    async def _passthrough(self, ex: Exchange) -> web.StreamResponse:
-        request = ex.request
+    async def _passthrough(self, ex: Exchange) -> None:
+        client = ex.client
         self._lifecycle.classified(ex)
-        ex.request_id = rid = request_id_of(request.headers)
-        headers = upstream_request_headers(request.headers, rid, proxy_reads_body=False)
-        body: AsyncIterator[bytes] | None = (
-            request.content.iter_chunked(64 * 1024) if request.body_exists else None
-        )
+        ex.request_id = rid = request_id_of(client.headers)
+        headers = upstream_request_headers(client.headers, rid, proxy_reads_body=False)
+        body: AsyncIterator[bytes] | None = client.body_chunks() if client.has_body else None
         try:
-            upstream = await self._upstream.send(request.method, request.raw_path, headers, body)
+            upstream = await self._upstream.send(client.method, client.raw_path, headers, body)
         except UpstreamFailure as exc:
             self._bus.publish(UpstreamFailed("other", exc.kind, "headers"))
             self._lifecycle.finished(ex, exc.status, "upstream_error")
-            return error_response(exc.status, exc.message, request_id=rid)
+            return await send_error(client, exc.status, exc.message, request_id=rid)
         ex.first_byte_s = self._clock() - ex.t0
-        resp = web.StreamResponse(
-            status=upstream.status,
-            headers=client_response_headers(upstream.headers, rid, keep_length=True),
-        )
         try:
-            await resp.prepare(request)
+            await client.start(
+                upstream.status, client_response_headers(upstream.headers, rid, keep_length=True)
+            )
             async for data in upstream.chunks():
-                await resp.write(data)
-            await resp.write_eof()
+                await client.write(data)
+            await client.end()
         except CLIENT_GONE as exc:
             self._lifecycle.client_left(ex)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return resp
+            return
         except Exception as exc:
             # Headers are gone already: all that is left is to cut the connection short.
             self._bus.publish(UpstreamFailed("other", read_error_kind(exc), "body"))
@@ -198,7 +197,6 @@ class Forwarder:
         finally:
             upstream.close()
         self._lifecycle.finished(ex, upstream.status, "ok")
-        return resp
 
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:

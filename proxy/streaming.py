@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 
-from aiohttp import web
-
 from policies.base import Abort, Decision, Retry, Trigger
 from proxy.attempts import AttemptEnd, Stages, run_attempts
 from proxy.audit.outcome import StreamAccumulator
@@ -37,10 +35,7 @@ class StreamedAnswer:
         self.exchange = ex
         self._stages = stages
         self._upstream = upstream
-        self._resp = web.StreamResponse(
-            status=upstream.status,
-            headers=client_response_headers(upstream.headers, ex.request_id),
-        )
+        self._client = ex.client
         self._inspectors = InspectorSet([], on_failure=lambda name: None)
         self._accumulator: StreamAccumulator | None = None  # the audited attempt's
         self._watch: LoopWatch | None = None
@@ -49,12 +44,14 @@ class StreamedAnswer:
         # The attempt after a closed reasoning: its reasoning deltas are the answer's content.
         self._closes_reasoning = False
 
-    async def respond(self) -> web.StreamResponse:
+    async def respond(self) -> None:
         ex, stages = self.exchange, self._stages
-        resp = self._resp
+        client = self._client
         decision: Decision | None = None
         try:
-            await resp.prepare(ex.request)
+            upstream = self._upstream
+            headers = client_response_headers(upstream.headers, ex.request_id)
+            await client.start(upstream.status, headers)
             decision = await run_attempts(self, stages.recovery)
             result = self._result
             if (
@@ -63,17 +60,17 @@ class StreamedAnswer:
                 and result.trigger is not None
             ):
                 assert ex.view is not None
-                await resp.write(
+                await client.write(
                     abort_chunk(ex.endpoint, self._first_id, ex.view.model, result.trigger.choice)
                 )
-            await resp.write_eof()
+            await client.end()
         except CLIENT_GONE as exc:
             self._upstream.close()
             self._inspectors.on_end(False)
             stages.lifecycle.client_left(ex)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            return resp
+            return
         finally:
             self._upstream.close()
         result = self._result
@@ -88,7 +85,6 @@ class StreamedAnswer:
         ended = complete or (result is not None and result.decision is not None)
         outcome = "ok" if ended else "upstream_error"
         stages.lifecycle.finished(ex, self._upstream.status, outcome)
-        return resp
 
     # -- one attempt -------------------------------------------------------------------------
 
@@ -131,7 +127,7 @@ class StreamedAnswer:
             plan,
             stages.clock,
         )
-        result = self._result = await relay.run(self._upstream, self._resp)
+        result = self._result = await relay.run(self._upstream, self._client)
         self._upstream.close()  # an abandoned attempt's connection closes at once
         self._first_id = self._first_id or result.first_id
         if ex.first_byte_s is None:
@@ -162,14 +158,14 @@ class StreamedAnswer:
         assert attempts is not None
         marker = retry_comment(attempts.count, decision.reason)
         if continued is None:  # a restart: the client sees the answer start again
-            await self._resp.write(marker)
+            await self._client.write(marker)
         self._closes_reasoning = continued is not None and continued.closes_reasoning
         upstream = await self._open(body)
         hidden = self._result.hidden_reasoning_keys if self._result is not None else ()
         if upstream is not None and continued is not None and continued.closes_reasoning and hidden:
             # The reasoning was held, never shown: the client gets the kept part of it.
             assert ex.view is not None
-            await self._resp.write(
+            await self._client.write(
                 reasoning_event(self._first_id, ex.view.model, continued.prefix, hidden)
             )
         if upstream is None:
@@ -179,9 +175,9 @@ class StreamedAnswer:
             self._closes_reasoning = False
             upstream = await self._open(ex.original)
             if upstream is not None and continued is not None:
-                await self._resp.write(marker)  # the client's own request, from its start
+                await self._client.write(marker)  # the client's own request, from its start
         if upstream is None:
-            await self._resp.write(inband_error_event(502, "retry after a loop failed"))
+            await self._client.write(inband_error_event(502, "retry after a loop failed"))
             return False
         self._upstream = upstream
         return True
@@ -189,7 +185,7 @@ class StreamedAnswer:
     async def _open(self, body: bytes) -> UpstreamResponse | None:
         ex, stages = self.exchange, self._stages
         try:
-            upstream = await stages.upstream.send("POST", ex.request.raw_path, ex.headers, body)
+            upstream = await stages.upstream.send("POST", ex.client.raw_path, ex.headers, body)
         except UpstreamFailure as exc:
             stages.bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -15,14 +16,25 @@ class BadRequest(Exception):
         self.message = message
 
 
-def ensure_json_content_type(request: web.Request) -> None:
-    if request.headers.get("Content-Type") == "application/json":
+def ensure_json_content_type(headers: Mapping[str, str]) -> None:
+    value = headers.get("Content-Type")
+    if value == "application/json":
         return  # what clients send: no parameters to parse
-    if request.content_type != "application/json":
+    mime, _, params = (value or "").partition(";")
+    if mime.strip().lower() != "application/json":
         raise BadRequest(400, "Content-Type must be application/json")
-    charset = request.charset
+    charset = _param(params, "charset")
     if charset and charset.lower().replace("_", "-") not in ("utf-8", "utf8"):
         raise BadRequest(400, f"unsupported charset {charset!r}: the body must be UTF-8 JSON")
+
+
+def _param(params: str, name: str) -> str | None:
+    """One parameter of a media type (``; charset="utf-8"``), unquoted."""
+    for part in params.split(";"):
+        key, eq, value = part.partition("=")
+        if eq and key.strip().lower() == name:
+            return value.strip().strip('"')
+    return None
 
 
 async def read_bounded(request: web.Request, limit: int) -> bytes:

@@ -13,9 +13,13 @@ one, ``proxy.http.h1``, raises them; the aiohttp one translates aiohttp's)::
 from __future__ import annotations
 
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from proxy.http.clientside import ClientSide
 
 _TYPES = {
     400: "BadRequestError",
@@ -46,6 +50,21 @@ def error_response(
         content_type="application/json",
         headers=headers,
     )
+
+
+async def send_error(
+    client: ClientSide,
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    request_id: str | None = None,
+) -> None:
+    """``error_response``'s body and headers, written to a ``ClientSide``."""
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    await client.respond(status, headers, orjson.dumps(error_payload(status, message, param)))
 
 
 def inband_error_event(status: int, message: str) -> bytes:

@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from policies.base import Abort, Continue, Decision, Retry, Trigger
 from proxy.audit.inject import strip_logprobs
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
+from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
 from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
@@ -287,13 +287,13 @@ class StreamRelay:
 
     # -- the stream -------------------------------------------------------------------------
 
-    async def run(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
+    async def run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         """Relay until the upstream ends or a decision stops it. Client write errors propagate."""
         if self.raw:
             return await self._run_raw(upstream, resp)
         return await self._run_inspected(upstream, resp)
 
-    async def _run_raw(self, upstream: UpstreamResponse, resp: web.StreamResponse) -> StreamResult:
+    async def _run_raw(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
         try:
@@ -316,9 +316,7 @@ class StreamRelay:
         self.inspectors.on_end(True)
         return result
 
-    async def _run_inspected(
-        self, upstream: UpstreamResponse, resp: web.StreamResponse
-    ) -> StreamResult:
+    async def _run_inspected(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         decoder = self._decoder
         try:

@@ -64,6 +64,7 @@ from bench_proxy import (
     machine,
     make_json_answer,
     metric_lines,
+    spy_profile,
     stream_words,
     wait_port,
 )
@@ -512,6 +513,23 @@ def run_cell(
     )
 
 
+def profiled(
+    bench: Bench, wire: dict[str, int], target: Target, streams: int, seconds: float
+) -> None:
+    cells: list[Cell] = []
+    spy_profile(
+        bench,
+        target,
+        seconds,
+        lambda: cells.append(run_cell(bench, wire, target, streams, seconds, f"spy-{target.name}")),
+        lambda: (
+            f"{target.name}, {streams} paced streams, {seconds:g}s:"
+            f" {cells[0].events_s:.0f} events/s, {cells[0].cpu_us:.1f} us CPU per event"
+        ),
+        24,
+    )
+
+
 def median_cell(cells: list[Cell]) -> Cell:
     return Cell(
         statistics.median(c.events_s for c in cells),
@@ -594,6 +612,13 @@ def main() -> int:
         action="store_true",
         help="add dp-gcoff (the collector as before issue 16) and time every collection",
     )
+    ap.add_argument(
+        "--profile",
+        type=float,
+        default=0,
+        help="after the tables, py-spy each Python target for this many seconds at the"
+        " largest --streams",
+    )
     ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     args = ap.parse_args()
@@ -656,6 +681,10 @@ def main() -> int:
                 )
         for n in streams:
             print_table(results, bench, n)
+        if args.profile > 0:
+            for t in bench.targets:
+                if t.name not in ("nginx", "direct"):
+                    profiled(bench, wire, t, max(streams), args.profile)
         audit = next((t for t in bench.targets if t.name == "dp-audit"), None)
         if audit is not None:
             lines = metric_lines(audit, ("detproxy_audits_total", "detproxy_requests_total"))

@@ -42,6 +42,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -767,7 +768,28 @@ def _frame(frame: str) -> str:
 
 
 def profile(bench: Bench, target: Target, mode: str, conns: int, seconds: float, top: int) -> None:
-    """py-spy (sampling) on one detproxy process while wrk loads it; top frames by self and
+    """py-spy (sampling) on one detproxy process while wrk loads it with ``mode``."""
+    sampled: list[Sample] = []
+    title = f"{target.name}, {MODE_TITLE[mode]}, c={conns}, {seconds:g}s"
+    spy_profile(
+        bench,
+        target,
+        seconds,
+        lambda: sampled.append(run_wrk(bench, target, mode, conns, seconds)),
+        lambda: f"{title}: {sampled[0].rps:.0f} req/s",
+        top,
+    )
+
+
+def spy_profile(
+    bench: Bench,
+    target: Target,
+    seconds: float,
+    load: Callable[[], object],
+    title: Callable[[], str],
+    top: int,
+) -> None:
+    """py-spy (sampling) on one detproxy process while ``load`` runs; top frames by self and
     total time, as shares of the samples taken while the process was busy."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(spy).exists():
@@ -795,7 +817,7 @@ def profile(bench: Bench, target: Target, mode: str, conns: int, seconds: float,
         stderr=subprocess.DEVNULL,
     )
     time.sleep(0.5)
-    sample = run_wrk(bench, target, mode, conns, seconds)
+    load()
     rec.wait(timeout=seconds + 30)
     selfs: dict[str, int] = {}
     totals: dict[str, int] = {}
@@ -814,10 +836,7 @@ def profile(bench: Bench, target: Target, mode: str, conns: int, seconds: float,
         for f in set(frames):
             totals[f] = totals.get(f, 0) + k
     busy = n - idle
-    print(
-        f"\n== py-spy: {target.name}, {MODE_TITLE[mode]}, c={conns}, {seconds:g}s: "
-        f"{sample.rps:.0f} req/s; {n} samples, {100 * busy / max(n, 1):.0f}% busy =="
-    )
+    print(f"\n== py-spy: {title()}; {n} samples, {100 * busy / max(n, 1):.0f}% busy ==")
     if busy <= 0:
         print("  (no busy samples: is ptrace allowed?)")
         return

@@ -274,7 +274,7 @@ async def main() -> int:
     run_sync("request_id_of (given)", lambda: request_id_of(given))
 
     async def read(request: web.Request) -> bytes:
-        ensure_json_content_type(request)
+        ensure_json_content_type(request.headers)
         return await read_bounded(request, settings.server.max_body_bytes)
 
     rows.append(

@@ -1,0 +1,64 @@
+"""``ClientSide`` on aiohttp's server: a request aiohttp parsed, and the response it writes.
+
+A whole response is handed back to aiohttp (the handler returns ``response``); a streamed one
+is a ``StreamResponse`` prepared on ``start``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+from aiohttp import web
+
+from proxy.http.body import read_bounded
+
+
+class AiohttpSide:
+    """One aiohttp request as a ``ClientSide``."""
+
+    __slots__ = ("_request", "response")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def method(self) -> str:
+        return self._request.method
+
+    @property
+    def path(self) -> str:
+        return self._request.path
+
+    @property
+    def raw_path(self) -> str:
+        return self._request.raw_path
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._request.headers
+
+    @property
+    def has_body(self) -> bool:
+        return self._request.body_exists
+
+    async def read_body(self, limit: int) -> bytes:
+        return await read_bounded(self._request, limit)
+
+    def body_chunks(self) -> AsyncIterator[bytes]:
+        return self._request.content.iter_chunked(64 * 1024)
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.response = web.Response(status=status, body=body, headers=headers)
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        await self.response.prepare(self._request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self) -> None:
+        assert self.response is not None
+        await self.response.write_eof()

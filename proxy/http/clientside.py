@@ -1,0 +1,61 @@
+"""The client seam: one client request and its response, whichever server received it.
+
+The stages never see a server's own request or response objects. They read the request and
+write the response through a ``ClientSide``: ``proxy.http.front`` implements it on detproxy's
+lean HTTP/1.1 server (the proxy routes), ``proxy.http.aioside`` on aiohttp's (tests, the admin
+listener, everything the front hands on). A response is either whole (``respond``) or streamed
+(``start``, ``write`` per piece, ``end``); writing to a client that left raises
+``ConnectionResetError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+
+class ClientSide(Protocol):
+    """One client request, and the response detproxy writes to it."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str:
+        """The decoded path, without the query."""
+        ...
+
+    @property
+    def raw_path(self) -> str:
+        """The path and query as the client sent them: what the upstream is sent."""
+        ...
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        """Case-insensitive, repeated names kept."""
+        ...
+
+    @property
+    def has_body(self) -> bool: ...
+
+    async def read_body(self, limit: int) -> bytes:
+        """The whole body; ``BadRequest`` (413) past ``limit`` bytes."""
+        ...
+
+    def body_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, unbounded (what a pass-through relays)."""
+        ...
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        """A whole response."""
+        ...
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        """A streamed response's head; its body follows in ``write`` calls."""
+        ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self) -> None:
+        """The streamed response is complete."""
+        ...
