@@ -26,7 +26,6 @@ from proxy.workers import (
 )
 
 log = logging.getLogger("detproxy")
-LISTEN_BACKLOG = 4096
 
 
 def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -143,23 +142,16 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         settings.upstream.url,
         loop_name(loop),
     )
-    listeners = [server.port] + ([server.admin_port] if server.admin_port is not None else [])
-    web.run_app(
-        app,
-        # Only the pre-bound sockets: with a host as well, aiohttp would also bind port 8080.
-        host=None,
-        port=None,
-        sock=[_bind(server.host, port, shared=worker is not None) for port in listeners],
-        shutdown_timeout=server.shutdown_grace_s,
-        # aiohttp's default of 128 overflows when hundreds of clients connect at once (a wrk
-        # start, a client pool after a redeploy): dropped SYNs come back 1 s, 3 s later. The
-        # kernel caps it at net.core.somaxconn (4096 on current kernels).
-        backlog=LISTEN_BACKLOG,
-        handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
-        access_log=None,
-        print=None,
-        loop=loop,
+    from proxy.serving import run
+
+    shared = worker is not None
+    main_sock = _bind(server.host, server.port, shared=shared)
+    admin_sock = (
+        _bind(server.host, server.admin_port, shared=shared)
+        if server.admin_port is not None
+        else None
     )
+    run(app, server, main_sock, admin_sock, loop)
     return 0
 
 

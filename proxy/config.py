@@ -198,6 +198,10 @@ class ServerConfig(_Section):
     gc_freeze: bool = True
     gc_threshold: tuple[int, int, int] = (10_000, 50, 100)  # Python's own: (700, 10, 10)
     workers: int = Field(default=1, ge=1)  # serving processes on the port (proxy/workers.py)
+    # lean: the proxied requests on detproxy's own HTTP/1.1 server (proxy/http/front.py), the
+    # admin endpoints handed on to aiohttp's; aiohttp: aiohttp's server for everything.
+    http: Literal["lean", "aiohttp"] = "lean"
+    keepalive_timeout_s: float = Field(default=75.0, gt=0)  # idle client connections
 
 
 class UpstreamConfig(_Section):

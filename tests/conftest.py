@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import build_app
 from proxy.config import load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import redis_server
+from tests.helpers import ServedApp, redis_server
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -30,10 +30,18 @@ def upstream_client() -> str:
 
 
 @pytest.fixture
+def http_server() -> str:
+    """``server.http`` for ``make_proxy``: the lean front, as ``detproxy serve`` runs; modules
+    that test the client side override this fixture to run under both servers."""
+    return "lean"
+
+
+@pytest.fixture
 def make_proxy(
     aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
     registry: CollectorRegistry,
     upstream_client: str,
+    http_server: str,
 ) -> ProxyFactory:
     """Start detproxy (real app, real sockets) in front of ``upstream_url``."""
     shared = registry
@@ -47,13 +55,16 @@ def make_proxy(
         **kwargs: Any,
     ) -> TestClient[Any, Any]:
         """The first proxy reports to the ``registry`` fixture; later ones to their own."""
-        env = {"DETPROXY_UPSTREAM__CLIENT": upstream_client, **(env or {})}
+        env = {
+            "DETPROXY_UPSTREAM__CLIENT": upstream_client,
+            "DETPROXY_SERVER__HTTP": http_server,
+            **(env or {}),
+        }
         settings = load_settings(env=env, flags={"upstream": upstream_url})
         reg = registry or (shared if not used else CollectorRegistry())
         used.append(reg)
         app = build_app(settings, registry=reg, **kwargs)
-        # TestServer runs with handler_cancellation=True, as `detproxy serve` does.
-        return await aiohttp_client(app)
+        return await aiohttp_client(ServedApp(app, settings))
 
     return factory
 

@@ -27,10 +27,14 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from aiohttp.test_utils import BaseTestServer
+from aiohttp.web_runner import BaseRunner
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
+from yarl import URL
 
 from policies.base import Continue
+from proxy.config import Settings
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.http.errors import UpstreamBodyError
 from proxy.loops.detector import DetectorConfig
@@ -38,6 +42,7 @@ from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import StreamResult
 from proxy.relay.stream import StreamPlan, StreamRelay
+from proxy.serving import serving
 
 TESTS = Path(__file__).resolve().parent
 
@@ -120,6 +125,41 @@ async def detproxy_serve(
         if proc.returncode is None:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 30)
+
+
+class ServedApp(BaseTestServer):
+    """A detproxy app served as ``detproxy serve`` serves it (``proxy.serving``: with the lean
+    front unless ``server.http`` says aiohttp), for aiohttp's ``TestClient``."""
+
+    def __init__(self, app: web.Application, settings: Settings) -> None:
+        super().__init__()
+        self.app = app
+        self._settings = settings
+        self._serving: contextlib.AbstractAsyncContextManager[object] | None = None
+
+    async def _make_runner(self, **kwargs: Any) -> BaseRunner:
+        raise TypeError("ServedApp serves through proxy.serving")
+
+    @property
+    def started(self) -> bool:
+        return self._serving is not None
+
+    async def start_server(self, loop: asyncio.AbstractEventLoop | None = None, **_: Any) -> None:
+        if self._serving is not None:
+            return
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        self.host, self.port = sock.getsockname()[:2]
+        self.scheme = "http"
+        self._serving = serving(self.app, self._settings.server, sock)
+        await self._serving.__aenter__()
+        self._root = URL(f"http://127.0.0.1:{self.port}")
+
+    async def close(self) -> None:
+        if self._serving is not None and not self._closed:
+            self._closed = True
+            await self._serving.__aexit__(None, None, None)
+            self._root = None
 
 
 def own_tasks() -> int:

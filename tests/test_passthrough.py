@@ -18,6 +18,12 @@ def upstream_client(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(params=["lean", "aiohttp"])
+def http_server(request: pytest.FixtureRequest) -> str:
+    """And with both servers on the client side (proxy/http/front.py and aiohttp's)."""
+    return str(request.param)
+
+
 SEEN: list[tuple[str, str, CIMultiDict[str], bytes]] = []
 
 

@@ -1,0 +1,573 @@
+"""detproxy's lean HTTP/1.1 server: the client side of every proxied request.
+
+Why not aiohttp's server here: a streamed answer is one write per token, and on aiohttp each
+write goes through ``StreamResponse.write`` and its payload writer; with the request parsing
+and dispatch around it, aiohttp's server costs about as much CPU per relayed event as all of
+detproxy's own work (issue 16; ``tests/bench/bench_paced.py`` measures both,
+``server.http = "aiohttp"`` against ``"lean"``). This server is an asyncio protocol on
+httptools' parser, as uvicorn's httptools implementation is. A request's response is written
+straight to the transport, chunk-framed.
+
+What it serves: the OpenAI endpoints and everything passed through to the upstream, through
+the ``Forwarder``. detproxy's own endpoints (``/detproxy/...``: metrics, status, the incident
+explorer) are handed on, as they came, to the aiohttp app on a private loopback listener,
+whose middlewares decide who may see them.
+
+One ``FrontConnection`` per client connection: requests are answered in order (pipelined ones
+wait, their bodies buffered and reading paused); a client that leaves cancels its request's
+handler (which closes the upstream connection: the engine aborts the generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from email.utils import formatdate
+from http import HTTPStatus
+from typing import TYPE_CHECKING, cast
+from urllib.parse import unquote
+
+import httptools
+import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from proxy.http.body import BadRequest
+from proxy.http.errors import UpstreamFailure, error_payload
+from proxy.http.headers import HOP_BY_HOP
+
+if TYPE_CHECKING:
+    from proxy.http.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+ADMIN_PREFIX = "/detproxy/"
+# Past this many bytes of a request body not yet read by its handler, reading pauses.
+BODY_HIGH_WATER = 1 << 20
+LINGER_S = 10.0  # how long a body answered before it came whole is still read (aiohttp's)
+_NO_BODY_STATUS = frozenset({204, 304})
+_REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+
+Handler = Callable[["FrontRequest"], Awaitable[None]]
+
+
+class _Date:
+    """The ``Date`` header's value, formatted once a second."""
+
+    __slots__ = ("_second", "_value")
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = b""
+
+    def value(self) -> bytes:
+        now = int(time.time())
+        if now != self._second:
+            self._second = now
+            self._value = formatdate(now, usegmt=True).encode()
+        return self._value
+
+
+class FrontRequest:
+    """One request on a front connection, and its response: a ``ClientSide``."""
+
+    __slots__ = (
+        "_body_waiter",
+        "_chunked",
+        "_conn",
+        "_declared",
+        "_discard",
+        "_parts",
+        "_size",
+        "body_complete",
+        "close_after",
+        "headers",
+        "method",
+        "raw_path",
+        "started",
+        "task",
+        "version",
+        "wrote_eof",
+    )
+
+    def __init__(
+        self,
+        conn: FrontConnection,
+        method: str,
+        raw_path: str,
+        headers: CIMultiDictProxy[str],
+        version: str,
+        keep_alive: bool,
+    ) -> None:
+        self._conn = conn
+        self.method = method
+        self.raw_path = raw_path
+        self.headers = headers
+        self.version = version
+        self.close_after = not keep_alive
+        length = headers.get("Content-Length")
+        self._declared = int(length) if length is not None and length.isdigit() else None
+        self._parts: collections.deque[bytes] = collections.deque()
+        self._size = 0  # bytes buffered, not yet taken
+        self._discard = False  # the handler refused the body: what still comes is dropped
+        self.body_complete = False
+        self._body_waiter: asyncio.Future[None] | None = None
+        self.started = False  # the response's head was written
+        self.wrote_eof = False  # the response is complete
+        self._chunked = False
+        self.task: asyncio.Task[None] | None = None
+
+    # -- the request ---------------------------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        return unquote(self.raw_path.partition("?")[0])
+
+    @property
+    def has_body(self) -> bool:
+        if self._declared is not None:
+            return self._declared > 0
+        return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+
+    def feed(self, data: bytes) -> None:
+        if self._discard:
+            return
+        self._parts.append(data)
+        self._size += len(data)
+        self._wake()
+        if self._size > BODY_HIGH_WATER:
+            self._conn.pause_reading_for_body()
+
+    def feed_eof(self) -> None:
+        self.body_complete = True
+        self._wake()
+        if self._discard and self.wrote_eof:
+            self._conn.close()  # the lingering body has come: now the connection can end
+
+    def linger(self) -> None:
+        """Answered before its body came whole: the rest is read and dropped, then the
+        connection closed (closing at once would reset it under a client still sending, which
+        then never reads the answer), for ``LINGER_S`` at most."""
+        self._refuse_body()
+        self._conn.close_later(LINGER_S)
+
+    def _wake(self) -> None:
+        waiter = self._body_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _more(self) -> None:
+        if self._conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        self._body_waiter = self._conn.loop.create_future()
+        self._conn.resume_reading_for_body()
+        try:
+            await self._body_waiter
+        finally:
+            self._body_waiter = None
+
+    def _take(self) -> bytes:
+        parts = self._parts
+        data = parts.popleft() if len(parts) == 1 else b"".join(parts)
+        parts.clear()
+        self._size = 0
+        return data
+
+    async def read_body(self, limit: int) -> bytes:
+        declared = self._declared
+        if declared is not None and declared > limit:
+            self._refuse_body()
+            raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
+        while not self.body_complete:
+            if self._size > limit:
+                self._refuse_body()
+                raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+            await self._more()
+        if self._size > limit:
+            self._refuse_body()
+            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+        return self._take() if self._parts else b""
+
+    def _refuse_body(self) -> None:
+        """The rest of the body is not read: dropped as it comes, the connection closed after
+        the response (as aiohttp does with a body past its limit)."""
+        self._discard = True
+        self._parts.clear()
+        self._size = 0
+        self.close_after = True
+        self._conn.resume_reading_for_body()
+
+    async def body_chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            if self._parts:
+                yield self._take()
+                continue
+            if self.body_complete:
+                return
+            await self._more()
+
+    # -- the response --------------------------------------------------------------------
+
+    def _head(self, status: int, headers: Mapping[str, str], framing: bytes) -> bytearray:
+        reason = _REASONS.get(status, b"Unknown")
+        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, reason))
+        for name, value in headers.items():
+            if name.lower() in HOP_BY_HOP:
+                continue  # framing and the connection are this server's
+            out += f"{name}: {value}\r\n".encode("latin-1", "replace")
+        if "Date" not in headers:
+            out += b"Date: " + self._conn.date.value() + b"\r\n"
+        out += framing
+        if self.close_after:
+            out += b"Connection: close\r\n"
+        out += b"\r\n"
+        return out
+
+    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.started = True
+        if self.method == "HEAD" or status in _NO_BODY_STATUS:
+            head = self._head(status, headers, b"")  # a HEAD's answer keeps a GET's length
+        else:
+            kept = CIMultiDict(headers)
+            kept.popall("Content-Length", None)
+            head = self._head(status, kept, b"Content-Length: %d\r\n" % len(body))
+            head += body
+        self._conn.write(bytes(head))
+        self._finish()
+
+    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+        self.started = True
+        bodyless = self.method == "HEAD" or status in _NO_BODY_STATUS
+        if "Content-Length" in headers or bodyless:
+            framing = b""  # a pass-through's length is kept as the upstream declared it
+        elif self.version == "1.1":
+            framing = b"Transfer-Encoding: chunked\r\n"
+            self._chunked = True
+        else:
+            self.close_after = True  # HTTP/1.0: the body ends where the connection does
+            framing = b""
+        self._conn.write(bytes(self._head(status, headers, framing)))
+        if bodyless:
+            self._chunked = False
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if not data or self.method == "HEAD":
+            return
+        if self._chunked:
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            conn.write(data)
+        if conn.write_paused:
+            await conn.drain()
+
+    async def end(self) -> None:
+        if self.wrote_eof:
+            return
+        if self._chunked and not self._conn.closed:
+            self._conn.write(b"0\r\n\r\n")
+        self._finish()
+
+    def _finish(self) -> None:
+        self.wrote_eof = True
+        self._conn.response_done(self)
+
+
+class FrontConnection(asyncio.Protocol):
+    """One client connection of the front server."""
+
+    def __init__(self, server: FrontServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.date = server.date
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.write_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._headers: list[tuple[str, str]] = []
+        self._parsing: FrontRequest | None = None  # the request whose bytes are arriving
+        self._pipeline: collections.deque[FrontRequest] = collections.deque()  # head: active
+        self._reading_paused = False
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+
+    # -- the connection ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not its subclasses
+        self.server.connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        self._cancel_idle()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        for request in self._pipeline:
+            request._wake()
+            if request.task is not None and not request.task.done():
+                request.task.cancel()  # the client left: its handler stops, upstream closes
+        self._pipeline.clear()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("the client closed the connection"))
+            self._drain.exception()  # retrieved: nobody may be waiting
+
+    def data_received(self, data: bytes) -> None:
+        self._cancel_idle()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as exc:
+            self._reject(400, f"malformed HTTP request: {exc}")
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._drain is None:
+            self._drain = self.loop.create_future()
+        await self._drain
+
+    def write(self, data: bytes) -> None:
+        transport = self.transport
+        if transport is not None and not self.closed and not transport.is_closing():
+            transport.write(data)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.close()
+
+    def close_later(self, delay_s: float) -> None:
+        if self._linger_timer is None:
+            self._linger_timer = self.loop.call_later(delay_s, self.close)
+
+    @property
+    def idle(self) -> bool:
+        return not self._pipeline and self._parsing is None
+
+    def _reject(self, status: int, message: str) -> None:
+        """A request that cannot be parsed: answered (if nothing else is) and the connection
+        closed, as nothing after it can be framed."""
+        if not self._pipeline:
+            body = orjson.dumps(error_payload(status, message))
+            self.write(
+                b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                b"Connection: close\r\n\r\n%b" % (status, _REASONS[status], len(body), body)
+            )
+        self.close()
+
+    # -- flow control --------------------------------------------------------------------
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and self.transport is not None and not self.closed:
+            self._reading_paused = False
+            self.transport.resume_reading()
+
+    def pause_reading_for_body(self) -> None:
+        self._pause_reading()
+
+    def resume_reading_for_body(self) -> None:
+        if len(self._pipeline) <= 1:
+            self._resume_reading()
+
+    # -- httptools' callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self._url = b""
+        self._headers = []
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        request = FrontRequest(
+            self,
+            parser.get_method().decode("ascii"),
+            self._url.decode("latin-1"),
+            CIMultiDictProxy(CIMultiDict(self._headers)),
+            parser.get_http_version(),
+            parser.should_keep_alive(),
+        )
+        self._parsing = request
+        self._pipeline.append(request)
+        if len(self._pipeline) == 1:
+            self._begin(request)
+        else:
+            self._pause_reading()  # one pipelined request waits; the next ones stay unread
+
+    def on_body(self, body: bytes) -> None:
+        if self._parsing is not None:
+            self._parsing.feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._parsing is not None:
+            self._parsing.feed_eof()
+            self._parsing = None
+
+    # -- requests ------------------------------------------------------------------------
+
+    def _begin(self, request: FrontRequest) -> None:
+        if request.headers.get("Expect", "").lower() == "100-continue" and request.has_body:
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.task = self.loop.create_task(self._serve(request))
+
+    async def _serve(self, request: FrontRequest) -> None:
+        try:
+            await self.server.dispatch(request)
+            if not request.started:
+                raise RuntimeError(f"no response to {request.method} {request.raw_path}")
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except (ConnectionResetError, BrokenPipeError):
+            self.close()
+        except Exception:
+            log.exception("request %s %s failed", request.method, request.raw_path)
+            if not request.started:
+                request.close_after = True
+                body = orjson.dumps(error_payload(500, "detproxy failed on this request"))
+                await request.respond(500, {"Content-Type": "application/json"}, body)
+            else:
+                self.close()  # the response is cut short: the client sees it end early
+        if not request.wrote_eof:
+            self.close()
+
+    def response_done(self, request: FrontRequest) -> None:
+        pipeline = self._pipeline
+        if pipeline and pipeline[0] is request:
+            pipeline.popleft()
+        if not request.body_complete:
+            request.linger()
+            return
+        if request.close_after:
+            self.close()
+            return
+        if pipeline:
+            self._begin(pipeline[0])
+        if len(pipeline) <= 1:
+            self._resume_reading()
+        if self.idle:
+            self._arm_idle()
+
+    # -- keep-alive ----------------------------------------------------------------------
+
+    def _arm_idle(self) -> None:
+        self._cancel_idle()
+        self._idle_timer = self.loop.call_later(self.server.keepalive_s, self._idle_expired)
+
+    def _cancel_idle(self) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_expired(self) -> None:
+        self._idle_timer = None
+        if self.idle:
+            self.close()
+
+
+class FrontServer:
+    """The lean server's listeners and connections; ``dispatch`` answers one request."""
+
+    def __init__(
+        self,
+        handle: Handler,
+        admin: Upstream,
+        *,
+        keepalive_s: float = 75.0,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self._handle = handle  # the Forwarder's
+        self._admin = admin  # the aiohttp app's private listener
+        self.keepalive_s = keepalive_s
+        self.loop = loop or asyncio.get_running_loop()
+        self.date = _Date()
+        self.connections: set[FrontConnection] = set()
+        self._servers: list[asyncio.Server] = []
+
+    async def dispatch(self, request: FrontRequest) -> None:
+        if request.path.startswith(ADMIN_PREFIX):
+            await hand_on(request, self._admin)
+        else:
+            await self._handle(request)
+
+    async def listen(self, sock: socket.socket, backlog: int) -> None:
+        server = await self.loop.create_server(
+            lambda: FrontConnection(self), sock=sock, backlog=backlog
+        )
+        self._servers.append(server)
+
+    def stop_listening(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    def busy(self) -> int:
+        """Connections with a request in progress."""
+        return sum(1 for c in self.connections if not c.idle)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stop accepting, let requests in progress finish for up to ``grace_s`` seconds, then
+        cancel what is left and close every connection."""
+        self.stop_listening()
+        deadline = self.loop.time() + grace_s
+        while True:
+            for conn in list(self.connections):
+                if conn.idle:
+                    conn.close()
+            if not self.connections or self.loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for conn in list(self.connections):
+            conn.close()  # connection_lost cancels their handlers
+        await asyncio.sleep(0)
+        for server in self._servers:
+            await server.wait_closed()
+
+
+async def hand_on(request: FrontRequest, admin: Upstream) -> None:
+    """A request for detproxy's own endpoints, relayed to the aiohttp app as it came."""
+    headers = CIMultiDict(
+        (k, v)
+        for k, v in request.headers.items()
+        if k.lower() not in HOP_BY_HOP and k.lower() not in ("host", "content-length")
+    )
+    body = request.body_chunks() if request.has_body else None
+    try:
+        answer = await admin.send(request.method, request.raw_path, headers, body)
+    except UpstreamFailure as exc:
+        payload = orjson.dumps(error_payload(503, f"detproxy's admin server: {exc.message}"))
+        await request.respond(503, {"Content-Type": "application/json"}, payload)
+        return
+    try:
+        await request.start(answer.status, answer.headers)
+        async for data in answer.chunks():
+            await request.write(data)
+        await request.end()
+    finally:
+        answer.close()

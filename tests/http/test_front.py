@@ -1,0 +1,200 @@
+"""The lean front (proxy/http/front.py) as a client's HTTP/1.1 sees it, on raw sockets: framing,
+keep-alive, pipelining, bodies (chunked, expected, refused), faults, and the hand-on of
+detproxy's own endpoints to aiohttp."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+from aiohttp import web
+
+from proxy.http.body import BadRequest
+from proxy.http.front import FrontRequest, FrontServer
+from proxy.http.h1 import H1Upstream
+
+Handler = Callable[[FrontRequest], Awaitable[None]]
+
+
+@dataclass
+class Front:
+    port: int
+    server: FrontServer
+    seen: list[tuple[str, str, bytes]] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+
+async def handler(front: Front, request: FrontRequest) -> None:
+    """What the tests ask of the front, by path."""
+    path = request.path
+    if path == "/echo":
+        body = await request.read_body(64)
+        front.seen.append((request.method, request.raw_path, body))
+        await request.respond(200, {"Content-Type": "text/plain"}, b"echo:" + body)
+    elif path == "/stream":
+        await request.start(200, {"Content-Type": "text/event-stream"})
+        for i in range(3):
+            await request.write(b"data: %d\n\n" % i)
+        await request.end()
+    elif path == "/hang":
+        await request.start(200, {"Content-Type": "text/event-stream"})
+        await request.write(b"data: first\n\n")
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            front.cancelled.append(path)
+            raise
+    elif path == "/fail":
+        raise RuntimeError("a fault of the handler's")
+    elif path == "/limit":
+        try:
+            await request.read_body(16)
+        except BadRequest as exc:
+            await request.respond(exc.status, {}, exc.message.encode())
+    else:
+        await request.respond(204, {}, b"")
+
+
+@pytest.fixture
+async def front() -> AsyncIterator[Front]:
+    admin_app = web.Application()
+
+    async def admin(request: web.Request) -> web.Response:
+        return web.Response(text=f"admin {request.path_qs} {request.headers.get('X-Token')}")
+
+    admin_app.router.add_get("/detproxy/metrics", admin)
+    runner = web.AppRunner(admin_app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    admin_port = runner.addresses[0][1]
+    private = H1Upstream(
+        f"http://127.0.0.1:{admin_port}",
+        connect_timeout_s=5,
+        read_timeout_s=5,
+        keepalive_timeout_s=5,
+        max_connections=4,
+    )
+    holder: list[Front] = []
+    server = FrontServer(lambda r: handler(holder[0], r), private, keepalive_s=5)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    holder.append(Front(sock.getsockname()[1], server))
+    await server.listen(sock, 16)
+    try:
+        yield holder[0]
+    finally:
+        await server.shutdown(1.0)
+        await private.close()
+        await runner.cleanup()
+
+
+async def exchange(port: int, data: bytes, *, until: bytes = b"") -> bytes:
+    """Send ``data``; read until ``until`` was seen or the server closed."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        got = b""
+        while not (until and until in got):
+            part = await asyncio.wait_for(reader.read(65536), 5)
+            if not part:
+                break
+            got += part
+        return got
+    finally:
+        writer.close()
+
+
+def post(path: str, body: bytes, extra: str = "") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n"
+    return head.encode() + body
+
+
+async def test_keep_alive_and_pipelined_requests_are_answered_in_order(front: Front) -> None:
+    got = await exchange(
+        front.port, post("/echo", b"one") + post("/echo?q=2", b"two"), until=b"echo:two"
+    )
+    first = got.index(b"echo:one")
+    assert got.count(b"HTTP/1.1 200 OK") == 2 and first < got.index(b"echo:two")
+    assert b"Content-Length: 8\r\n" in got and b"Date: " in got
+    assert [s[1:] for s in front.seen] == [("/echo", b"one"), ("/echo?q=2", b"two")]
+
+
+async def test_a_stream_is_chunk_framed_and_ends_with_the_last_chunk(front: Front) -> None:
+    got = await exchange(front.port, post("/stream", b""), until=b"0\r\n\r\n")
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head
+    assert body == b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(3)) + b"0\r\n\r\n"
+
+
+async def test_http_1_0_gets_the_stream_unframed_and_the_connection_closed(front: Front) -> None:
+    got = await exchange(front.port, b"POST /stream HTTP/1.0\r\nContent-Length: 0\r\n\r\n")
+    head, _, body = got.partition(b"\r\n\r\n")  # read to the close: the server ended it
+    assert b"chunked" not in head and b"Connection: close" in head
+    assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
+
+
+async def test_a_chunked_body_with_expect_continue(front: Front) -> None:
+    data = (
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"Expect: 100-continue\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+    )
+    got = await exchange(front.port, data, until=b"echo:abcde")
+    assert got.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+
+
+async def test_a_body_past_the_limit_is_refused_and_the_rest_read_before_closing(
+    front: Front,
+) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    big = b"x" * 8_000_000  # more than the sockets buffer: the client is still sending
+    writer.write(post("/limit", big))
+    await writer.drain()  # the whole body: it was read (and dropped), not reset
+    got = await asyncio.wait_for(reader.read(), 5)  # to the close, once it all came
+    assert got.startswith(b"HTTP/1.1 413 ") and b"Connection: close" in got
+    assert got.endswith(b"request body of 8000000 bytes exceeds the limit of 16")
+    writer.close()
+
+
+async def test_a_client_that_leaves_cancels_its_handler(front: Front) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
+    writer.write(post("/hang", b""))
+    await asyncio.wait_for(reader.readuntil(b"data: first"), 5)
+    writer.close()
+    for _ in range(100):
+        if front.cancelled:
+            break
+        await asyncio.sleep(0.02)
+    assert front.cancelled == ["/hang"]
+    assert front.server.busy() == 0
+
+
+async def test_a_handler_fault_is_a_500_and_the_server_goes_on(front: Front) -> None:
+    got = await exchange(front.port, post("/fail", b""), until=b"}")
+    assert got.startswith(b"HTTP/1.1 500 ") and b"InternalServerError" in got
+    assert b"Connection: close" in got
+    assert b"echo:ok" in await exchange(front.port, post("/echo", b"ok"), until=b"echo:ok")
+
+
+async def test_a_malformed_request_is_a_400_and_the_connection_closed(front: Front) -> None:
+    got = await exchange(front.port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 400 ") and b"malformed HTTP request" in got
+
+
+async def test_detproxy_endpoints_are_handed_on_to_the_aiohttp_app(front: Front) -> None:
+    data = b"GET /detproxy/metrics?x=1 HTTP/1.1\r\nHost: x\r\nX-Token: t0\r\n\r\n"
+    got = await exchange(front.port, data, until=b"t0")
+    assert got.startswith(b"HTTP/1.1 200 OK") and b"aiohttp" in got  # aiohttp's Server header
+    assert got.endswith(b"admin /detproxy/metrics?x=1 t0")
+    assert front.seen == []  # not the front's handler
+
+
+async def test_bodyless_statuses_and_head_carry_no_body(front: Front) -> None:
+    got = await exchange(front.port, b"GET /none HTTP/1.1\r\nHost: x\r\n\r\n", until=b"\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 204 No Content") and b"Content-Length" not in got
+    head = b"HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n" + post("/echo", b"after")
+    got = await exchange(front.port, head, until=b"echo:after")
+    assert b"data:" not in got  # the HEAD's answer has no body, and the next one follows
