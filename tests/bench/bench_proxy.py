@@ -451,7 +451,13 @@ class Bench:
         wait_port(port, proc, f"nginx ({name})")
         return proc
 
-    def start(self, log_level: str, ceiling: bool = False, aiohttp_client: bool = False) -> None:
+    def start(
+        self,
+        log_level: str,
+        ceiling: bool = False,
+        aiohttp_client: bool = False,
+        aiohttp_server: bool = False,
+    ) -> None:
         tmp = self.tmp
         (tmp / "www").mkdir()
         (tmp / "tmp").mkdir()
@@ -490,6 +496,8 @@ class Bench:
         configs = dict(DETPROXY_CONFIGS)
         if aiohttp_client:
             configs["dp-off-aio"] = '[upstream]\nclient = "aiohttp"\n' + DETPROXY_CONFIGS["dp-off"]
+        if aiohttp_server:
+            configs["dp-loops-aios"] = '[server]\nhttp = "aiohttp"\n' + DETPROXY_CONFIGS["dp-loops"]
         for name, conf in configs.items():
             port = free_port()
             cfg = tmp / f"{name}.toml"
@@ -520,6 +528,7 @@ class Bench:
                 "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
                 "dp-loops": "detproxy, audit off, loop inspection on (default)",
                 "dp-off-aio": "dp-off on aiohttp's client (upstream.client = aiohttp)",
+                "dp-loops-aios": "dp-loops on aiohttp's server (server.http = aiohttp)",
             }[name]
             self.targets.append(Target(name, port, what, proc))
 
@@ -879,6 +888,11 @@ def main() -> int:
         action="store_true",
         help='add dp-off-aio: dp-off with upstream.client = "aiohttp" (the native client\'s gain)',
     )
+    ap.add_argument(
+        "--aiohttp-server",
+        action="store_true",
+        help='add dp-loops-aios: dp-loops with server.http = "aiohttp" (the lean front\'s gain)',
+    )
     args = ap.parse_args()
     if args.quick:
         args.duration, args.rounds = 2.0, 1
@@ -901,7 +915,8 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detproxy-bench-"))
     tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
     bench = Bench(tmp)
-    runs = len(modes) * len(concs) * (5 + 2 * args.ceiling + args.aiohttp_client) * args.rounds
+    extra = 2 * args.ceiling + args.aiohttp_client + args.aiohttp_server
+    runs = len(modes) * len(concs) * (5 + extra) * args.rounds
     print("\n".join(machine()))
     print(
         f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
@@ -910,7 +925,7 @@ def main() -> int:
     )
     t_start = time.monotonic()
     try:
-        bench.start(args.log_level, args.ceiling, args.aiohttp_client)
+        bench.start(args.log_level, args.ceiling, args.aiohttp_client, args.aiohttp_server)
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
