@@ -35,6 +35,7 @@ import httptools
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
 from proxy.http.errors import UpstreamFailure, error_payload
 from proxy.http.headers import HOP_BY_HOP
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ADMIN_PREFIX = "/detproxy/"
 # Past this many bytes of a request body not yet read by its handler, reading pauses.
 BODY_HIGH_WATER = 1 << 20
 LINGER_S = 10.0  # how long a body answered before it came whole is still read (aiohttp's)
