@@ -38,7 +38,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
 from proxy.http.errors import UpstreamFailure, error_payload
-from proxy.http.headers import HOP_BY_HOP
+from proxy.http.headers import HOP_BY_HOP, forwarded_headers
 
 if TYPE_CHECKING:
     from proxy.http.upstream import Upstream
@@ -181,15 +181,12 @@ class FrontRequest:
         if declared is not None and declared > limit:
             self._refuse_body()
             raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-        while not self.body_complete:
-            if self._size > limit:
-                self._refuse_body()
-                raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
+        while self._size <= limit:
+            if self.body_complete:
+                return self._take() if self._parts else b""
             await self._more()
-        if self._size > limit:
-            self._refuse_body()
-            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
-        return self._take() if self._parts else b""
+        self._refuse_body()
+        raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
 
     def _refuse_body(self) -> None:
         """The rest of the body is not read: dropped as it comes, the connection closed after
@@ -250,8 +247,6 @@ class FrontRequest:
             self.close_after = True  # HTTP/1.0: the body ends where the connection does
             framing = b""
         self._conn.write(bytes(self._head(status, headers, framing)))
-        if bodyless:
-            self._chunked = False
 
     async def write(self, data: bytes) -> None:
         conn = self._conn
@@ -552,12 +547,8 @@ class FrontServer:
 
 async def hand_on(request: FrontRequest, admin: Upstream) -> None:
     """A request for detproxy's own endpoints, relayed to the aiohttp app as it came."""
-    headers = CIMultiDict(
-        (k, v)
-        for k, v in request.headers.items()
-        if k.lower() not in HOP_BY_HOP and k.lower() not in ("host", "content-length")
-    )
     body = request.body_chunks() if request.has_body else None
+    headers = forwarded_headers(request.headers)
     try:
         answer = await admin.send(request.method, request.raw_path, headers, body)
     except UpstreamFailure as exc:

@@ -53,6 +53,11 @@ def _filter(headers: Mapping[str, str], base: frozenset[str]) -> CIMultiDict[str
     return out
 
 
+def forwarded_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    """A request's headers for the next hop, as they came but for hop-by-hop and framing."""
+    return _filter(headers, _TO_UPSTREAM)
+
+
 def upstream_request_headers(
     headers: Mapping[str, str], request_id: str, *, proxy_reads_body: bool
 ) -> CIMultiDict[str]:
