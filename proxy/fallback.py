@@ -17,7 +17,14 @@ import orjson
 
 from proxy.events import EventBus, FallbackSent
 from proxy.http.sse import SSEDecoder, SSEOverflow
-from proxy.http.upstream import READ_ERRORS, Upstream, UpstreamResponse, is_event_stream
+from proxy.http.upstream import (
+    READ_ERRORS,
+    Sink,
+    Upstream,
+    UpstreamResponse,
+    is_event_stream,
+    pump_chunks,
+)
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 
 log = logging.getLogger(__name__)
@@ -56,6 +63,13 @@ class Prefetched:
             yield head
         async for data in self._rest:
             yield data
+
+    async def pump(self, sink: Sink) -> bool:
+        if self._head:
+            head, self._head = self._head, b""
+            if not sink(head):
+                return False
+        return await pump_chunks(self._rest, sink)
 
     async def read(self) -> bytes:
         parts = [data async for data in self.chunks()]

@@ -37,6 +37,7 @@ from policies.base import Continue
 from proxy.config import Settings
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.http.errors import UpstreamBodyError
+from proxy.http.upstream import pump_chunks
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
@@ -895,6 +896,11 @@ class ScriptedReads:
         if self.fail:
             raise UpstreamBodyError("connection lost")
 
+    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+        if not hasattr(self, "_body"):
+            self._body = self.chunks()
+        return await pump_chunks(self._body, sink)
+
 
 class RecordedWrites:
     """The client: every write it was given."""
@@ -904,6 +910,13 @@ class RecordedWrites:
 
     async def write(self, data: bytes) -> None:
         self.writes.append(data)
+
+    def write_nowait(self, data: bytes) -> bool:
+        self.writes.append(data)
+        return True
+
+    async def drain(self) -> None:
+        pass
 
     @property
     def body(self) -> bytes:

@@ -1,7 +1,8 @@
 """``ClientSide`` on aiohttp's server: a request aiohttp parsed, and the response it writes.
 
 A whole response is handed back to aiohttp (the handler returns ``response``); a streamed one
-is a ``StreamResponse`` prepared on ``start``.
+is a ``StreamResponse`` prepared on ``start``. aiohttp writes only when awaited, so
+``write_nowait`` holds the data for the next ``drain`` (or write, or end).
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from proxy.http.body import read_bounded
 class AiohttpSide:
     """One aiohttp request as a ``ClientSide``."""
 
-    __slots__ = ("_request", "response")
+    __slots__ = ("_queued", "_request", "response")
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
         self.response: web.StreamResponse | None = None
+        self._queued: list[bytes] = []
 
     @property
     def method(self) -> str:
@@ -56,9 +58,22 @@ class AiohttpSide:
         await self.response.prepare(self._request)
 
     async def write(self, data: bytes) -> None:
+        self._queued.append(data)
+        await self.drain()
+
+    def write_nowait(self, data: bytes) -> bool:
+        self._queued.append(data)
+        return False
+
+    async def drain(self) -> None:
         assert self.response is not None
-        await self.response.write(data)
+        queued = self._queued
+        if queued:
+            data = queued[0] if len(queued) == 1 else b"".join(queued)
+            queued.clear()
+            await self.response.write(data)
 
     async def end(self) -> None:
         assert self.response is not None
+        await self.drain()
         await self.response.write_eof()

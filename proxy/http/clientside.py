@@ -5,7 +5,8 @@ write the response through a ``ClientSide``: ``proxy.http.front`` implements it 
 lean HTTP/1.1 server (the proxy routes), ``proxy.http.aioside`` on aiohttp's (tests, the admin
 listener, everything the front hands on). A response is either whole (``respond``) or streamed
 (``start``, ``write`` per piece, ``end``); writing to a client that left raises
-``ConnectionResetError``.
+``ConnectionResetError``. ``write_nowait`` is ``write`` without waiting, for a relay that
+writes from an upstream read's callback: it says when to ``drain`` before writing more.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ class ClientSide(Protocol):
         ...
 
     async def write(self, data: bytes) -> None: ...
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Queue ``data`` in order; False: ``drain`` before the next write (the client is
+        slower, or this server writes only when awaited)."""
+        ...
+
+    async def drain(self) -> None:
+        """Until what ``write_nowait`` queued is on its way and the client takes more."""
+        ...
 
     async def end(self) -> None:
         """The streamed response is complete."""

@@ -249,17 +249,20 @@ class FrontRequest:
         self._conn.write(bytes(self._head(status, headers, framing)))
 
     async def write(self, data: bytes) -> None:
+        if not self.write_nowait(data):
+            await self._conn.drain()
+
+    def write_nowait(self, data: bytes) -> bool:
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("the client closed the connection")
-        if not data or self.method == "HEAD":
-            return
-        if self._chunked:
-            conn.write(b"%x\r\n%b\r\n" % (len(data), data))
-        else:
-            conn.write(data)
-        if conn.write_paused:
-            await conn.drain()
+        if data and self.method != "HEAD":
+            conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        return not conn.write_paused
+
+    async def drain(self) -> None:
+        if self._conn.write_paused or self._conn.closed:
+            await self._conn.drain()
 
     async def end(self) -> None:
         if self.wrote_eof:
@@ -292,6 +295,7 @@ class FrontConnection(asyncio.Protocol):
         self._reading_paused = False
         self._idle_timer: asyncio.TimerHandle | None = None
         self._linger_timer: asyncio.TimerHandle | None = None
+        self._out: list[bytes] = []
 
     # -- the connection ------------------------------------------------------------------
 
@@ -341,12 +345,26 @@ class FrontConnection(asyncio.Protocol):
         await self._drain
 
     def write(self, data: bytes) -> None:
+        if self.closed:
+            return
+        out = self._out
+        if not out:
+            self.server.queue_flush(self)
+        out.append(data)
+
+    def flush(self) -> None:
+        out = self._out
+        if not out:
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
         transport = self.transport
         if transport is not None and not self.closed and not transport.is_closing():
             transport.write(data)
 
     def close(self) -> None:
         if self.transport is not None and not self.closed:
+            self.flush()
             self.transport.close()
 
     def close_later(self, delay_s: float) -> None:
@@ -505,6 +523,18 @@ class FrontServer:
         self.date = _Date()
         self.connections: set[FrontConnection] = set()
         self._servers: list[asyncio.Server] = []
+        self._flushing: list[FrontConnection] = []
+
+    def queue_flush(self, conn: FrontConnection) -> None:
+        if not self._flushing:
+            self.loop.call_soon(self._flush)
+        self._flushing.append(conn)
+
+    def _flush(self) -> None:
+        conns = self._flushing
+        self._flushing = []
+        for conn in conns:
+            conn.flush()
 
     async def dispatch(self, request: FrontRequest) -> None:
         if request.path.startswith(ADMIN_PREFIX):

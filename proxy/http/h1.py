@@ -32,7 +32,7 @@ from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, expire, forget
-from proxy.http.upstream import Body
+from proxy.http.upstream import Body, Sink
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
 
@@ -74,6 +74,28 @@ class H1Response:
             self.close()
             raise
         self._release()
+
+    async def pump(self, sink: Sink) -> bool:
+        """The body to ``sink``, each piece as it is parsed (no task woken per piece); True at
+        its end, False when the sink stopped (the rest is read by the next call)."""
+        conn = self._conn
+        try:
+            while True:
+                if conn.chunks:
+                    if not sink(conn.take()):
+                        return False
+                    continue
+                if conn.complete:
+                    break
+                if conn.error is not None:
+                    raise UpstreamBodyError(str(conn.error)) from conn.error
+                if await conn.wait_pushed(sink, self._timeout):
+                    return False
+        except BaseException:
+            self.close()
+            raise
+        self._release()
+        return True
 
     async def read(self) -> bytes:
         conn = self._conn

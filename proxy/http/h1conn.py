@@ -14,6 +14,7 @@ from typing import cast
 import httptools
 
 from proxy.http.errors import UpstreamBodyError, UpstreamTimeout
+from proxy.http.upstream import Sink
 
 __all__ = ["HIGH_WATER", "Closed", "Conn", "UpstreamBodyError", "expire", "forget"]
 
@@ -39,6 +40,11 @@ class Conn(asyncio.Protocol):
         # scheduled and cancelled per body chunk (a stream waits once per token).
         self._silence_timer: asyncio.TimerHandle | None = None
         self._silence_deadline = 0.0
+        self._silence_s = 0.0
+        # While a consumer waits in ``wait_pushed``: body pieces go to it from the parser's
+        # callback, with no task woken per piece (a stream's token is one piece).
+        self._sink: Sink | None = None
+        self.sink_stopped = False
         self._drain: asyncio.Future[None] | None = None
         self.method = "GET"
         self.status = 0
@@ -115,6 +121,22 @@ class Conn(asyncio.Protocol):
             self._head.set_result(None)
 
     def on_body(self, body: bytes) -> None:
+        sink = self._sink
+        if sink is not None and not self.chunks:
+            self._silence_deadline = self._loop.time() + self._silence_s
+            try:
+                more = sink(body)
+            except Exception as exc:  # the consumer's own fault: raised where it waits
+                self._sink = None
+                waiter = self._waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(exc)
+                return
+            if not more:
+                self._sink = None
+                self.sink_stopped = True
+                self._wake()
+            return
         self.chunks.append(body)
         self.held += len(body)
         if self.held > HIGH_WATER and not self._paused and self.transport is not None:
@@ -179,6 +201,18 @@ class Conn(asyncio.Protocol):
             await waiter
         finally:
             self._waiter = None
+
+    async def wait_pushed(self, sink: Sink, silence_s: float) -> bool:
+        """Like ``wait_data``, but the body pieces that come meanwhile go to ``sink`` as they
+        are parsed (the silence is timed from the last one). True when the sink stopped."""
+        self._sink = sink
+        self._silence_s = silence_s
+        self.sink_stopped = False
+        try:
+            await self.wait_data(silence_s)
+        finally:
+            self._sink = None
+        return self.sink_stopped
 
     def _silence_check(self) -> None:
         """The timer fired: a wait that began since has a later deadline (re-arm for it);

@@ -9,7 +9,7 @@ read an ``UpstreamBodyError`` or an ``UpstreamTimeout``; the aiohttp one transla
 from __future__ import annotations
 
 import io
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import Any, Protocol
 
 import aiohttp
@@ -20,6 +20,8 @@ from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamFailure,
 
 Body = bytes | AsyncIterable[bytes] | None
 LARGE_BODY = 1 << 20
+# Takes one body piece; False: stop (``pump`` returns, the rest is read by the next call).
+Sink = Callable[[bytes], bool]
 
 
 class UpstreamResponse(Protocol):
@@ -27,6 +29,11 @@ class UpstreamResponse(Protocol):
     headers: Mapping[str, str]
 
     def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def pump(self, sink: Sink) -> bool:
+        """The body to ``sink`` piece by piece; True at its end, False when the sink stopped.
+        Read either with ``pump`` or with ``chunks``, not both."""
+        ...
 
     async def read(self) -> bytes: ...
 
@@ -64,13 +71,27 @@ def _body_error(exc: Exception) -> UpstreamError:
     return UpstreamBodyError(str(exc) or type(exc).__name__)
 
 
+async def pump_chunks(chunks: AsyncIterator[bytes], sink: Sink) -> bool:
+    """``pump`` for a response that can only be iterated: ``chunks`` is kept across calls."""
+    async for data in chunks:
+        if not sink(data):
+            return False
+    return True
+
+
 class _AiohttpResponse:
-    __slots__ = ("_resp", "headers", "status")
+    __slots__ = ("_body", "_resp", "headers", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
+        self._body: AsyncIterator[bytes] | None = None  # pump's
         self.status: int = resp.status
         self.headers: Mapping[str, str] = resp.headers
+
+    async def pump(self, sink: Sink) -> bool:
+        if self._body is None:
+            self._body = self.chunks()
+        return await pump_chunks(self._body, sink)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:

@@ -296,11 +296,14 @@ class StreamRelay:
     async def _run_raw(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
+
+        def relay(data: bytes) -> bool:
+            out = tally.feed(data)
+            return resp.write_nowait(out) if out else True
+
         try:
-            async for data in upstream.chunks():
-                out = tally.feed(data)
-                if out:
-                    await resp.write(out)
+            while not await upstream.pump(relay):
+                await resp.drain()
         except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # A blank line first ends an unfinished event relayed past the size bound.
@@ -319,11 +322,16 @@ class StreamRelay:
     async def _run_inspected(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         decoder = self._decoder
+
+        def relay(data: bytes) -> bool:
+            # Called from the upstream read's callback: a decision stops the pump at once.
+            out = self._read(data)
+            more = resp.write_nowait(out) if out else True
+            return more and result.decision is None
+
         try:
-            async for data in upstream.chunks():
-                out = self._read(data)
-                if out:
-                    await resp.write(out)
+            while not await upstream.pump(relay):
+                await resp.drain()
                 if result.decision is not None:
                     return result
         except READ_ERRORS as exc:

@@ -314,9 +314,20 @@ class _Upstream:
         for read in self._reads:
             yield read
 
+    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+        # As the native client pumps: each read handed over synchronously, no await per read.
+        reads = self._left = getattr(self, "_left", None) or iter(self._reads)
+        return all(sink(read) for read in reads)
+
 
 class _Client:
     async def write(self, data: bytes) -> None:
+        return None
+
+    def write_nowait(self, data: bytes) -> bool:
+        return True
+
+    async def drain(self) -> None:
         return None
 
 
