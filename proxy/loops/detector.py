@@ -123,8 +123,9 @@ class LoopDetector:
     def __init__(self, config: DetectorConfig | None = None) -> None:
         self._config = config if config is not None else DetectorConfig()
         # When the window is full it is cut back to this (the longest required run plus one
-        # check interval), so that it is cut only every few checks, not at each one.
-        self._keep = self._config.max_required_chars() + self._config.check_every_chars
+        # check interval), so that it is cut only every few checks, not at each one. Worked
+        # out when first needed: most streams never fill the window.
+        self._keep = 0
         self._buf = ""  # the kept tail window; it ends at stream offset _buf_end
         self._buf_end = 0  # stream offset of the last check (end of _buf)
         self._pending: list[str] = []  # deltas since _buf_end
@@ -178,7 +179,11 @@ class LoopDetector:
             piece = text[pos : pos + take]
             pos += take
             buf = self._buf + piece
-            self._buf = buf if len(buf) <= window else buf[len(buf) - self._keep :]
+            if len(buf) > window:
+                if not self._keep:
+                    self._keep = config.max_required_chars() + every
+                buf = buf[len(buf) - self._keep :]
+            self._buf = buf
             self._buf_end = self._next_check
             self._next_check += every
             report = self._check()

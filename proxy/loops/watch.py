@@ -27,17 +27,19 @@ MAX_KEPT_CHARS = 4 * 1024 * 1024
 
 class _ChoiceWatch:
     __slots__ = (
+        "_config",
+        "_reasoning",
         "content",
         "kept",
         "kept_chars",
         "kept_reasoning",
-        "reasoning",
         "saw_content",
         "saw_reasoning",
     )
 
     def __init__(self, config: DetectorConfig, keep: bool) -> None:
-        self.reasoning = LoopDetector(config)
+        self._config = config
+        self._reasoning: LoopDetector | None = None  # most answers have no reasoning
         self.content = LoopDetector(config)
         self.saw_reasoning = False
         self.saw_content = False
@@ -45,6 +47,12 @@ class _ChoiceWatch:
         self.kept: list[str] | None = [] if keep else None
         self.kept_reasoning: list[str] | None = [] if keep else None
         self.kept_chars = 0
+
+    @property
+    def reasoning(self) -> LoopDetector:
+        if self._reasoning is None:
+            self._reasoning = LoopDetector(self._config)
+        return self._reasoning
 
     def keep(self, text: str, reasoning: bool = False) -> None:
         kept = self.kept_reasoning if reasoning else self.kept

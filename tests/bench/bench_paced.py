@@ -25,7 +25,8 @@ two reads. Here the upstream writes what vLLM writes, paced:
   stream to its end; per cell (streams, target) one wrk run of ``--seconds``, the targets in a
   rotated order each round, ``--rounds`` rounds;
 - each target's CPU (user + system, the process and its children: nginx's master and worker,
-  detproxy's supervisor and workers) is read from ``/proc/PID/stat`` before and after its run.
+  detproxy's supervisor and workers) is read from ``/proc/PID/stat`` before its run and once it
+  is idle again after it (cleaning up the streams wrk cut at the end is the target's work too).
 
 Per cell: events/s (bytes wrk read over the wire bytes of one whole stream through that target,
 times 66: streams cut at the end of the run count for what they delivered), CPU per event in us,
@@ -329,6 +330,20 @@ def cpu_s(pids: list[int]) -> float:
     return total / TICK
 
 
+def settled_cpu_s(pids: list[int], idle_s: float = 0.1, limit_s: float = 10.0) -> float:
+    """``cpu_s`` once the processes are idle again: the streams wrk cut at the end of a run
+    are cleaned up after it (their connections closed, upstream too), at the target's cost,
+    and before the next target's run, whose stream times it would otherwise slow down."""
+    last, deadline = cpu_s(pids), time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        time.sleep(idle_s)
+        now = cpu_s(pids)
+        if now - last <= 2 / TICK:  # at most two clock ticks in idle_s: idle
+            return now
+        last = now
+    return last
+
+
 # ---------------------------------------------------------------------------------------------
 # Processes
 
@@ -498,7 +513,8 @@ def run_cell(
     argv += ["-s", str(bench.tmp / "paced.lua"), f"http://{HOST}:{target.port}{PATH}", "--", tag]
     before, began = cpu_s(pids), time.time()
     out = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
-    after = cpu_s(pids + [p for p in tree(pids[0]) if p not in pids] if pids else [])
+    pids += [p for p in tree(pids[0]) if p not in pids] if pids else []
+    after = settled_cpu_s(pids)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("PACED ")), None)
     if out.returncode != 0 or line is None:
         raise SystemExit(f"wrk failed on {target.name}: {out.stderr or out.stdout}")
