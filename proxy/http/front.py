@@ -6,7 +6,8 @@ and dispatch around it, aiohttp's server costs about as much CPU per relayed eve
 detproxy's own work (issue 16; ``tests/bench/bench_paced.py`` measures both,
 ``server.http = "aiohttp"`` against ``"lean"``). This server is an asyncio protocol on
 httptools' parser, as uvicorn's httptools implementation is. A request's response is written
-straight to the transport, chunk-framed.
+straight to the transport, chunk-framed, a loop iteration's writes to a connection in one
+(``proxy.http.coalesce``).
 
 What it serves: the OpenAI endpoints and everything passed through to the upstream, through
 the ``Forwarder``. detproxy's own endpoints (``/detproxy/...``: metrics, status, the incident
@@ -37,6 +38,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
+from proxy.http.coalesce import WriteCoalescer
 from proxy.http.errors import UpstreamFailure, error_payload
 from proxy.http.headers import HOP_BY_HOP, forwarded_headers
 
@@ -349,7 +351,7 @@ class FrontConnection(asyncio.Protocol):
             return
         out = self._out
         if not out:
-            self.server.queue_flush(self)
+            self.server.writes.queue(self)
         out.append(data)
 
     def flush(self) -> None:
@@ -523,18 +525,7 @@ class FrontServer:
         self.date = _Date()
         self.connections: set[FrontConnection] = set()
         self._servers: list[asyncio.Server] = []
-        self._flushing: list[FrontConnection] = []
-
-    def queue_flush(self, conn: FrontConnection) -> None:
-        if not self._flushing:
-            self.loop.call_soon(self._flush)
-        self._flushing.append(conn)
-
-    def _flush(self) -> None:
-        conns = self._flushing
-        self._flushing = []
-        for conn in conns:
-            conn.flush()
+        self.writes = WriteCoalescer(self.loop)
 
     async def dispatch(self, request: FrontRequest) -> None:
         if request.path.startswith(ADMIN_PREFIX):

@@ -396,3 +396,95 @@ async def test_expired_idle_connections_are_closed_on_a_release(scripted: Any) -
     await (await up.send("GET", "/", {}, None)).read()
     await asyncio.sleep(0.05)
     assert (srv.connections, srv.eofs, up.idle_connections) == (2, 1, 1)
+
+
+def paced_stream(parts: list[bytes], pause_s: float = 0.01) -> ScriptedReply:
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in parts:
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(pause_s)
+        writer.write(b"0\r\n\r\n")
+        return True
+
+    return reply
+
+
+async def test_pump_hands_each_piece_over_from_the_read_and_keeps_the_connection(
+    scripted: Any,
+) -> None:
+    parts = [b"data: %d\n\n" % i for i in range(5)]
+    srv = await scripted(paced_stream(parts))
+    up = client(srv.url)
+    resp = await up.send("POST", "/s", {}, b"{}")
+    got: list[bytes] = []
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        tasks.append(asyncio.current_task())
+        return True
+
+    assert await resp.pump(sink) is True
+    assert b"".join(got) == b"".join(parts) and len(got) >= 3
+    # The pieces that came while the pump waited were handed over in the read's callback.
+    assert None in tasks
+    assert await (await up.send("POST", "/s", {}, b"{}")).read() == b"".join(parts)
+    assert srv.connections == 1  # a complete pumped response returns its connection
+
+
+async def test_a_sink_that_stops_gets_the_rest_from_the_next_pump(scripted: Any) -> None:
+    parts = [b"one", b"two", b"three", b"four"]
+    srv = await scripted(paced_stream(parts))
+    resp = await client(srv.url).send("POST", "/s", {}, b"{}")
+    first: list[bytes] = []
+    assert await resp.pump(lambda d: first.append(d) or False) is False
+    assert first == [b"one"]
+    await asyncio.sleep(0.1)  # what comes meanwhile waits in the connection
+    rest: list[bytes] = []
+    assert await resp.pump(lambda d: rest.append(d) or True) is True
+    assert b"".join(first + rest) == b"".join(parts)
+
+
+async def test_a_sink_that_raises_raises_in_the_pump_and_closes_the_connection(
+    scripted: Any,
+) -> None:
+    srv = await scripted(paced_stream([b"one", b"two", b"three"]))
+    up = client(srv.url)
+    resp = await up.send("POST", "/s", {}, b"{}")
+    seen: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        seen.append(data)
+        if len(seen) == 2:
+            raise ConnectionResetError("the client left")
+        return True
+
+    with pytest.raises(ConnectionResetError):
+        await resp.pump(sink)
+    assert seen[:2] == [b"one", b"two"]
+    assert up.idle_connections == 0  # unfinished: closed, not pooled
+    assert await (await up.send("POST", "/s", {}, b"{}")).read() == b"onetwothree"
+    assert srv.connections == 2
+
+
+async def test_the_pumped_read_timeout_is_the_silence_since_the_last_piece(
+    scripted: Any,
+) -> None:
+    # Pieces 0.1 s apart for 0.5 s under a 0.25 s read timeout: never silent that long.
+    srv = await scripted(paced_stream([b"x"] * 5, pause_s=0.1))
+    resp = await client(srv.url, read_timeout_s=0.25).send("POST", "/s", {}, b"{}")
+    got: list[bytes] = []
+    assert await resp.pump(lambda d: got.append(d) or True) is True
+    assert b"".join(got) == b"x" * 5
+
+    async def stalls(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await asyncio.sleep(1)
+        return False
+
+    srv = await scripted(stalls)
+    resp = await client(srv.url, read_timeout_s=0.2).send("POST", "/s", {}, b"{}")
+    with pytest.raises(TimeoutError):
+        await resp.pump(lambda d: True)
