@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import shutil
 import socket
@@ -60,8 +59,10 @@ from bench_proxy import (
     NGINX_COMMON,
     NGINX_PROXY,
     PATH,
+    TICK,
     Bench,
     Target,
+    cpu_s,
     free_port,
     lua_string,
     machine,
@@ -69,6 +70,7 @@ from bench_proxy import (
     metric_lines,
     spy_profile,
     stream_words,
+    tree,
     wait_port,
 )
 
@@ -291,43 +293,6 @@ def wrk_script() -> str:
 
 # ---------------------------------------------------------------------------------------------
 # CPU from /proc
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
-
-
-def tree(root: int) -> list[int]:
-    """``root`` and its descendants (nginx's workers, detproxy's workers)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = _stat_fields(int(entry))
-            if fields is not None:
-                parents.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(parents.get(pid, []))
-    return out
-
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes (fields 14 and 15 of /proc/PID/stat)."""
-    total = 0
-    for pid in pids:
-        fields = _stat_fields(pid)
-        if fields is not None:
-            total += int(fields[11]) + int(fields[12])
-    return total / TICK
 
 
 def settled_cpu_s(pids: list[int], idle_s: float = 0.1, limit_s: float = 10.0) -> float:

@@ -472,15 +472,15 @@ class Bench:
         (tmp / "sse.lua").write_text(wrk_script(request_body(True)))
 
         up, shadow = free_port(), free_port()
-        self.nginx(
+        static = self.nginx(
             "static",
             NGINX_STATIC.format(host=HOST, port=up, shadow_port=shadow, dir=tmp, path=PATH),
             up,
         )
-        self.targets.append(Target("direct", up, "nginx static files (the upstream)"))
+        self.targets.append(Target("direct", up, "nginx static files (the upstream)", static))
         px = free_port()
-        self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
-        self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off"))
+        proxy = self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
+        self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off", proxy))
         if ceiling:
             for name, script, what in (
                 ("aio-static", AIOHTTP_STATIC,
@@ -619,6 +619,7 @@ class Sample:
     p99: float  # ms
     requests: int
     errors: int  # non-2xx responses plus socket errors
+    cpu_us: float | None = None  # the target's CPU (its processes, from /proc) per request
 
 
 def _find(pattern: str, out: str) -> str:
@@ -643,6 +644,47 @@ def parse_wrk(out: str) -> Sample:
     return Sample(rps, p50, p99, requests, errors)
 
 
+# ---------------------------------------------------------------------------------------------
+# CPU from /proc (bench_paced.py's too)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()  # after "pid (comm) "
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and its descendants (nginx's workers, detproxy's workers)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            fields = _stat_fields(int(entry))
+            if fields is not None:
+                parents.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(parents.get(pid, []))
+    return out
+
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (fields 14 and 15 of /proc/PID/stat)."""
+    total = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])
+    return total / TICK
+
+
 def run_wrk(bench: Bench, target: Target, mode: str, conns: int, duration: float) -> Sample:
     argv = [
         "wrk",
@@ -659,10 +701,16 @@ def run_wrk(bench: Bench, target: Target, mode: str, conns: int, duration: float
         str(bench.tmp / f"{mode}.lua"),
         url(target, mode),
     ]
+    pids = tree(target.proc.pid) if target.proc is not None else []
+    before = cpu_s(pids)
     out = subprocess.run(argv, capture_output=True, text=True, timeout=duration + 30)
+    cpu = cpu_s(pids) - before
     if out.returncode != 0:
         raise SystemExit(f"wrk failed on {target.name}: {out.stderr or out.stdout}")
-    return parse_wrk(out.stdout)
+    sample = parse_wrk(out.stdout)
+    if pids and sample.requests:
+        sample.cpu_us = cpu / sample.requests * 1e6
+    return sample
 
 
 def metric_lines(target: Target, prefixes: tuple[str, ...]) -> list[str]:
@@ -751,6 +799,14 @@ def print_table(
                 f"{s.rps / d.rps:5.2f} {s.rps / n.rps:5.2f} {s.p50 - d.p50:+6.2f}"
             )
         print(f"{target.name:9}" + " | ".join(cells))
+    print("CPU per request, us (user + system of the target's processes, from /proc):")
+    for target in targets:
+        cpus = [results[(mode, c, target.name)].cpu_us for c in concs]
+        if any(cpus):
+            print(
+                f"  {target.name:14}"
+                + "  ".join(f"c={c} {x:6.1f}" for c, x in zip(concs, cpus, strict=True) if x)
+            )
 
 
 def median_sample(samples: list[Sample]) -> Sample:
@@ -761,6 +817,7 @@ def median_sample(samples: list[Sample]) -> Sample:
         statistics.median(s.p99 for s in samples),
         sum(s.requests for s in samples),
         sum(s.errors for s in samples),
+        statistics.median(cpus) if (cpus := [s.cpu_us for s in samples if s.cpu_us]) else None,
     )
 
 
