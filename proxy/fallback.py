@@ -23,7 +23,6 @@ from proxy.http.upstream import (
     Upstream,
     UpstreamResponse,
     is_event_stream,
-    pump_chunks,
 )
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 
@@ -44,16 +43,15 @@ class Altered:
 
 
 class Prefetched:
-    """An upstream response whose first bytes were already read: ``chunks`` yields them, then
-    goes on with the same iterator (a second ``chunks()`` of the native client would start a
-    second reader, and the first one's clean-up would close the connection)."""
+    """An upstream response whose first bytes ``first_event`` already read (it pumped them, so
+    no reader of the response was left half-way): ``chunks`` and ``pump`` hand those over first,
+    then read on from the response."""
 
-    __slots__ = ("_head", "_inner", "_rest", "headers", "status")
+    __slots__ = ("_head", "_inner", "headers", "status")
 
-    def __init__(self, inner: UpstreamResponse, head: bytes, rest: AsyncIterator[bytes]) -> None:
+    def __init__(self, inner: UpstreamResponse, head: bytes) -> None:
         self._inner = inner
         self._head = head
-        self._rest = rest
         self.status = inner.status
         self.headers: Mapping[str, str] = inner.headers
 
@@ -61,7 +59,7 @@ class Prefetched:
         if self._head:
             head, self._head = self._head, b""
             yield head
-        async for data in self._rest:
+        async for data in self._inner.chunks():
             yield data
 
     async def pump(self, sink: Sink) -> bool:
@@ -69,7 +67,7 @@ class Prefetched:
             head, self._head = self._head, b""
             if not sink(head):
                 return False
-        return await pump_chunks(self._rest, sink)
+        return await self._inner.pump(sink)
 
     async def read(self) -> bytes:
         parts = [data async for data in self.chunks()]
@@ -86,22 +84,31 @@ async def first_event(
     kept in front) and ``None``, or a reason when the stream failed before that event."""
     decoder = SSEDecoder(max_event_bytes)
     head: list[bytes] = []
-    chunks = aiter(upstream.chunks())
+    first: list[bytes] = []  # the first data event's data
+    overflow = False
+
+    def until_first(data: bytes) -> bool:
+        nonlocal overflow
+        head.append(data)
+        try:
+            events = decoder.feed(data)
+        except SSEOverflow:
+            overflow = True  # the relay decides what to do with it
+            return False
+        for event in events:
+            if event.data is not None:  # not a comment or a keep-alive
+                first.append(event.data)
+                return False
+        return True
+
     try:
-        while True:
-            try:
-                data = await anext(chunks)
-            except StopAsyncIteration:
-                break
-            head.append(data)
-            for event in decoder.feed(data):
-                if event.data is None:
-                    continue  # a comment or a keep-alive
-                return Prefetched(upstream, b"".join(head), chunks), _error_event(event.data)
-    except SSEOverflow:
-        return Prefetched(upstream, b"".join(head), chunks), None  # the relay decides
+        await upstream.pump(until_first)
     except READ_ERRORS as exc:
         return upstream, f"stream broke before its first event ({type(exc).__name__})"
+    if overflow:
+        return Prefetched(upstream, b"".join(head)), None
+    if first:
+        return Prefetched(upstream, b"".join(head)), _error_event(first[0])
     return upstream, "stream ended before its first event"
 
 

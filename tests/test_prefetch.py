@@ -2,27 +2,43 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+
+import pytest
 
 from proxy.fallback import first_event
 from proxy.http.errors import UpstreamBodyError
 
 
 class Scripted:
+    """An upstream stream read from one position, however it is read (as the native client's
+    connection is): ``chunks`` and ``pump`` go on from where the last reader stopped."""
+
     def __init__(self, parts: list[bytes], error_after: int | None = None) -> None:
         self.status = 200
         self.headers = {"Content-Type": "text/event-stream"}
         self._parts = parts
         self._error_after = error_after
-        self.calls = 0
+        self._next = 0
         self.closed = False
 
+    def _take(self) -> bytes | None:
+        if self._error_after == self._next:
+            raise UpstreamBodyError("reset")
+        if self._next == len(self._parts):
+            return None
+        self._next += 1
+        return self._parts[self._next - 1]
+
     async def chunks(self) -> AsyncIterator[bytes]:
-        self.calls += 1
-        for i, part in enumerate(self._parts):
-            if self._error_after == i:
-                raise UpstreamBodyError("reset")
+        while (part := self._take()) is not None:
             yield part
+
+    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+        while (part := self._take()) is not None:
+            if not sink(part):
+                return False
+        return True
 
     async def read(self) -> bytes:
         return b"".join(self._parts)
@@ -31,20 +47,32 @@ class Scripted:
         self.closed = True
 
 
-async def relayed(upstream: Scripted) -> tuple[bytes, str | None]:
+async def relayed(upstream: Scripted, pumped: bool = False) -> tuple[bytes, str | None]:
     response, failure = await first_event(upstream, 1 << 20)
     if failure is not None:
         return b"", failure
+    if pumped:  # as the streaming relay reads it
+        parts: list[bytes] = []
+        assert await response.pump(lambda data: parts.append(data) or True)
+        return b"".join(parts), None
     return b"".join([part async for part in response.chunks()]), None
 
 
-async def test_the_relay_gets_every_byte_from_one_reader() -> None:
+@pytest.mark.parametrize("pumped", [False, True])
+async def test_the_relay_gets_every_byte_in_order(pumped: bool) -> None:
     parts = [b": ping\n\n", b'data: {"choices"', b": []}\n\nda", b"ta: [DONE]\n\n"]
     upstream = Scripted(parts)
-    body, failure = await relayed(upstream)
+    body, failure = await relayed(upstream, pumped)
     assert failure is None
     assert body == b"".join(parts)
-    assert upstream.calls == 1  # the native client closes the connection for a second reader
+    assert not upstream.closed
+
+
+async def test_an_event_past_the_size_bound_is_left_to_the_relay() -> None:
+    parts = [b"data: " + b"x" * 64, b"x" * 64, b"\n\ndata: [DONE]\n\n"]
+    response, failure = await first_event(Scripted(parts), 32)
+    assert failure is None
+    assert b"".join([part async for part in response.chunks()]) == b"".join(parts)
 
 
 async def test_an_error_first_event_is_a_failure() -> None:
