@@ -16,7 +16,10 @@ connection, the body relayed as it is parsed. Its contract is ``proxy.http.upstr
 - an idle connection is dropped after ``keepalive_timeout_s``, below uvicorn's (vLLM's) 5 s,
   so the pool does not hand out one the upstream is closing;
 - the body of a slow client is not buffered without bound: reading from the upstream pauses
-  above ``HIGH_WATER`` bytes held and resumes when the consumer has taken them.
+  above ``HIGH_WATER`` bytes held and resumes when the consumer has taken them;
+- ``pump`` hands the body to a consumer's sink from the read's own callback, piece by piece
+  as it is parsed (a stream's token is one piece): no task is woken per piece; the sink says
+  when to stop (a decision, a client to drain), and the rest waits in the connection.
 """
 
 from __future__ import annotations
