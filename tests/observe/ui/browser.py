@@ -61,6 +61,16 @@ class Page:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
+    async def wait_for(self, expression: str) -> Any:
+        """Until ``expression`` is truthy in the page, for what a handler changes after an event
+        (a ``hashchange`` runs after the click that caused it); its value."""
+        async with asyncio.timeout(STEP_S):
+            while True:
+                value = await self.js(expression)
+                if value:
+                    return value
+                await asyncio.sleep(0.02)  # the page's handlers run between evaluations
+
     async def click(self, selector: str, navigates: bool = True) -> None:
         """A real mouse click at the middle of the first element ``selector`` matches."""
         box = await self.js(

@@ -121,8 +121,11 @@ async def test_the_html_report_opens_offline_without_stored_text(
             " s.dispatchEvent(new Event('change', {bubbles: true})); })()"
         )
         await page.click("tr[data-request='flip'] a.incident-link", navigates=False)
-        target = await page.js("location.hash")
-        assert target.startswith("#i-")
+        # The page follows the hash in its hashchange handler, which runs after the click.
+        target = await page.wait_for(
+            "location.hash.startsWith('#i-') && document.body.classList.contains('viewing')"
+            " && location.hash"
+        )
         assert (
             await page.js("getComputedStyle(document.getElementById('overview')).display") == "none"
         )
