@@ -889,6 +889,7 @@ class ScriptedReads:
     def __init__(self, reads: list[bytes], fail: bool = False) -> None:
         self.reads = reads
         self.fail = fail
+        self._body = self.chunks()  # pump's: it goes on where the last call stopped
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for read in self.reads:
@@ -897,8 +898,6 @@ class ScriptedReads:
             raise UpstreamBodyError("connection lost")
 
     async def pump(self, sink: Callable[[bytes], bool]) -> bool:
-        if not hasattr(self, "_body"):
-            self._body = self.chunks()
         return await pump_chunks(self._body, sink)
 
 

@@ -309,6 +309,7 @@ def micro(tokens: int) -> None:
 class _Upstream:
     def __init__(self, reads: list[bytes]) -> None:
         self._reads = reads
+        self._left = iter(reads)  # pump's: it goes on where the last call stopped
 
     async def chunks(self) -> AsyncIterator[bytes]:
         for read in self._reads:
@@ -316,8 +317,7 @@ class _Upstream:
 
     async def pump(self, sink: Callable[[bytes], bool]) -> bool:
         # As the native client pumps: each read handed over synchronously, no await per read.
-        reads = self._left = getattr(self, "_left", None) or iter(self._reads)
-        return all(sink(read) for read in reads)
+        return all(sink(read) for read in self._left)
 
 
 class _Client:
