@@ -43,6 +43,8 @@ class StreamedAnswer:
         self._first_id: str | None = None  # a restarted attempt keeps the first attempt's id
         # The attempt after a closed reasoning: its reasoning deltas are the answer's content.
         self._closes_reasoning = False
+        # The client left after the whole answer: settled as answered, then raised again.
+        self._gone: BaseException | None = None
 
     async def respond(self) -> None:
         ex, stages = self.exchange, self._stages
@@ -54,23 +56,28 @@ class StreamedAnswer:
             await client.start(upstream.status, headers)
             decision = await run_attempts(self, stages.recovery)
             result = self._result
-            if (
-                isinstance(decision, Abort | Retry)
-                and result is not None
-                and result.trigger is not None
-            ):
-                assert ex.view is not None
-                await client.write(
-                    abort_chunk(ex.endpoint, self._first_id, ex.view.model, result.trigger.choice)
-                )
-            await client.end()
+            if self._gone is None:
+                if (
+                    isinstance(decision, Abort | Retry)
+                    and result is not None
+                    and result.trigger is not None
+                ):
+                    assert ex.view is not None
+                    await client.write(
+                        abort_chunk(
+                            ex.endpoint, self._first_id, ex.view.model, result.trigger.choice
+                        )
+                    )
+                await client.end()
         except CLIENT_GONE as exc:
             self._upstream.close()
-            self._inspectors.on_end(False)
-            stages.lifecycle.client_left(ex)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            return
+            if self._result is None or not self._result.complete:
+                self._inspectors.on_end(False)
+                stages.lifecycle.client_left(ex)
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+                return
+            self._gone = exc  # it left while the answer's end was written: it has the answer
         finally:
             self._upstream.close()
         result = self._result
@@ -85,6 +92,8 @@ class StreamedAnswer:
         ended = complete or (result is not None and result.decision is not None)
         outcome = "ok" if ended else "upstream_error"
         stages.lifecycle.finished(ex, self._upstream.status, outcome)
+        if isinstance(self._gone, asyncio.CancelledError):
+            raise self._gone
 
     # -- one attempt -------------------------------------------------------------------------
 
@@ -127,7 +136,15 @@ class StreamedAnswer:
             plan,
             stages.clock,
         )
-        result = self._result = await relay.run(self._upstream, self._client)
+        result = self._result = relay.result
+        try:
+            await relay.run(self._upstream, self._client)
+        except CLIENT_GONE as exc:
+            if not result.complete:
+                raise
+            # The client has the whole stream: this attempt is decided and accounted as any
+            # clean end (a pending retry recovered), with no await before ``respond`` re-raises.
+            self._gone = exc
         self._upstream.close()  # an abandoned attempt's connection closes at once
         self._first_id = self._first_id or result.first_id
         if ex.first_byte_s is None:
@@ -156,6 +173,8 @@ class StreamedAnswer:
         ex = self.exchange
         attempts = ex.attempts
         assert attempts is not None
+        if self._gone is not None:
+            return False  # nobody to answer any more
         marker = retry_comment(attempts.count, decision.reason)
         if continued is None:  # a restart: the client sees the answer start again
             await self._client.write(marker)

@@ -71,6 +71,63 @@ async def test_request_id_reaches_the_engine(make_proxy: Any, emulator: Emulator
     assert (await resp.json())["id"] == "chatcmpl-trace-42"
 
 
+def samples(registry: CollectorRegistry, name: str) -> float:
+    """The sum of one sample over all its label sets."""
+    return sum(s.value for family in registry.collect() for s in family.samples if s.name == name)
+
+
+async def test_a_client_that_closes_on_done_had_the_whole_answer(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    # The sync openai SDK closes the connection as soon as it reads [DONE]. The engine's last
+    # chunk frame comes a second later, so detproxy is still waiting for it when the client
+    # leaves: the stream is nonetheless answered, audited and timed, not a disconnect.
+    proxy = await make_proxy(
+        emulator.url,
+        env={
+            "DETPROXY_AUDIT__SAMPLE_RATE": "1",
+            "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000",
+            "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+        },
+    )
+
+    def stream() -> list[Any]:
+        sdk = openai.OpenAI(base_url=str(proxy.make_url("/v1")), api_key="x", max_retries=0)
+        with sdk:
+            parts = sdk.chat.completions.create(
+                model="emulator-model",
+                messages=MESSAGES,
+                temperature=0,
+                max_tokens=12,
+                stream=True,
+                extra_headers=knobs(end_delay_s=1.0),
+            )
+            return list(parts)
+
+    parts = await asyncio.to_thread(stream)
+    assert parts[-1].choices[0].finish_reason == "length"
+    for _ in range(100):  # the shadow replays the stream (its own end delayed too)
+        if samples(registry, "detproxy_audits_total") >= 1:
+            break
+        await asyncio.sleep(0.05)
+    assert (
+        metric(
+            registry,
+            "detproxy_audits_total",
+            model="emulator-model",
+            mode="full",
+            verdict="identical",
+        )
+        == 1
+    )
+    assert samples(registry, "detproxy_client_disconnects_total") == 0
+    assert (
+        metric(registry, "detproxy_responses_total", endpoint="chat", code="200", outcome="ok") == 1
+    )
+    assert samples(registry, "detproxy_time_to_first_token_seconds_count") == 1
+    assert samples(registry, "detproxy_inflight_requests") == 0
+
+
 async def test_stream_abort_reaches_the_engine(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:

@@ -164,6 +164,16 @@ def event_data(block: bytes) -> bytes | None:
     return _parse_block(block, [ln for ln in block.split(b"\n") if ln]).data
 
 
+def ends_with_done(relayed: bytes) -> bool:
+    """Whether relayed bytes end with a whole ``data: [DONE]`` event: the stream's end, as a
+    client reads it (the upstream's own framing may still be on its way)."""
+    if not relayed.endswith((b"\n\n", b"\r\r", b"\r\n\r\n")):
+        return False
+    block = relayed.rstrip(b"\r\n")
+    start = max(block.rfind(b"\n"), block.rfind(b"\r")) + 1
+    return block[start:] in (b"data: [DONE]", b"data:[DONE]")
+
+
 def _parse_block(raw: bytes, lines: list[bytes]) -> SSEEvent:
     data: list[bytes] = []
     event: str | None = None

@@ -34,9 +34,10 @@ import orjson
 from policies.base import Abort, Continue, Decision, Retry, Trigger
 from proxy.audit.inject import strip_logprobs
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
+from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event
+from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.loops.continuation import move_reasoning_to_content
 from proxy.openai import REASONING_KEYS, reasoning_of
@@ -288,22 +289,42 @@ class StreamRelay:
     # -- the stream -------------------------------------------------------------------------
 
     async def run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
-        """Relay until the upstream ends or a decision stops it. Client write errors propagate."""
+        """Relay until the upstream ends or a decision stops it. Client write errors and
+        cancellation propagate; ``result.complete`` then tells whether the client had the
+        whole stream."""
         if self.raw:
             return await self._run_raw(upstream, resp)
         return await self._run_inspected(upstream, resp)
+
+    def _client_left(self, last: bytes) -> None:
+        """The client left (or its handler was cancelled) while the relay waited. A stream
+        whose ``[DONE]`` it already has is whole: the openai SDK, say, closes the connection
+        right after it, before the upstream's chunked framing has ended here. Any other stream
+        is left to the caller, as broken."""
+        if self.result.decision is None and ends_with_done(last):
+            self.result.complete = True
+            self.inspectors.on_end(True)
 
     async def _run_raw(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
 
+        last = b""  # the bytes last handed to the client
+
         def relay(data: bytes) -> bool:
+            nonlocal last
             out = tally.feed(data)
-            return resp.write_nowait(out) if out else True
+            if not out:
+                return True
+            last = out
+            return resp.write_nowait(out)
 
         try:
             while not await upstream.pump(relay):
                 await resp.drain()
+        except CLIENT_GONE:
+            self._client_left(last)
+            raise
         except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # A blank line first ends an unfinished event relayed past the size bound.
@@ -323,17 +344,25 @@ class StreamRelay:
         result = self.result
         decoder = self._decoder
 
+        last = b""  # the bytes last handed to the client
+
         def relay(data: bytes) -> bool:
             # Called from the upstream read's callback: a decision stops the pump at once.
+            nonlocal last
             out = self._read(data)
-            more = resp.write_nowait(out) if out else True
-            return more and result.decision is None
+            if not out:
+                return result.decision is None
+            last = out
+            return resp.write_nowait(out) and result.decision is None
 
         try:
             while not await upstream.pump(relay):
                 await resp.drain()
                 if result.decision is not None:
                     return result
+        except CLIENT_GONE:
+            self._client_left(last)
+            raise
         except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # Bytes of an unfinished event are dropped; a blank line first ends any partial

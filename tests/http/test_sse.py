@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, event_data
+from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, ends_with_done, event_data
 
 STREAM = (
     b'data: {"id":"1","choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -171,3 +171,21 @@ def test_event_data_reads_one_block() -> None:
     assert event_data(b'data: {"a":1}') == b'{"a":1}'
     assert event_data(b"\nevent: x\ndata: a\ndata: b") == b"a\nb"
     assert event_data(b": comment") is None
+
+
+@pytest.mark.parametrize(
+    ("relayed", "done"),
+    [
+        (b"data: [DONE]\n\n", True),
+        (b'data: {"a":1}\n\ndata: [DONE]\n\n', True),
+        (b"data:[DONE]\r\n\r\n", True),
+        (b"data: [DONE]\r\r", True),
+        (b"data: [DONE]\n", False),  # not a whole event yet
+        (b'data: {"text":"data: [DONE]"}\n\n', False),
+        (b"data: [DONE]\n\ndata: {}\n\n", False),  # something came after it
+        (b": data: [DONE]\n\n", False),  # a comment
+        (b"", False),
+    ],
+)
+def test_ends_with_done(relayed: bytes, done: bool) -> None:
+    assert ends_with_done(relayed) is done

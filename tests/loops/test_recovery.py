@@ -97,6 +97,35 @@ async def test_the_sdk_reads_a_restarted_stream(make_proxy: Any, emulator: Emula
     assert parts[-1].choices[0].finish_reason == "stop"
 
 
+async def test_a_retry_is_recovered_when_the_client_closes_on_done(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    # The sync openai SDK closes the connection on [DONE], before the engine's last chunk
+    # frame (a second later here) reaches detproxy: the retry's clean end still counts.
+    client = await make_proxy(emulator.url, env=RETRY)
+    late_end = knobs(loop_channel="content", loop_after_tokens=5, end_delay_s=1.0, **ESCAPES)
+
+    def stream() -> list[Any]:
+        sdk = openai.OpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+        with sdk:
+            return list(sdk.chat.completions.create(**chat(stream=True), extra_headers=late_end))
+
+    parts = await asyncio.to_thread(stream)
+    assert parts[-1].choices[0].finish_reason == "stop"
+    for _ in range(100):  # detproxy sees the connection close after the SDK returned
+        if metric(registry, "detproxy_inflight_requests") == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert metric(registry, "detproxy_inflight_requests") == 0
+    assert actions(registry, "retry", "recovered") == 1
+    assert (
+        metric(registry, "detproxy_client_disconnects_total", endpoint="chat", stream="true") == 0
+    )
+    assert (
+        metric(registry, "detproxy_responses_total", endpoint="chat", code="200", outcome="ok") == 1
+    )
+
+
 async def test_hold_reasoning_never_shows_the_looping_attempt(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:

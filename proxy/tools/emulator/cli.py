@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reasoning-tokens", type=int)
     p.add_argument("--token-latency", type=float, dest="token_latency_s")
     p.add_argument("--headers-delay", type=float, dest="headers_delay_s")
+    p.add_argument("--end-delay", type=float, dest="end_delay_s")
     p.add_argument("--tokens-per-chunk", "--stream-interval", type=int, dest="tokens_per_chunk")
     p.add_argument("--speculative", action="store_true", default=None)
     p.add_argument("--speculative-tokens", type=int)

@@ -89,6 +89,10 @@ class EmulatorConfig(BaseModel):
     # Speed (token_latency_s is the time of one engine step).
     token_latency_s: float = Field(default=0.0, ge=0.0)
     headers_delay_s: float = Field(default=0.0, ge=0.0)
+    # Between a stream's ``data: [DONE]`` and the end of its chunked framing. A real server
+    # writes that end separately (uvicorn: the last, empty body message), so a proxy may read
+    # it later, and a client that closes on [DONE] (the sync openai SDK) does not wait for it.
+    end_delay_s: float = Field(default=0.0, ge=0.0)
 
     # Stream chunking. vLLM sends the tokens of one engine step in one chunk; the last token
     # shares its chunk with finish_reason. tokens_per_chunk > 1 is vLLM's --stream-interval:

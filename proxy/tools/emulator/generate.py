@@ -357,6 +357,8 @@ class Run:
         if job.include_usage:
             await resp.write(sse(chunks.usage(self._usage())))
         await resp.write(SSE_DONE)
+        if self.cfg.end_delay_s > 0:
+            await asyncio.sleep(self.cfg.end_delay_s)
         await resp.write_eof()
         self.state.completed += 1
         return resp

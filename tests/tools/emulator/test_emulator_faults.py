@@ -163,3 +163,17 @@ async def test_client_abort_non_stream(make_client: MakeClient) -> None:
         await asyncio.wait_for(client.chat(chat()), timeout=0.1)
     await _wait_for(server, "aborted", 1)
     await _wait_for(server, "running", 0)
+
+
+async def test_end_delay_holds_the_framing_after_done(make_client: MakeClient) -> None:
+    client, server = await make_client(end_delay_s=0.3)
+    async with client.session.post(
+        client.base + CHAT, json=chat(stream=True, max_tokens=3)
+    ) as resp:
+        head = await resp.content.readuntil(b"data: [DONE]\n\n")
+        assert head.endswith(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.1)
+        assert not resp.content.at_eof()  # the last chunk frame is still to come
+        assert await resp.content.read() == b""
+        assert resp.content.at_eof()
+    await _wait_for(server, "completed", 1)
