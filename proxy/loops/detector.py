@@ -168,31 +168,48 @@ class LoopDetector:
     def _advance(self, delta: str) -> LoopReport | None:
         pending = self._pending
         pending.append(delta)
-        text = "".join(pending)
+        # The window and the text since, as one string: each check's window is a slice of it,
+        # ``full[start:e]``, made only for a check whose anchor occurred before. Most checks of
+        # ordinary text end at that first search, and a whole answer is many checks at once.
+        base = len(self._buf)
+        full = self._buf + "".join(pending)
         pending.clear()
         config = self._config
-        every = config.check_every_chars
-        window = config.window_chars
-        pos = 0
+        every, window = config.check_every_chars, config.window_chars
+        min_covered, max_period, min_repeats = (
+            config.min_covered_chars,
+            config.max_period,
+            config.min_repeats,
+        )
+        origin = self._buf_end - base  # the stream offset of full[0]
+        start = e = 0
         while self._next_check <= self._total:
-            take = self._next_check - self._buf_end
-            piece = text[pos : pos + take]
-            pos += take
-            buf = self._buf + piece
-            if len(buf) > window:
+            check_at = self._next_check
+            self._next_check += every
+            e = check_at - origin
+            if e - start > window:
                 if not self._keep:
                     self._keep = config.max_required_chars() + every
-                buf = buf[len(buf) - self._keep :]
-            self._buf = buf
-            self._buf_end = self._next_check
-            self._next_check += every
+                start = e - self._keep
+            end = e - start
+            if end < min_covered:
+                continue  # as _check: too short to hold a loop
+            max_d = min(max_period, end // min_repeats)
+            lo = start + max(0, end - _ANCHOR - max_d)
+            if full.rfind(full[e - _ANCHOR : e], lo, e - 1) < 0:
+                if self._runs:
+                    self._runs = {}
+                self._runs_at = check_at  # as _check: no candidate, no run carried on
+                continue
+            self._buf, self._buf_end = full[start:e], check_at
             report = self._check()
             if report is not None:
                 self._report = report
                 self._buf = ""
                 return report
-        if pos < len(text):
-            pending.append(text[pos:])
+        self._buf, self._buf_end = full[start:e], self._next_check - every
+        if e < len(full):
+            pending.append(full[e:])
         return None
 
     def _check(self) -> LoopReport | None:

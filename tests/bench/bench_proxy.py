@@ -936,6 +936,12 @@ def main() -> int:
         help="after the tables, py-spy dp-off and dp-loops on streams at c=16",
     )
     ap.add_argument(
+        "--profile-targets",
+        default="",
+        metavar="NAMES",
+        help="with --profile: these targets (comma-separated) in every mode instead",
+    )
+    ap.add_argument(
         "--ceiling",
         action="store_true",
         help="add aio-static: aiohttp's server alone answering from memory (no upstream)",
@@ -1041,7 +1047,12 @@ def main() -> int:
         if args.profile > 0:
             for mode in modes:
                 for t in bench.targets:
-                    if t.name == "dp-off" or (t.name == "dp-loops" and mode == "sse"):
+                    chosen = (
+                        t.name in args.profile_targets.split(",")
+                        if args.profile_targets
+                        else t.name == "dp-off" or (t.name == "dp-loops" and mode == "sse")
+                    )
+                    if chosen:
                         profile(bench, t, mode, 16, args.profile, 18)
         print(f"total {time.monotonic() - t_start:.0f}s")
     finally:
