@@ -9,11 +9,18 @@ Run: ``.venv/bin/python tests/bench/bench_loops.py``. Prints figures only (no as
 - the 99.9th percentile of single ``feed`` calls (those that run a check) on each text;
 - the detection lag in chars after the loop's onset, for several periods, next to
   ``required_chars`` (the run the thresholds ask for);
-- the peak number of chars the detector holds (window plus pending deltas).
+- the peak number of chars the detector holds (window plus pending deltas);
+- a whole answer fed at once (a non-streamed answer: ``LoopWatch.on_answer``), for answers of
+  0.5, 4 and 16 KB of the corpus (all files, as above), a fresh detector each; with
+  ``--baseline FILE`` (another ``detector.py``, e.g. from ``git show
+  REV:proxy/loops/detector.py > /tmp/old.py``) both are timed interleaved in this process, so
+  that the machine's drift hits both alike.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import random
 import string
 import sys
@@ -172,7 +179,49 @@ def bench_loops(prose: str, periods: list[int]) -> None:
         )
 
 
+def load_detector(path: Path) -> type[LoopDetector]:
+    """``LoopDetector`` of another detector.py, imported under a module name of its own."""
+    spec = importlib.util.spec_from_file_location("baseline_detector", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    detector: type[LoopDetector] = module.LoopDetector
+    return detector
+
+
+def bench_whole(prose: str, baseline: type[LoopDetector] | None, rounds: int = 40) -> None:
+    """A whole answer in one ``feed``: median and best over interleaved rounds, us per answer."""
+    kinds: list[tuple[str, type[LoopDetector]]] = [("this", LoopDetector)]
+    if baseline is not None:
+        kinds.append(("baseline", baseline))
+    for size in (512, 4096, 16384):
+        answer = prose[:size]
+        n = max(20, 200_000 // size)
+        times: dict[str, list[float]] = {name: [] for name, _ in kinds}
+        for _ in range(rounds):
+            for name, detector in kinds:
+                start = time.perf_counter()
+                for _ in range(n):
+                    detector().feed(answer)
+                times[name].append((time.perf_counter() - start) / n * 1e6)
+        cells = []
+        for name, _ in kinds:
+            got = sorted(times[name])
+            cells.append(f"{name} {got[len(got) // 2]:8.2f} (best {got[0]:.2f})")
+        ratio = ""
+        if baseline is not None:
+            mid = rounds // 2
+            gain = sorted(times["baseline"])[mid] / sorted(times["this"])[mid]
+            ratio = f"  baseline/this {gain:.2f}x"
+        print(f"  {len(answer):>6} chars: " + "; ".join(cells) + ratio)
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline", type=Path, help="another detector.py to time against")
+    args = ap.parse_args()
+    baseline = load_detector(args.baseline) if args.baseline else None
     config = DetectorConfig()
     print(f"DetectorConfig defaults: {config}")
     print(f"python {sys.version.split()[0]}; deltas of {DELTA} chars; best of {REPEAT} runs")
@@ -192,6 +241,12 @@ def main() -> None:
     print("  lag(check) = offset of the check that fired - onset; lag(fed) = chars fed - onset")
     prose = (CORPUS / "prose.txt").read_text(encoding="utf-8")
     bench_loops(prose, [4, 8, 14, 50, 180, 400, 1000, 2000, 4096])
+    print()
+    print(
+        "A whole answer fed at once (a non-streamed answer), a fresh detector each: us per answer,"
+    )
+    print("median (best) of 40 interleaved rounds")
+    bench_whole(everything, baseline)
 
 
 if __name__ == "__main__":
