@@ -22,7 +22,7 @@ from proxy.audit.inject import needs_injection, plan_logprobs
 from proxy.audit.outcome import ChoiceOutcome, Outcome
 from proxy.audit.sampling import Sampler
 from proxy.audit.shadow import ShadowJob, ShadowResult, ShadowScheduler
-from proxy.audit.store import ChoiceDigest, DuplicateStore, digest_outcome
+from proxy.audit.store import ChoiceDigest, DuplicateStore, MemoryDuplicateStore, digest_outcome
 from proxy.classify import RequestView
 from proxy.config import Settings
 from proxy.events import AuditCompleted, EventBus, ShadowDropped
@@ -64,6 +64,8 @@ class Auditor:
         self._bus = bus
         self._scheduler = scheduler
         self._store = store
+        # An in-process store is checked inline; a shared one (Redis) off the request path.
+        self._local_store = store if isinstance(store, MemoryDuplicateStore) else None
         self._inflight = inflight
         self._target = target
         self._sampler = Sampler(settings.audit)
@@ -143,8 +145,12 @@ class Auditor:
         latency = time.monotonic() - ticket.started
         if self._audit.passive_checks:
             self._compare_choices(ticket, outcome, latency)
-            if self._store is not None:
-                # Off the request path: the store may be a network away (Redis).
+            if self._local_store is not None:
+                key, digests = _duplicate_key(ticket), digest_outcome(outcome)
+                previous = self._local_store.swap(key, digests)
+                self._duplicates(ticket, digests, previous, latency)
+            elif self._store is not None:
+                # Off the request path: the store is a network away (Redis).
                 self._tasks.spawn(
                     self._check_duplicate(ticket, outcome, latency), name="duplicate-check"
                 )
@@ -196,10 +202,17 @@ class Auditor:
 
     async def _check_duplicate(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
         assert self._store is not None
-        # Like for like: an answer with injected logprobs is only matched with its kind.
-        key = f"{ticket.request_key}:{int(ticket.injected)}"
         digests = digest_outcome(outcome)
-        previous = await self._store.check_and_put(key, digests)
+        previous = await self._store.check_and_put(_duplicate_key(ticket), digests)
+        self._duplicates(ticket, digests, previous, latency)
+
+    def _duplicates(
+        self,
+        ticket: AuditTicket,
+        digests: tuple[ChoiceDigest, ...],
+        previous: tuple[ChoiceDigest, ...] | None,
+        latency: float,
+    ) -> None:
         if previous is None:
             return
         for index, (now, before) in enumerate(zip(digests, previous, strict=False)):
@@ -297,6 +310,11 @@ def _completion_tokens(outcome: Outcome) -> int:
     if outcome.completion_tokens is not None:
         return outcome.completion_tokens
     return sum(len(c.tokens) if c.tokens else len(c.content) // 4 + 1 for c in outcome.choices)
+
+
+def _duplicate_key(ticket: AuditTicket) -> str:
+    """Like for like: an answer with injected logprobs is only matched with its kind."""
+    return f"{ticket.request_key}:{int(ticket.injected)}"
 
 
 def _tokens_of(outcome: Outcome) -> int:

@@ -76,6 +76,10 @@ class MemoryDuplicateStore:
     async def check_and_put(
         self, key: str, digests: tuple[ChoiceDigest, ...]
     ) -> tuple[ChoiceDigest, ...] | None:
+        return self.swap(key, digests)
+
+    def swap(self, key: str, digests: tuple[ChoiceDigest, ...]) -> tuple[ChoiceDigest, ...] | None:
+        """``check_and_put`` at once: an in-process store need not be awaited."""
         now = self._clock()
         previous = self._entries.pop(key, None)
         self._entries[key] = (now, digests)

@@ -1,0 +1,86 @@
+"""The auditor's passive checks: an in-process duplicate store is checked inline."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from proxy.audit.auditor import Auditor
+from proxy.audit.outcome import outcome_from_response
+from proxy.audit.store import ChoiceDigest, DuplicateStore, MemoryDuplicateStore
+from proxy.classify import classify
+from proxy.config import load_settings
+from proxy.events import AuditCompleted, EventBus
+
+BODY: dict[str, Any] = {
+    "model": "m",
+    "temperature": 0,
+    "messages": [{"role": "user", "content": "hi"}],
+}
+
+
+def answer(text: str) -> dict[str, Any]:
+    return {
+        "id": "x",
+        "object": "chat.completion",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+
+
+class SlowStore:
+    """A store that has to be awaited, as a shared one is (checked off the request path)."""
+
+    def __init__(self) -> None:
+        self._memory = MemoryDuplicateStore(60, 100)
+
+    async def check_and_put(
+        self, key: str, digests: tuple[ChoiceDigest, ...]
+    ) -> tuple[ChoiceDigest, ...] | None:
+        await asyncio.sleep(0)
+        return self._memory.swap(key, digests)
+
+    async def close(self) -> None:
+        pass
+
+
+def auditor_with(store: DuplicateStore) -> tuple[Auditor, list[AuditCompleted]]:
+    settings = load_settings(env={}, flags={"upstream": "http://127.0.0.1:8000"})
+    bus = EventBus()
+    seen: list[AuditCompleted] = []
+    bus.subscribe(AuditCompleted, seen.append)
+    return Auditor(settings, bus, None, store, lambda: 1), seen
+
+
+def answered(auditor: Auditor, text: str) -> None:
+    view = classify("chat", BODY)
+    ticket = auditor.plan(view, BODY, "r", "/v1/chat/completions", {})
+    assert ticket is not None  # passive checks are on by default
+    auditor.primary_done(ticket, outcome_from_response("chat", answer(text)))
+
+
+async def test_an_in_process_store_is_checked_before_primary_done_returns() -> None:
+    auditor, seen = auditor_with(MemoryDuplicateStore(60, 100))
+    answered(auditor, "same")
+    assert seen == []
+    answered(auditor, "other")  # the same request, another answer: no await in between
+    duplicates = [e for e in seen if e.mode == "duplicate"]
+    assert len(duplicates) == 1 and duplicates[0].verdict.verdict == "text_divergence"
+    await auditor.close()
+
+
+async def test_a_store_that_must_be_awaited_is_checked_off_the_request_path() -> None:
+    auditor, seen = auditor_with(SlowStore())
+    answered(auditor, "same")
+    answered(auditor, "same")
+    assert [e for e in seen if e.mode == "duplicate"] == []  # not yet: the checks are tasks
+    for _ in range(10):
+        await asyncio.sleep(0)
+    duplicates = [e for e in seen if e.mode == "duplicate"]
+    assert len(duplicates) == 1 and duplicates[0].verdict.verdict == "identical"
+    await auditor.close()
