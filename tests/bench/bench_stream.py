@@ -28,9 +28,8 @@ import itertools
 import pstats
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
@@ -233,8 +232,8 @@ async def main() -> int:
         a, b = median(times[name, short]), median(times[name, long])
         per_event = (b - a) / extra_events
         per_stream = a - per_event * events[short]
-        print(f"{name:<20}{a:>9.1f}u{b:>10.1f}u{per_event:>10.2f}u{per_stream:>11.1f}u")
-    print("(us; 'per stream': what a stream costs whatever its length, the line's intercept)")
+        print(f"{name:<20}{a:>10.1f}{b:>11.1f}{per_event:>11.2f}{per_stream:>12.1f}")
+    print("(us a stream; 'per stream': what a stream costs whatever its length, the intercept)")
     if args.profile:
         forwarder = forwarders[args.profile, long]
         profiler = cProfile.Profile()
@@ -249,10 +248,5 @@ async def main() -> int:
     return 0
 
 
-def run(entry: Callable[[], Any]) -> int:
-    result: int = asyncio.run(entry())
-    return result
-
-
 if __name__ == "__main__":
-    sys.exit(run(main))
+    sys.exit(asyncio.run(main()))
