@@ -159,6 +159,15 @@ import httptools
 from proxy.http.eventloop import new_event_loop
 UPSTREAM = ("127.0.0.1", int(sys.argv[1]))
 TASK = sys.argv[3:] == ["task"]
+COALESCE = sys.argv[3:] == ["coalesce"]
+QUEUED = []  # COALESCE: the clients with writes queued in this loop iteration
+def flush():
+    queued = QUEUED[:]
+    QUEUED.clear()
+    for client in queued:
+        data = b"".join(client.out)
+        client.out.clear()
+        client.transport.write(data)
 class Upstream(asyncio.Protocol):
     def __init__(self, client):
         self.client = client
@@ -173,6 +182,13 @@ class Upstream(asyncio.Protocol):
             self.chunks.append(data)
             if self.waiter is not None and not self.waiter.done():
                 self.waiter.set_result(None)
+        elif COALESCE:  # written at the iteration's end, as detproxy's front does
+            client = self.client
+            if not client.out:
+                if not QUEUED:
+                    asyncio.get_running_loop().call_soon(flush)
+                QUEUED.append(client)
+            client.out.append(data)
         else:
             self.client.transport.write(data)
         self.parser.feed_data(data)  # where the response ends: the connection is kept
@@ -193,7 +209,7 @@ class Client(asyncio.Protocol):
     def connection_made(self, transport):
         self.transport = transport
         self.parser = httptools.HttpRequestParser(self)
-        self.upstream, self.parts = None, []
+        self.upstream, self.parts, self.out = None, [], []
     def data_received(self, data):
         self.parts.append(data)
         try:
@@ -246,6 +262,7 @@ WHAT = {
     "dp-gcoff": "detproxy, defaults with gc_freeze = false, gc_threshold = Python's (700, 10, 10)",
     "ht-relay": "asyncio + httptools, each read relayed from its callback: a Python relay's floor",
     "ht-relay-task": "ht-relay with each read handed to a task that awaits it and writes it",
+    "ht-relay-coalesce": "ht-relay with the writes of a loop iteration made at its end",
 }
 
 # Each request a different prompt (a tag per run and a counter), read to the end; done()
@@ -355,7 +372,8 @@ def start(
         )
         proc = _nginx(bench, "proxy", conf, px)
         bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
-    for name, mode in (("ht-relay", []), ("ht-relay-task", ["task"])):
+    relays = (("ht-relay", []), ("ht-relay-task", ["task"]), ("ht-relay-coalesce", ["coalesce"]))
+    for name, mode in relays:
         if name in names:
             port = free_port()
             argv = [sys.executable, "-c", HTTPTOOLS_RELAY, str(up), str(port), *mode]
@@ -590,7 +608,8 @@ def main() -> int:
         "--targets",
         default="",
         help="comma-separated subset of nginx,dp-default,dp-noloops,dp-audit,dp-default-wN,"
-        "direct,ht-relay,ht-relay-task (default: all but direct and the ht- relays)",
+        "direct,ht-relay,ht-relay-task,ht-relay-coalesce (default: all but direct and the "
+        "ht- relays)",
     )
     ap.add_argument(
         "--gc-timings",
