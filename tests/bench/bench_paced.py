@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import pstats
 import resource
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -236,6 +238,19 @@ async def main():
 new_event_loop("auto").run_until_complete(main())
 """
 
+# --cprofile: detproxy under cProfile, its stats written when it stops (SIGTERM: it drains).
+CPROFILE_LAUNCHER = """\
+import cProfile, sys
+from proxy.cli import main
+profile = cProfile.Profile()
+profile.enable()
+try:
+    main(sys.argv[2:])
+finally:
+    profile.disable()
+    profile.dump_stats(sys.argv[1])
+"""
+
 DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit off
 CONFIGS = {
     "dp-default": DEFAULTS,
@@ -339,8 +354,9 @@ GC_OFF = "[server]\ngc_freeze = false\ngc_threshold = [700, 10, 10]\n"  # before
 
 def start(
     bench: Bench, workers: list[int], names: list[str], log_level: str, gc_timed: bool
-) -> int:
-    """Starts the upstream and the targets; returns the bytes of one stream's events."""
+) -> tuple[int, int]:
+    """Starts the upstream and the targets; returns the bytes of one stream's events and the
+    upstream's port."""
     tmp = bench.tmp
     (tmp / "www").mkdir()
     (tmp / "tmp").mkdir()
@@ -404,7 +420,7 @@ def start(
         wait_port(port, proc, f"detproxy ({name})")
         what = WHAT.get(name) or f"detproxy, defaults, serve --workers {n}"
         bench.targets.append(Target(name, port, what, proc))
-    return sum(len(e) for e in events)
+    return sum(len(e) for e in events), up
 
 
 def _nginx(bench: Bench, name: str, conf: str, port: int) -> subprocess.Popen[bytes]:
@@ -533,6 +549,39 @@ def profiled(
     )
 
 
+def cprofiled(bench: Bench, wire: dict[str, int], up: int, streams: int, seconds: float) -> None:
+    """detproxy's defaults under cProfile for one wrk run: each function's time per relayed
+    event (profiled times: cProfile slows Python calls several times; compare shares)."""
+    port, stats = free_port(), bench.tmp / "dp-cprofile.prof"
+    cfg = bench.tmp / "dp-cprofile.toml"
+    cfg.write_text(DEFAULTS)
+    argv = [sys.executable, "-c", CPROFILE_LAUNCHER, str(stats), "serve", "--config", str(cfg)]
+    argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
+    proc = bench.spawn(argv, "dp-cprofile.log", cwd=bench.tmp)
+    wait_port(port, proc, "detproxy (dp-cprofile)")
+    target = Target("dp-cprofile", port, "detproxy, defaults, under cProfile", proc)
+    wire[target.name] = wire_stream(target)[0]
+    cell = run_cell(bench, wire, target, streams, seconds, "cprofile")
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    table = pstats.Stats(str(stats))
+    rows = []
+    for (path, line, name), (_, calls, own, total, _) in table.stats.items():  # type: ignore[attr-defined]
+        where = path.split("/proxy/", 1)[-1] if "/proxy/" in path else Path(path).name
+        rows.append((own, total, calls, f"{where}:{line}({name})"))
+    rows.sort(reverse=True)
+    events = cell.events
+    print(
+        f"\n== cProfile: dp-default, {streams} paced streams, {seconds:g}s: {events:.0f} events;"
+        " profiled us per event (the loop's own row includes its idle wait) =="
+    )
+    print(f"{'self':>8} {'total':>8} {'calls':>7}  function")
+    for own, total, calls, where in rows[:30]:
+        print(
+            f"{own / events * 1e6:8.2f} {total / events * 1e6:8.2f} {calls / events:7.2f}  {where}"
+        )
+
+
 def median_cell(cells: list[Cell]) -> Cell:
     return Cell(
         statistics.median(c.events_s for c in cells),
@@ -623,6 +672,13 @@ def main() -> int:
         help="after the tables, py-spy each Python target for this many seconds at the"
         " largest --streams",
     )
+    ap.add_argument(
+        "--cprofile",
+        type=float,
+        default=0,
+        help="after the tables, run detproxy's defaults under cProfile for this many seconds"
+        " at the largest --streams and print its functions' time per event",
+    )
     ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     args = ap.parse_args()
@@ -650,7 +706,7 @@ def main() -> int:
     results: dict[tuple[int, str], list[Cell]] = {}
     print("\n".join(machine()))
     try:
-        events_bytes = start(bench, workers, names, args.log_level, args.gc_timings)
+        events_bytes, upstream_port = start(bench, workers, names, args.log_level, args.gc_timings)
         wire = check(bench)
         cells = len(streams) * len(bench.targets) * args.rounds
         print(
@@ -689,6 +745,8 @@ def main() -> int:
             for t in bench.targets:
                 if t.name not in ("nginx", "direct"):
                     profiled(bench, wire, t, max(streams), args.profile)
+        if args.cprofile > 0:
+            cprofiled(bench, wire, upstream_port, max(streams), args.cprofile)
         audit = next((t for t in bench.targets if t.name == "dp-audit"), None)
         if audit is not None:
             lines = metric_lines(audit, ("detproxy_audits_total", "detproxy_requests_total"))
