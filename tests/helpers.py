@@ -322,6 +322,11 @@ def metric(registry: CollectorRegistry, sample: str, **labels: str) -> float:
     return registry.get_sample_value(sample, labels) or 0.0
 
 
+def metric_total(registry: CollectorRegistry, sample: str) -> float:
+    """One sample of an in-process registry summed over all its label sets."""
+    return sum(s.value for family in registry.collect() for s in family.samples if s.name == sample)
+
+
 def metric_samples(text: str, prefix: str | tuple[str, ...] = "") -> dict[str, float]:
     """The samples of a Prometheus text page whose names start with ``prefix``, keyed by
     ``name{labels}`` as written."""

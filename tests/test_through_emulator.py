@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import knobs, metric, sse_blocks
+from tests.helpers import knobs, metric, metric_total, sse_blocks
 
 MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
 
@@ -71,11 +71,6 @@ async def test_request_id_reaches_the_engine(make_proxy: Any, emulator: Emulator
     assert (await resp.json())["id"] == "chatcmpl-trace-42"
 
 
-def samples(registry: CollectorRegistry, name: str) -> float:
-    """The sum of one sample over all its label sets."""
-    return sum(s.value for family in registry.collect() for s in family.samples if s.name == name)
-
-
 async def test_a_client_that_closes_on_done_had_the_whole_answer(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
@@ -107,7 +102,7 @@ async def test_a_client_that_closes_on_done_had_the_whole_answer(
     parts = await asyncio.to_thread(stream)
     assert parts[-1].choices[0].finish_reason == "length"
     for _ in range(100):  # the shadow replays the stream (its own end delayed too)
-        if samples(registry, "detproxy_audits_total") >= 1:
+        if metric_total(registry, "detproxy_audits_total") >= 1:
             break
         await asyncio.sleep(0.05)
     assert (
@@ -120,12 +115,12 @@ async def test_a_client_that_closes_on_done_had_the_whole_answer(
         )
         == 1
     )
-    assert samples(registry, "detproxy_client_disconnects_total") == 0
+    assert metric_total(registry, "detproxy_client_disconnects_total") == 0
     assert (
         metric(registry, "detproxy_responses_total", endpoint="chat", code="200", outcome="ok") == 1
     )
-    assert samples(registry, "detproxy_time_to_first_token_seconds_count") == 1
-    assert samples(registry, "detproxy_inflight_requests") == 0
+    assert metric_total(registry, "detproxy_time_to_first_token_seconds_count") == 1
+    assert metric_total(registry, "detproxy_inflight_requests") == 0
 
 
 async def test_stream_abort_reaches_the_engine(
