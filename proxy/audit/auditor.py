@@ -64,8 +64,6 @@ class Auditor:
         self._bus = bus
         self._scheduler = scheduler
         self._store = store
-        # An in-process store is checked inline; a shared one (Redis) off the request path.
-        self._local_store = store if isinstance(store, MemoryDuplicateStore) else None
         self._inflight = inflight
         self._target = target
         self._sampler = Sampler(settings.audit)
@@ -145,11 +143,12 @@ class Auditor:
         latency = time.monotonic() - ticket.started
         if self._audit.passive_checks:
             self._compare_choices(ticket, outcome, latency)
-            if self._local_store is not None:
-                key, digests = _duplicate_key(ticket), digest_outcome(outcome)
-                previous = self._local_store.swap(key, digests)
+            store = self._store
+            if isinstance(store, MemoryDuplicateStore):  # in-process: checked inline
+                digests = digest_outcome(outcome)
+                previous = store.swap(_duplicate_key(ticket), digests)
                 self._duplicates(ticket, digests, previous, latency)
-            elif self._store is not None:
+            elif store is not None:
                 # Off the request path: the store is a network away (Redis).
                 self._tasks.spawn(
                     self._check_duplicate(ticket, outcome, latency), name="duplicate-check"

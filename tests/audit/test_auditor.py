@@ -11,26 +11,13 @@ from proxy.audit.store import ChoiceDigest, DuplicateStore, MemoryDuplicateStore
 from proxy.classify import classify
 from proxy.config import load_settings
 from proxy.events import AuditCompleted, EventBus
+from tests.helpers import chat_body
 
 BODY: dict[str, Any] = {
     "model": "m",
     "temperature": 0,
     "messages": [{"role": "user", "content": "hi"}],
 }
-
-
-def answer(text: str) -> dict[str, Any]:
-    return {
-        "id": "x",
-        "object": "chat.completion",
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": "stop",
-            }
-        ],
-    }
 
 
 class SlowStore:
@@ -61,7 +48,7 @@ def answered(auditor: Auditor, text: str) -> None:
     view = classify("chat", BODY)
     ticket = auditor.plan(view, BODY, "r", "/v1/chat/completions", {})
     assert ticket is not None  # passive checks are on by default
-    auditor.primary_done(ticket, outcome_from_response("chat", answer(text)))
+    auditor.primary_done(ticket, outcome_from_response("chat", chat_body([], [(text, -0.5, [])])))
 
 
 async def test_an_in_process_store_is_checked_before_primary_done_returns() -> None:
