@@ -255,6 +255,8 @@ DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit off
 CONFIGS = {
     "dp-default": DEFAULTS,
     "dp-noloops": "[loops]\nenabled = false\n",
+    # Nothing inspects a stream: its events take the raw relay (the I/O skeleton's cost).
+    "dp-raw": "[loops]\nenabled = false\n[audit]\npassive_checks = false\n",
     "dp-aiohttp": '[server]\nhttp = "aiohttp"\n',  # aiohttp's server on the client side
     # As bench_proxy.py's dp-audit: the shadow budgets raised so that every request is replayed
     # (the default rate limit of 100 shadows/s would audit a few percent of these streams).
@@ -272,6 +274,7 @@ WHAT = {
     "nginx": "nginx reverse proxy, proxy_buffering off, 1 worker",
     "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit off)",
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
+    "dp-raw": "detproxy, loops off and passive checks off: no stream is inspected (raw relay)",
     "dp-aiohttp": 'detproxy, defaults with server.http = "aiohttp" (before the lean front)',
     "dp-audit": "detproxy, defaults with every greedy request audited, shadow budgets raised",
     "dp-gcoff": "detproxy, defaults with gc_freeze = false, gc_threshold = Python's (700, 10, 10)",
@@ -656,7 +659,7 @@ def main() -> int:
     ap.add_argument(
         "--targets",
         default="",
-        help="comma-separated subset of nginx,dp-default,dp-noloops,dp-audit,dp-default-wN,"
+        help="comma-separated subset of nginx,dp-default,dp-noloops,dp-raw,dp-audit,dp-default-wN,"
         "direct,ht-relay,ht-relay-task,ht-relay-coalesce (default: all but direct and the "
         "ht- relays)",
     )

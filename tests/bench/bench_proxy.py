@@ -11,17 +11,19 @@ What it does, all bound to 127.0.0.1, everything in a temp dir that is removed a
   stream when the query has ``bench=sse``, the JSON otherwise. This is the upstream ("direct");
 - starts nginx #2 (``worker_processes 1``) as a plain reverse proxy in front of it
   (``proxy_buffering off``, HTTP/1.1, keepalive upstream pool): "nginx";
-- starts three detproxy processes in front of nginx #1:
+- starts four detproxy processes in front of nginx #1:
+  ``dp-default`` (detproxy's defaults: loop inspection and passive checks on, audit off),
   ``dp-off`` (audit off, passive checks off, loops disabled: the bare relay),
   ``dp-audit`` (100% of greedy requests sampled, the shadow budgets raised so that each is
   replayed; shadows hit a second nginx listener; the run prints the share audited),
-  ``dp-loops`` (audit off, loop inspection on: the default);
+  ``dp-loops`` (audit off, passive checks off, loop inspection on);
 - for each mode (non-streaming, streaming) and concurrency (1, 16, 64) runs wrk against every
   target back to back, ``--rounds`` times with a rotated order, and keeps the median round;
 - prints, per mode, requests/s, p50 and p99 latency per target and concurrency, the throughput
   ratio against direct and against nginx, and the p50 added over direct.
 
-Every request is greedy (``"temperature": 0``), so dp-audit really audits it.
+Every request is greedy (``"temperature": 0``), so dp-audit really audits it, and each has its
+own prompt (``wrk_script``), so that none is a passive duplicate of another.
 """
 
 from __future__ import annotations
@@ -212,12 +214,15 @@ def make_sse_stream(tokens: int = 200) -> tuple[bytes, int]:
     return b"".join(parts), len(parts)
 
 
+PROMPT = b"a token stream."  # where wrk's requests differ (wrk_script)
+
+
 def request_body(stream: bool) -> bytes:
     body = {
         "model": MODEL,
         "messages": [
             {"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Explain how a reverse proxy relays a token stream."},
+            {"role": "user", "content": "Explain how a reverse proxy relays " + PROMPT.decode()},
         ],
         "temperature": 0,
         "max_tokens": 256,
@@ -320,6 +325,7 @@ NGINX_PROXY = """\
 """
 
 DETPROXY_CONFIGS = {
+    "dp-default": "",  # detproxy's defaults: loops on, passive checks on, audit off
     "dp-off": """\
 [audit]
 sample_rate = 0.0
@@ -524,9 +530,10 @@ class Bench:
             )
             wait_port(port, proc, f"detproxy ({name})")
             what = {
-                "dp-off": "detproxy, audit off, loops disabled",
+                "dp-default": "detproxy, defaults (loops on, passive checks on, audit off)",
+                "dp-off": "detproxy, audit off, passive checks off, loops disabled",
                 "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
-                "dp-loops": "detproxy, audit off, loop inspection on (default)",
+                "dp-loops": "detproxy, audit off, passive checks off, loop inspection on",
                 "dp-off-aio": "dp-off on aiohttp's client (upstream.client = aiohttp)",
                 "dp-loops-aios": "dp-loops on aiohttp's server (server.http = aiohttp)",
             }[name]
@@ -546,11 +553,21 @@ class Bench:
 
 
 def wrk_script(body: bytes) -> str:
+    """Every request its own prompt (a tag per wrk run and a counter): with passive checks on
+    (detproxy's defaults), a request repeated would be a duplicate, each one compared."""
+    head, tail = body.split(PROMPT)
     return (
         'wrk.method = "POST"\n'
-        f"wrk.body = {lua_string(body)}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
         'wrk.headers["Authorization"] = "Bearer bench"\n'
+        f"local head = {lua_string(head + PROMPT[:-1])}\n"
+        f"local tail = {lua_string(b'.' + tail)}\n"
+        'local tag = tostring(os.time()) .. "-" .. tostring(math.random(1000000))\n'
+        "local n = 0\n"
+        "request = function()\n"
+        "    n = n + 1\n"
+        '    return wrk.format(nil, nil, nil, head .. " " .. tag .. " " .. n .. tail)\n'
+        "end\n"
     )
 
 
