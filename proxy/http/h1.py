@@ -139,7 +139,8 @@ class H1Upstream:
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or (443 if self._tls else 80)
         netloc = parts.netloc.rsplit("@", 1)[-1]
-        self._host_header = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
+        host = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
+        self._host_line = b"Host: " + host + b"\r\n"
         self._prefix = parts.path.rstrip("/")
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
@@ -235,20 +236,20 @@ class H1Upstream:
     # -- a request -----------------------------------------------------------------------
 
     def _head(self, method: str, raw_path: str, headers: Mapping[str, str], body: Body) -> bytes:
-        lines = [
-            f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n".encode(),
-            b"Host: " + self._host_header + b"\r\n",
-        ]
-        for name, value in headers.items():
-            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
+        # Formatted as one string and encoded once: a request's head is a dozen lines.
+        lines = [f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n"]
+        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
         if isinstance(body, bytes):
-            lines.append(b"Content-Length: %d\r\n" % len(body))
+            lines.append(f"Content-Length: {len(body)}\r\n\r\n")
         elif body is not None:
-            lines.append(b"Transfer-Encoding: chunked\r\n")
+            lines.append("Transfer-Encoding: chunked\r\n\r\n")
         elif method not in _BODYLESS_REQUEST:
-            lines.append(b"Content-Length: 0\r\n")
-        lines.append(b"\r\n")
-        return b"".join(lines)
+            lines.append("Content-Length: 0\r\n\r\n")
+        else:
+            lines.append("\r\n")
+        text = "".join(lines).encode("utf-8", "surrogateescape")
+        at = text.index(b"\r\n") + 2  # Host second, as before: idna-encoded, not utf-8
+        return text[:at] + self._host_line + text[at:]
 
     async def send(
         self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
