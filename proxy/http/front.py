@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 BODY_HIGH_WATER = 1 << 20
 LINGER_S = 10.0  # how long a body answered before it came whole is still read (aiohttp's)
 _NO_BODY_STATUS = frozenset({204, 304})
+_FRAMED_HERE = HOP_BY_HOP | {"content-length"}  # a whole body's length is this server's
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 
 Handler = Callable[["FrontRequest"], Awaitable[None]]
@@ -83,6 +84,7 @@ class FrontRequest:
         "_declared",
         "_discard",
         "_parts",
+        "_path",
         "_size",
         "body_complete",
         "close_after",
@@ -107,6 +109,7 @@ class FrontRequest:
         self._conn = conn
         self.method = method
         self.raw_path = raw_path
+        self._path: str | None = None
         self.headers = headers
         self.version = version
         self.close_after = not keep_alive
@@ -126,7 +129,10 @@ class FrontRequest:
 
     @property
     def path(self) -> str:
-        return unquote(self.raw_path.partition("?")[0])
+        path = self._path
+        if path is None:
+            path = self._path = unquote(self.raw_path.partition("?")[0])
+        return path
 
     @property
     def has_body(self) -> bool:
@@ -210,31 +216,33 @@ class FrontRequest:
 
     # -- the response --------------------------------------------------------------------
 
-    def _head(self, status: int, headers: Mapping[str, str], framing: bytes) -> bytearray:
-        reason = _REASONS.get(status, b"Unknown")
-        out = bytearray(b"HTTP/1.1 %d %s\r\n" % (status, reason))
-        for name, value in headers.items():
-            if name.lower() in HOP_BY_HOP:
-                continue  # framing and the connection are this server's
-            out += f"{name}: {value}\r\n".encode("latin-1", "replace")
+    def _head(
+        self,
+        status: int,
+        headers: Mapping[str, str],
+        framing: bytes,
+        dropped: frozenset[str] = HOP_BY_HOP,
+    ) -> bytes:
+        """The response's head; ``dropped``: lowercased names this server writes itself."""
+        lines = [
+            f"{name}: {value}\r\n"
+            for name, value in headers.items()
+            if name.lower() not in dropped  # framing and the connection are this server's
+        ]
+        head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
+        head += "".join(lines).encode("latin-1", "replace")
         if "Date" not in headers:
-            out += b"Date: " + self._conn.date.value() + b"\r\n"
-        out += framing
-        if self.close_after:
-            out += b"Connection: close\r\n"
-        out += b"\r\n"
-        return out
+            head += b"Date: " + self._conn.date.value() + b"\r\n"
+        return head + framing + (b"Connection: close\r\n\r\n" if self.close_after else b"\r\n")
 
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         self.started = True
         if self.method == "HEAD" or status in _NO_BODY_STATUS:
             head = self._head(status, headers, b"")  # a HEAD's answer keeps a GET's length
+            self._conn.write(head)
         else:
-            kept = CIMultiDict(headers)
-            kept.popall("Content-Length", None)
-            head = self._head(status, kept, b"Content-Length: %d\r\n" % len(body))
-            head += body
-        self._conn.write(bytes(head))
+            length = b"Content-Length: %d\r\n" % len(body)
+            self._conn.write(self._head(status, headers, length, _FRAMED_HERE) + body)
         self._finish()
 
     async def start(self, status: int, headers: Mapping[str, str]) -> None:
@@ -248,7 +256,7 @@ class FrontRequest:
         else:
             self.close_after = True  # HTTP/1.0: the body ends where the connection does
             framing = b""
-        self._conn.write(bytes(self._head(status, headers, framing)))
+        self._conn.write(self._head(status, headers, framing))
 
     async def write(self, data: bytes) -> None:
         if not self.write_nowait(data):
@@ -296,6 +304,7 @@ class FrontConnection(asyncio.Protocol):
         self._pipeline: collections.deque[FrontRequest] = collections.deque()  # head: active
         self._reading_paused = False
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_since: float | None = None  # idle since (loop time); None: busy
         self._linger_timer: asyncio.TimerHandle | None = None
         self._out: list[bytes] = []
 
@@ -309,7 +318,10 @@ class FrontConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        self._cancel_idle()
+        self._idle_since = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         for request in self._pipeline:
@@ -492,19 +504,27 @@ class FrontConnection(asyncio.Protocol):
 
     # -- keep-alive ----------------------------------------------------------------------
 
+    # One timer a connection, re-armed when it fires early, instead of one scheduled and
+    # cancelled per request on a keep-alive connection.
+
     def _arm_idle(self) -> None:
-        self._cancel_idle()
-        self._idle_timer = self.loop.call_later(self.server.keepalive_s, self._idle_expired)
+        self._idle_since = now = self.loop.time()
+        if self._idle_timer is None:
+            self._idle_timer = self.loop.call_at(now + self.server.keepalive_s, self._idle_expired)
 
     def _cancel_idle(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        self._idle_since = None  # the timer, when it fires, finds the connection busy
 
     def _idle_expired(self) -> None:
         self._idle_timer = None
-        if self.idle:
+        since = self._idle_since
+        if since is None or not self.idle:
+            return
+        deadline = since + self.server.keepalive_s
+        if self.loop.time() >= deadline:
             self.close()
+        else:
+            self._idle_timer = self.loop.call_at(deadline, self._idle_expired)
 
 
 class FrontServer:

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamFailure
-from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, expire, forget
+from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, forget
 from proxy.http.upstream import Body, Sink
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
@@ -58,7 +58,7 @@ class H1Response:
         self._done = False
         self.status = conn.status
         self.headers: Mapping[str, str] = CIMultiDict(
-            (n.decode("latin-1"), v.decode("latin-1")) for n, v in conn.header_list
+            [(n.decode("latin-1"), v.decode("latin-1")) for n, v in conn.header_list]
         )
 
     async def chunks(self) -> AsyncIterator[bytes]:
@@ -310,8 +310,4 @@ class H1Upstream:
         await conn.drain()
         if conn.closed and not headers_ready.done():
             raise Closed()
-        timer = asyncio.get_running_loop().call_later(self._read_timeout, expire, headers_ready)
-        try:
-            await headers_ready
-        finally:
-            timer.cancel()
+        await conn.wait_head(self._read_timeout)

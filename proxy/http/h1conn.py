@@ -185,11 +185,24 @@ class Conn(asyncio.Protocol):
         if self._drain is not None:
             await self._drain
 
+    async def wait_head(self, silence_s: float) -> None:
+        """Until the response's head (``start``'s future) or an error; UpstreamTimeout after
+        ``silence_s`` seconds, timed by the connection's one timer: no timer is scheduled and
+        cancelled per request."""
+        head = self._head
+        assert head is not None
+        if not head.done():
+            await self._wait(head, silence_s)
+        head.result()
+
     async def wait_data(self, silence_s: float) -> None:
         """Until a body chunk, the end of the body or an error (UpstreamTimeout after
         ``silence_s`` seconds of silence)."""
+        await self._wait(self._loop.create_future(), silence_s)
+
+    async def _wait(self, waiter: asyncio.Future[None], silence_s: float) -> None:
         loop = self._loop
-        waiter = self._waiter = loop.create_future()
+        self._waiter = waiter
         deadline = self._silence_deadline = loop.time() + silence_s
         timer = self._silence_timer
         if timer is not None and timer.when() > deadline:  # a shorter timeout than the last

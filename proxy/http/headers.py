@@ -77,13 +77,13 @@ def client_response_headers(
     return out
 
 
-# uuid.uuid4().hex without the UUID object: the same 128 random bits, version 4, RFC variant.
-_UUID4_CLEAR = ~((0xC000 << 48) | (0xF000 << 64))
-_UUID4_SET = (0x8000 << 48) | (4 << 76)
-
-
 def new_request_id() -> str:
-    return f"{(int.from_bytes(os.urandom(16)) & _UUID4_CLEAR) | _UUID4_SET:032x}"
+    """``uuid.uuid4().hex`` without the UUID object (half its cost): 128 random bits, the
+    version (4) and the RFC 4122 variant set in place."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    return raw.hex()
 
 
 def request_id_of(headers: Mapping[str, str]) -> str:

@@ -198,3 +198,40 @@ async def test_bodyless_statuses_and_head_carry_no_body(front: Front) -> None:
     head = b"HEAD /stream HTTP/1.1\r\nHost: x\r\n\r\n" + post("/echo", b"after")
     got = await exchange(front.port, head, until=b"echo:after")
     assert b"data:" not in got  # the HEAD's answer has no body, and the next one follows
+
+
+async def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeout() -> None:
+    """Requests that keep coming within the timeout keep the connection open, however long it
+    lives (the idle timer is re-armed, not restarted per request); silence closes it."""
+
+    async def answer(request: FrontRequest) -> None:
+        await request.read_body(64)
+        await request.respond(200, {}, b"ok")
+
+    server = FrontServer(
+        answer,
+        H1Upstream(
+            "http://127.0.0.1:9",
+            connect_timeout_s=1,
+            read_timeout_s=1,
+            keepalive_timeout_s=1,
+            max_connections=1,
+        ),
+        keepalive_s=0.4,
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await server.listen(sock, 4)
+    reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+    try:
+        for _ in range(5):  # 5 x 0.25 s: longer than the timeout, never idle that long
+            writer.write(post("/x", b""))
+            got = await asyncio.wait_for(reader.readuntil(b"ok"), 5)
+            assert got.startswith(b"HTTP/1.1 200 OK")
+            await asyncio.sleep(0.25)
+        idle_from = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
+        assert asyncio.get_running_loop().time() - idle_from < 2.0
+    finally:
+        writer.close()
+        await server.shutdown(1.0)
