@@ -77,7 +77,7 @@ def _stop_reason(value: Any) -> str | int | None:
 
 
 def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
-    if not isinstance(raw, Mapping):
+    if type(raw) is not dict and not isinstance(raw, Mapping):  # JSON's dicts: no ABC check
         return ChoiceOutcome(position, "", "", None, None)
     index = _int_or_none(raw.get("index"))
     if index is None:
@@ -86,7 +86,7 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
     finish_reason = finish if isinstance(finish, str) else None
     if chat:
         message = raw.get("message")
-        if isinstance(message, Mapping):
+        if type(message) is dict or isinstance(message, Mapping):
             content = _str_or_empty(message.get("content"))
             reasoning = reasoning_of(message) or ""
         else:
@@ -111,7 +111,7 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
 
 def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
     """Normalise a non-streamed answer; ``endpoint`` is "chat" or "completions"."""
-    if not isinstance(body, Mapping):
+    if type(body) is not dict and not isinstance(body, Mapping):
         return Outcome((), error="malformed response")
     message = error_message(body)
     if message is not None:

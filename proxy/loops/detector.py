@@ -182,32 +182,43 @@ class LoopDetector:
             config.min_repeats,
         )
         origin = self._buf_end - base  # the stream offset of full[0]
+        total, check_at = self._total, self._next_check
+        rfind = full.rfind
         start = e = 0
-        while self._next_check <= self._total:
-            check_at = self._next_check
-            self._next_check += every
+        # The last check since one with a candidate that found none: what it does to the
+        # carried runs (none carried on) is written once, when a check or the end reads them.
+        empty_at = -1
+        while check_at <= total:
             e = check_at - origin
             if e - start > window:
                 if not self._keep:
                     self._keep = config.max_required_chars() + every
                 start = e - self._keep
             end = e - start
-            if end < min_covered:
-                continue  # as _check: too short to hold a loop
-            max_d = min(max_period, end // min_repeats)
-            lo = start + max(0, end - _ANCHOR - max_d)
-            if full.rfind(full[e - _ANCHOR : e], lo, e - 1) < 0:
-                if self._runs:
-                    self._runs = {}
-                self._runs_at = check_at  # as _check: no candidate, no run carried on
-                continue
-            self._buf, self._buf_end = full[start:e], check_at
-            report = self._check()
-            if report is not None:
-                self._report = report
-                self._buf = ""
-                return report
-        self._buf, self._buf_end = full[start:e], self._next_check - every
+            if end >= min_covered:  # as _check: shorter cannot hold a loop
+                max_d = end // min_repeats
+                if max_d > max_period:
+                    max_d = max_period
+                lo = end - _ANCHOR - max_d
+                if rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1) < 0:
+                    empty_at = check_at  # as _check: no candidate, no run carried on
+                else:
+                    if empty_at >= 0:
+                        self._runs, self._runs_at, empty_at = {}, empty_at, -1
+                    self._buf, self._buf_end = full[start:e], check_at
+                    report = self._check()
+                    if report is not None:
+                        self._next_check = check_at + every
+                        self._report = report
+                        self._buf = ""
+                        return report
+            check_at += every
+        if empty_at >= 0:
+            if self._runs:
+                self._runs = {}
+            self._runs_at = empty_at
+        self._next_check = check_at
+        self._buf, self._buf_end = full[start:e], check_at - every
         if e < len(full):
             pending.append(full[e:])
         return None
