@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,6 +16,8 @@ from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import knobs, metric, metric_total, sse_blocks
 
 MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
+# A model that loops at temperature 0, and whose loop a retry always ends.
+LOOPS_ONCE = knobs(loop_channel="content", loop_after_tokens=5, loop_escape_probability=1.0)
 
 
 @pytest.fixture
@@ -178,3 +181,53 @@ async def test_engine_faults(
             == 1
         )
     assert emulator.stats()["running"] == 0
+
+
+async def test_answered_requests_leave_no_reference_cycle_of_detproxy_objects(
+    make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
+) -> None:
+    """Each exchange's objects are freed by reference counting when it ends: the cyclic
+    collector has none of detproxy's to walk, so requests do not bring on its pauses (issue 16).
+    Streamed and not, with loop inspection and passive checks on, and a retried loop."""
+    proxy = await make_proxy(emulator.url, env={"DETPROXY_LOOPS__POLICY": "retry"})
+    body = {"model": "emulator-model", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    for stream in (False, True):  # warm-up: what the first requests create and keep
+        resp = await proxy.post("/v1/chat/completions", json={**body, "stream": stream})
+        await resp.read()
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for i in range(3):
+            for stream in (False, True):
+                prompt = [{"role": "user", "content": f"request {i}"}]
+                resp = await proxy.post(
+                    "/v1/chat/completions", json={**body, "messages": prompt, "stream": stream}
+                )
+                assert resp.status == 200 and await resp.read()
+            # And a looping answer, retried: the recovery's objects too.
+            resp = await proxy.post(
+                "/v1/chat/completions",
+                json={**body, "max_tokens": 400, "stream": i % 2 == 1},
+                headers=LOOPS_ONCE,
+            )
+            assert resp.status == 200 and await resp.read()
+        await asyncio.sleep(0.05)  # the handlers' last steps
+        gc.collect()
+        ours = sorted({type(o).__qualname__ for o in gc.garbage if _is_detproxy(o)})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert ours == []
+    recovered = [
+        s.value
+        for family in registry.collect()
+        for s in family.samples
+        if s.name == "detproxy_recoveries_total" and s.labels["outcome"] == "recovered"
+    ]
+    assert sum(recovered) == 3  # the three loops were retried, streamed and not
+
+
+def _is_detproxy(obj: object) -> bool:
+    return type(obj).__module__.split(".")[0] in ("proxy", "policies")

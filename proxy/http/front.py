@@ -317,6 +317,9 @@ class FrontConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # The parser's callbacks are this protocol's methods: a reference cycle, left to the
+        # cyclic collector unless cut. Nothing is parsed after the connection is lost.
+        del self._parser
         self.server.connections.discard(self)
         self._idle_since = None
         if self._idle_timer is not None:

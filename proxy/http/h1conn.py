@@ -74,6 +74,9 @@ class Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # The parser's callbacks are this protocol's methods: a reference cycle, left to the
+        # cyclic collector unless cut. Nothing is parsed after the connection is lost.
+        del self._parser
         if self.complete:
             return
         if self.until_close and self._head is not None and self._head.done():

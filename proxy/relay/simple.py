@@ -66,6 +66,10 @@ class SimpleReads:
         # Template hits are not parsed: only when every inspector reads runs of texts.
         self.reads_runs = not relay.inspectors or relay.inspectors.runs
 
+    def detach(self) -> None:
+        """The relay's run ended: this path is not used again, and lets go of the relay."""
+        del self._relay
+
     def relay_one(self, read: bytes) -> bytes | None:
         """A read that is exactly one event matching a template (a token streamed on its own,
         the usual read), handled without splitting it and counted; None: take the usual way."""

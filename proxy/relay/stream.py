@@ -292,9 +292,15 @@ class StreamRelay:
         """Relay until the upstream ends or a decision stops it. Client write errors and
         cancellation propagate; ``result.complete`` then tells whether the client had the
         whole stream."""
-        if self.raw:
-            return await self._run_raw(upstream, resp)
-        return await self._run_inspected(upstream, resp)
+        try:
+            if self.raw:
+                return await self._run_raw(upstream, resp)
+            return await self._run_inspected(upstream, resp)
+        finally:
+            # The simple path points back at this relay: cut the cycle, so that the stream's
+            # objects (its exchange, client, inspectors) go when it ends, by reference count,
+            # not in the cyclic collector's next pass, which pauses the loop (issue 16).
+            self._simple.detach()
 
     def _client_left(self, last: bytes) -> None:
         """The client left (or its handler was cancelled) while the relay waited. A stream

@@ -3,6 +3,8 @@ triggers and decisions, whatever the split of the upstream reads."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -361,3 +363,18 @@ def test_a_trigger_no_policy_decides_on_is_recorded_and_the_stream_goes_on() -> 
     assert observed.result.decision is None and observed.client.body == CONTENT_LOOP
     assert stopped.result.decision == Retry("loop")
     assert CONTENT_LOOP.startswith(stopped.client.body) and stopped.client.body != CONTENT_LOOP
+
+
+@pytest.mark.parametrize("kind", ["raw", "simple", "general"])
+def test_a_relay_is_freed_by_reference_counting_when_its_stream_ends(kind: str) -> None:
+    """No reference cycle: a stream's objects go when it ends, not in a pass of the cyclic
+    collector, which pauses the event loop while it walks them (issue 16)."""
+    gc.disable()
+    try:
+        run = relay([CLEAN], loops=kind != "raw", general=kind == "general")
+        assert run.result.complete and run.relay.raw == (kind == "raw")
+        freed = weakref.ref(run.relay)
+        del run
+        assert freed() is None
+    finally:
+        gc.enable()
