@@ -50,6 +50,8 @@ class _Account:
         self.second = second  # the newest second the buckets hold
 
     def advance(self, second: int) -> None:
+        if second == self.second:
+            return  # the usual call: the window has not moved since the last one
         window = len(self.generated)
         if second - self.second >= window:
             self.generated = [0] * window

@@ -218,8 +218,39 @@ def requests(n: int, stream: bool) -> list[bytes]:
     return out
 
 
+class Collections:
+    """The cyclic collector's passes while a timing runs: how many, what they freed (objects
+    left in reference cycles), how long they took."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.passes = self.freed = 0
+        self.seconds = 0.0
+        self._began = 0.0
+        gc.callbacks.append(self._on_pass)
+
+    def _on_pass(self, phase: str, info: dict[str, int]) -> None:
+        if not self.active:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.passes += 1
+            self.freed += info["collected"]
+            self.seconds += time.perf_counter() - self._began
+
+    def taken(self) -> tuple[int, int, float]:
+        """What was counted since the last call."""
+        out = (self.passes, self.freed, self.seconds)
+        self.passes = self.freed = 0
+        self.seconds = 0.0
+        return out
+
+
 class Setup:
     """One configuration's app and front, serving clients of one engine."""
+
+    collections: Collections | None = None  # set by main: shared by every setup
 
     def __init__(
         self, tree: SimpleNamespace, env: dict[str, str], tokens: int, streams: int
@@ -244,12 +275,16 @@ class Setup:
         gc.collect()
         gc.freeze()  # the prebuilt requests are not the collector's to walk
         per = len(self.clients)
+        if self.collections is not None:
+            self.collections.active = True
         start = time.perf_counter()
         for at in range(0, n, per):
             await asyncio.gather(
                 *(c.ask(r) for c, r in zip(self.clients, batch[at : at + per], strict=False))
             )
         took = time.perf_counter() - start
+        if self.collections is not None:
+            self.collections.active = False
         gc.unfreeze()
         return took / n * 1e6
 
@@ -299,7 +334,14 @@ async def main() -> int:
         help="another checkout (git worktree add DIR COMMIT): its figures beside these, "
         "timed in the same rounds, and their ratio",
     )
+    ap.add_argument(
+        "--gc",
+        action="store_true",
+        help="also print the cyclic collector's passes during the timings, and what they freed",
+    )
     args = ap.parse_args()
+    collections = Collections() if args.gc else None
+    Setup.collections = collections
     names = [name for name in args.configs.split(",") if name]
     trees = {"this": load_tree(None)}
     if args.baseline is not None:
@@ -315,6 +357,7 @@ async def main() -> int:
     server = trees["this"].load_settings(env={}, flags={"upstream": "http://x:1"}).server
     trees["this"].settle(server.gc_freeze, server.gc_threshold)  # as ``serve`` does
     times: dict[tuple[str, str, str], list[float]] = {}
+    passes: dict[tuple[str, str, str], list[tuple[int, int, float]]] = {}
     kinds = (("json", short, False), ("1 token", short, True), ("64 tokens", long, True))
     if args.only:
         kinds = tuple(k for k in kinds if k[0] == args.only)
@@ -326,8 +369,12 @@ async def main() -> int:
         for name in names:
             for kind, tokens, stream in kinds:
                 for label in labels if at % 2 == 0 else labels[::-1]:
+                    if collections is not None:
+                        collections.taken()
                     us = await setups[label, name, tokens].run(args.n, stream)
                     times.setdefault((label, name, kind), []).append(us)
+                    if collections is not None:
+                        passes.setdefault((label, name, kind), []).append(collections.taken())
     events = {t: setups["this", names[0], t].engine.events for t in (short, long)}
     extra = events[long] - events[short]
     print(
@@ -360,6 +407,14 @@ async def main() -> int:
                 cells = f"{ratios[0]:>9.2f}{ratios[1]:>10.2f}{ratios[2]:>11.2f}"
                 print(f"{'ratio':<9}{name:<14}{cells}   (baseline / this, median of rounds)")
     print("(us a request; 'per stream': what a stream costs whatever its length, the intercept)")
+    if collections is not None:
+        print("\nthe cyclic collector during the timings, all rounds: passes, objects freed a")
+        print("request (what requests left in reference cycles), collector time a request (us)")
+        for key, taken in passes.items():
+            count = args.n * len(taken)
+            runs, freed, seconds = (sum(t[i] for t in taken) for i in range(3))
+            label = " ".join(key)
+            print(f"  {label:<32}{runs:>6}{freed / count:>10.2f}{seconds / count * 1e6:>10.2f}")
     if args.profile:
         stream = args.profile_kind != "json"
         setup = setups["this", args.profile, long if stream else short]
