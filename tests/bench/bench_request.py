@@ -14,7 +14,9 @@ timed alone on its own inputs:
 - ``parse_object``, ``classify``, ``upstream_request_headers``, ``client_response_headers``;
 - ``publish RequestStarted + RequestFinished``: the app's bus, with its real subscribers
   (Metrics, IncidentLog, AuditTally as ``build_app`` wires them);
-- ``parse_answer``; ``Recovery.decide`` on a clean answer (the real ladder policy);
+- ``parse_answer``; the passive checks' steps (``canonical_request_key`` of the request,
+  ``outcome_from_response`` and ``digest_outcome`` of the answer); ``Recovery.decide`` on a
+  clean answer (the real ladder policy);
 - loops on only: ``Recovery.watch`` + ``LoopWatch.on_answer`` on the ~1 KB answer.
 
 Then the whole path, twice (``[loops] enabled = false``, then the default ``true``; audit off):
@@ -56,11 +58,14 @@ from policies.base import PolicyChain  # noqa: E402
 from policies.budget import RecoveryBudget  # noqa: E402
 from policies.ladder import Ladder, LoopLadderPolicy  # noqa: E402
 from proxy.app import BUS, RUNTIME, Runtime, _dispatch, build_app  # noqa: E402
+from proxy.audit.outcome import outcome_from_response  # noqa: E402
+from proxy.audit.store import digest_outcome  # noqa: E402
 from proxy.classify import classify  # noqa: E402
 from proxy.config import Settings, load_settings  # noqa: E402
 from proxy.events import RequestFinished, RequestStarted  # noqa: E402
 from proxy.exchange import Attempts  # noqa: E402
 from proxy.forward import Forwarder  # noqa: E402
+from proxy.hashing import canonical_request_key  # noqa: E402
 from proxy.http.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
 from proxy.http.headers import (  # noqa: E402
     client_response_headers,
@@ -297,6 +302,11 @@ async def main() -> int:
 
     run_sync("publish RequestStarted + RequestFinished", publish)
     run_sync("parse_answer (~1 KB)", lambda: parse_answer(answer))
+    # The passive checks' own steps on a non-streamed answer (the store's swap aside).
+    run_sync("passive: canonical_request_key", lambda: canonical_request_key(parsed))
+    run_sync("passive: outcome_from_response", lambda: outcome_from_response("chat", parsed_answer))
+    outcome = outcome_from_response("chat", parsed_answer)
+    run_sync("passive: digest_outcome", lambda: digest_outcome(outcome))
 
     def decide() -> None:
         attempts = Attempts(rid, view.model, "chat", False)
@@ -311,7 +321,9 @@ async def main() -> int:
 
     run_sync("loops on: Recovery.watch + LoopWatch.on_answer", watch)
 
-    total_off = sum(v for k, v in rows if not k.startswith(("loops on", "request_id_of (given)")))
+    # The whole path below runs with passive checks off: their steps are not in the sums.
+    left_out = ("loops on", "request_id_of (given)", "passive: ")
+    total_off = sum(v for k, v in rows if not k.startswith(left_out))
     total_on = total_off + dict(rows)["loops on: Recovery.watch + LoopWatch.on_answer"]
 
     whole: list[tuple[str, float]] = []
