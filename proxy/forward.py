@@ -27,6 +27,7 @@ from proxy.http.body import BadRequest, ensure_json_content_type, parse_object
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.http.sse import ends_with_done
 from proxy.http.upstream import Upstream, is_event_stream, read_error_kind
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.loops.continuation import LIMIT_FIELDS
@@ -177,15 +178,22 @@ class Forwarder:
             self._lifecycle.finished(ex, exc.status, "upstream_error")
             return await send_error(client, exc.status, exc.message, request_id=rid)
         ex.first_byte_s = self._clock() - ex.t0
+        last = b""  # the bytes last handed to the client
         try:
             await client.start(
                 upstream.status, client_response_headers(upstream.headers, rid, keep_length=True)
             )
             async for data in upstream.chunks():
                 await client.write(data)
+                last = data
             await client.end()
         except CLIENT_GONE as exc:
-            self._lifecycle.client_left(ex)
+            if is_event_stream(upstream) and ends_with_done(last):
+                # As on the OpenAI routes: a client that leaves on [DONE] (the openai SDK
+                # does) had the whole stream, even when the upstream's framing had not ended.
+                self._lifecycle.finished(ex, upstream.status, "ok")
+            else:
+                self._lifecycle.client_left(ex)
             if isinstance(exc, asyncio.CancelledError):
                 raise
             return

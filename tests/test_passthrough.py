@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 from typing import Any
 
@@ -135,4 +136,43 @@ async def test_detproxy_endpoints_are_never_forwarded(
             registry, "detproxy_request_duration_seconds_count", endpoint="other", stream="false"
         )
         >= 1
+    )
+
+
+async def test_a_stream_the_client_leaves_on_done_is_whole_not_a_disconnect(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: Any
+) -> None:
+    """A route passed through that streams SSE (vLLM's streamed transcriptions, say): the
+    openai SDK closes the connection once it reads ``data: [DONE]``, here a second before the
+    upstream ends its framing. The client had the whole stream: a 200, not a disconnect."""
+
+    async def transcribe(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"delta": "hello"}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(1.0)
+        await resp.write_eof()
+        return resp
+
+    upstream_app.router.add_post("/v1/audio/transcriptions", transcribe)
+    client = await make_proxy(await upstream())
+    resp = await client.post("/v1/audio/transcriptions", data=b"audio")
+    got = b""
+    while not got.endswith(b"data: [DONE]\n\n"):
+        got += await resp.content.readany()
+    resp.close()  # as the SDK does on [DONE]
+
+    def responses(outcome: str, code: str) -> float:
+        return metric(
+            registry, "detproxy_responses_total", endpoint="other", code=code, outcome=outcome
+        )
+
+    for _ in range(100):  # the handler ends when the upstream does, or sees the client leave
+        if responses("ok", "200") or responses("client_disconnect", "499"):
+            break
+        await asyncio.sleep(0.05)
+    assert responses("ok", "200") == 1 and responses("client_disconnect", "499") == 0
+    assert (
+        metric(registry, "detproxy_client_disconnects_total", endpoint="other", stream="false") == 0
     )

@@ -322,8 +322,9 @@ class StreamRelay:
             out = tally.feed(data)
             if not out:
                 return True
-            last = out
-            return resp.write_nowait(out)
+            more = resp.write_nowait(out)
+            last = out  # handed over: the write raised nothing
+            return more
 
         try:
             while not await upstream.pump(relay):
@@ -358,8 +359,9 @@ class StreamRelay:
             out = self._read(data)
             if not out:
                 return result.decision is None
-            last = out
-            return resp.write_nowait(out) and result.decision is None
+            more = resp.write_nowait(out)
+            last = out  # handed over: the write raised nothing
+            return more and result.decision is None
 
         try:
             while not await upstream.pump(relay):
