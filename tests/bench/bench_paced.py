@@ -627,22 +627,28 @@ def loadavg() -> str:
 def print_table(results: dict[tuple[int, str], list[Cell]], bench: Bench, streams: int) -> None:
     print(
         f"\n== {streams} concurrent streams ==  (CPU/ev: CPU per relayed event, us; xN: that"
-        " against nginx's; stream times in s)"
+        " against nginx's; xN/r: the median of each round's ratio to nginx's run of the same"
+        " round, which this machine's drift between rounds moves less; stream times in s)"
     )
     print(
-        f"{'target':14} {'events/s':>9} {'CPU/ev':>7} {'xN':>5} {'p50':>6} {'p99':>6}"
+        f"{'target':14} {'events/s':>9} {'CPU/ev':>7} {'xN':>5} {'xN/r':>5} {'p50':>6} {'p99':>6}"
         f" {'streams':>8} {'errors':>6}  per round (CPU/ev)"
     )
-    base = median_cell(results[(streams, "nginx")]) if (streams, "nginx") in results else None
+    nginx = results.get((streams, "nginx"))
+    base = median_cell(nginx) if nginx else None
     for target in bench.targets:
         cells = results[(streams, target.name)]
         c = median_cell(cells)
         ratio = f"{c.cpu_us / base.cpu_us:5.2f}" if base and target.proc else "    -"
+        per_round = "    -"
+        if nginx and target.proc and len(nginx) == len(cells):
+            ratios = sorted(x.cpu_us / b.cpu_us for x, b in zip(cells, nginx, strict=True))
+            per_round = f"{ratios[len(ratios) // 2]:5.2f}"
         cpu = f"{c.cpu_us:7.1f}" if target.proc else "      -"
         rounds = " ".join(f"{x.cpu_us:.1f}" for x in cells) if target.proc else ""
         print(
-            f"{target.name:14} {c.events_s:9.0f} {cpu} {ratio} {c.p50_s:6.2f} {c.p99_s:6.2f}"
-            f" {c.streams:8d} {c.errors:6d}  {rounds}"
+            f"{target.name:14} {c.events_s:9.0f} {cpu} {ratio} {per_round} {c.p50_s:6.2f}"
+            f" {c.p99_s:6.2f} {c.streams:8d} {c.errors:6d}  {rounds}"
         )
 
 
