@@ -78,8 +78,8 @@ def client_response_headers(
 
 
 def new_request_id() -> str:
-    """``uuid.uuid4().hex`` without the UUID object (half its cost): 128 random bits, the
-    version (4) and the RFC 4122 variant set in place."""
+    """``uuid.uuid4().hex`` without the UUID object: 128 random bits, the version (4) and the
+    RFC 4122 variant set in place."""
     raw = bytearray(os.urandom(16))
     raw[6] = (raw[6] & 0x0F) | 0x40
     raw[8] = (raw[8] & 0x3F) | 0x80
