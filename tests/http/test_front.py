@@ -217,18 +217,18 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeo
             keepalive_timeout_s=1,
             max_connections=1,
         ),
-        keepalive_s=0.4,
+        keepalive_s=0.6,
     )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     await server.listen(sock, 4)
     reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
     try:
-        for _ in range(5):  # 5 x 0.25 s: longer than the timeout, never idle that long
+        for _ in range(6):  # 6 x 0.2 s: twice the timeout, never idle that long
             writer.write(post("/x", b""))
             got = await asyncio.wait_for(reader.readuntil(b"ok"), 5)
             assert got.startswith(b"HTTP/1.1 200 OK")
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(0.2)
         idle_from = asyncio.get_running_loop().time()
         assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server
         assert asyncio.get_running_loop().time() - idle_from < 2.0
