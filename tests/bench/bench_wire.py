@@ -18,8 +18,13 @@ concurrent clients would; each request has its own prompt (none is a passive dup
 Streams of 1 and 64 tokens are timed in interleaved rounds, and non-streamed requests with
 them: what a stream costs whatever its length, what each more event costs, and what a
 non-streamed request costs. Configurations: the defaults (loop inspection and passive checks
-on, audit off), loops off, and neither (the raw relay). ``--profile CONFIGURATION`` adds
-cProfile's top functions for one configuration's 64-token streams.
+on, audit off), loops off, and neither (the raw relay).
+
+``--baseline DIR`` (a checkout of another commit: ``git worktree add DIR COMMIT``) times that
+version too, in the same rounds, and prints the ratios; ``--gc`` the cyclic collector's passes
+during the timings and what they freed; ``--profile CONFIGURATION`` cProfile's top functions
+(``--profile-kind``: non-streamed requests or 64-token streams); ``--only KIND`` times one kind
+of request alone, for a sampling profiler (py-spy).
 """
 
 from __future__ import annotations
