@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pstats
 import resource
 import shutil
@@ -356,10 +357,16 @@ GC_OFF = "[server]\ngc_freeze = false\ngc_threshold = [700, 10, 10]\n"  # before
 
 
 def start(
-    bench: Bench, workers: list[int], names: list[str], log_level: str, gc_timed: bool
+    bench: Bench,
+    workers: list[int],
+    names: list[str],
+    log_level: str,
+    gc_timed: bool,
+    baseline: Path | None = None,
 ) -> tuple[int, int]:
     """Starts the upstream and the targets; returns the bytes of one stream's events and the
-    upstream's port."""
+    upstream's port. ``baseline``: each detproxy target has a twin, ``NAME@base``, running
+    that checkout's code (``PYTHONPATH`` ahead of the installed package)."""
     tmp = bench.tmp
     (tmp / "www").mkdir()
     (tmp / "tmp").mkdir()
@@ -407,22 +414,28 @@ def start(
     for n in workers:
         if n != 1 and f"dp-default-w{n}" in names:
             runs.append((f"dp-default-w{n}", DEFAULTS, n))
+    trees: list[tuple[str, dict[str, str] | None]] = [("", None)]
+    if baseline is not None:
+        trees.append(("@base", {**os.environ, "PYTHONPATH": str(baseline)}))
     for name, config, n in runs:
-        port = free_port()
-        cfg = tmp / f"{name}.toml"
-        cfg.write_text(config.format(shadow_url=f"http://{HOST}:{shadow}"))
-        argv = [sys.executable, "-c", LAUNCHER]
-        if gc_timed and n == 1:  # every collection timed, written at exit (bench_gc.py)
-            argv = [sys.executable, "-c", TIMED_LAUNCHER, str(tmp / f"{name}.gc.json")]
-        argv += ["serve", "--config", str(cfg)]
-        argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
-        argv += ["--log-level", log_level]
-        if n != 1:
-            argv += ["--workers", str(n)]
-        proc = bench.spawn(argv, f"{name}.log", cwd=tmp)
-        wait_port(port, proc, f"detproxy ({name})")
-        what = WHAT.get(name) or f"detproxy, defaults, serve --workers {n}"
-        bench.targets.append(Target(name, port, what, proc))
+        for suffix, env in trees:
+            port = free_port()
+            cfg = tmp / f"{name}{suffix}.toml"
+            cfg.write_text(config.format(shadow_url=f"http://{HOST}:{shadow}"))
+            argv = [sys.executable, "-c", LAUNCHER]
+            if gc_timed and n == 1:  # every collection timed, written at exit (bench_gc.py)
+                argv = [sys.executable, "-c", TIMED_LAUNCHER, str(tmp / f"{name}{suffix}.gc.json")]
+            argv += ["serve", "--config", str(cfg)]
+            argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
+            argv += ["--log-level", log_level]
+            if n != 1:
+                argv += ["--workers", str(n)]
+            proc = bench.spawn(argv, f"{name}{suffix}.log", cwd=tmp, env=env)
+            wait_port(port, proc, f"detproxy ({name}{suffix})")
+            what = WHAT.get(name) or f"detproxy, defaults, serve --workers {n}"
+            if suffix:
+                what += f", the code of {baseline}"
+            bench.targets.append(Target(name + suffix, port, what, proc))
     return sum(len(e) for e in events), up
 
 
@@ -690,6 +703,13 @@ def main() -> int:
     )
     ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        type=lambda v: Path(v).resolve(),
+        help="another checkout (git worktree add DIR COMMIT): each detproxy target gets a twin,"
+        " NAME@base, running DIR's code in the same interleaved rounds",
+    )
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",") if s]
     workers = [int(w) for w in args.workers.split(",") if w]
@@ -715,7 +735,9 @@ def main() -> int:
     results: dict[tuple[int, str], list[Cell]] = {}
     print("\n".join(machine()))
     try:
-        events_bytes, upstream_port = start(bench, workers, names, args.log_level, args.gc_timings)
+        events_bytes, upstream_port = start(
+            bench, workers, names, args.log_level, args.gc_timings, args.baseline
+        )
         wire = check(bench)
         cells = len(streams) * len(bench.targets) * args.rounds
         print(

@@ -438,10 +438,16 @@ class Bench:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
 
-    def spawn(self, argv: list[str], log_name: str, cwd: Path | None = None) -> Popen:
+    def spawn(
+        self,
+        argv: list[str],
+        log_name: str,
+        cwd: Path | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Popen:
         log = open(self.tmp / log_name, "wb")  # noqa: SIM115
         proc = subprocess.Popen(
-            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd, env=env
         )
         self.procs.append(proc)
         return proc
