@@ -238,8 +238,7 @@ class FrontRequest:
     async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
         self.started = True
         if self.method == "HEAD" or status in _NO_BODY_STATUS:
-            head = self._head(status, headers, b"")  # a HEAD's answer keeps a GET's length
-            self._conn.write(head)
+            self._conn.write(self._head(status, headers, b""))  # HEAD keeps a GET's length
         else:
             length = b"Content-Length: %d\r\n" % len(body)
             self._conn.write(self._head(status, headers, length, _FRAMED_HERE) + body)

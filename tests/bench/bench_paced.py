@@ -655,8 +655,8 @@ def print_table(results: dict[tuple[int, str], list[Cell]], bench: Bench, stream
         ratio = f"{c.cpu_us / base.cpu_us:5.2f}" if base and target.proc else "    -"
         per_round = "    -"
         if nginx and target.proc and len(nginx) == len(cells):
-            ratios = sorted(x.cpu_us / b.cpu_us for x, b in zip(cells, nginx, strict=True))
-            per_round = f"{ratios[len(ratios) // 2]:5.2f}"
+            ratios = [x.cpu_us / b.cpu_us for x, b in zip(cells, nginx, strict=True)]
+            per_round = f"{statistics.median_high(ratios):5.2f}"
         cpu = f"{c.cpu_us:7.1f}" if target.proc else "      -"
         rounds = " ".join(f"{x.cpu_us:.1f}" for x in cells) if target.proc else ""
         print(

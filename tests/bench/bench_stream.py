@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from statistics import median_high
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
@@ -189,11 +190,6 @@ async def per_stream_us(forwarder: Forwarder, n: int) -> float:
     return took / n * 1e6
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 async def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, default=2000, help="streams per timing")
@@ -229,7 +225,7 @@ async def main() -> int:
         f"{'configuration':<20}{'1 token':>10}{'64 tokens':>11}{'per event':>11}{'per stream':>12}"
     )
     for name in CONFIGS:
-        a, b = median(times[name, short]), median(times[name, long])
+        a, b = median_high(times[name, short]), median_high(times[name, long])
         per_event = (b - a) / extra_events
         per_stream = a - per_event * events[short]
         print(f"{name:<20}{a:>10.1f}{b:>11.1f}{per_event:>11.2f}{per_stream:>12.1f}")

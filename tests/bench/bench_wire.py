@@ -43,6 +43,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from statistics import median_high
 from types import SimpleNamespace
 from typing import Any
 
@@ -260,7 +261,7 @@ class Setup:
     def __init__(
         self, tree: SimpleNamespace, env: dict[str, str], tokens: int, streams: int
     ) -> None:
-        self.tree, self.env, self.tokens, self.streams = tree, env, tokens, streams
+        self.tree, self.env, self.streams = tree, env, streams
         self.engine = Engine(tokens)
 
     async def start(self) -> None:
@@ -301,12 +302,7 @@ def ratio(times: dict[tuple[str, str, str], list[float]], name: str, kind: str) 
     """Baseline over this checkout, the median of the rounds' ratios (each round's pair was
     timed back to back)."""
     pairs = zip(times["baseline", name, kind], times["this", name, kind], strict=True)
-    return median([base / this for base, this in pairs])
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
+    return median_high([base / this for base, this in pairs])
 
 
 async def main() -> int:
@@ -389,7 +385,7 @@ async def main() -> int:
     if args.only:
         for label in labels:
             for name in names:
-                us = median(times[label, name, args.only])
+                us = median_high(times[label, name, args.only])
                 print(f"{label:<9}{name:<14}{args.only}: {us:.1f} us a request")
     else:
         print(
@@ -399,7 +395,7 @@ async def main() -> int:
         for name in names:
             rows = {}
             for label in labels:
-                j, a, b = (median(times[label, name, kind]) for kind, _, _ in kinds)
+                j, a, b = (median_high(times[label, name, kind]) for kind, _, _ in kinds)
                 per_event = (b - a) / extra
                 rows[label] = (j, a, b, per_event, a - per_event * events[short])
                 cells = "".join(
