@@ -29,6 +29,7 @@ own prompt (``wrk_script``), so that none is a passive duplicate of another.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -469,7 +470,11 @@ class Bench:
         ceiling: bool = False,
         aiohttp_client: bool = False,
         aiohttp_server: bool = False,
+        only: tuple[str, ...] = (),
+        baseline: Path | None = None,
     ) -> None:
+        """``only``: these detproxy targets alone (all when empty); ``baseline``: each detproxy
+        target has a twin, ``NAME@base``, running that checkout's code (``PYTHONPATH``)."""
         tmp = self.tmp
         (tmp / "www").mkdir()
         (tmp / "tmp").mkdir()
@@ -510,7 +515,12 @@ class Bench:
             configs["dp-off-aio"] = '[upstream]\nclient = "aiohttp"\n' + DETPROXY_CONFIGS["dp-off"]
         if aiohttp_server:
             configs["dp-loops-aios"] = '[server]\nhttp = "aiohttp"\n' + DETPROXY_CONFIGS["dp-loops"]
-        for name, conf in configs.items():
+        if only:
+            configs = {name: conf for name, conf in configs.items() if name in only}
+        trees: list[tuple[str, dict[str, str] | None]] = [("", None)]
+        if baseline is not None:
+            trees.append(("@base", {**os.environ, "PYTHONPATH": str(baseline)}))
+        for (name, conf), (suffix, env) in itertools.product(configs.items(), trees):
             port = free_port()
             cfg = tmp / f"{name}.toml"
             cfg.write_text(conf.format(shadow_url=f"http://{HOST}:{shadow}"))
@@ -531,10 +541,11 @@ class Bench:
                     "--log-level",
                     log_level,
                 ],
-                f"{name}.log",
+                f"{name}{suffix}.log",
                 cwd=tmp,
+                env=env,
             )
-            wait_port(port, proc, f"detproxy ({name})")
+            wait_port(port, proc, f"detproxy ({name}{suffix})")
             what = {
                 "dp-default": "detproxy, defaults (loops on, passive checks on, audit off)",
                 "dp-off": "detproxy, audit off, passive checks off, loops disabled",
@@ -543,7 +554,9 @@ class Bench:
                 "dp-off-aio": "dp-off on aiohttp's client (upstream.client = aiohttp)",
                 "dp-loops-aios": "dp-loops on aiohttp's server (server.http = aiohttp)",
             }[name]
-            self.targets.append(Target(name, port, what, proc))
+            if suffix:
+                what += f", the code of {baseline}"
+            self.targets.append(Target(name + suffix, port, what, proc))
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -979,6 +992,19 @@ def main() -> int:
         action="store_true",
         help='add dp-loops-aios: dp-loops with server.http = "aiohttp" (the lean front\'s gain)',
     )
+    ap.add_argument(
+        "--targets",
+        default="",
+        metavar="NAMES",
+        help="these detproxy targets only, comma-separated (default: all)",
+    )
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="DIR",
+        help="a checkout of another commit (git worktree add DIR COMMIT): each detproxy target"
+        " gets a twin, NAME@base, running DIR's code, in the same interleaved rounds",
+    )
     args = ap.parse_args()
     if args.quick:
         args.duration, args.rounds = 2.0, 1
@@ -1001,8 +1027,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="detproxy-bench-"))
     tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
     bench = Bench(tmp)
+    only = tuple(t for t in args.targets.split(",") if t)
     extra = 2 * args.ceiling + args.aiohttp_client + args.aiohttp_server
-    runs = len(modes) * len(concs) * (5 + extra) * args.rounds
+    detproxies = (len(only) or len(DETPROXY_CONFIGS) + extra) * (2 if args.baseline else 1)
+    runs = len(modes) * len(concs) * (2 + 2 * args.ceiling + detproxies) * args.rounds
     print("\n".join(machine()))
     print(
         f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
@@ -1011,7 +1039,14 @@ def main() -> int:
     )
     t_start = time.monotonic()
     try:
-        bench.start(args.log_level, args.ceiling, args.aiohttp_client, args.aiohttp_server)
+        bench.start(
+            args.log_level,
+            args.ceiling,
+            args.aiohttp_client,
+            args.aiohttp_server,
+            only,
+            args.baseline,
+        )
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
@@ -1053,9 +1088,14 @@ def main() -> int:
                 if t.proc
             )
         )
-        audit = next(t for t in bench.targets if t.name == "dp-audit")
-        print("dp-audit metrics (non-zero):")
-        lines = metric_lines(audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests"))
+        audit = next((t for t in bench.targets if t.name == "dp-audit"), None)
+        lines = (
+            []
+            if audit is None
+            else metric_lines(audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests"))
+        )
+        if audit is not None:
+            print("dp-audit metrics (non-zero):")
         for line in lines:
             print(f"  {line}")
         audited = sum(
