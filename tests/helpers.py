@@ -927,19 +927,6 @@ class RecordedWrites:
         return b"".join(self.writes)
 
 
-class GeneralRelay(StreamRelay):
-    """The general path only: the decoder, every event parsed, no templates."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._simple.templates = None
-        self._decoder.feed_data = lambda chunk: None  # type: ignore[method-assign]
-
-    @property
-    def raw(self) -> bool:
-        return False
-
-
 class RelayRun:
     def __init__(self, relay: StreamRelay, client: RecordedWrites, result: StreamResult) -> None:
         self.relay, self.client, self.result = relay, client, result
@@ -976,15 +963,15 @@ def relay(
         **plan,
     )
     dropped: list[str] = []
-    cls = GeneralRelay if general else StreamRelay
     watch = [LoopWatch(endpoint, DetectorConfig())] if loops else []
-    r = cls(
+    r = StreamRelay(
         endpoint,
         InspectorSet([*watch, *(inspectors or [])], dropped.append),
         bus,
         max_event_bytes,
         0.0,
         stream_plan,
+        fast_paths=not general,
     )
     stopped: list[str] = []
     failed: list[str] = []

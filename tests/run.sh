@@ -23,7 +23,8 @@ fi
 
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip
+# setuptools >= 77 reads pyproject.toml's license; the compiled build below runs setup.py here.
+.venv/bin/python -m pip install -q --upgrade pip setuptools
 .venv/bin/python -m pip install -q -e '.[test]'
 
 engine="$(PYTHON=.venv/bin/python bash tests/integration/build_llama_server.sh)"
@@ -38,3 +39,12 @@ export LLAMA_SRC="$(sed -n 's/^LLAMA_SRC=//p' <<<"$engine")"
 # that they call cannot go unnoticed until the next device session.
 .venv/bin/mypy --strict tests/gpu/validate.py tests/gpu/vllm/validate.py
 .venv/bin/python -m pytest -m "integration or not integration" "$@"
+
+# The compiled build (DETPROXY_COMPILE=1: setup.py compiles pyproject.toml's
+# [tool.detproxy] compiled with mypyc), made in a copy of the checkout, and the unit tests
+# run on it: what compiles must behave as the source does.
+compiled="$(mktemp -d)"
+trap 'rm -rf "$compiled"' EXIT
+.venv/bin/python tests/compiled_tree.py "$compiled/tree"
+python="$PWD/.venv/bin/python"
+(cd "$compiled/tree" && "$python" -m pytest -q -p no:cacheprovider)

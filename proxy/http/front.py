@@ -205,13 +205,20 @@ class FrontRequest:
         self.close_after = True
         self._conn.resume_reading_for_body()
 
-    async def body_chunks(self) -> AsyncIterator[bytes]:
+    def body_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it comes (an async iterator, not a generator: mypyc compiles no
+        async generators)."""
+        return self
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
         while True:
             if self._parts:
-                yield self._take()
-                continue
+                return self._take()
             if self.body_complete:
-                return
+                raise StopAsyncIteration
             await self._more()
 
     # -- the response --------------------------------------------------------------------
@@ -287,6 +294,8 @@ class FrontRequest:
 
 class FrontConnection(asyncio.Protocol):
     """One client connection of the front server."""
+
+    __deletable__ = ["_parser"]  # for mypyc: see connection_lost
 
     def __init__(self, server: FrontServer) -> None:
         self.server = server

@@ -28,7 +28,7 @@ import asyncio
 import collections
 import ssl
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -61,13 +61,22 @@ class H1Response:
             [(n.decode("latin-1"), v.decode("latin-1")) for n, v in conn.header_list]
         )
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body, piece by piece as it is parsed (an async iterator, not a generator:
+        mypyc compiles no async generators)."""
+        return self
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:  # released at its end, or closed: nothing more is this response's
+            raise StopAsyncIteration
         conn = self._conn
         try:
             while True:
                 if conn.chunks:
-                    yield conn.take()
-                    continue
+                    return conn.take()
                 if conn.complete:
                     break
                 if conn.error is not None:
@@ -77,6 +86,7 @@ class H1Response:
             self.close()
             raise
         self._release()
+        raise StopAsyncIteration
 
     async def pump(self, sink: Sink) -> bool:
         """The body to ``sink``, each piece as it is parsed (no task woken per piece); True at
@@ -133,7 +143,10 @@ class H1Upstream:
         read_timeout_s: float,
         keepalive_timeout_s: float,
         max_connections: int,
+        connector: Callable[[], Awaitable[Conn]] | None = None,
     ) -> None:
+        """``connector``: how a new connection is made (a benchmark makes them in memory);
+        by default, TCP (TLS for https) to the base URL's host and port."""
         parts = urlsplit(base_url)
         self._tls = parts.scheme == "https"
         self._host = parts.hostname or "127.0.0.1"
@@ -148,6 +161,7 @@ class H1Upstream:
         self._max = max_connections
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self._tls else None
         self._idle: collections.deque[Conn] = collections.deque()
+        self._connector = connector or self._connect
         self._busy = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -176,7 +190,7 @@ class H1Upstream:
                     conn.close()
                     continue
                 return conn, True
-            return await self._connect(), False
+            return await self._connector(), False
         except BaseException:
             self._busy -= 1
             self._wake_one()

@@ -28,7 +28,7 @@ class Closed(Exception):
 class Conn(asyncio.Protocol):
     """One upstream connection; carries one response at a time."""
 
-    __deletable__ = ["_parser"]  # for mypyc (tests/bench/compiled_tree.py): see connection_lost
+    __deletable__ = ["_parser"]  # for mypyc: see connection_lost
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop

@@ -189,6 +189,8 @@ class LoopWatch:
             if not isinstance(raw, dict):
                 continue
             index = raw.get("index", 0)
+            if not isinstance(index, int):
+                index = 0  # as the streamed path reads a malformed index
             watch = self._watch(index)
             if watch is None:
                 continue

@@ -59,7 +59,7 @@ class SimpleReads:
     """The simple path of one attempt's relay, and the chunk templates it learns."""
 
     __slots__ = ("_relay", "reads_runs", "templates")
-    __deletable__ = ["_relay"]  # for mypyc (tests/bench/compiled_tree.py): see detach
+    __deletable__ = ["_relay"]  # for mypyc: see detach
 
     def __init__(self, relay: StreamRelay, templates: Templates | None) -> None:
         self._relay = relay

@@ -94,8 +94,13 @@ class StreamRelay:
         t0: float,
         plan: StreamPlan = StreamPlan(),
         clock: Callable[[], float] = time.monotonic,
+        *,
+        fast_paths: bool = True,
     ) -> None:
+        """``fast_paths=False``: every event decoded and parsed, no template, no raw relay:
+        the reference the fast paths must agree with (the tests compare them)."""
         self._clock = clock  # the speed metrics' time; tests inject theirs
+        self._fast = fast_paths
         self._endpoint = endpoint
         self.inspectors = inspectors
         self.inspecting = True
@@ -112,7 +117,7 @@ class StreamRelay:
         self._simple = SimpleReads(
             self,
             None
-            if plan.strip_logprobs or plan.reasoning_as_content
+            if plan.strip_logprobs or plan.reasoning_as_content or not fast_paths
             else Templates(endpoint == "chat"),
         )
         self.result = StreamResult()
@@ -126,7 +131,7 @@ class StreamRelay:
     def raw(self) -> bool:
         """Nothing looks at the events: they are relayed undecoded."""
         plan = self.plan
-        return not (
+        return self._fast and not (
             self.inspectors
             or plan.strip_logprobs
             or plan.id_override is not None
@@ -271,7 +276,7 @@ class StreamRelay:
                 return one
         events: list[SSEEvent] = []
         try:
-            split = decoder.feed_data(data)
+            split = decoder.feed_data(data) if self._fast else None
             if split is None:
                 events = decoder.feed(data)
         except SSEOverflow as exc:

@@ -14,8 +14,8 @@ prints the difference over the difference in requests: instructions per request,
 and warm-up cancelled out. Instructions are not time (cache misses and the kernel are not in
 them), but fewer of them for the same work is less work.
 
-``--tree DIR`` counts another checkout (or ``compiled_tree.py``'s compiled copy) instead of
-this one; run it for both and compare.
+``--tree DIR`` counts another checkout (or ``tests/compiled_tree.py``'s compiled copy)
+instead of this one; run it for both and compare.
 """
 
 from __future__ import annotations

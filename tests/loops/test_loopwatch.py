@@ -80,6 +80,18 @@ def test_whole_answers_and_completions() -> None:
     assert LoopWatch("chat", DetectorConfig()).on_answer({"choices": "junk"}) is None
 
 
+def test_a_whole_answer_with_a_malformed_index_is_watched_as_choice_0() -> None:
+    # As the streamed path reads it: a policy is told of choice 0, never of the string.
+    for index in ("0", None, 1.5):
+        answer = {
+            "choices": [
+                {"index": index, "finish_reason": "length", "message": {"content": UNIT * 20}}
+            ]
+        }
+        trigger = LoopWatch("chat", DetectorConfig()).on_answer(answer)
+        assert trigger is not None and trigger.choice == 0
+
+
 # --- the fast path and runs: the same triggers as the general walk, chunk by chunk -----------
 
 PIECES = [UNIT, UNIT[:7], UNIT[7:], " other words", "", "x" * 40, "- ", "\n"]
