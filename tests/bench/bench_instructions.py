@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,9 @@ def count(tree_root: Path, config: str, kind: str, n: int, streams: int, out: Pa
         "--streams",
         str(streams),
     ]
-    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    # One hash seed: the same dict and set orders, hence the same instructions, on every run.
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    done = subprocess.run(argv, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"callgrind run failed:\n{done.stderr[-3000:]}")
     for line in profile.read_text().splitlines():
