@@ -11,20 +11,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from policies.base import Decision, Retry, Trigger
+from proxy.config import Settings
 from proxy.events import EventBus
 from proxy.exchange import Exchange, Lifecycle
 from proxy.http.upstream import Upstream
 from proxy.loops.continuation import Continued
 from proxy.loops.recovery import Recovery
 from proxy.relay.inspectors import InspectorFactory
-
-if TYPE_CHECKING:
-    from proxy.config import Settings
 
 # A hard stop under whatever the policies decide; their own budgets are tighter.
 MAX_ATTEMPTS = 8
