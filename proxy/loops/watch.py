@@ -96,9 +96,7 @@ class LoopWatch:
         self._keep = keep  # keep the first choice's texts, for a continuation
         self._choices: dict[int, _ChoiceWatch] = {}
 
-    def _watch(self, index: Any) -> _ChoiceWatch | None:
-        if not isinstance(index, int):
-            index = 0
+    def _watch(self, index: int) -> _ChoiceWatch | None:
         watch = self._choices.get(index)
         if watch is None and len(self._choices) < MAX_CHOICES:
             watch = self._choices[index] = _ChoiceWatch(self._config, self._keep and index == 0)

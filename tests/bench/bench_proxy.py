@@ -1089,24 +1089,24 @@ def main() -> int:
             )
         )
         audit = next((t for t in bench.targets if t.name == "dp-audit"), None)
-        lines = (
-            []
-            if audit is None
-            else metric_lines(audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests"))
-        )
         if audit is not None:
             print("dp-audit metrics (non-zero):")
-        for line in lines:
-            print(f"  {line}")
-        audited = sum(
-            float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("detproxy_audits_total")
-        )
-        requests = sum(
-            float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith("detproxy_requests_total")
-        )
-        if requests:
-            share = f"{audited:.0f} of {requests:.0f} requests ({audited / requests:.1%})"
-            print(f"dp-audit: audited {share}")
+            lines = metric_lines(audit, ("detproxy_audits", "detproxy_shadow", "detproxy_requests"))
+            for line in lines:
+                print(f"  {line}")
+            audited = sum(
+                float(ln.rsplit(" ", 1)[1])
+                for ln in lines
+                if ln.startswith("detproxy_audits_total")
+            )
+            requests = sum(
+                float(ln.rsplit(" ", 1)[1])
+                for ln in lines
+                if ln.startswith("detproxy_requests_total")
+            )
+            if requests:
+                share = f"{audited:.0f} of {requests:.0f} requests ({audited / requests:.1%})"
+                print(f"dp-audit: audited {share}")
         if args.profile > 0:
             for mode in modes:
                 for t in bench.targets:
