@@ -118,6 +118,8 @@ class SimpleReads:
         i = 0
         while i < len(datas):
             if not self._relay.inspecting:
+                if self._relay.rewriting:  # the rest is rewritten, not inspected
+                    self._rewrite_rest(out, offset, datas[i:] if i else datas)
                 break  # the rest goes out as it came
             if templates is not None and templates.active:
                 literals, matched = _match(datas, i, templates.active)
@@ -166,6 +168,18 @@ class SimpleReads:
             if written is not raw:
                 out.put(offset, size, written)
         return False
+
+    def _rewrite_rest(self, out: _Out, offset: int, datas: list[bytes]) -> None:
+        """The events from ``src[offset]`` on, after inspection stopped: rewritten alone."""
+        relay = self._relay
+        src = out.src
+        for data in datas:
+            size = len(data) + 8
+            raw = src[offset : offset + size]
+            written = relay.rewrite_only(data, raw)
+            if written is not raw:
+                out.put(offset, size, written)
+            offset += size
 
     def _relay_run(
         self,

@@ -4,8 +4,10 @@ Whole events are written as soon as they are complete, byte for byte as they arr
 stage changes them (logprobs detproxy injected are stripped; a restarted attempt keeps the
 original ``id``), so a stream that breaks mid-event can still be ended cleanly with an
 in-band error. Inspection is best effort: malformed SSE or JSON switches it off for this
-response and the bytes go on. With ``hold_reasoning``, reasoning events are held back until
-reasoning ends (within a bound), so an attempt abandoned for a loop is never shown.
+response and the bytes go on; what the client's bytes need (injected logprobs stripped, the
+first id kept, reasoning moved to content) still applies to every event that parses. With
+``hold_reasoning``, reasoning events are held back until reasoning ends (within a bound), so an
+attempt abandoned for a loop is never shown.
 
 Three paths, one result (the client gets the same bytes, whatever the split of the reads):
 
@@ -110,6 +112,10 @@ class StreamRelay:
         self._t0 = t0
         self.plan = plan
         self.holding = plan.hold_reasoning
+        # Changes the client's bytes need: they outlive inspection (see _rewrite_only).
+        self.rewriting = (
+            plan.strip_logprobs or plan.id_override is not None or plan.reasoning_as_content
+        )
         self.held: list[bytes] = []
         self.heldbytes_ = 0
         # Templates need chunks that reach the client unchanged and no inspector (they see
@@ -208,6 +214,14 @@ class StreamRelay:
 
     def transform(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
         """The bytes one inspected chunk becomes now (None: held)."""
+        raw = self.rewrite(chunk, raw)
+        if self.holding:
+            return self.hold(_releases_hold(chunk), raw)
+        return raw
+
+    def rewrite(self, chunk: dict[str, Any], raw: bytes) -> bytes:
+        """The bytes of one parsed chunk as the client gets them (``parse`` already moved its
+        reasoning, where the plan says so)."""
         plan = self.plan
         changed = False
         if plan.strip_logprobs and strip_logprobs(chunk):
@@ -219,9 +233,33 @@ class StreamRelay:
             changed = True  # parse moved its reasoning
         if changed:
             raw = encode_event(orjson.dumps(chunk))
-        if self.holding:
-            return self.hold(_releases_hold(chunk), raw)
         return raw
+
+    def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
+        """One event after inspection stopped: rewritten if it parses, else as it came."""
+        if data is None or data == b"[DONE]":
+            return raw
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return raw
+        if type(chunk) is not dict:
+            return raw
+        if self.plan.reasoning_as_content:
+            move_reasoning_to_content(chunk)
+        return self.rewrite(chunk, raw)
+
+    def _rewrite_read(self, data: bytes) -> bytes:
+        """A read after inspection stopped, on a stream whose bytes detproxy must still change:
+        decoded, nothing observed. Past an event too large to decode, its tail decodes as one
+        event without data (relayed as it came) and the events after it are decoded again."""
+        try:
+            events = self._decoder.feed(data)
+        except SSEOverflow as exc:
+            return exc.pending
+        if not events:
+            return b""
+        return b"".join([self.rewrite_only(event.data, event.raw) for event in events])
 
     def hold(self, release: bool | None, raw: bytes) -> bytes | None:
         if release is True:
@@ -251,7 +289,9 @@ class StreamRelay:
         parts: list[bytes] = []
         for event in events:
             if not self.inspecting:
-                parts.append(event.raw)
+                parts.append(
+                    self.rewrite_only(event.data, event.raw) if self.rewriting else event.raw
+                )
             elif event.data is None and not event.raw.lstrip(b"\r\n").startswith(b":"):
                 self._stop_inspecting("malformed_sse")
                 parts.append(self.flush_held(event.raw))
@@ -266,7 +306,7 @@ class StreamRelay:
     def _read(self, data: bytes) -> bytes:
         """One upstream read, inspected: the bytes to write now."""
         if not self.inspecting:
-            return self.flush_held(b"") + data
+            return self.flush_held(b"") + (self._rewrite_read(data) if self.rewriting else data)
         simple = self._simple
         decoder = self._decoder
         templates = simple.templates
@@ -287,8 +327,8 @@ class StreamRelay:
             return b""
         self.result.add_events(n, self.now())
         out = simple.relay_simple(*split) if split is not None else self._relay_events(events)
-        if not self.inspecting:
-            out += self.flush_held(decoder.take_pending())  # raw from here on
+        if not self.inspecting:  # raw from here on, or decoded for rewriting alone
+            out += self.flush_held(b"" if self.rewriting else decoder.take_pending())
         return out
 
     # -- the stream -------------------------------------------------------------------------
@@ -387,10 +427,15 @@ class StreamRelay:
             return result
         tail = decoder.pending
         out = self.flush_held(b"")
-        if tail and self.inspecting:
+        if tail:
             # A last event without its blank line: relayed as it came unless rewritten.
             final = decoder.flush()
-            processed = self._process(final) if final is not None else tail
+            if final is None:
+                processed: bytes | None = tail
+            elif self.inspecting:
+                processed = self._process(final)
+            else:
+                processed = self.rewrite_only(final.data, final.raw)
             out += (processed or b"") + self.flush_held(b"")
         if out:
             await resp.write(out)

@@ -263,7 +263,7 @@ def test_dockerfile_copies_only_the_package_and_the_ignore_file_agrees() -> None
             parts = shlex.split(args)
             assert not any(p.startswith("--from") for p in parts)
             sources.update(p.rstrip("/") for p in parts[:-1])
-    assert sources == {"pyproject.toml", "README.md", "proxy", "policies"}
+    assert sources == {"pyproject.toml", "setup.py", "README.md", "proxy", "policies"}
     for source in sources:
         assert (ROOT / source).exists(), source
     # BuildKit reads <Dockerfile>.dockerignore beside the Dockerfile: everything is excluded
@@ -276,6 +276,24 @@ def test_dockerfile_copies_only_the_package_and_the_ignore_file_agrees() -> None
     assert lines[0] == "*"
     assert {line[1:].rstrip("/") for line in lines if line.startswith("!")} == sources
     assert "**/__pycache__" in lines
+
+
+def test_the_image_compiles_the_hot_path_by_default_with_gcc_in_the_build_stage_only() -> None:
+    instructions = dockerfile_instructions(DOCKERFILE.read_text(encoding="utf-8"))
+    before_from = instructions[: [kw for kw, _ in instructions].index("FROM")]
+    assert ("ARG", "DETPROXY_COMPILE=1") in before_from
+    build, *_, runtime = stages(instructions)
+    assert ("ARG", "DETPROXY_COMPILE") in build  # a global ARG is seen in a stage so declared
+    runs = [args for kw, args in build if kw == "RUN"]
+    (install,) = [r for r in runs if "pip install ." in r]
+    assert 'DETPROXY_COMPILE="$DETPROXY_COMPILE" /opt/detproxy/bin/pip install .' in install
+    compiler = [r for r in runs if "gcc" in r]
+    assert compiler and all('[ "$DETPROXY_COMPILE" = "1" ]' in r for r in compiler)
+    assert runs.index(compiler[0]) < runs.index(install)
+    assert not any("gcc" in args or "apt-get" in args for kw, args in runtime if kw == "RUN")
+    # The runtime stage takes the virtualenv alone from the build stage.
+    copies = [shlex.split(args) for kw, args in runtime if kw == "COPY"]
+    assert copies == [["--from=build", "/opt/detproxy", "/opt/detproxy"]]
 
 
 def test_dockerfile_healthcheck_uses_python_against_detproxy_health() -> None:

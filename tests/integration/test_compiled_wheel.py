@@ -9,6 +9,7 @@ site-packages, and that a refused editable build says why.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -32,9 +33,37 @@ def _run(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[
     )
 
 
+def docker_context(into: Path) -> Path:
+    """A copy of what the image's build stage is sent: the entries Dockerfile.dockerignore
+    lets through (tests/deploy/test_docker.py checks that they are what it copies)."""
+    ignore = ROOT / "deploy" / "docker" / "Dockerfile.dockerignore"
+    for line in ignore.read_text(encoding="utf-8").splitlines():
+        if line.startswith("!"):
+            name = line[1:].rstrip("/")
+            source = ROOT / name
+            if source.is_dir():
+                shutil.copytree(source, into / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                into.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, into / name)
+    return into
+
+
 def test_the_compiled_wheel_installs_and_serves_the_demo(tmp_path: Path) -> None:
+    # Built from the files the Docker image is built from, as its build stage builds it.
+    context = docker_context(tmp_path / "context")
     built = _run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "-w",
+            str(tmp_path),
+            str(context),
+        ],
         tmp_path,
         DETPROXY_COMPILE="1",
     )

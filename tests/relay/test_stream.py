@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 from typing import Any
 
+import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -227,6 +228,52 @@ def test_malformed_events_switch_inspection_off_and_bytes_flow() -> None:
             assert run.client.body == stream
             assert run.result.trigger is None and run.result.complete
             assert len(run.stopped) == 1
+
+
+def with_logprobs(stream: bytes) -> bytes:
+    """Each chunk of ``stream`` with logprobs on its choices, as an injected request gets."""
+    out = []
+    for block in sse_blocks(stream):
+        data = block[len(b"data: ") :]
+        if data != b"[DONE]":
+            chunk = orjson.loads(data)
+            for choice in chunk["choices"]:
+                choice["logprobs"] = {"content": [{"token": "t", "logprob": -0.5}]}
+            block = b"data: " + orjson.dumps(chunk)
+        out.append(block + b"\n\n")
+    return b"".join(out)
+
+
+REWRITES = [
+    ({"strip_logprobs": True}, b'"logprobs":{'),
+    ({"id_override": "chatcmpl-first"}, b'"id":"chatcmpl-1"'),
+    ({"reasoning_as_content": True}, b'"reasoning":'),
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from(REWRITES),
+    st.sampled_from([b"data: {not json\n\n", b'data: "a string"\n\n', b"garbage\n\n"]),
+    st.integers(1, 40),
+    st.lists(st.integers(0, 12000), max_size=8),
+    st.booleans(),
+)
+def test_what_the_client_needs_rewritten_still_is_after_inspection_stops(
+    rewrite: tuple[dict[str, Any], bytes], bad: bytes, at: int, cuts: list[int], general: bool
+) -> None:
+    # Logprobs detproxy injected must not reach a client that did not ask for them, nor a
+    # restarted attempt's id, nor reasoning after a closed one: a malformed event stops the
+    # loop watch, not these.
+    plan, absent = rewrite
+    stream = with_logprobs(answer(words(20), words(30)))
+    stream = stream.replace(b"\n\n", b"\n\n" + bad, at).replace(bad, b"", at - 1)
+    run = relay(split(stream, cuts), loops=True, general=general, **plan)
+    assert run.result.complete and len(run.stopped) == 1
+    assert absent not in run.client.body
+    body_events = sse_blocks(run.client.body)
+    assert len(body_events) == len(sse_blocks(stream))
+    assert bad in run.client.body  # the malformed event itself goes out as it came
 
 
 def events_of(stream: bytes) -> list[bytes]:

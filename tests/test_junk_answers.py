@@ -1,0 +1,249 @@
+"""Answers of the wrong shape reach the client as the upstream sent them.
+
+A 200 answer whose fields hold the wrong JSON types (a string index, a list for usage, a
+number for a delta, a missing key) is not detproxy's to judge: with the audit sampling every
+request, the loop watch on and the passive checks running, the client gets the upstream's bytes
+(less the logprobs the audit itself asked for), streamed or not. The compiled build (mypyc)
+checks annotations at run time, so this module also runs on ``tests/compiled_tree.py``'s copy,
+where a value that does not match a type annotation raises instead of passing through.
+
+The answers are mutants of a well-formed vLLM answer, drawn from a fixed seed: each replaces a
+few values anywhere in the tree with junk, or deletes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import orjson
+import pytest
+
+from tests.helpers import ScriptedRequest, ScriptedServer, parse_sse
+
+Path = tuple[str | int, ...]
+
+JUNK: list[Any] = [None, 0, -1, 7, 1.5, 2**70, "", "x", "0", True, [], [1, "a"], {}, {"a": 1}]
+MUTANTS = 200
+
+
+def token(text: str) -> dict[str, Any]:
+    entry = {"token": text, "logprob": -0.25, "bytes": list(text.encode())}
+    return {**entry, "top_logprobs": [entry]}
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: bool = True) -> Any:
+    text = delta.get("content") or delta.get("reasoning") or ""
+    choice = {
+        "index": 0,
+        "delta": delta,
+        "logprobs": {"content": [token(text)]} if logprobs and text else None,
+        "finish_reason": finish,
+    }
+    return {
+        "id": "chatcmpl-junk",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "m",
+        "choices": [choice],
+    }
+
+
+WORDS = [f" w{i}" for i in range(8)]
+USAGE = {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
+
+
+def well_formed_stream() -> list[Any]:
+    chunks = [chunk({"role": "assistant", "content": ""})]
+    chunks += [chunk({"reasoning": w}) for w in WORDS]
+    chunks += [chunk({"content": w}) for w in WORDS]
+    chunks.append(chunk({"content": ""}, "stop"))
+    chunks.append({"id": "chatcmpl-junk", "object": "chat.completion.chunk", "choices": [],
+                   "usage": USAGE})  # fmt: skip
+    return chunks
+
+
+def well_formed_answer() -> dict[str, Any]:
+    return {
+        "id": "chatcmpl-junk",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "reasoning": "".join(WORDS),
+                    "content": "".join(WORDS),
+                },
+                "logprobs": {"content": [token(w) for w in WORDS]},
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": USAGE,
+    }
+
+
+def paths(value: Any, here: Path = ()) -> Iterator[Path]:
+    yield here
+    if isinstance(value, dict):
+        for key, child in value.items():
+            yield from paths(child, (*here, key))
+    elif isinstance(value, list):
+        for i, child in enumerate(value):
+            yield from paths(child, (*here, i))
+
+
+def mutate(value: Any, rng: random.Random) -> Any:
+    """``value`` with one to three of its values replaced by junk or deleted."""
+    value = copy.deepcopy(value)
+    for _ in range(rng.randint(1, 3)):
+        path = rng.choice(list(paths(value)))
+        if not path:
+            return copy.deepcopy(rng.choice(JUNK))
+        parent = value
+        for step in path[:-1]:
+            parent = parent[step]
+        if isinstance(parent, dict) and rng.random() < 0.3:
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = copy.deepcopy(rng.choice(JUNK))
+    return value
+
+
+def dumps(value: Any) -> bytes:
+    # json, not orjson: orjson refuses integers past 64 bits, which an upstream may still send.
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def without_logprobs(value: Any) -> Any:
+    """What the client gets of an answer to a request whose logprobs only the audit asked for:
+    every choice's logprobs back to null (``proxy.audit.inject.strip_logprobs``'s contract)."""
+    if isinstance(value, dict) and isinstance(value.get("choices"), list):
+        value = copy.deepcopy(value)
+        for choice in value["choices"]:
+            if isinstance(choice, dict) and choice.get("logprobs") is not None:
+                choice["logprobs"] = None
+    return value
+
+
+class JunkUpstream:
+    """A vLLM stand-in that answers every request with ``answer`` (bytes of JSON), or streams
+    ``events`` (each one SSE event, in its own HTTP chunk)."""
+
+    def __init__(self) -> None:
+        self.answer = b""
+        self.events: list[bytes] = []
+        self.server = ScriptedServer(self.reply)
+        self.primary: dict[str, Any] = {}  # the last request that was not a shadow
+
+    def injected(self, client: dict[str, Any]) -> bool:
+        """Whether detproxy asked the last primary request for logprobs the client did not
+        (it does not when the audit's rate limit skips a request)."""
+        return "logprobs" in self.primary and "logprobs" not in client
+
+    async def reply(self, req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        if not req.head.startswith(b"POST"):  # detproxy's probes (/version, /metrics)
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            return True
+        body = orjson.loads(req.body)
+        if req.header(b"x-detproxy-shadow") is None:
+            self.primary = body
+        if body.get("stream"):
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            for event in self.events:
+                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+        else:
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(self.answer), self.answer)
+            )
+        return True
+
+
+@pytest.fixture
+async def junk_upstream() -> AsyncIterator[JunkUpstream]:
+    upstream = JunkUpstream()
+    upstream.server.server = await asyncio.start_server(upstream.server.handle, "127.0.0.1", 0)
+    yield upstream
+    upstream.server.server.close()
+    await upstream.server.server.wait_closed()
+
+
+AUDITED = {
+    "DETPROXY_AUDIT__SAMPLE_RATE": "1",
+    "DETPROXY_LOOPS__POLICY": "retry",
+    "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "100000",
+}
+
+
+def request(stream: bool, asks_logprobs: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "m",
+        "temperature": 0,
+        "max_tokens": 16,
+        "stream": stream,
+        "messages": [{"role": "user", "content": "junk"}],
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    if asks_logprobs:
+        body.update(logprobs=True, top_logprobs=1)
+    return body
+
+
+@pytest.mark.parametrize("asks_logprobs", [True, False], ids=["client-logprobs", "injected"])
+async def test_a_junk_whole_answer_reaches_the_client_unchanged(
+    make_proxy: Any, junk_upstream: JunkUpstream, asks_logprobs: bool
+) -> None:
+    client = await make_proxy(junk_upstream.server.url, env=AUDITED)
+    rng = random.Random(16)
+    body = request(False, asks_logprobs)
+    for n in range(MUTANTS):
+        answer = mutate(well_formed_answer(), rng)
+        junk_upstream.answer = dumps(answer)
+        resp = await client.post("/v1/chat/completions", json=body)
+        got = await resp.read()
+        where = f"mutant {n}: {junk_upstream.answer!r}"
+        assert resp.status == 200, where
+        if junk_upstream.injected(body):
+            assert orjson.loads(got) == without_logprobs(answer), where
+        else:
+            assert got == junk_upstream.answer, where
+
+
+@pytest.mark.parametrize("stream_mode", ["restart", "hold_reasoning"])
+@pytest.mark.parametrize("asks_logprobs", [True, False], ids=["client-logprobs", "injected"])
+async def test_a_junk_stream_reaches_the_client_unchanged(
+    make_proxy: Any, junk_upstream: JunkUpstream, asks_logprobs: bool, stream_mode: str
+) -> None:
+    env = {**AUDITED, "DETPROXY_LOOPS__STREAM_MODE": stream_mode}
+    client = await make_proxy(junk_upstream.server.url, env=env)
+    rng = random.Random(17 if stream_mode == "restart" else 18)
+    body = request(True, asks_logprobs)
+    for n in range(MUTANTS):
+        chunks = well_formed_stream()
+        for i in rng.sample(range(len(chunks)), rng.randint(1, 4)):
+            chunks[i] = mutate(chunks[i], rng)
+        junk_upstream.events = [b"data: " + dumps(c) + b"\n\n" for c in chunks]
+        junk_upstream.events.append(b"data: [DONE]\n\n")
+        resp = await client.post("/v1/chat/completions", json=body)
+        got = await resp.read()
+        sent = b"".join(junk_upstream.events)
+        where = f"mutant {n}: {sent!r}"
+        assert resp.status == 200, where
+        if not junk_upstream.injected(body):
+            assert got == sent, where
+        else:
+            expected = [without_logprobs(c) for c in chunks] + ["[DONE]"]
+            assert parse_sse(got) == expected, where
