@@ -57,7 +57,34 @@ WORDS = [f" w{i}" for i in range(8)]
 USAGE = {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
 
 
-def well_formed_stream() -> list[Any]:
+def legacy_logprobs(words: list[str]) -> dict[str, Any]:
+    """/v1/completions' logprobs (vllm-api.md: the legacy shape)."""
+    offsets = [sum(map(len, words[:i])) for i in range(len(words))]
+    return {
+        "text_offset": offsets,
+        "token_logprobs": [-0.25] * len(words),
+        "tokens": words,
+        "top_logprobs": [{w: -0.25} for w in words],
+    }
+
+
+def text_chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "text": text,
+        "logprobs": legacy_logprobs([text]) if text else None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+    return {"id": "cmpl-junk", "object": "text_completion", "created": 1, "model": "m",
+            "choices": [choice]}  # fmt: skip
+
+
+def well_formed_stream(endpoint: str) -> list[Any]:
+    if endpoint == "completions":
+        texts = [text_chunk(w) for w in WORDS] + [text_chunk("", "length")]
+        return [*texts, {"id": "cmpl-junk", "object": "text_completion", "created": 1,
+                         "model": "m", "choices": [], "usage": USAGE}]  # fmt: skip
     chunks = [chunk({"role": "assistant", "content": ""})]
     chunks += [chunk({"reasoning": w}) for w in WORDS]
     chunks += [chunk({"content": w}) for w in WORDS]
@@ -67,7 +94,18 @@ def well_formed_stream() -> list[Any]:
     return chunks
 
 
-def well_formed_answer() -> dict[str, Any]:
+def well_formed_answer(endpoint: str) -> dict[str, Any]:
+    if endpoint == "completions":
+        choice = {
+            "index": 0,
+            "text": "".join(WORDS),
+            "logprobs": legacy_logprobs(WORDS),
+            "finish_reason": "length",
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+        return {"id": "cmpl-junk", "object": "text_completion", "created": 1, "model": "m",
+                "choices": [choice], "usage": USAGE}  # fmt: skip
     return {
         "id": "chatcmpl-junk",
         "object": "chat.completion",
@@ -187,32 +225,36 @@ AUDITED = {
 }
 
 
-def request(stream: bool, asks_logprobs: bool) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "m",
-        "temperature": 0,
-        "max_tokens": 16,
-        "stream": stream,
-        "messages": [{"role": "user", "content": "junk"}],
-    }
+def request(endpoint: str, stream: bool, asks_logprobs: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "m", "temperature": 0, "max_tokens": 16, "stream": stream}
+    if endpoint == "completions":
+        body["prompt"] = "junk"
+    else:
+        body["messages"] = [{"role": "user", "content": "junk"}]
     if stream:
         body["stream_options"] = {"include_usage": True}
     if asks_logprobs:
-        body.update(logprobs=True, top_logprobs=1)
+        body.update({"logprobs": 1} if endpoint == "completions" else {"logprobs": True,
+                     "top_logprobs": 1})  # fmt: skip
     return body
 
 
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+ENDPOINTS = pytest.mark.parametrize("endpoint", ["chat", "completions"])
+
+
+@ENDPOINTS
 @pytest.mark.parametrize("asks_logprobs", [True, False], ids=["client-logprobs", "injected"])
 async def test_a_junk_whole_answer_reaches_the_client_unchanged(
-    make_proxy: Any, junk_upstream: JunkUpstream, asks_logprobs: bool
+    make_proxy: Any, junk_upstream: JunkUpstream, asks_logprobs: bool, endpoint: str
 ) -> None:
     client = await make_proxy(junk_upstream.server.url, env=AUDITED)
     rng = random.Random(16)
-    body = request(False, asks_logprobs)
+    body = request(endpoint, False, asks_logprobs)
     for n in range(MUTANTS):
-        answer = mutate(well_formed_answer(), rng)
+        answer = mutate(well_formed_answer(endpoint), rng)
         junk_upstream.answer = dumps(answer)
-        resp = await client.post("/v1/chat/completions", json=body)
+        resp = await client.post(PATHS[endpoint], json=body)
         got = await resp.read()
         where = f"mutant {n}: {junk_upstream.answer!r}"
         assert resp.status == 200, where
@@ -222,22 +264,27 @@ async def test_a_junk_whole_answer_reaches_the_client_unchanged(
             assert got == junk_upstream.answer, where
 
 
+@ENDPOINTS
 @pytest.mark.parametrize("stream_mode", ["restart", "hold_reasoning"])
 @pytest.mark.parametrize("asks_logprobs", [True, False], ids=["client-logprobs", "injected"])
 async def test_a_junk_stream_reaches_the_client_unchanged(
-    make_proxy: Any, junk_upstream: JunkUpstream, asks_logprobs: bool, stream_mode: str
+    make_proxy: Any,
+    junk_upstream: JunkUpstream,
+    asks_logprobs: bool,
+    stream_mode: str,
+    endpoint: str,
 ) -> None:
     env = {**AUDITED, "DETPROXY_LOOPS__STREAM_MODE": stream_mode}
     client = await make_proxy(junk_upstream.server.url, env=env)
     rng = random.Random(17 if stream_mode == "restart" else 18)
-    body = request(True, asks_logprobs)
+    body = request(endpoint, True, asks_logprobs)
     for n in range(MUTANTS):
-        chunks = well_formed_stream()
+        chunks = well_formed_stream(endpoint)
         for i in rng.sample(range(len(chunks)), rng.randint(1, 4)):
             chunks[i] = mutate(chunks[i], rng)
         junk_upstream.events = [b"data: " + dumps(c) + b"\n\n" for c in chunks]
         junk_upstream.events.append(b"data: [DONE]\n\n")
-        resp = await client.post("/v1/chat/completions", json=body)
+        resp = await client.post(PATHS[endpoint], json=body)
         got = await resp.read()
         sent = b"".join(junk_upstream.events)
         where = f"mutant {n}: {sent!r}"
