@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import orjson
 
@@ -45,29 +45,34 @@ class Stages:
         return self.clock() - ex.t0
 
 
+@dataclass(slots=True)
 class AttemptEnd:
-    """How one attempt ended, for the loop to decide on. One per attempt on the request
-    path: a class of its own, as ``AuditTicket`` is, not a dataclass."""
+    """How one attempt ended, for the loop to decide on."""
 
-    __slots__ = ("answer", "decide", "decision", "generated", "status", "trigger")
+    generated: int | None  # tokens it generated; None: not an answer (nothing to account)
+    decision: Decision | None = None  # taken while it ran (a stream's loop trigger)
+    decide: bool = False  # no decision yet: ask the policies about its end
+    trigger: Trigger | None = None  # a whole answer's loop, found once it was read
+    status: int = 200
+    answer: dict[str, Any] | None = None  # a whole answer, parsed
 
     def __init__(
         self,
         generated: int | None,
         decision: Decision | None = None,
-        *,
         decide: bool = False,
         trigger: Trigger | None = None,
         status: int = 200,
         answer: dict[str, Any] | None = None,
     ) -> None:
-        # Tokens it generated; None: not an answer (nothing to account).
-        self.generated: Final = generated
-        self.decision: Final = decision  # taken while it ran (a stream's loop trigger)
-        self.decide: Final = decide  # no decision yet: ask the policies about its end
-        self.trigger: Final = trigger  # a whole answer's loop, found once it was read
-        self.status: Final = status
-        self.answer: Final = answer  # a whole answer, parsed
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        self.generated = generated
+        self.decision = decision
+        self.decide = decide
+        self.trigger = trigger
+        self.status = status
+        self.answer = answer
 
 
 class Answer(Protocol):

@@ -49,6 +49,24 @@ class ChoiceOutcome:
     finish_reason: str | None
     stop_reason: str | int | None = None
 
+    def __init__(
+        self,
+        index: int,
+        content: str,
+        reasoning: str,
+        tokens: tuple[TokenLogprob, ...] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "content", content)
+        object.__setattr__(self, "reasoning", reasoning)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "finish_reason", finish_reason)
+        object.__setattr__(self, "stop_reason", stop_reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -56,6 +74,20 @@ class Outcome:
     error: str | None = None  # the response was an error, or broke mid-stream
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+
+    def __init__(
+        self,
+        choices: tuple[ChoiceOutcome, ...],
+        error: str | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+    ) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "choices", choices)
+        object.__setattr__(self, "error", error)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "completion_tokens", completion_tokens)
 
 
 def _is_chat(endpoint: str) -> bool:

@@ -37,6 +37,23 @@ class StreamResult:
     # A decision dropped held reasoning the client never saw: the fields it came in.
     hidden_reasoning_keys: tuple[str, ...] = ()
 
+    def __init__(self) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). Every field starts at its default above.
+        self.complete = False
+        self.first_event_s = None
+        self.events = 0
+        self.first_id = None
+        self.trigger = None
+        self.decision = None
+        self.token_events = 0
+        self.first_token_s = None
+        self.last_token_s = None
+        self.completion_tokens = None
+        self.tokens = 0
+        self.first_tokens = 0
+        self.hidden_reasoning_keys = ()
+
     def add_events(self, n: int, at: float) -> None:
         """``n`` whole events arrived, ``at`` seconds since the start of the request."""
         if self.first_event_s is None:

@@ -63,6 +63,24 @@ class StreamPlan:
     # After a closed reasoning (close_reasoning): reasoning deltas are the answer's content.
     reasoning_as_content: bool = False
 
+    def __init__(
+        self,
+        strip_logprobs: bool = False,
+        id_override: str | None = None,
+        hold_reasoning: bool = False,
+        hold_max_bytes: int = 256 * 1024,
+        on_trigger: Callable[[Trigger], Decision] | None = None,
+        reasoning_as_content: bool = False,
+    ) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "strip_logprobs", strip_logprobs)
+        object.__setattr__(self, "id_override", id_override)
+        object.__setattr__(self, "hold_reasoning", hold_reasoning)
+        object.__setattr__(self, "hold_max_bytes", hold_max_bytes)
+        object.__setattr__(self, "on_trigger", on_trigger)
+        object.__setattr__(self, "reasoning_as_content", reasoning_as_content)
+
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
     """True: reasoning is over; False: a reasoning delta; None: neither (e.g. the role chunk)."""
