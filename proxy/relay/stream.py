@@ -130,7 +130,7 @@ class StreamRelay:
         self._t0 = t0
         self.plan = plan
         self.holding = plan.hold_reasoning
-        # Changes the client's bytes need: they outlive inspection (see _rewrite_only).
+        # Changes the client's bytes need: they outlive inspection (see rewrite_only).
         self.rewriting = (
             plan.strip_logprobs or plan.id_override is not None or plan.reasoning_as_content
         )
