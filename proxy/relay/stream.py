@@ -177,14 +177,23 @@ class StreamRelay:
     # -- one event -------------------------------------------------------------------------
 
     def parse(self, data: bytes | None) -> dict[str, Any] | None:
+        """The chunk of a data field; None for [DONE], no data, or malformed JSON (which stops
+        inspection)."""
         if data is None or data == b"[DONE]":
             return None
+        chunk = self._chunk(data)
+        if chunk is None:
+            self._stop_inspecting("malformed_json")
+        return chunk
+
+    def _chunk(self, data: bytes) -> dict[str, Any] | None:
+        """A data field as a JSON object (None: it is not one), its reasoning moved to content
+        where the plan says so."""
         try:
             chunk = orjson.loads(data)
         except orjson.JSONDecodeError:
-            chunk = None
-        if not isinstance(chunk, dict):
-            self._stop_inspecting("malformed_json")
+            return None
+        if type(chunk) is not dict:
             return None
         if self.plan.reasoning_as_content:
             move_reasoning_to_content(chunk)  # seen, counted and relayed as content
@@ -255,17 +264,8 @@ class StreamRelay:
 
     def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
         """One event after inspection stopped: rewritten if it parses, else as it came."""
-        if data is None or data == b"[DONE]":
-            return raw
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return raw
-        if type(chunk) is not dict:
-            return raw
-        if self.plan.reasoning_as_content:
-            move_reasoning_to_content(chunk)
-        return self.rewrite(chunk, raw)
+        chunk = None if data is None or data == b"[DONE]" else self._chunk(data)
+        return raw if chunk is None else self.rewrite(chunk, raw)
 
     def _rewrite_read(self, data: bytes) -> bytes:
         """A read after inspection stopped, on a stream whose bytes detproxy must still change:
