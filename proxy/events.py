@@ -10,12 +10,13 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from policies.base import Trigger
-    from proxy.audit.compare import Verdict
-    from proxy.engine.fingerprint import Fingerprint
+# Imported at run time, not only for the type checker: compiled (mypyc), a dataclass's field
+# types are looked up when its module loads.
+from policies.base import Trigger
+from proxy.audit.verdict import Verdict
+from proxy.engine.identity import Fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,11 @@ class RequestStarted:
     """Fires when a client request arrives, before anything is read."""
 
     endpoint: str
+
+    def __init__(self, endpoint: str) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "endpoint", endpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +43,14 @@ class RequestClassified:
     model: str
     stream: bool
     deterministic: bool
+
+    def __init__(self, endpoint: str, model: str, stream: bool, deterministic: bool) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "deterministic", deterministic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +65,28 @@ class RequestFinished:
     outcome: str  # ok | upstream_error | client_error | client_disconnect | bad_request
     duration_s: float
     first_byte_s: float | None  # upstream headers (non-stream) or first SSE event (stream)
+
+    def __init__(  # noqa: PLR0917 (the generated one took them so: callers pass them so)
+        self,
+        endpoint: str,
+        model: str,
+        stream: bool,
+        deterministic: bool,
+        status: int,
+        outcome: str,
+        duration_s: float,
+        first_byte_s: float | None,
+    ) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "deterministic", deterministic)
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "outcome", outcome)
+        object.__setattr__(self, "duration_s", duration_s)
+        object.__setattr__(self, "first_byte_s", first_byte_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +238,26 @@ class StreamTimed:
     tokens: int
     tokens_per_s: float | None
 
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        inflight: int,
+        ttft_s: float,
+        inter_token_s: float | None,
+        tokens: int,
+        tokens_per_s: float | None,
+    ) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "inflight", inflight)
+        object.__setattr__(self, "ttft_s", ttft_s)
+        object.__setattr__(self, "inter_token_s", inter_token_s)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "tokens_per_s", tokens_per_s)
+
 
 @dataclass(frozen=True, slots=True)
 class InjectionFailed:
@@ -246,6 +302,13 @@ class RecoveryBudgetUsed:
     model: str
     spent: int
     allowed: int
+
+    def __init__(self, model: str, spent: int, allowed: int) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted (README
+        # "The compiled build"). The fields above and these arguments are the same, in order.
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "spent", spent)
+        object.__setattr__(self, "allowed", allowed)
 
 
 @dataclass(frozen=True, slots=True)

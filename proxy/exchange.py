@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from proxy.classify import RequestView
@@ -35,51 +34,66 @@ log = logging.getLogger(__name__)
 CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 
 
-@dataclass(slots=True, eq=False)
 class Attempts:
-    """The upstream attempts of one client request (one, unless a policy retried)."""
+    """The upstream attempts of one client request (one, unless a policy retried).
 
-    request_id: str
-    model: str
-    endpoint: str
-    stream: bool
-    count: int = 1
-    looped: bool = False  # some attempt had a trigger
-    pending_retry: bool = False  # a retry's outcome is known when the next attempt ends
-    trigger: Trigger | None = None  # the last attempt's
-    fell_back: bool = False  # a retry was refused: the client's own request was sent instead
-    max_tokens: int | None = None  # the client request's limit, when it set one
-    # Recovery-budget tokens reserved for an attempt not yet ended: attempt -> tokens.
-    reserved: dict[int, int] = field(default_factory=dict)
-    strategy: str = "restart"  # how the pending (or last) retry recovers
-    kept_tokens: int = 0  # the tokens a continuation kept
-    generated: int = 0  # what the last attempt generated (set when it ended)
-    history: list[str] = field(default_factory=list)
+    A plain class, not a dataclass: compiled (mypyc), its fields are read as a C struct's by
+    every stage, and its ``__init__`` is compiled too.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        endpoint: str,
+        stream: bool,
+        max_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.endpoint = endpoint
+        self.stream = stream
+        self.count = 1
+        self.looped = False  # some attempt had a trigger
+        self.pending_retry = False  # a retry's outcome is known when the next attempt ends
+        self.trigger: Trigger | None = None  # the last attempt's
+        self.fell_back = False  # a retry was refused: the client's own request was sent instead
+        self.max_tokens = max_tokens  # the client request's limit, when it set one
+        # Recovery-budget tokens reserved for an attempt not yet ended: attempt -> tokens.
+        self.reserved: dict[int, int] = {}
+        self.strategy = "restart"  # how the pending (or last) retry recovers
+        self.kept_tokens = 0  # the tokens a continuation kept
+        self.generated = 0  # what the last attempt generated (set when it ended)
+        self.history: list[str] = []
 
     @property
     def recovered(self) -> bool:
         return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
 
 
-@dataclass(slots=True, eq=False)
 class Exchange:
-    """One client request, from its arrival to its last byte."""
+    """One client request, from its arrival to its last byte (a plain class: see ``Attempts``)."""
 
-    client: ClientSide  # the request, and the response written to it
-    endpoint: str  # chat | completions | other
-    t0: float  # on the forwarder's clock
-    inflight_at_start: int  # client requests in flight when it arrived, itself included
-    request_id: str = ""
-    view: RequestView | None = None  # None until the body was classified
-    body: dict[str, Any] | None = None  # the client's request, parsed
-    original: bytes = b""  # the client's own bytes: what a fallback sends
-    headers: Mapping[str, str] = field(default_factory=dict)  # for the upstream
-    retry_base: dict[str, Any] | None = None  # what a retry's overrides apply to
-    ticket: AuditTicket | None = None  # the audit's plan; None when not audited
-    attempts: Attempts | None = None
-    first_byte_s: float | None = None  # upstream headers (whole answers) or first event
-    counted: bool = False  # RequestClassified was published
-    finished: bool = False  # RequestFinished was published
+    def __init__(
+        self, client: ClientSide, endpoint: str, t0: float, inflight_at_start: int
+    ) -> None:
+        self.client = client  # the request, and the response written to it
+        self.endpoint = endpoint  # chat | completions | other
+        self.t0 = t0  # on the forwarder's clock
+        self.inflight_at_start = (
+            inflight_at_start  # client requests in flight at arrival, itself included
+        )
+        self.request_id = ""
+        self.view: RequestView | None = None  # None until the body was classified
+        self.body: dict[str, Any] | None = None  # the client's request, parsed
+        self.original = b""  # the client's own bytes: what a fallback sends
+        self.headers: Mapping[str, str] = {}  # for the upstream
+        self.retry_base: dict[str, Any] | None = None  # what a retry's overrides apply to
+        self.ticket: AuditTicket | None = None  # the audit's plan; None when not audited
+        self.attempts: Attempts | None = None
+        self.first_byte_s: float | None = None  # upstream headers (whole answers) or first event
+        self.counted = False  # RequestClassified was published
+        self.finished = False  # RequestFinished was published
 
     @property
     def stream(self) -> bool:

@@ -47,20 +47,30 @@ class Prefetched:
     no reader of the response was left half-way): ``chunks`` and ``pump`` hand those over first,
     then read on from the response."""
 
-    __slots__ = ("_head", "_inner", "headers", "status")
+    __slots__ = ("_head", "_inner", "_rest", "headers", "status")
 
     def __init__(self, inner: UpstreamResponse, head: bytes) -> None:
         self._inner = inner
         self._head = head
+        self._rest: AsyncIterator[bytes] | None = None
         self.status = inner.status
         self.headers: Mapping[str, str] = inner.headers
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The head, then the response's own chunks (an async iterator, not a generator:
+        mypyc compiles no async generators)."""
+        return self
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
         if self._head:
             head, self._head = self._head, b""
-            yield head
-        async for data in self._inner.chunks():
-            yield data
+            return head
+        if self._rest is None:
+            self._rest = self._inner.chunks()
+        return await self._rest.__anext__()
 
     async def pump(self, sink: Sink) -> bool:
         if self._head:
@@ -70,7 +80,9 @@ class Prefetched:
         return await self._inner.pump(sink)
 
     async def read(self) -> bytes:
-        parts = [data async for data in self.chunks()]
+        parts: list[bytes] = []
+        async for data in self.chunks():
+            parts.append(data)
         return b"".join(parts)
 
     def close(self) -> None:

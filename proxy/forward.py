@@ -102,9 +102,9 @@ class Forwarder:
             ensure_json_content_type(client.headers)
             raw = await client.read_body(self._settings.server.max_body_bytes)
             body = parse_object(raw)
-        except BadRequest as exc:
-            self._lifecycle.finished(ex, exc.status, "bad_request")
-            return await send_error(client, exc.status, exc.message, request_id=rid)
+        except BadRequest as bad:  # its own name: compiled, one name holds one type
+            self._lifecycle.finished(ex, bad.status, "bad_request")
+            return await send_error(client, bad.status, bad.message, request_id=rid)
         cfg = self._settings.classify
         view = classify(
             ex.endpoint,

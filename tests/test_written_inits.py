@@ -15,10 +15,30 @@ from proxy.audit.auditor import AuditTicket
 from proxy.audit.outcome import ChoiceOutcome, Outcome
 from proxy.audit.store import ChoiceDigest
 from proxy.classify import RequestView
+from proxy.events import (
+    RecoveryBudgetUsed,
+    RequestClassified,
+    RequestFinished,
+    RequestStarted,
+    StreamTimed,
+)
 from proxy.relay.result import StreamResult
 from proxy.relay.stream import StreamPlan
 
-WRITTEN = [AttemptEnd, AuditTicket, ChoiceOutcome, Outcome, ChoiceDigest, RequestView, StreamPlan]
+WRITTEN = [
+    AttemptEnd,
+    AuditTicket,
+    ChoiceOutcome,
+    Outcome,
+    ChoiceDigest,
+    RequestView,
+    StreamPlan,
+    RequestStarted,
+    RequestClassified,
+    RequestFinished,
+    StreamTimed,
+    RecoveryBudgetUsed,
+]
 
 
 def _signature(cls: type) -> inspect.Signature:

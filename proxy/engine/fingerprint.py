@@ -23,13 +23,13 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import orjson
 import xxhash
 
+from proxy.engine.identity import Fingerprint
 from proxy.engine.promtext import samples
 from proxy.events import EventBus, UpstreamFingerprinted
 
@@ -58,25 +58,6 @@ SPEC_SERIES = "spec_decode_series"  # parse_metrics' key: how many such samples 
 _WANTED = {name: key for key, names in _COUNTERS.items() for name in names}
 _READ = (*_WANTED, *_SPEC_PREFIXES)  # the lines parse_metrics looks at
 _SPEC_TEXT = re.compile(r"speculative_config=([A-Za-z_]\w*)")
-
-
-@dataclass(frozen=True, slots=True)
-class Fingerprint:
-    kind: str  # vllm | llama.cpp | unknown
-    version: str | None
-    models: tuple[str, ...]
-    identity: Mapping[str, Any]  # what the hash covers
-    load: Mapping[str, float] = field(default_factory=dict)  # gauges; not part of the hash
-    fingerprint: str = ""
-    read_at: float = 0.0
-
-    def summary(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "kind": self.kind,
-            "version": self.version,
-            "models": list(self.models),
-        }
 
 
 def parse_metrics(text: str) -> dict[str, float]:

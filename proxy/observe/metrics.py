@@ -13,7 +13,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from proxy.audit.verdict import VERDICTS
-from proxy.engine.fingerprint import Fingerprint
+from proxy.engine.identity import Fingerprint
 from proxy.events import (
     AuditCompleted,
     ClientDisconnected,

@@ -43,6 +43,7 @@ from proxy.relay.result import StreamResult, count_tokens, tally_chunk, text_tok
 
 _BYTES, _DECODED, _PASS = 0, 1, 2
 _CR = 13  # ``13 in data``: a memchr (``b"\r" in data`` costs more on a short read)
+_LF = 10
 _USAGE = b'"completion_tokens"'
 
 
@@ -67,9 +68,9 @@ _SPACED = _Patterns(b": ")
 _LOGPROBS = {_COMPACT: b'"logprobs":{', _SPACED: b'"logprobs": {'}
 
 
-def _nonempty(buf: bytes, end: int, pattern: tuple[bytes, bytes]) -> int:
-    n = buf.count(pattern[0], 0, end)
-    return n - buf.count(pattern[1], 0, end) if n else 0
+def _nonempty(buf: bytes, pattern: tuple[bytes, bytes]) -> int:
+    n = buf.count(pattern[0])
+    return n - buf.count(pattern[1]) if n else 0
 
 
 class RawTally:
@@ -117,25 +118,32 @@ class RawTally:
         if self._mode != _BYTES or _CR in data:
             return data if self._mode == _PASS else self._feed_decoded(data)
         buf = self._pending + data if self._pending else data
-        end = buf.rfind(b"\n\n") + 2
-        if end < 2:
-            end = 0
-        if len(buf) - end > self._max:
+        size = len(buf)
+        if size >= 2 and buf[size - 1] == _LF and buf[size - 2] == _LF:
+            end = size  # the read ends where an event does: the usual, no search
+        else:
+            end = buf.rfind(b"\n\n") + 2
+            if end < 2:
+                end = 0
+        if size - end > self._max:
             return self._overflow(buf)
         if not end:
             self._pending = buf
             return b""
-        result = self._result
+        if end == size:
+            out, self._pending = buf, b""
+        else:
+            out, self._pending = buf[:end], buf[end:]
+        # The complete events as one object: every search below runs over all of it, and a
+        # search without bounds costs a third less than one with them.
         now = self._clock() - self._t0
-        result.add_events(buf.count(b"\n\n", 0, end), now)
+        # One event of one line (a paced engine's read): its only line feed is its end's.
+        events = 1 if out.find(_LF) == end - 2 else out.count(b"\n\n")
+        self._result.add_events(events, now)
         if not self._first_seen:
-            self._first(buf, end)
-        self._count_text(buf, end, now)
-        if end == len(buf):
-            self._pending = b""
-            return buf
-        self._pending = buf[end:]
-        return buf[:end]
+            self._first(out, end)
+        self._count_text(out, now)
+        return out
 
     def finish(self) -> bytes:
         """At the end of the stream: a last event that lacked its blank line, counted."""
@@ -144,7 +152,7 @@ class RawTally:
             if tail:
                 if not self._first_seen:
                     self._first(tail, len(tail), event=True)
-                self._count_text(tail, len(tail), None)
+                self._count_text(tail, None)
             return tail
         if self._mode == _DECODED and self._decoder is not None:
             tail = self._decoder.pending
@@ -161,29 +169,29 @@ class RawTally:
         self.partial = True
         return buf
 
-    def _count_text(self, buf: bytes, end: int, now: float | None) -> None:
-        """Token events, their tokens and usage in ``buf[:end]``."""
+    def _count_text(self, buf: bytes, now: float | None) -> None:
+        """Token events, their tokens and usage in ``buf`` (complete events)."""
         before = self._result.completion_tokens
-        self._count_usage(buf, end)
+        self._count_usage(buf)
         patterns = self._patterns
         if self._chat:
             field, empty = patterns.content
-            tokens = buf.count(field, 0, end)
+            tokens = buf.count(field)
             if tokens:
-                tokens -= buf.count(empty, 0, end)
-            if buf.find(b'"reasoning', 0, end) >= 0:
+                tokens -= buf.count(empty)
+            if buf.find(b'"reasoning') >= 0:
                 tokens += max(
-                    _nonempty(buf, end, patterns.reasoning),
-                    _nonempty(buf, end, patterns.reasoning_content),
+                    _nonempty(buf, patterns.reasoning),
+                    _nonempty(buf, patterns.reasoning_content),
                 )
         else:
-            tokens = _nonempty(buf, end, patterns.text)
+            tokens = _nonempty(buf, patterns.text)
         if not tokens:
             return
         usage = self._result.completion_tokens
         grown = usage - (before or 0) if usage is not None and usage != before else 0
-        if grown <= 0 and buf.find(_LOGPROBS[patterns], 0, end) >= 0:
-            grown = self._listed(buf, end)
+        if grown <= 0 and buf.find(_LOGPROBS[patterns]) >= 0:
+            grown = self._listed(buf, len(buf))
         at = self._now() if now is None else now
         count_tokens(self._result, tokens, at, grown if grown > 0 else None)
 
@@ -206,9 +214,10 @@ class RawTally:
                 listed += n if found else 0
         return listed
 
-    def _count_usage(self, buf: bytes, end: int) -> None:
-        """``completion_tokens`` from the last event in ``buf[:end]`` that has it."""
-        at = buf.rfind(_USAGE, 0, end)
+    def _count_usage(self, buf: bytes) -> None:
+        """``completion_tokens`` from the last event in ``buf`` that has it."""
+        end = len(buf)
+        at = buf.rfind(_USAGE)
         while at >= 0:
             sep = buf.rfind(b"\n\n", 0, at)
             start = sep + 2 if sep >= 0 else 0

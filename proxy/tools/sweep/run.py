@@ -10,7 +10,8 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engine.fingerprint import Fingerprint, FingerprintPoller
+from proxy.engine.fingerprint import FingerprintPoller
+from proxy.engine.identity import Fingerprint
 from proxy.events import EventBus
 from proxy.tools.sweep.load import Clock, RequestRecord, Target, Window, run_window, stream_request
 from proxy.tools.sweep.stats import SCHEMA, level_summary, warnings_for

@@ -10,7 +10,7 @@ import orjson
 
 from policies.base import Trigger
 from proxy.audit.verdict import Verdict
-from proxy.engine.fingerprint import Fingerprint
+from proxy.engine.identity import Fingerprint
 from proxy.events import AuditCompleted, EventBus, LoopDetected, PolicyActed, UpstreamFingerprinted
 from proxy.observe.status import INFLIGHT_CAP, AuditTally
 from proxy.observe.ui.filters import IncidentFilter
