@@ -80,9 +80,8 @@ class Exchange:
         self.client = client  # the request, and the response written to it
         self.endpoint = endpoint  # chat | completions | other
         self.t0 = t0  # on the forwarder's clock
-        self.inflight_at_start = (
-            inflight_at_start  # client requests in flight at arrival, itself included
-        )
+        # Client requests in flight when it arrived, itself included.
+        self.inflight_at_start = inflight_at_start
         self.request_id = ""
         self.view: RequestView | None = None  # None until the body was classified
         self.body: dict[str, Any] | None = None  # the client's request, parsed
