@@ -141,7 +141,7 @@ class RawTally:
         events = 1 if out.find(_LF) == end - 2 else out.count(b"\n\n")
         self._result.add_events(events, now)
         if not self._first_seen:
-            self._first(out, end)
+            self._first(out)
         self._count_text(out, now)
         return out
 
@@ -151,7 +151,7 @@ class RawTally:
             tail, self._pending = self._pending, b""
             if tail:
                 if not self._first_seen:
-                    self._first(tail, len(tail), event=True)
+                    self._first(tail, event=True)
                 self._count_text(tail, None)
             return tail
         if self._mode == _DECODED and self._decoder is not None:
@@ -191,12 +191,13 @@ class RawTally:
         usage = self._result.completion_tokens
         grown = usage - (before or 0) if usage is not None and usage != before else 0
         if grown <= 0 and buf.find(_LOGPROBS[patterns]) >= 0:
-            grown = self._listed(buf, len(buf))
+            grown = self._listed(buf)
         at = self._now() if now is None else now
         count_tokens(self._result, tokens, at, grown if grown > 0 else None)
 
-    def _listed(self, buf: bytes, end: int) -> int:
-        """The logprobs entries of the text events in ``buf[:end]``, each event parsed."""
+    def _listed(self, buf: bytes) -> int:
+        """The logprobs entries of the text events in ``buf``, each event parsed."""
+        end = len(buf)
         listed, pos = 0, 0
         while pos < end:
             stop = buf.find(b"\n\n", pos, end)
@@ -238,9 +239,10 @@ class RawTally:
             return True
         return False
 
-    def _first(self, buf: bytes, end: int, event: bool = False) -> None:
-        """Parse the first data event (its id, its spacing); ``event``: ``buf[:end]`` is one
-        event without its blank line."""
+    def _first(self, buf: bytes, event: bool = False) -> None:
+        """Parse the first data event (its id, its spacing); ``event``: ``buf`` is one event
+        without its blank line."""
+        end = len(buf)
         pos = 0
         while pos < end:
             stop = end if event else buf.find(b"\n\n", pos, end)
