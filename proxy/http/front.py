@@ -40,7 +40,7 @@ from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
 from proxy.http.coalesce import WriteCoalescer
 from proxy.http.errors import UpstreamFailure, error_payload
-from proxy.http.headers import HOP_BY_HOP, forwarded_headers
+from proxy.http.headers import HOP_BY_HOP, encode_head, forwarded_headers
 
 if TYPE_CHECKING:
     from proxy.http.upstream import Upstream
@@ -237,7 +237,7 @@ class FrontRequest:
             if name.lower() not in dropped  # framing and the connection are this server's
         ]
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
-        head += "".join(lines).encode("latin-1", "replace")
+        head += encode_head("".join(lines))
         if "Date" not in headers:
             head += b"Date: " + self._conn.date.value() + b"\r\n"
         return head + framing + (b"Connection: close\r\n\r\n" if self.close_after else b"\r\n")
@@ -440,14 +440,16 @@ class FrontConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        # As aiohttp decodes them, and as the upstream client encodes them again: bytes past
+        # ASCII (UTF-8, or obs-text) reach the next hop as they came.
+        self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         request = FrontRequest(
             self,
             parser.get_method().decode("ascii"),
-            self._url.decode("latin-1"),
+            self._url.decode("utf-8", "surrogateescape"),
             CIMultiDictProxy(CIMultiDict(self._headers)),
             parser.get_http_version(),
             parser.should_keep_alive(),

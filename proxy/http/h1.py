@@ -35,6 +35,7 @@ from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, forget
+from proxy.http.headers import encode_head
 from proxy.http.upstream import Body, Sink
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
@@ -58,7 +59,10 @@ class H1Response:
         self._done = False
         self.status = conn.status
         self.headers: Mapping[str, str] = CIMultiDict(
-            [(n.decode("latin-1"), v.decode("latin-1")) for n, v in conn.header_list]
+            [
+                (n.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
+                for n, v in conn.header_list
+            ]
         )
 
     def chunks(self) -> AsyncIterator[bytes]:
@@ -261,7 +265,7 @@ class H1Upstream:
             lines.append("Content-Length: 0\r\n\r\n")
         else:
             lines.append("\r\n")
-        text = "".join(lines).encode("utf-8", "surrogateescape")
+        text = encode_head("".join(lines))
         at = text.index(b"\r\n") + 2  # Host second, as before: idna-encoded, not utf-8
         return text[:at] + self._host_line + text[at:]
 

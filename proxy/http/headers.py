@@ -77,6 +77,16 @@ def client_response_headers(
     return out
 
 
+def encode_head(text: str) -> bytes:
+    """A message head written from header text. Field bytes are decoded as aiohttp decodes
+    them (UTF-8, a byte that is not UTF-8 kept as a surrogate escape), so this gives back the
+    bytes that came in; text that is neither (a lone surrogate) is replaced, never raised."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
+
+
 def new_request_id() -> str:
     """``uuid.uuid4().hex`` without the UUID object: 128 random bits, the version (4) and the
     RFC 4122 variant set in place."""

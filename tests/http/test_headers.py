@@ -6,7 +6,12 @@ import uuid
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from proxy.http.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.http.headers import (
+    client_response_headers,
+    encode_head,
+    request_id_of,
+    upstream_request_headers,
+)
 
 
 def headers(*items: tuple[str, str]) -> CIMultiDictProxy[str]:
@@ -77,3 +82,9 @@ def test_request_id_is_kept_or_minted_as_a_uuid4() -> None:
     for rid in minted:
         parsed = uuid.UUID(rid)
         assert parsed.hex == rid and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+
+
+def test_a_head_is_encoded_back_to_its_bytes_and_never_raises() -> None:
+    received = b"caf\xe9 \xe2\x98\x83"  # an obs-text byte, then UTF-8
+    assert encode_head(received.decode("utf-8", "surrogateescape")) == received
+    assert encode_head("x\ud800y") == b"x?y"  # a lone surrogate no parser makes: replaced
