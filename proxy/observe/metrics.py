@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Protocol
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -36,6 +36,7 @@ from proxy.events import (
     UpstreamFailed,
     UpstreamFingerprinted,
 )
+from proxy.observe.hot import CounterFamily, HistogramFamily
 
 # LLM requests last from milliseconds (errors, cached prefill) to an hour (long reasoning).
 DURATION_BUCKETS = (
@@ -99,11 +100,17 @@ class BoundedLabel:
         return value
 
 
-M = TypeVar("M", Counter, Gauge, Histogram)
+class _Counts(Protocol):
+    def inc(self, amount: float = 1.0) -> None: ...
 
 
-class _Children(Generic[M]):
-    """A labelled metric's children, cached by their label values.
+class _Observes(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+class _Children:
+    """A labelled prometheus_client metric's children, cached by their label values (the
+    per-request families under ``--workers``, where the values live in shared files).
 
     prometheus_client's ``labels`` takes a lock and converts every value on each call: too
     slow for the per-request path. Holds one entry per child the metric holds, so it is as
@@ -112,11 +119,11 @@ class _Children(Generic[M]):
 
     __slots__ = ("_children", "_metric")
 
-    def __init__(self, metric: M) -> None:
-        self._metric: M = metric
-        self._children: dict[tuple[Hashable, ...], M] = {}
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self._metric = metric
+        self._children: dict[tuple[Hashable, ...], Counter | Histogram] = {}
 
-    def __call__(self, *values: Hashable) -> M:
+    def __call__(self, *values: Hashable) -> Any:  # the metric's own class: Counter or Histogram
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = self._metric.labels(*map(str, values))
@@ -218,31 +225,28 @@ class Metrics:
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._own: list[Collector] = []  # exported by this process itself, multiprocess or not
         self.model = BoundedLabel()
-        self.requests = Counter(
+        # The families every request (or stream) updates: see ``_counter``.
+        self._requests = self._counter(
             "detproxy_requests",
             "Client requests by model, endpoint, stream and determinism",
             ["model", "endpoint", "stream", "deterministic"],
-            registry=registry,
         )
-        self.responses = Counter(
+        self._responses = self._counter(
             "detproxy_responses",
             "Client responses by status code and outcome",
             ["endpoint", "code", "outcome"],
-            registry=registry,
         )
-        self.duration = Histogram(
+        self._duration = self._histogram(
             "detproxy_request_duration_seconds",
             "Time from request to the last byte relayed",
             ["endpoint", "stream"],
-            buckets=DURATION_BUCKETS,
-            registry=registry,
+            DURATION_BUCKETS,
         )
-        self.first_byte = Histogram(
+        self._first_byte = self._histogram(
             "detproxy_time_to_first_byte_seconds",
             "Time to the upstream's response headers (non-streamed) or first SSE event (streamed)",
             ["endpoint", "stream"],
-            buckets=FIRST_BYTE_BUCKETS,
-            registry=registry,
+            FIRST_BYTE_BUCKETS,
         )
         self.inflight = Gauge(
             "detproxy_inflight_requests",
@@ -305,26 +309,23 @@ class Metrics:
             registry=registry,
         )
         speed_labels = ["model", "inflight"]
-        self.ttft = Histogram(
+        self._ttft = self._histogram(
             "detproxy_time_to_first_token_seconds",
             "Time to the first streamed token, by detproxy's in-flight requests at arrival",
             speed_labels,
-            buckets=FIRST_BYTE_BUCKETS,
-            registry=registry,
+            FIRST_BYTE_BUCKETS,
         )
-        self.itl = Histogram(
+        self._itl = self._histogram(
             "detproxy_inter_token_latency_seconds",
             "Mean time between streamed tokens of a request, by in-flight requests",
             speed_labels,
-            buckets=ITL_BUCKETS,
-            registry=registry,
+            ITL_BUCKETS,
         )
-        self.tokens_per_s = Histogram(
+        self._tokens_per_s = self._histogram(
             "detproxy_output_tokens_per_second",
             "Decode rate of a streamed request (tokens/s), by in-flight requests",
             speed_labels,
-            buckets=RATE_BUCKETS,
-            registry=registry,
+            RATE_BUCKETS,
         )
         self.upstream_changes = Counter(
             "detproxy_upstream_changes",
@@ -406,14 +407,25 @@ class Metrics:
         )
 
         self._audit_series: set[tuple[str, str]] = set()  # (model, mode) with every verdict
-        # The children the per-request (and per-stream) events update.
-        self._requests = _Children(self.requests)
-        self._responses = _Children(self.responses)
-        self._duration = _Children(self.duration)
-        self._first_byte = _Children(self.first_byte)
-        self._ttft = _Children(self.ttft)
-        self._itl = _Children(self.itl)
-        self._tokens_per_s = _Children(self.tokens_per_s)
+
+    def _counter(self, name: str, text: str, labels: list[str]) -> Callable[..., _Counts]:
+        """A family every request updates: lock-free cells in one process (``proxy.observe.hot``),
+        prometheus_client's file-backed metric under ``--workers``."""
+        if self.multiprocess:
+            return _Children(Counter(name, text, labels, registry=self.registry))
+        family = CounterFamily(name, text, labels)
+        self.registry.register(family)
+        return family
+
+    def _histogram(
+        self, name: str, text: str, labels: list[str], buckets: tuple[float, ...]
+    ) -> Callable[..., _Observes]:
+        if self.multiprocess:
+            metric = Histogram(name, text, labels, buckets=buckets, registry=self.registry)
+            return _Children(metric)
+        family = HistogramFamily(name, text, labels, buckets)
+        self.registry.register(family)
+        return family
 
     def watch_failures(self, sources: dict[str, Callable[[], dict[str, int]]]) -> None:
         collector = _FailureCollector(sources)
