@@ -16,13 +16,13 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.events import EventBus, FallbackSent
+from proxy.http.headers import is_event_stream
 from proxy.http.sse import SSEDecoder, SSEOverflow
 from proxy.http.upstream import (
     READ_ERRORS,
     Sink,
     Upstream,
     UpstreamResponse,
-    is_event_stream,
 )
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 
@@ -159,7 +159,7 @@ class FallbackSender:
         status = upstream.status
         if status >= 400:
             reason = error_reason(status, await _read_error(upstream))
-        elif is_event_stream(upstream):
+        elif is_event_stream(upstream.headers):
             try:
                 upstream, failure = await first_event(upstream, self._max_event_bytes)
             except BaseException:  # the client left while the first event was awaited

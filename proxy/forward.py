@@ -26,9 +26,14 @@ from proxy.fallback import Altered, FallbackSender
 from proxy.http.body import BadRequest, ensure_json_content_type, parse_object
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import UpstreamFailure, send_error
-from proxy.http.headers import client_response_headers, request_id_of, upstream_request_headers
+from proxy.http.headers import (
+    client_response_headers,
+    is_event_stream,
+    request_id_of,
+    upstream_request_headers,
+)
 from proxy.http.sse import ends_with_done
-from proxy.http.upstream import Upstream, is_event_stream, read_error_kind
+from proxy.http.upstream import Upstream, read_error_kind
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.loops.continuation import LIMIT_FIELDS
 from proxy.loops.recovery import Recovery
@@ -136,7 +141,7 @@ class Forwarder:
                 # The client's own request carries no logprobs: nothing to compare.
                 self._bus.publish(ShadowDropped(view.model, "injection_failed"))
                 ex.ticket = None
-        if is_event_stream(upstream):
+        if is_event_stream(upstream.headers):
             await StreamedAnswer(self._stages, ex, upstream).respond()
         else:
             await WholeAnswer(self._stages, ex, upstream, self._recovery.reads_answers).respond()
@@ -188,7 +193,7 @@ class Forwarder:
                 last = data
             await client.end()
         except CLIENT_GONE as exc:
-            if is_event_stream(upstream) and ends_with_done(last):
+            if is_event_stream(upstream.headers) and ends_with_done(last):
                 # As on the OpenAI routes: a client that leaves on [DONE] (the openai SDK
                 # does) had the whole stream, even when the upstream's framing had not ended.
                 self._lifecycle.finished(ex, upstream.status, "ok")

@@ -18,8 +18,8 @@ from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
-from proxy.http.headers import client_response_headers
-from proxy.http.upstream import UpstreamResponse, is_event_stream
+from proxy.http.headers import client_response_headers, is_event_stream
+from proxy.http.upstream import UpstreamResponse
 from proxy.loops.continuation import Continued, reasoning_event
 from proxy.loops.recovery import abort_chunk, retry_comment
 from proxy.loops.watch import LoopWatch
@@ -208,7 +208,7 @@ class StreamedAnswer:
         except UpstreamFailure as exc:
             stages.bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))
             return None
-        if upstream.status != 200 or not is_event_stream(upstream):
+        if upstream.status != 200 or not is_event_stream(upstream.headers):
             upstream.close()
             return None
         return upstream

@@ -131,7 +131,10 @@ class FrontRequest:
     def path(self) -> str:
         path = self._path
         if path is None:
-            path = self._path = unquote(self.raw_path.partition("?")[0])
+            path = self.raw_path.partition("?")[0]
+            if "%" in path:  # most paths have nothing to unquote
+                path = unquote(path)
+            self._path = path
         return path
 
     @property
@@ -231,13 +234,15 @@ class FrontRequest:
         dropped: frozenset[str] = HOP_BY_HOP,
     ) -> bytes:
         """The response's head; ``dropped``: lowercased names this server writes itself."""
-        lines = [
-            f"{name}: {value}\r\n"
-            for name, value in headers.items()
-            if name.lower() not in dropped  # framing and the connection are this server's
-        ]
+        parts: list[str] = []  # pieces joined once (as the upstream client's request head)
+        for name, value in headers.items():
+            if name.lower() not in dropped:  # framing and the connection are this server's
+                parts.append(name)
+                parts.append(": ")
+                parts.append(value)
+                parts.append("\r\n")
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
-        head += encode_head("".join(lines))
+        head += encode_head("".join(parts))
         if "Date" not in headers:
             head += b"Date: " + self._conn.date.value() + b"\r\n"
         return head + framing + (b"Connection: close\r\n\r\n" if self.close_after else b"\r\n")

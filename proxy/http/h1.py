@@ -254,18 +254,23 @@ class H1Upstream:
     # -- a request -----------------------------------------------------------------------
 
     def _head(self, method: str, raw_path: str, headers: Mapping[str, str], body: Body) -> bytes:
-        # Formatted as one string and encoded once: a request's head is a dozen lines.
-        lines = [f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n"]
-        lines += [f"{name}: {value}\r\n" for name, value in headers.items()]
+        # One list of pieces, joined and encoded once: a request's head is a dozen lines, and
+        # a formatted string per line cost more than the pieces do.
+        parts = [method, " ", self._prefix, raw_path, " HTTP/1.1\r\n"]
+        for name, value in headers.items():
+            parts.append(name)
+            parts.append(": ")
+            parts.append(value)
+            parts.append("\r\n")
         if isinstance(body, bytes):
-            lines.append(f"Content-Length: {len(body)}\r\n\r\n")
+            parts.append(f"Content-Length: {len(body)}\r\n\r\n")
         elif body is not None:
-            lines.append("Transfer-Encoding: chunked\r\n\r\n")
+            parts.append("Transfer-Encoding: chunked\r\n\r\n")
         elif method not in _BODYLESS_REQUEST:
-            lines.append("Content-Length: 0\r\n\r\n")
+            parts.append("Content-Length: 0\r\n\r\n")
         else:
-            lines.append("\r\n")
-        text = encode_head("".join(lines))
+            parts.append("\r\n")
+        text = encode_head("".join(parts))
         at = text.index(b"\r\n") + 2  # Host second, as before: idna-encoded, not utf-8
         return text[:at] + self._host_line + text[at:]
 

@@ -77,6 +77,11 @@ def client_response_headers(
     return out
 
 
+def is_event_stream(headers: Mapping[str, str]) -> bool:
+    """A response's headers say it is an SSE stream."""
+    return headers.get("Content-Type", "").startswith("text/event-stream")
+
+
 def encode_head(text: str) -> bytes:
     """A message head written from header text. Field bytes are decoded as aiohttp decodes
     them (UTF-8, a byte that is not UTF-8 kept as a surrogate escape), so this gives back the

@@ -53,10 +53,6 @@ class Upstream(Protocol):
 READ_ERRORS: tuple[type[BaseException], ...] = (UpstreamError,)
 
 
-def is_event_stream(upstream: UpstreamResponse) -> bool:
-    return upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-
-
 def read_error_kind(exc: BaseException) -> str:
     """Name an error raised while reading an upstream body (a metrics label)."""
     if isinstance(exc, UpstreamError):

@@ -9,6 +9,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.http.headers import (
     client_response_headers,
     encode_head,
+    is_event_stream,
     request_id_of,
     upstream_request_headers,
 )
@@ -88,3 +89,9 @@ def test_a_head_is_encoded_back_to_its_bytes_and_never_raises() -> None:
     received = b"caf\xe9 \xe2\x98\x83"  # an obs-text byte, then UTF-8
     assert encode_head(received.decode("utf-8", "surrogateescape")) == received
     assert encode_head("x\ud800y") == b"x?y"  # a lone surrogate no parser makes: replaced
+
+
+def test_an_event_stream_is_told_by_its_content_type() -> None:
+    assert is_event_stream(headers(("content-type", "text/event-stream; charset=utf-8")))
+    assert not is_event_stream(headers(("Content-Type", "application/json")))
+    assert not is_event_stream(headers())
