@@ -84,6 +84,7 @@ class _Family(Generic[C]):
         self._new_cell: Callable[[], C] = new_cell
         # As passed: the hot lookup, no conversion. As strings: one series per label set,
         # however the values were passed (200 and "200" are one series, as with ``labels``).
+        # Values equal in Python (1 and True) share a cell: a label takes one type per caller.
         self._by_values: dict[tuple[Hashable, ...], C] = {}
         self._by_labels: dict[tuple[str, ...], C] = {}
 
