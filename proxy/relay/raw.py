@@ -217,13 +217,12 @@ class RawTally:
 
     def _count_usage(self, buf: bytes) -> None:
         """``completion_tokens`` from the last event in ``buf`` that has it."""
-        end = len(buf)
         at = buf.rfind(_USAGE)
         while at >= 0:
             sep = buf.rfind(b"\n\n", 0, at)
             start = sep + 2 if sep >= 0 else 0
-            stop = buf.find(b"\n\n", at, end)
-            data = event_data(buf[start : stop if stop >= 0 else end])
+            stop = buf.find(b"\n\n", at)
+            data = event_data(buf[start:stop] if stop >= 0 else buf[start:])
             if data is not None and self._usage(data):
                 return
             at = buf.rfind(_USAGE, 0, start)
