@@ -27,6 +27,7 @@ from proxy.http.body import BadRequest, ensure_json_content_type, parse_object
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import (
+    RequestIds,
     client_response_headers,
     is_event_stream,
     request_id_of,
@@ -67,6 +68,7 @@ class Forwarder:
         self._stages = Stages(
             settings, upstream, bus, recovery, self._lifecycle, tuple(inspector_factories), clock
         )
+        self._ids = RequestIds()
         self.inflight = 0
         self.started = 0  # client requests ever started: tells a shadow whether it overlapped
 
@@ -102,7 +104,7 @@ class Forwarder:
 
     async def _openai(self, ex: Exchange) -> None:
         client = ex.client
-        ex.request_id = rid = request_id_of(client.headers)
+        ex.request_id = rid = request_id_of(client.headers, self._ids)
         try:
             ensure_json_content_type(client.headers)
             raw = await client.read_body(self._settings.server.max_body_bytes)
@@ -173,7 +175,7 @@ class Forwarder:
     async def _passthrough(self, ex: Exchange) -> None:
         client = ex.client
         self._lifecycle.classified(ex)
-        ex.request_id = rid = request_id_of(client.headers)
+        ex.request_id = rid = request_id_of(client.headers, self._ids)
         headers = upstream_request_headers(client.headers, rid, proxy_reads_body=False)
         body: AsyncIterator[bytes] | None = client.body_chunks() if client.has_body else None
         try:

@@ -24,11 +24,25 @@ tail window is checked:
    run plus the char that ended it), so an earlier copy of a long run of ``"~"`` or ``"- "``
    does not yield one candidate per char.
 
-The smallest qualifying period wins; a brute-force oracle checks this in the tests. Per streamed
-token the cost is a list append, plus a check every ``check_every_chars`` whose work is about
-``max_period`` chars of ``rfind`` and a few probes (see ``tests/bench/bench_loops.py``). Memory
-is bounded: the window never exceeds ``window_chars`` and the pending deltas stay under
-``check_every_chars`` plus the last delta. After firing, the buffers are dropped.
+The smallest qualifying period wins; a brute-force oracle checks this in the tests.
+
+Probes
+------
+Most text has no candidate at any check, and most checks need not search to know it. A run that
+fires at check ``e`` with period ``d`` covers at least ``need(d) >= max(min_covered_chars,
+reps * d)`` chars (``reps`` the smaller of the two repeat counts), so it reaches at least
+``kept = min_covered_chars - ceil(min_covered_chars / reps)`` chars before its last unit (192
+with the defaults): the anchor of every check up to ``kept - 64`` chars before ``e`` lies in the
+run and recurs at distance ``d`` too. So outside an exact stretch the anchor is searched for only
+at every ``stride``-th check (``(kept - 64) // check_every_chars + 1``: 5 with the defaults),
+back as far as any check it vouches for could look; where it occurs, the ``stride - 1`` checks
+after it are done exactly, as above. A check that fires is always done exactly, with the same
+window and the same report; ordinary text costs a fifth of the searches.
+
+Per streamed token the cost is a list append, plus a probe every ``stride * check_every_chars``
+chars whose work is about ``max_period`` chars of ``rfind`` (see ``tests/bench/bench_loops.py``).
+Memory is bounded: the window never exceeds ``window_chars`` and the pending deltas stay under
+``stride * check_every_chars`` plus the last delta. After firing, the buffers are dropped.
 
 Thresholds (the defaults, and the cases that drove them)
 --------------------------------------------------------
@@ -71,15 +85,17 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Final
 
 from proxy.config import DETECTOR_ANCHOR_CHARS, DetectorConfig
 
 __all__ = ["DetectorConfig", "LoopDetector", "LoopReport"]
 
-_ANCHOR = DETECTOR_ANCHOR_CHARS
+# Final: the compiled module reads them as constants, not from its globals at each use.
+_ANCHOR: Final = DETECTOR_ANCHOR_CHARS
 # Length of the tail probe used to reject a candidate before measuring its run.
-_PROBE = 128
-_PREVIEW = 120
+_PROBE: Final = 128
+_PREVIEW: Final = 120
 # A letter or a digit (any script): a unit without one is "trivial".
 _ALNUM = re.compile(r"[^\W_]")
 
@@ -111,13 +127,16 @@ class LoopDetector:
         "_buf",
         "_buf_end",
         "_config",
+        "_exact_until",
         "_keep",
         "_next_check",
         "_pending",
+        "_probe_every",
         "_report",
         "_runs",
         "_runs_at",
         "_total",
+        "_wake_at",
     )
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
@@ -129,7 +148,14 @@ class LoopDetector:
         self._buf = ""  # the kept tail window; it ends at stream offset _buf_end
         self._buf_end = 0  # stream offset of the last check (end of _buf)
         self._pending: list[str] = []  # deltas since _buf_end
-        self._next_check = self._config.check_every_chars
+        self._next_check = self._config.check_every_chars  # the first check not yet done
+        # Probes (see the module's docstring): a check outside an exact stretch is looked at
+        # only at a multiple of _probe_every chars; one whose anchor occurred before makes the
+        # checks up to _exact_until exact. ``feed`` calls ``_advance`` at _wake_at, the next
+        # check that is looked at.
+        self._probe_every = _probe_stride(self._config) * self._config.check_every_chars
+        self._exact_until = -1
+        self._wake_at = self._next_check
         self._total = 0
         self._report: LoopReport | None = None
         # Runs measured by the last check (candidate period -> stream offset where its run
@@ -159,7 +185,7 @@ class LoopDetector:
     def feed(self, delta: str) -> LoopReport | None:
         """Add one delta; return a report the first time a loop qualifies, else ``None``."""
         self._total += len(delta)
-        if self._total < self._next_check or self._report is not None:
+        if self._total < self._wake_at or self._report is not None:
             if delta and self._report is None:
                 self._pending.append(delta)
             return None
@@ -188,6 +214,7 @@ class LoopDetector:
         # The last check since one with a candidate that found none: what it does to the
         # carried runs (none carried on) is written once, when a check or the end reads them.
         empty_at = -1
+        probe_every, exact_until = self._probe_every, self._exact_until
         while check_at <= total:
             e = check_at - origin
             if e - start > window:
@@ -195,6 +222,13 @@ class LoopDetector:
                     self._keep = config.max_required_chars() + every
                 start = e - self._keep
             end = e - start
+            if check_at > exact_until:
+                # Outside an exact stretch only a probe looks (the docstring's "Probes").
+                if check_at % probe_every or not self._probe(full, start, e):
+                    empty_at = check_at  # no candidate here
+                    check_at += every
+                    continue
+                exact_until = self._exact_until = check_at + probe_every - every
             if end >= min_covered:  # as _check: shorter cannot hold a loop
                 max_d = end // min_repeats
                 if max_d > max_period:
@@ -208,7 +242,7 @@ class LoopDetector:
                     self._buf, self._buf_end = full[start:e], check_at
                     report = self._check()
                     if report is not None:
-                        self._next_check = check_at + every
+                        self._next_check = self._wake_at = check_at + every
                         self._report = report
                         self._buf = ""
                         return report
@@ -218,10 +252,25 @@ class LoopDetector:
                 self._runs = {}
             self._runs_at = empty_at
         self._next_check = check_at
-        self._buf, self._buf_end = full[start:e], check_at - every
+        if check_at > exact_until:  # the next probe: the checks before it find nothing
+            check_at += -check_at % probe_every
+        self._wake_at = check_at
+        self._buf, self._buf_end = full[start:e], self._next_check - every
         if e < len(full):
             pending.append(full[e:])
         return None
+
+    def _probe(self, full: str, start: int, e: int) -> bool:
+        """Whether the anchor ending at ``e`` occurred before, searched as far back as any
+        check it vouches for would: their windows may be longer by up to one probe interval."""
+        end = e - start
+        if end <= _ANCHOR:
+            return False
+        config = self._config
+        reach = self._probe_every - config.check_every_chars
+        max_d = min(config.max_period, (end + reach) // config.min_repeats)
+        lo = end - _ANCHOR - max_d
+        return full.rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1) >= 0
 
     def _check(self) -> LoopReport | None:
         """A check at the window's end: the runs the check before this one measured are
@@ -325,6 +374,16 @@ class LoopDetector:
             covered_chars=run,
             trivial=trivial,
         )
+
+
+def _probe_stride(config: DetectorConfig) -> int:
+    """Checks from one probe to the next: one more than the checks before a firing one that
+    are sure to hold a candidate too (the module's docstring, "Probes")."""
+    reps = min(config.min_repeats, config.min_short_repeats)
+    # Every period d needs at least max(min_covered_chars, reps * d) chars: at least this
+    # many of them lie before the run's last unit, whatever d is.
+    kept = config.min_covered_chars - -(-config.min_covered_chars // reps)
+    return max(0, kept - _ANCHOR) // config.check_every_chars + 1
 
 
 def _run_since(buf: str, d: int, start: int | None, every: int, check_at: int) -> int:

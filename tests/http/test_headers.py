@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 
+import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.http.headers import (
+    RequestIds,
     client_response_headers,
     encode_head,
     is_event_stream,
@@ -83,6 +86,28 @@ def test_request_id_is_kept_or_minted_as_a_uuid4() -> None:
     for rid in minted:
         parsed = uuid.UUID(rid)
         assert parsed.hex == rid and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+
+
+def test_request_ids_minted_in_batches_are_distinct_uuid4s(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[int] = []
+    urandom = os.urandom
+
+    def counted(n: int) -> bytes:
+        reads.append(n)
+        return urandom(n)
+
+    monkeypatch.setattr(os, "urandom", counted)
+    ids = RequestIds()
+    minted = [request_id_of(headers(), ids) for _ in range(2 * RequestIds.BATCH + 1)]
+    assert reads == [16 * RequestIds.BATCH] * 3  # one read for each batch begun
+    assert len(set(minted)) == len(minted)
+    for rid in minted:
+        parsed = uuid.UUID(rid)
+        assert parsed.hex == rid and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+    assert request_id_of(headers(("x-request-id", "given")), ids) == "given"
+    assert reads == [16 * RequestIds.BATCH] * 3
 
 
 def test_a_head_is_encoded_back_to_its_bytes_and_never_raises() -> None:

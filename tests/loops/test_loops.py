@@ -241,7 +241,9 @@ def test_memory_bounded_over_one_megabyte() -> None:
     rng = random.Random(9)
     corpus = [p.read_text(encoding="utf-8") for p in CORPUS_FILES]
     det = LoopDetector()
-    cap = DEFAULT.window_chars + DEFAULT.check_every_chars + 64
+    # Deltas wait for the next probe, 5 checks apart with the defaults (the "Probes" of the
+    # detector's docstring).
+    cap = DEFAULT.window_chars + 5 * DEFAULT.check_every_chars + 64
     peak = 0
     fed = 0
     docs = 0
@@ -477,3 +479,29 @@ def test_any_split_gives_the_same_report(
     whole = LoopDetector().feed(text)
     assert whole is not None and whole.period == period
     assert summary(run_split(text, cuts, DEFAULT)) == summary(whole)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, DEFAULT], ids=["small", "defaults"])
+@pytest.mark.parametrize("period", [5, 37, 64, 100])
+def test_a_loop_starting_at_any_offset_fires_at_the_oracles_check(
+    cfg: DetectorConfig, period: int
+) -> None:
+    # Only every few checks are searched outside a loop (the detector's "Probes"): a loop
+    # whose run begins at each offset across several probe intervals, fed whole and token by
+    # token, is still reported at the first check where it qualifies.
+    unit = make_unit(period, random.Random(period))
+    need = cfg.required_chars(period)
+    assert need is not None
+    span = 6 * 5 * cfg.check_every_chars  # several probe intervals at every stride used here
+    for onset in range(0, span, 3):
+        text = PROSE[:onset] + unit * ((need + 2 * cfg.check_every_chars) // period + 2)
+        expected = oracle(text, cfg)
+        assert expected is not None
+        whole = LoopDetector(cfg).feed(text)
+        assert whole is not None and (whole.period, whole.start_offset) == expected
+        # ... at the first check (a multiple of check_every_chars) its run covers ``need``.
+        every = cfg.check_every_chars
+        first_check = -(-(whole.start_offset + need) // every) * every
+        assert whole.start_offset + whole.covered_chars == first_check
+        tokens = run_split(text, list(range(0, len(text), 4)), cfg)
+        assert summary(tokens) == summary(whole)
