@@ -12,6 +12,7 @@ import pytest
 
 from proxy.attempts import AttemptEnd
 from proxy.audit.auditor import AuditTicket
+from proxy.audit.logprobs import TokenLogprob
 from proxy.audit.outcome import ChoiceOutcome, Outcome
 from proxy.audit.store import ChoiceDigest
 from proxy.classify import RequestView
@@ -38,6 +39,7 @@ WRITTEN = [
     RequestFinished,
     StreamTimed,
     RecoveryBudgetUsed,
+    TokenLogprob,
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from functools import lru_cache
+from typing import Final
 
 from multidict import CIMultiDict, istr
 
@@ -33,6 +34,7 @@ _TO_CLIENT = HOP_BY_HOP | {"content-length"}
 _TO_CLIENT_KEEP_LENGTH = HOP_BY_HOP
 
 REQUEST_ID = "X-Request-Id"
+REQUEST_ID_BATCH: Final = 256  # request ids minted from one read of random bytes
 
 
 @lru_cache(maxsize=256)  # a few distinct Connection values in practice; bounded for the rest
@@ -114,8 +116,6 @@ class RequestIds:
 
     __slots__ = ("_at", "_random")
 
-    BATCH = 256
-
     def __init__(self) -> None:
         self._random = b""
         self._at = 0
@@ -123,7 +123,7 @@ class RequestIds:
     def new(self) -> str:
         at = self._at
         if at >= len(self._random):
-            self._random = os.urandom(16 * self.BATCH)
+            self._random = os.urandom(16 * REQUEST_ID_BATCH)
             at = 0
         self._at = at + 16
         return _uuid4_hex(self._random, at)

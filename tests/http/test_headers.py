@@ -9,6 +9,7 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.http.headers import (
+    REQUEST_ID_BATCH,
     RequestIds,
     client_response_headers,
     encode_head,
@@ -100,14 +101,14 @@ def test_request_ids_minted_in_batches_are_distinct_uuid4s(
 
     monkeypatch.setattr(os, "urandom", counted)
     ids = RequestIds()
-    minted = [request_id_of(headers(), ids) for _ in range(2 * RequestIds.BATCH + 1)]
-    assert reads == [16 * RequestIds.BATCH] * 3  # one read for each batch begun
+    minted = [request_id_of(headers(), ids) for _ in range(2 * REQUEST_ID_BATCH + 1)]
+    assert reads == [16 * REQUEST_ID_BATCH] * 3  # one read for each batch begun
     assert len(set(minted)) == len(minted)
     for rid in minted:
         parsed = uuid.UUID(rid)
         assert parsed.hex == rid and parsed.version == 4 and parsed.variant == uuid.RFC_4122
     assert request_id_of(headers(("x-request-id", "given")), ids) == "given"
-    assert reads == [16 * RequestIds.BATCH] * 3
+    assert reads == [16 * REQUEST_ID_BATCH] * 3
 
 
 def test_a_head_is_encoded_back_to_its_bytes_and_never_raises() -> None:
