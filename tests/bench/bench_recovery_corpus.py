@@ -54,7 +54,7 @@ from proxy.loops.detector import LoopDetector, LoopReport  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "detproxy"
-SERVER = CACHE / "llama-server-0.3.36" / "build" / "bin" / "llama-server"
+SERVER = CACHE / "llama-server-0.3.36-portable" / "build" / "bin" / "llama-server"
 GGUF = CACHE / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 MAX_TOKENS = 1024
 SHORT = 8  # a recovery that stops within this many tokens adds (almost) nothing

@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.gpu
 mkdir -p "$out"
-src="${LLAMA_SRC:-$HOME/.cache/detproxy/llama-server-0.3.36/src/vendor/llama.cpp}"
+src="${LLAMA_SRC:-$HOME/.cache/detproxy/llama-server-0.3.36-portable/src/vendor/llama.cpp}"
 [ -d "$src" ] || { echo "no llama.cpp source at $src: run tests/integration/build_llama_server.sh" >&2; exit 2; }
 gguf="${SMOLLM2_GGUF:-$(find "$HOME/.cache/detproxy" -name '*.gguf' -print -quit)}"
 

@@ -12,7 +12,11 @@ CACHE="${DETPROXY_ENGINE_CACHE:-$HOME/.cache/detproxy}"
 PY="${PYTHON:-python3}"
 JOBS="${JOBS:-$(nproc)}"
 
-engine_dir="$CACHE/llama-server-$LLAMA_CPP_PYTHON_VERSION"
+# "portable": built for x86-64 with AVX2 rather than for the building CPU (GGML_NATIVE=OFF). A
+# native build on a host with AMX crashed loading the model on that same host (SIGILL at the
+# first run, a segfault at the next: a VM that advertises AMX it does not enable), and CI
+# reuses this cache on whatever host it lands on.
+engine_dir="$CACHE/llama-server-$LLAMA_CPP_PYTHON_VERSION-portable"
 server="$engine_dir/build/bin/llama-server"
 model_dir="$CACHE/smollm2${SMOLLM2_WHEEL_VERSION:+-$SMOLLM2_WHEEL_VERSION}"
 mkdir -p "$engine_dir" "$model_dir"
@@ -33,7 +37,7 @@ if [ ! -x "$server" ]; then
   fi
   cmake -S "$src/vendor/llama.cpp" -B "$engine_dir/build" -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF >&2
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=OFF >&2
   cmake --build "$engine_dir/build" --target llama-server -j"$JOBS" >&2
   rm -rf "$sdist_dir"   # the tarball is 73 MiB; the build tree is what we keep
 fi
