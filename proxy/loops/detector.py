@@ -215,6 +215,7 @@ class LoopDetector:
         # carried runs (none carried on) is written once, when a check or the end reads them.
         empty_at = -1
         probe_every, exact_until = self._probe_every, self._exact_until
+        reach = probe_every - every  # the checks a probe vouches for, after its own
         while check_at <= total:
             e = check_at - origin
             if e - start > window:
@@ -224,11 +225,11 @@ class LoopDetector:
             end = e - start
             if check_at > exact_until:
                 # Outside an exact stretch only a probe looks (the docstring's "Probes").
-                if check_at % probe_every or not self._probe(full, start, e):
+                if check_at % probe_every or not self._probe(full, start, e, reach):
                     empty_at = check_at  # no candidate here
                     check_at += every
                     continue
-                exact_until = self._exact_until = check_at + probe_every - every
+                exact_until = self._exact_until = check_at + reach
             if end >= min_covered:  # as _check: shorter cannot hold a loop
                 max_d = end // min_repeats
                 if max_d > max_period:
@@ -260,14 +261,13 @@ class LoopDetector:
             pending.append(full[e:])
         return None
 
-    def _probe(self, full: str, start: int, e: int) -> bool:
+    def _probe(self, full: str, start: int, e: int, reach: int) -> bool:
         """Whether the anchor ending at ``e`` occurred before, searched as far back as any
-        check it vouches for would: their windows may be longer by up to one probe interval."""
+        check it vouches for would: their windows may be longer by up to ``reach`` chars."""
         end = e - start
         if end <= _ANCHOR:
             return False
         config = self._config
-        reach = self._probe_every - config.check_every_chars
         max_d = min(config.max_period, (end + reach) // config.min_repeats)
         lo = end - _ANCHOR - max_d
         return full.rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1) >= 0
