@@ -62,7 +62,10 @@ class Forwarder:
             upstream, self.guard, bus, settings.server.max_sse_event_bytes
         )
         self._recovery = recovery
-        self._settings = settings
+        # What each request reads of the settings, read once (compiled: loads, not lookups).
+        self._max_body_bytes = settings.server.max_body_bytes
+        self._default_temperature = settings.classify.default_temperature
+        self._seeded_is_deterministic = settings.classify.seeded_is_deterministic
         self._upstream = upstream
         self._bus = bus
         self._stages = Stages(
@@ -107,17 +110,16 @@ class Forwarder:
         ex.request_id = rid = request_id_of(client.headers, self._ids)
         try:
             ensure_json_content_type(client.headers)
-            raw = await client.read_body(self._settings.server.max_body_bytes)
+            raw = await client.read_body(self._max_body_bytes)
             body = parse_object(raw)
         except BadRequest as bad:  # its own name: compiled, one name holds one type
             self._lifecycle.finished(ex, bad.status, "bad_request")
             return await send_error(client, bad.status, bad.message, request_id=rid)
-        cfg = self._settings.classify
         view = classify(
             ex.endpoint,
             body,
-            default_temperature=cfg.default_temperature,
-            seeded_is_deterministic=cfg.seeded_is_deterministic,
+            default_temperature=self._default_temperature,
+            seeded_is_deterministic=self._seeded_is_deterministic,
         )
         ex.view, ex.body, ex.original = view, body, raw
         ex.headers = upstream_request_headers(client.headers, rid, proxy_reads_body=True)

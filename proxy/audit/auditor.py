@@ -90,6 +90,7 @@ class Auditor:
         self._settings = settings
         self._guard = guard
         self._audit = settings.audit
+        self._passive_checks = settings.audit.passive_checks  # read per request: once here
         self._bus = bus
         self._scheduler = scheduler
         self._store = store
@@ -120,7 +121,7 @@ class Auditor:
             and self._injection_allowed(view, body)
             and self._scheduler.admit(view.model)
         )
-        if not shadow and not self._audit.passive_checks:
+        if not shadow and not self._passive_checks:
             return None
         upstream_body, injected = body, False
         if shadow:
@@ -170,7 +171,7 @@ class Auditor:
         if outcome.error is not None or not outcome.choices:
             return
         latency = time.monotonic() - ticket.started
-        if self._audit.passive_checks:
+        if self._passive_checks:
             self._compare_choices(ticket, outcome, latency)
             store = self._store
             if isinstance(store, MemoryDuplicateStore):  # in-process: checked inline

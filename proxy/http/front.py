@@ -40,7 +40,7 @@ from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
 from proxy.http.coalesce import WriteCoalescer
 from proxy.http.errors import UpstreamFailure, error_payload
-from proxy.http.headers import HOP_BY_HOP, encode_head, forwarded_headers
+from proxy.http.headers import HOP_BY_HOP, decode_field, encode_head, forwarded_headers
 
 if TYPE_CHECKING:
     from proxy.http.upstream import Upstream
@@ -447,14 +447,14 @@ class FrontConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # As aiohttp decodes them, and as the upstream client encodes them again: bytes past
         # ASCII (UTF-8, or obs-text) reach the next hop as they came.
-        self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+        self._headers.append((name.decode("latin-1"), decode_field(value)))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
         request = FrontRequest(
             self,
             parser.get_method().decode("ascii"),
-            self._url.decode("utf-8", "surrogateescape"),
+            decode_field(self._url),
             CIMultiDictProxy(CIMultiDict(self._headers)),
             parser.get_http_version(),
             parser.should_keep_alive(),

@@ -35,7 +35,7 @@ from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, forget
-from proxy.http.headers import encode_head
+from proxy.http.headers import decode_field, encode_head
 from proxy.http.upstream import Body, Sink
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
@@ -59,10 +59,7 @@ class H1Response:
         self._done = False
         self.status = conn.status
         self.headers: Mapping[str, str] = CIMultiDict(
-            [
-                (n.decode("latin-1"), v.decode("utf-8", "surrogateescape"))
-                for n, v in conn.header_list
-            ]
+            [(n.decode("latin-1"), decode_field(v)) for n, v in conn.header_list]
         )
 
     def chunks(self) -> AsyncIterator[bytes]:

@@ -84,10 +84,25 @@ def is_event_stream(headers: Mapping[str, str]) -> bool:
     return headers.get("Content-Type", "").startswith("text/event-stream")
 
 
+def decode_field(data: bytes) -> str:
+    """A field's bytes as aiohttp decodes them: UTF-8, a byte that is not UTF-8 kept as a
+    surrogate escape (``encode_head`` gives the bytes back)."""
+    try:
+        # Strict first: compiled, a strict UTF-8 decode is a direct call, and one with an
+        # error handler a codec lookup by name (twice the cost of a short field's decode).
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "surrogateescape")
+
+
 def encode_head(text: str) -> bytes:
     """A message head written from header text. Field bytes are decoded as aiohttp decodes
     them (UTF-8, a byte that is not UTF-8 kept as a surrogate escape), so this gives back the
     bytes that came in; text that is neither (a lone surrogate) is replaced, never raised."""
+    try:
+        return text.encode("utf-8")  # strict first, as in decode_field
+    except UnicodeEncodeError:
+        pass
     try:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:

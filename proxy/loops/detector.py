@@ -127,8 +127,12 @@ class LoopDetector:
         "_buf",
         "_buf_end",
         "_config",
+        "_every",
         "_exact_until",
         "_keep",
+        "_max_period",
+        "_min_covered",
+        "_min_repeats",
         "_next_check",
         "_pending",
         "_probe_every",
@@ -137,10 +141,18 @@ class LoopDetector:
         "_runs_at",
         "_total",
         "_wake_at",
+        "_window",
     )
 
     def __init__(self, config: DetectorConfig | None = None) -> None:
-        self._config = config if config is not None else DetectorConfig()
+        self._config = config = config if config is not None else DetectorConfig()
+        # The thresholds each check reads, copied: compiled, a field of this object is a load,
+        # one of the configuration's (interpreted) dataclass an attribute lookup.
+        self._every = config.check_every_chars
+        self._window = config.window_chars
+        self._min_covered = config.min_covered_chars
+        self._max_period = config.max_period
+        self._min_repeats = config.min_repeats
         # When the window is full it is cut back to this (the longest required run plus one
         # check interval), so that it is cut only every few checks, not at each one. Worked
         # out when first needed: most streams never fill the window.
@@ -148,12 +160,12 @@ class LoopDetector:
         self._buf = ""  # the kept tail window; it ends at stream offset _buf_end
         self._buf_end = 0  # stream offset of the last check (end of _buf)
         self._pending: list[str] = []  # deltas since _buf_end
-        self._next_check = self._config.check_every_chars  # the first check not yet done
+        self._next_check = self._every  # the first check not yet done
         # Probes (see the module's docstring): a check outside an exact stretch is looked at
         # only at a multiple of _probe_every chars; one whose anchor occurred before makes the
         # checks up to _exact_until exact. ``feed`` calls ``_advance`` at _wake_at, the next
         # check that is looked at.
-        self._probe_every = _probe_stride(self._config) * self._config.check_every_chars
+        self._probe_every = _probe_stride(config) * self._every
         self._exact_until = -1
         self._wake_at = self._next_check
         self._total = 0
@@ -200,12 +212,11 @@ class LoopDetector:
         base = len(self._buf)
         full = self._buf + "".join(pending)
         pending.clear()
-        config = self._config
-        every, window = config.check_every_chars, config.window_chars
+        every, window = self._every, self._window
         min_covered, max_period, min_repeats = (
-            config.min_covered_chars,
-            config.max_period,
-            config.min_repeats,
+            self._min_covered,
+            self._max_period,
+            self._min_repeats,
         )
         origin = self._buf_end - base  # the stream offset of full[0]
         total, check_at = self._total, self._next_check
@@ -220,7 +231,7 @@ class LoopDetector:
             e = check_at - origin
             if e - start > window:
                 if not self._keep:
-                    self._keep = config.max_required_chars() + every
+                    self._keep = self._config.max_required_chars() + every
                 start = e - self._keep
             end = e - start
             if check_at > exact_until:
@@ -267,8 +278,7 @@ class LoopDetector:
         end = e - start
         if end <= _ANCHOR:
             return False
-        config = self._config
-        max_d = min(config.max_period, (end + reach) // config.min_repeats)
+        max_d = min(self._max_period, (end + reach) // self._min_repeats)
         lo = end - _ANCHOR - max_d
         return full.rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1) >= 0
 
@@ -277,17 +287,16 @@ class LoopDetector:
         re-verified on the new chars only."""
         buf = self._buf
         end = len(buf)
-        config = self._config
-        if end < config.min_covered_chars:
+        if end < self._min_covered:
             return None
-        every = config.check_every_chars
+        every = self._every
         check_at = self._buf_end
         known = self._runs if self._runs_at == check_at - every and end >= every else {}
         self._runs = {}
         self._runs_at = check_at
         # The scan's first search, here: most checks of ordinary text end with it (the
         # anchor did not occur before, so no distance is a candidate).
-        max_d = min(config.max_period, end // config.min_repeats)
+        max_d = min(self._max_period, end // self._min_repeats)
         at = buf.rfind(buf[end - _ANCHOR :], max(0, end - _ANCHOR - max_d), end - 1)
         return None if at < 0 else self._scan(buf, known, check_at, at)
 

@@ -55,6 +55,11 @@ class Recovery:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
+        # What each request asks, read once: compiled, these are loads, and the frozen
+        # configuration's fields attribute lookups.
+        self._enabled = config.enabled
+        self._runaway = config.runaway
+        self._engine_detection = config.engine_detection
         self._guard = guard
         self._budget = budget
         self._clock = clock
@@ -71,13 +76,13 @@ class Recovery:
 
     @property
     def enabled(self) -> bool:
-        return self._config.enabled
+        return self._enabled
 
     @property
     def reads_answers(self) -> bool:
         """Whether a whole non-streamed answer is looked at: by the loop watch, or by a policy
         that reads answers without a trigger."""
-        return self._config.enabled or self._chain.reads_clean_answers
+        return self._enabled or self._chain.reads_clean_answers
 
     @property
     def hold_reasoning(self) -> bool:
@@ -88,16 +93,14 @@ class Recovery:
         return self._config.hold_max_bytes
 
     def watch(self, endpoint: str) -> LoopWatch | None:
-        if not self._config.enabled:
+        if not self._enabled:
             return None
-        return LoopWatch(
-            endpoint, self._detector, runaway=self._config.runaway, keep=self._continues
-        )
+        return LoopWatch(endpoint, self._detector, runaway=self._runaway, keep=self._continues)
 
     def prepare(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Add vLLM's repetition_detection where the operator says the upstream has it (and
         it has not been refused for ``model`` lately)."""
-        engine = self._config.engine_detection
+        engine = self._engine_detection
         if engine is None or "repetition_detection" in body:
             return body
         if self._guard is not None and not self._guard.allows(model, REPETITION_DETECTION):

@@ -12,6 +12,7 @@ from proxy.http.headers import (
     REQUEST_ID_BATCH,
     RequestIds,
     client_response_headers,
+    decode_field,
     encode_head,
     is_event_stream,
     request_id_of,
@@ -113,7 +114,11 @@ def test_request_ids_minted_in_batches_are_distinct_uuid4s(
 
 def test_a_head_is_encoded_back_to_its_bytes_and_never_raises() -> None:
     received = b"caf\xe9 \xe2\x98\x83"  # an obs-text byte, then UTF-8
-    assert encode_head(received.decode("utf-8", "surrogateescape")) == received
+    assert decode_field(received) == received.decode("utf-8", "surrogateescape")
+    assert encode_head(decode_field(received)) == received
+    for plain in (b"", b"application/json", "caf\u00e9 \u2603".encode()):
+        assert decode_field(plain) == plain.decode()
+        assert encode_head(decode_field(plain)) == plain
     assert encode_head("x\ud800y") == b"x?y"  # a lone surrogate no parser makes: replaced
 
 
