@@ -39,7 +39,7 @@ __all__ = [
 REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
-def reasoning_of(part: Mapping[str, Any]) -> str | None:
+def reasoning_of(part: dict[str, Any]) -> str | None:
     """The reasoning text of a chat delta or message; None when it carries none."""
     text = part.get("reasoning")
     if type(text) is str and text:
@@ -94,7 +94,7 @@ def _int_or_none(value: Any) -> int | None:
     return value if type(value) is int else None  # bool is not a count
 
 
-def usage_of(body: Mapping[str, Any]) -> tuple[int | None, int | None]:
+def usage_of(body: dict[str, Any]) -> tuple[int | None, int | None]:
     """A body's ``usage``: its prompt and completion tokens (None where absent)."""
     usage = body.get("usage")
     if type(usage) is not dict:
@@ -110,7 +110,7 @@ def completion_tokens_of(body: Mapping[str, Any]) -> int | None:
     return _int_or_none(usage.get("completion_tokens"))
 
 
-def error_detail(body: Mapping[str, Any]) -> str | None:
+def error_detail(body: dict[str, Any]) -> str | None:
     """The message an error body carries, wherever its server put it: ``error.message``
     (OpenAI, vLLM >= 0.10.1, llama.cpp), ``error`` as a string, the flat ``message`` (older
     vLLM) or ``detail`` (FastAPI); None when it has none."""
@@ -126,7 +126,7 @@ def error_detail(body: Mapping[str, Any]) -> str | None:
     return message if type(message) is str and message else None
 
 
-def error_message(body: Mapping[str, Any]) -> str | None:
+def error_message(body: dict[str, Any]) -> str | None:
     """None unless ``body`` is an error (a non-null ``error``, nested since vLLM 0.10.1, or
     the older flat ``"object": "error"``); then its message, ``"error"`` when it has none."""
     if body.get("error") is None and body.get("object") != "error":

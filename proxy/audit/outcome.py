@@ -109,26 +109,32 @@ def _stop_reason(value: Any) -> str | int | None:
 
 
 def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
-    if type(raw) is not dict and not isinstance(raw, Mapping):  # JSON's dicts: no ABC check
-        return ChoiceOutcome(position, "", "", None, None)
-    index = _int_or_none(raw.get("index"))
+    if type(raw) is not dict:  # JSON's dicts: no ABC check
+        if not isinstance(raw, Mapping):
+            return ChoiceOutcome(position, "", "", None, None)
+        raw = dict(raw)
+    # Typed a dict: compiled, its reads are dict lookups, not ``get`` method calls.
+    choice: dict[str, Any] = raw
+    index = _int_or_none(choice.get("index"))
     if index is None:
         index = position
-    finish = raw.get("finish_reason")
+    finish = choice.get("finish_reason")
     finish_reason = finish if isinstance(finish, str) else None
     if chat:
-        message = raw.get("message")
-        if type(message) is dict or isinstance(message, Mapping):
+        message = choice.get("message")
+        if type(message) is not dict and isinstance(message, Mapping):
+            message = dict(message)
+        if type(message) is dict:
             content = _str_or_empty(message.get("content"))
             reasoning = reasoning_of(message) or ""
         else:
             content = reasoning = ""
     else:
-        content = _str_or_empty(raw.get("text"))
+        content = _str_or_empty(choice.get("text"))
         reasoning = ""
     tokens: tuple[TokenLogprob, ...] | None = None
     try:
-        parsed = parse_logprobs(raw.get("logprobs"))
+        parsed = parse_logprobs(choice.get("logprobs"))
     except MalformedLogprobs:
         parsed = None
     if parsed is not None:
@@ -137,25 +143,28 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
             entries.pop()
         tokens = tuple(entries)
     return ChoiceOutcome(
-        index, content, reasoning, tokens, finish_reason, _stop_reason(raw.get("stop_reason"))
+        index, content, reasoning, tokens, finish_reason, _stop_reason(choice.get("stop_reason"))
     )
 
 
 def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
     """Normalise a non-streamed answer; ``endpoint`` is "chat" or "completions"."""
-    if type(body) is not dict and not isinstance(body, Mapping):
-        return Outcome((), error="malformed response")
-    message = error_message(body)
+    if type(body) is not dict:
+        if not isinstance(body, Mapping):
+            return Outcome((), error="malformed response")
+        body = dict(body)
+    answer: dict[str, Any] = body
+    message = error_message(answer)
     if message is not None:
         return Outcome((), error=message)
-    raw_choices = body.get("choices")
+    raw_choices = answer.get("choices")
     chat = _is_chat(endpoint)
     choices = (
         tuple(_choice_from_response(chat, i, c) for i, c in enumerate(raw_choices))
         if isinstance(raw_choices, list)
         else ()
     )
-    prompt_tokens, completion_tokens = usage_of(body)
+    prompt_tokens, completion_tokens = usage_of(answer)
     return Outcome(choices, None, prompt_tokens, completion_tokens)
 
 

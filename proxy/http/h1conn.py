@@ -114,8 +114,10 @@ class Conn(asyncio.Protocol):
         if self.method == "HEAD" or status in (204, 304):
             framing = False
         else:
+            # By length first: bytes.lower is a method call (compiled), len a load.
             framing = any(
-                n.lower() in (b"content-length", b"transfer-encoding") for n, _ in self.header_list
+                len(n) in (14, 17) and n.lower() in (b"content-length", b"transfer-encoding")
+                for n, _ in self.header_list
             )
         self.until_close = not framing and self.method != "HEAD" and status not in (204, 304)
         if self.method == "HEAD":
