@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from types import MappingProxyType
 from typing import Any
 
 from hypothesis import given, settings
@@ -41,6 +42,26 @@ def test_chat_nonstream() -> None:
         7,
         5,
     )
+
+
+def test_mappings_that_are_not_dicts_read_as_dicts_do() -> None:
+    # The answer, its choices and their messages read-only mappings (usage and logprobs
+    # are read only as JSON's dicts).
+    def frozen(body: dict[str, Any]) -> Any:
+        choices = [
+            MappingProxyType(
+                {k: MappingProxyType(v) if k == "message" else v for k, v in choice.items()}
+            )
+            for choice in body.get("choices", [])
+        ]
+        return MappingProxyType({**body, "choices": choices} if "choices" in body else body)
+
+    bodies = [("chat", chat_body(REASONING, CONTENT)), ("completions", completion_body(CONTENT))]
+    bodies.append(("chat", {"error": {"message": "boom"}}))
+    for endpoint, body in bodies:
+        expected = outcome_from_response(endpoint, body)
+        assert outcome_from_response(endpoint, frozen(body)) == expected
+    assert expected.error == "boom"
 
 
 def test_chat_without_logprobs_and_null_content() -> None:
