@@ -108,23 +108,26 @@ def _stop_reason(value: Any) -> str | int | None:
     return _int_or_none(value)
 
 
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    """A JSON object as a dict (a mapping that is not one copied into one), else None. Typed a
+    dict: compiled, its reads are dict lookups, not ``get`` method calls."""
+    if type(value) is dict:  # JSON's dicts: no ABC check
+        return value
+    return dict(value) if isinstance(value, Mapping) else None
+
+
 def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
-    if type(raw) is not dict:  # JSON's dicts: no ABC check
-        if not isinstance(raw, Mapping):
-            return ChoiceOutcome(position, "", "", None, None)
-        raw = dict(raw)
-    # Typed a dict: compiled, its reads are dict lookups, not ``get`` method calls.
-    choice: dict[str, Any] = raw
+    choice = _as_dict(raw)
+    if choice is None:
+        return ChoiceOutcome(position, "", "", None, None)
     index = _int_or_none(choice.get("index"))
     if index is None:
         index = position
     finish = choice.get("finish_reason")
     finish_reason = finish if isinstance(finish, str) else None
     if chat:
-        message = choice.get("message")
-        if type(message) is not dict and isinstance(message, Mapping):
-            message = dict(message)
-        if type(message) is dict:
+        message = _as_dict(choice.get("message"))
+        if message is not None:
             content = _str_or_empty(message.get("content"))
             reasoning = reasoning_of(message) or ""
         else:
@@ -149,11 +152,9 @@ def _choice_from_response(chat: bool, position: int, raw: Any) -> ChoiceOutcome:
 
 def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
     """Normalise a non-streamed answer; ``endpoint`` is "chat" or "completions"."""
-    if type(body) is not dict:
-        if not isinstance(body, Mapping):
-            return Outcome((), error="malformed response")
-        body = dict(body)
-    answer: dict[str, Any] = body
+    answer = _as_dict(body)
+    if answer is None:
+        return Outcome((), error="malformed response")
     message = error_message(answer)
     if message is not None:
         return Outcome((), error=message)

@@ -212,15 +212,9 @@ class LoopDetector:
         base = len(self._buf)
         full = self._buf + "".join(pending)
         pending.clear()
-        every, window = self._every, self._window
-        min_covered, max_period, min_repeats = (
-            self._min_covered,
-            self._max_period,
-            self._min_repeats,
-        )
+        every, window, min_covered = self._every, self._window, self._min_covered
         origin = self._buf_end - base  # the stream offset of full[0]
         total, check_at = self._total, self._next_check
-        rfind = full.rfind
         start = e = 0
         # The last check since one with a candidate that found none: what it does to the
         # carried runs (none carried on) is written once, when a check or the end reads them.
@@ -241,18 +235,17 @@ class LoopDetector:
                     check_at += every
                     continue
                 exact_until = self._exact_until = check_at + reach
-            if end >= min_covered:  # as _check: shorter cannot hold a loop
-                max_d = end // min_repeats
-                if max_d > max_period:
-                    max_d = max_period
-                lo = end - _ANCHOR - max_d
-                if rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1) < 0:
-                    empty_at = check_at  # as _check: no candidate, no run carried on
+            if end >= min_covered:  # shorter cannot hold a loop
+                # The scan's first search, here: most checks of ordinary text end with it
+                # (the anchor did not occur before, so no distance is a candidate).
+                at = self._anchor_at(full, start, e, 0)
+                if at < 0:
+                    empty_at = check_at  # no candidate, no run carried on
                 else:
                     if empty_at >= 0:
                         self._runs, self._runs_at, empty_at = {}, empty_at, -1
                     self._buf, self._buf_end = full[start:e], check_at
-                    report = self._check()
+                    report = self._check(at - start)
                     if report is not None:
                         self._next_check = self._wake_at = check_at + every
                         self._report = report
@@ -275,30 +268,28 @@ class LoopDetector:
     def _probe(self, full: str, start: int, e: int, reach: int) -> bool:
         """Whether the anchor ending at ``e`` occurred before, searched as far back as any
         check it vouches for would: their windows may be longer by up to ``reach`` chars."""
+        return e - start > _ANCHOR and self._anchor_at(full, start, e, reach) >= 0
+
+    def _anchor_at(self, full: str, start: int, e: int, reach: int) -> int:
+        """Where the anchor ending at ``e`` last occurred before it, no further back than a
+        candidate period of the window ``full[start:e]`` (longer by ``reach``) allows; -1:
+        nowhere."""
         end = e - start
-        if end <= _ANCHOR:
-            return False
         max_d = min(self._max_period, (end + reach) // self._min_repeats)
         lo = end - _ANCHOR - max_d
-        return full.rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1) >= 0
+        return full.rfind(full[e - _ANCHOR : e], start + lo if lo > 0 else start, e - 1)
 
-    def _check(self) -> LoopReport | None:
-        """A check at the window's end: the runs the check before this one measured are
-        re-verified on the new chars only."""
+    def _check(self, at: int) -> LoopReport | None:
+        """A check at the window's end, whose anchor occurred before at ``at`` (in the
+        window): the runs the check before this one measured are re-verified on the new chars
+        only."""
         buf = self._buf
-        end = len(buf)
-        if end < self._min_covered:
-            return None
         every = self._every
         check_at = self._buf_end
-        known = self._runs if self._runs_at == check_at - every and end >= every else {}
+        known = self._runs if self._runs_at == check_at - every and len(buf) >= every else {}
         self._runs = {}
         self._runs_at = check_at
-        # The scan's first search, here: most checks of ordinary text end with it (the
-        # anchor did not occur before, so no distance is a candidate).
-        max_d = min(self._max_period, end // self._min_repeats)
-        at = buf.rfind(buf[end - _ANCHOR :], max(0, end - _ANCHOR - max_d), end - 1)
-        return None if at < 0 else self._scan(buf, known, check_at, at)
+        return self._scan(buf, known, check_at, at)
 
     def _scan(self, buf: str, known: dict[int, int], check_at: int, at: int) -> LoopReport | None:
         """Candidate periods: distances back to earlier occurrences of ``needle`` (a tail
