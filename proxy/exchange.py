@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from proxy.classify import RequestView
@@ -21,6 +21,7 @@ from proxy.events import (
     RequestClassified,
     RequestFinished,
 )
+from proxy.http.headers import HeaderFields
 
 if TYPE_CHECKING:
     from policies.base import Trigger
@@ -86,7 +87,7 @@ class Exchange:
         self.view: RequestView | None = None  # None until the body was classified
         self.body: dict[str, Any] | None = None  # the client's request, parsed
         self.original = b""  # the client's own bytes: what a fallback sends
-        self.headers: Mapping[str, str] = {}  # for the upstream
+        self.headers: HeaderFields = {}  # for the upstream
         self.retry_base: dict[str, Any] | None = None  # what a retry's overrides apply to
         self.ticket: AuditTicket | None = None  # the audit's plan; None when not audited
         self.attempts: Attempts | None = None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.events import EventBus, FallbackSent
-from proxy.http.headers import is_event_stream
+from proxy.http.headers import HeaderFields, is_event_stream
 from proxy.http.sse import SSEDecoder, SSEOverflow
 from proxy.http.upstream import (
     READ_ERRORS,
@@ -47,7 +47,7 @@ class Prefetched:
     no reader of the response was left half-way): ``chunks`` and ``pump`` hand those over first,
     then read on from the response."""
 
-    __slots__ = ("_head", "_inner", "_rest", "headers", "status")
+    __slots__ = ("_head", "_inner", "_rest", "headers", "raw_fields", "status")
 
     def __init__(self, inner: UpstreamResponse, head: bytes) -> None:
         self._inner = inner
@@ -55,6 +55,7 @@ class Prefetched:
         self._rest: AsyncIterator[bytes] | None = None
         self.status = inner.status
         self.headers: Mapping[str, str] = inner.headers
+        self.raw_fields = inner.raw_fields
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The head, then the response's own chunks (an async iterator, not a generator:
@@ -148,7 +149,7 @@ class FallbackSender:
         self._max_event_bytes = max_event_bytes
 
     async def send(
-        self, raw_path: str, headers: Mapping[str, str], body: bytes, altered: Altered | None
+        self, raw_path: str, headers: HeaderFields, body: bytes, altered: Altered | None
     ) -> tuple[UpstreamResponse, bool]:
         """The response to relay, and whether it answers the client's own request in place
         of the altered one. ``UpstreamFailure`` propagates (a transport fault is not the

@@ -122,7 +122,9 @@ class Forwarder:
             seeded_is_deterministic=self._seeded_is_deterministic,
         )
         ex.view, ex.body, ex.original = view, body, raw
-        ex.headers = upstream_request_headers(client.headers, rid, proxy_reads_body=True)
+        ex.headers = upstream_request_headers(
+            client.headers, rid, proxy_reads_body=True, passed=client.passed_fields
+        )
         self._lifecycle.classified(ex)
         auditor = self._lifecycle.auditor
         if auditor is not None:
@@ -190,7 +192,10 @@ class Forwarder:
         last = b""  # the bytes last handed to the client
         try:
             await client.start(
-                upstream.status, client_response_headers(upstream.headers, rid, keep_length=True)
+                upstream.status,
+                client_response_headers(
+                    upstream.headers, rid, keep_length=True, raw=upstream.raw_fields
+                ),
             )
             async for data in upstream.chunks():
                 await client.write(data)

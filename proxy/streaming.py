@@ -52,7 +52,9 @@ class StreamedAnswer:
         decision: Decision | None = None
         try:
             upstream = self._upstream
-            headers = client_response_headers(upstream.headers, ex.request_id)
+            headers = client_response_headers(
+                upstream.headers, ex.request_id, raw=upstream.raw_fields
+            )
             await client.start(upstream.status, headers)
             decision = await run_attempts(self, stages.recovery)
             result = self._result

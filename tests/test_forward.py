@@ -99,6 +99,72 @@ async def test_non_streaming_is_byte_faithful(
     )
 
 
+async def test_the_upstream_gets_the_clients_fields_as_they_came_less_hop_by_hop(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application, upstream_client: str
+) -> None:
+    received: list[list[tuple[bytes, bytes]]] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        received.append(list(request.raw_headers))
+        await request.read()
+        return web.json_response(ANSWER)
+
+    upstream_app.router.add_post(CHAT, answer)
+    client = await make_proxy(await upstream())
+    body = b'{"model": "m", "temperature": 0}'
+    fields = (
+        b"Host: proxy\r\nContent-Type: application/json\r\nX-Many: 1\r\n"
+        b"Accept-Encoding: gzip\r\nx-request-id: mine\r\nTE: trailers\r\n"
+        b"X-Obs-Text: caf\xe9 \xe2\x98\x83\r\nx-many: 2\r\nProxy-Authorization: Basic x\r\n"
+    )
+    for connection, dropped in ((b"keep-alive", set()), (b"keep-alive, X-Many", {b"x-many"})):
+        request = b"POST %s HTTP/1.1\r\n%sConnection: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+            CHAT.encode(),
+            fields,
+            connection,
+            len(body),
+            body,
+        )
+        reader, writer = await asyncio.open_connection(client.host, client.port)
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200")
+        got = received.pop()
+        names = [name.lower() for name, _ in got]
+        # Hop-by-hop, framing and Accept-Encoding are the proxy's; the rest come as they
+        # came: in order, repeated ones, and bytes that are not UTF-8 (obs-text) included.
+        passed = [
+            (n, v)
+            for n, v in got
+            if n.lower()
+            not in {
+                b"host",
+                b"content-length",
+                b"accept-encoding",
+                b"x-request-id",
+                b"connection",
+                b"user-agent",
+            }
+        ]
+        expected = [
+            (b"Content-Type", b"application/json"),
+            (b"X-Many", b"1"),
+            (b"X-Obs-Text", b"caf\xe9 \xe2\x98\x83"),
+            (b"x-many", b"2"),
+        ]
+        if upstream_client == "native":
+            assert passed == [f for f in expected if f[0].lower() not in dropped], got
+        else:  # aiohttp's client keeps one of repeated fields, and drops obs-text bytes
+            assert {n.lower() for n, _ in passed} == {
+                n.lower() for n, _ in expected if n.lower() not in dropped
+            }
+        assert not {b"te", b"proxy-authorization"} & set(names)
+        assert [v for n, v in got if n.lower() == b"accept-encoding"] == [b"identity"]
+        assert [v for n, v in got if n.lower() == b"x-request-id"] == [b"mine"]
+        assert names.count(b"host") == 1 and names.count(b"content-length") == 1
+
+
 async def test_request_id_is_kept(make_proxy: Any, upstream: Any, recorder: Recorder) -> None:
     client = await make_proxy(await upstream())
     resp = await client.post(CHAT, json={"model": "m"}, headers={"X-Request-Id": "abc-123"})
@@ -439,3 +505,26 @@ async def test_obs_text_header_bytes_cross_unchanged(
         assert b"\r\nX-Answer-Name: caf\xe9\r\n" in got
     else:
         assert b"\r\nX-Answer-Name: caf\r\n" in got
+
+
+async def test_the_client_gets_the_upstreams_fields_as_they_came_less_hop_by_hop(
+    make_proxy: Any, upstream_client: str, http_server: str
+) -> None:
+    """The answer's head: the upstream's own fields in order (repeated ones, their case, its
+    Date), hop-by-hop ones and those its Connection header names left out, the length
+    written for the body the client gets, one request id."""
+    date = b"Date: Wed, 02 Dec 2026 10:00:00 GMT"
+    for connection, secret in ((b"keep-alive", True), (b"keep-alive, X-Secret", False)):
+        field = b"A: 1\r\nKeep-Alive: timeout=5\r\nx-answer-a: 2\r\nServer: up\r\n%s\r\n" % date
+        field += b"Connection: %s\r\nX-Secret: s" % connection
+        _, got = await raw_exchange(make_proxy, field)
+        lines = got.split(b"\r\n")[1:-2]
+        names = [line.partition(b":")[0].lower() for line in lines]
+        assert b"keep-alive" not in names and b"connection" not in names
+        assert (b"x-secret" in names) is secret
+        assert names.count(b"x-request-id") == 1 and names.count(b"content-length") == 1
+        assert names.count(b"date") == 1
+        assert b"Content-Length: %d" % len(orjson.dumps(ANSWER)) in lines
+        if upstream_client == "native" and http_server == "lean":
+            at = lines.index(b"X-Answer-A: 1")
+            assert lines[at : at + 4] == [b"X-Answer-A: 1", b"x-answer-a: 2", b"Server: up", date]

@@ -17,6 +17,7 @@ class Scripted:
     def __init__(self, parts: list[bytes], error_after: int | None = None) -> None:
         self.status = 200
         self.headers = {"Content-Type": "text/event-stream"}
+        self.raw_fields: list[tuple[bytes, bytes]] | None = None
         self._parts = parts
         self._error_after = error_after
         self._next = 0

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 from aiohttp import web
 
 from proxy.http.body import read_bounded
+from proxy.http.headers import HeaderFields, as_mapping
 
 
 class AiohttpSide:
@@ -41,6 +42,10 @@ class AiohttpSide:
         return self._request.headers
 
     @property
+    def passed_fields(self) -> bytes | None:
+        return None  # aiohttp keeps no field's bytes: the headers are filtered
+
+    @property
     def has_body(self) -> bool:
         return self._request.body_exists
 
@@ -50,11 +55,11 @@ class AiohttpSide:
     def body_chunks(self) -> AsyncIterator[bytes]:
         return self._request.content.iter_chunked(64 * 1024)
 
-    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        self.response = web.Response(status=status, body=body, headers=headers)
+    async def respond(self, status: int, headers: HeaderFields, body: bytes) -> None:
+        self.response = web.Response(status=status, body=body, headers=as_mapping(headers))
 
-    async def start(self, status: int, headers: Mapping[str, str]) -> None:
-        self.response = web.StreamResponse(status=status, headers=headers)
+    async def start(self, status: int, headers: HeaderFields) -> None:
+        self.response = web.StreamResponse(status=status, headers=as_mapping(headers))
         await self.response.prepare(self._request)
 
     async def write(self, data: bytes) -> None:

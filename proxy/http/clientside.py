@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Protocol
 
+from proxy.http.headers import HeaderFields
+
 
 class ClientSide(Protocol):
     """One client request, and the response detproxy writes to it."""
@@ -37,6 +39,14 @@ class ClientSide(Protocol):
         ...
 
     @property
+    def passed_fields(self) -> bytes | None:
+        """The header fields as the client sent them (``Name: value`` lines, CRLF-ended),
+        less those a proxy does not pass on as they came (``proxy.http.headers.NOT_PASSED``):
+        what the upstream is sent. None where the server does not keep them (``headers`` is
+        filtered instead)."""
+        ...
+
+    @property
     def has_body(self) -> bool: ...
 
     async def read_body(self, limit: int) -> bytes:
@@ -47,11 +57,11 @@ class ClientSide(Protocol):
         """The body as it arrives, unbounded (what a pass-through relays)."""
         ...
 
-    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
-        """A whole response."""
+    async def respond(self, status: int, headers: HeaderFields, body: bytes) -> None:
+        """A whole response (``headers``: a mapping, or fields already encoded)."""
         ...
 
-    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+    async def start(self, status: int, headers: HeaderFields) -> None:
         """A streamed response's head; its body follows in ``write`` calls."""
         ...
 

@@ -26,7 +26,7 @@ import collections
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING, cast
@@ -40,7 +40,16 @@ from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
 from proxy.http.coalesce import WriteCoalescer
 from proxy.http.errors import UpstreamFailure, error_payload
-from proxy.http.headers import HOP_BY_HOP, decode_field, encode_head, forwarded_headers
+from proxy.http.headers import (
+    HOP_BY_HOP,
+    EncodedFields,
+    HeaderFields,
+    connection_names_only_hop,
+    decode_field,
+    encode_head,
+    forwarded_headers,
+    is_passed,
+)
 
 if TYPE_CHECKING:
     from proxy.http.upstream import Upstream
@@ -90,6 +99,7 @@ class FrontRequest:
         "close_after",
         "headers",
         "method",
+        "passed_fields",
         "raw_path",
         "started",
         "task",
@@ -105,8 +115,10 @@ class FrontRequest:
         headers: CIMultiDictProxy[str],
         version: str,
         keep_alive: bool,
+        passed_fields: bytes | None = None,
     ) -> None:
         self._conn = conn
+        self.passed_fields = passed_fields
         self.method = method
         self.raw_path = raw_path
         self._path: str | None = None
@@ -229,25 +241,32 @@ class FrontRequest:
     def _head(
         self,
         status: int,
-        headers: Mapping[str, str],
+        headers: HeaderFields,
         framing: bytes,
         dropped: frozenset[str] = HOP_BY_HOP,
     ) -> bytes:
-        """The response's head; ``dropped``: lowercased names this server writes itself."""
-        parts: list[str] = []  # pieces joined once (as the upstream client's request head)
-        for name, value in headers.items():
-            if name.lower() not in dropped:  # framing and the connection are this server's
-                parts.append(name)
-                parts.append(": ")
-                parts.append(value)
-                parts.append("\r\n")
+        """The response's head; ``dropped``: lowercased names this server writes itself
+        (fields already encoded are the upstream's, ``client_response_headers`` left those
+        out of them)."""
         head = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
-        head += encode_head("".join(parts))
-        if "Date" not in headers:
+        if isinstance(headers, EncodedFields):
+            head += headers.lines
+            dated = headers.has_date
+        else:
+            parts: list[str] = []  # pieces joined once (as the upstream client's request head)
+            for name, value in headers.items():
+                if name.lower() not in dropped:  # framing and the connection are this server's
+                    parts.append(name)
+                    parts.append(": ")
+                    parts.append(value)
+                    parts.append("\r\n")
+            head += encode_head("".join(parts))
+            dated = "Date" in headers
+        if not dated:
             head += b"Date: " + self._conn.date.value() + b"\r\n"
         return head + framing + (b"Connection: close\r\n\r\n" if self.close_after else b"\r\n")
 
-    async def respond(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+    async def respond(self, status: int, headers: HeaderFields, body: bytes) -> None:
         self.started = True
         if self.method == "HEAD" or status in _NO_BODY_STATUS:
             self._conn.write(self._head(status, headers, b""))  # HEAD keeps a GET's length
@@ -256,10 +275,14 @@ class FrontRequest:
             self._conn.write(self._head(status, headers, length, _FRAMED_HERE) + body)
         self._finish()
 
-    async def start(self, status: int, headers: Mapping[str, str]) -> None:
+    async def start(self, status: int, headers: HeaderFields) -> None:
         self.started = True
         bodyless = self.method == "HEAD" or status in _NO_BODY_STATUS
-        if "Content-Length" in headers or bodyless:
+        if isinstance(headers, EncodedFields):
+            has_length = headers.has_length
+        else:
+            has_length = "Content-Length" in headers
+        if has_length or bodyless:
             framing = b""  # a pass-through's length is kept as the upstream declared it
         elif self.version == "1.1":
             framing = b"Transfer-Encoding: chunked\r\n"
@@ -313,6 +336,11 @@ class FrontConnection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._headers: list[tuple[str, str]] = []
+        # The request's fields as they came, less those not passed on (``NOT_PASSED``): the
+        # upstream is sent these bytes (``ClientSide.passed_fields``). Not whole: the
+        # Connection header named another field to drop, which the mapping's filter does.
+        self._passed: list[bytes] = []
+        self._passed_whole = True
         self._parsing: FrontRequest | None = None  # the request whose bytes are arriving
         self._pipeline: collections.deque[FrontRequest] = collections.deque()  # head: active
         self._reading_paused = False
@@ -440,6 +468,8 @@ class FrontConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = b""
         self._headers = []
+        self._passed = []
+        self._passed_whole = True
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -447,6 +477,10 @@ class FrontConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         # As aiohttp decodes them, and as the upstream client encodes them again: bytes past
         # ASCII (UTF-8, or obs-text) reach the next hop as they came.
+        if is_passed(name):
+            self._passed.append(name + b": " + value)
+        elif len(name) == 10 and name.lower() == b"connection":
+            self._passed_whole = self._passed_whole and connection_names_only_hop(value)
         self._headers.append((name.decode("latin-1"), decode_field(value)))
 
     def on_headers_complete(self) -> None:
@@ -458,6 +492,7 @@ class FrontConnection(asyncio.Protocol):
             CIMultiDictProxy(CIMultiDict(self._headers)),
             parser.get_http_version(),
             parser.should_keep_alive(),
+            self._passed_fields(),
         )
         self._parsing = request
         self._pipeline.append(request)
@@ -465,6 +500,12 @@ class FrontConnection(asyncio.Protocol):
             self._begin(request)
         else:
             self._pause_reading()  # one pipelined request waits; the next ones stay unread
+
+    def _passed_fields(self) -> bytes | None:
+        if not self._passed_whole:
+            return None
+        passed = self._passed
+        return b"\r\n".join(passed) + b"\r\n" if passed else b""
 
     def on_body(self, body: bytes) -> None:
         if self._parsing is not None:

@@ -35,12 +35,23 @@ from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, forget
-from proxy.http.headers import decode_field, encode_head
+from proxy.http.headers import EncodedFields, HeaderFields, decode_field, encode_head
 from proxy.http.upstream import Body, Sink
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
 
 _BODYLESS_REQUEST = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "CONNECT"})
+
+
+def _encoded(headers: Mapping[str, str]) -> bytes:
+    # One list of pieces, joined and encoded once: a formatted string per line cost more.
+    parts: list[str] = []
+    for name, value in headers.items():
+        parts.append(name)
+        parts.append(": ")
+        parts.append(value)
+        parts.append("\r\n")
+    return encode_head("".join(parts))
 
 
 def _reset() -> UpstreamFailure:
@@ -50,7 +61,7 @@ def _reset() -> UpstreamFailure:
 class H1Response:
     """One upstream response; see the module docstring for what closing it means."""
 
-    __slots__ = ("_conn", "_done", "_pool", "_timeout", "headers", "status")
+    __slots__ = ("_conn", "_done", "_pool", "_timeout", "headers", "raw_fields", "status")
 
     def __init__(self, conn: Conn, pool: H1Upstream, timeout: float) -> None:
         self._conn = conn
@@ -58,6 +69,7 @@ class H1Response:
         self._timeout = timeout
         self._done = False
         self.status = conn.status
+        self.raw_fields: list[tuple[bytes, bytes]] | None = conn.header_list
         self.headers: Mapping[str, str] = CIMultiDict(
             [(n.decode("latin-1"), decode_field(v)) for n, v in conn.header_list]
         )
@@ -250,29 +262,22 @@ class H1Upstream:
 
     # -- a request -----------------------------------------------------------------------
 
-    def _head(self, method: str, raw_path: str, headers: Mapping[str, str], body: Body) -> bytes:
-        # One list of pieces, joined and encoded once: a request's head is a dozen lines, and
-        # a formatted string per line cost more than the pieces do.
-        parts = [method, " ", self._prefix, raw_path, " HTTP/1.1\r\n"]
-        for name, value in headers.items():
-            parts.append(name)
-            parts.append(": ")
-            parts.append(value)
-            parts.append("\r\n")
+    def _head(self, method: str, raw_path: str, headers: HeaderFields, body: Body) -> bytes:
         if isinstance(body, bytes):
-            parts.append(f"Content-Length: {len(body)}\r\n\r\n")
+            framing = b"Content-Length: %d\r\n\r\n" % len(body)
         elif body is not None:
-            parts.append("Transfer-Encoding: chunked\r\n\r\n")
+            framing = b"Transfer-Encoding: chunked\r\n\r\n"
         elif method not in _BODYLESS_REQUEST:
-            parts.append("Content-Length: 0\r\n\r\n")
+            framing = b"Content-Length: 0\r\n\r\n"
         else:
-            parts.append("\r\n")
-        text = encode_head("".join(parts))
-        at = text.index(b"\r\n") + 2  # Host second, as before: idna-encoded, not utf-8
-        return text[:at] + self._host_line + text[at:]
+            framing = b"\r\n"
+        # A proxied request's fields are the client's own bytes, written as they came.
+        fields = headers.lines if isinstance(headers, EncodedFields) else _encoded(headers)
+        line = encode_head(f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n")
+        return line + self._host_line + fields + framing  # Host second, idna-encoded
 
     async def send(
-        self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
+        self, method: str, raw_path: str, headers: HeaderFields, body: Body
     ) -> H1Response:
         head = self._head(method, raw_path, headers, body)
         conn, pooled = await self._acquire(fresh=False)

@@ -35,6 +35,7 @@ _TO_CLIENT_KEEP_LENGTH = HOP_BY_HOP
 
 REQUEST_ID = "X-Request-Id"
 REQUEST_ID_BATCH: Final = 256  # request ids minted from one read of random bytes
+_SHARED: Final = b"*"  # a HeldNames slot of more than one name
 
 
 @lru_cache(maxsize=256)  # a few distinct Connection values in practice; bounded for the rest
@@ -55,14 +56,129 @@ def _filter(headers: Mapping[str, str], base: frozenset[str]) -> CIMultiDict[str
     return out
 
 
+class HeldNames:
+    """A set of header names (lowercase) that a parser's field names (bytes, any case) are
+    told against, without hashing or lowercasing most of them: a name's length and first
+    letter pick the one held name it can be (nearly every name a client or an engine sends,
+    User-Agent, Content-Type, X-Stainless-*, Server, picks none), and it is compared as it
+    came, lowercase, and Title-Case before it is lowercased."""
+
+    __slots__ = ("_longest", "_lower", "_names", "_title")
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self._names = frozenset(name.encode() for name in names)
+        self._longest = max(map(len, names))
+        lower = [b""] * ((self._longest + 1) * 26)
+        title = [b""] * len(lower)
+        for name in sorted(names):
+            at = len(name) * 26 + ord(name[0]) - ord("a")
+            # Two held names of one length and letter: this slot looks the name up instead.
+            lower[at] = _SHARED if lower[at] else name.encode()
+            title[at] = "-".join(part.capitalize() for part in name.split("-")).encode()
+        self._lower = tuple(lower)
+        self._title = tuple(title)
+
+    def holds(self, name: bytes) -> bool:
+        size = len(name)
+        if size == 0 or size > self._longest:
+            return False
+        letter = (name[0] | 0x20) - 97
+        if letter < 0 or letter >= 26:
+            return False
+        at = size * 26 + letter
+        held = self._lower[at]
+        if not held:
+            return False
+        if name == held or name == self._title[at]:
+            return True
+        return name.lower() in self._names if held == _SHARED else name.lower() == held
+
+
+# The fields a proxied request does not pass on as they came: hop-by-hop, framing, what the
+# proxy asks for itself (it reads the answer), and the request id it sets.
+NOT_PASSED: Final = frozenset(_TO_UPSTREAM_READ | {REQUEST_ID.lower()})
+_REQUEST_HELD: Final = HeldNames(NOT_PASSED)
+# And those of a response: hop-by-hop, and the length this server writes itself (or not).
+_RESPONSE_HELD: Final = HeldNames(frozenset(_TO_CLIENT))
+_RESPONSE_HELD_BUT_LENGTH: Final = HeldNames(frozenset(_TO_CLIENT_KEEP_LENGTH))
+_REQUEST_ID_NAME: Final = HeldNames(frozenset({REQUEST_ID.lower()}))
+_DATE_NAME: Final = HeldNames(frozenset({"date"}))
+_LENGTH_NAME: Final = HeldNames(frozenset({"content-length"}))
+_HOP_TOKENS: Final = frozenset(n.encode() for n in HOP_BY_HOP | {"close"})
+
+
+def is_passed(name: bytes) -> bool:
+    """Whether a proxied request passes the field ``name`` on as it came (not NOT_PASSED)."""
+    return not _REQUEST_HELD.holds(name)
+
+
+def connection_names_only_hop(value: bytes) -> bool:
+    """A Connection header's tokens name nothing but hop-by-hop fields (``keep-alive``,
+    ``close``): no other field the client sent is dropped because of it."""
+    lowered = value.lower()
+    if lowered == b"keep-alive" or lowered == b"close":
+        return True
+    for token in lowered.split(b","):
+        token = token.strip()
+        if token and token not in _HOP_TOKENS:
+            return False
+    return True
+
+
+class EncodedFields:
+    """Header fields already as they go on the wire, one ``Name: value`` line each, CRLF-ended.
+
+    A proxied request's fields are the client's own bytes less ``NOT_PASSED``, a response's
+    the upstream's less hop-by-hop ones: the native upstream client and the lean front write
+    ``lines`` as they are, so no field is decoded, filtered and encoded again per message.
+    ``mapping()`` reads them for everything else (aiohttp's client and server)."""
+
+    __slots__ = ("has_date", "has_length", "lines")
+
+    def __init__(self, lines: bytes, *, has_date: bool = False, has_length: bool = False) -> None:
+        self.lines = lines
+        # What a writer of the head needs to know of them: whether it adds a Date, whether
+        # the body's length is declared among them (the one who encoded them knows).
+        self.has_date = has_date
+        self.has_length = has_length
+
+    def mapping(self) -> CIMultiDict[str]:
+        out: CIMultiDict[str] = CIMultiDict()
+        for line in self.lines.split(b"\r\n"):
+            if line:
+                name, _, value = line.partition(b":")
+                out.add(name.decode("latin-1"), decode_field(value.strip(b" \t")))
+        return out
+
+
+# A message's header fields as detproxy hands them to a writer: a mapping, or encoded.
+HeaderFields = Mapping[str, str] | EncodedFields
+
+
+def as_mapping(headers: HeaderFields) -> Mapping[str, str]:
+    return headers.mapping() if isinstance(headers, EncodedFields) else headers
+
+
 def forwarded_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     """A request's headers for the next hop, as they came but for hop-by-hop and framing."""
     return _filter(headers, _TO_UPSTREAM)
 
 
 def upstream_request_headers(
-    headers: Mapping[str, str], request_id: str, *, proxy_reads_body: bool
-) -> CIMultiDict[str]:
+    headers: Mapping[str, str],
+    request_id: str,
+    *,
+    proxy_reads_body: bool,
+    passed: bytes | None = None,
+) -> HeaderFields:
+    """The request's headers for the upstream. ``passed``: the client's fields as they came
+    but for ``NOT_PASSED`` (``ClientSide.passed_fields``), written on as they are (only where
+    the proxy reads the body: Accept-Encoding is among those not passed)."""
+    if passed is not None and proxy_reads_body:
+        rid = encode_head(request_id)
+        return EncodedFields(
+            passed + b"X-Request-Id: " + rid + b"\r\nAccept-Encoding: identity\r\n"
+        )
     out = _filter(headers, _TO_UPSTREAM_READ if proxy_reads_body else _TO_UPSTREAM)
     out[REQUEST_ID] = request_id
     if proxy_reads_body:
@@ -71,11 +187,60 @@ def upstream_request_headers(
 
 
 def client_response_headers(
-    headers: Mapping[str, str], request_id: str, *, keep_length: bool = False
-) -> CIMultiDict[str]:
+    headers: Mapping[str, str],
+    request_id: str,
+    *,
+    keep_length: bool = False,
+    raw: list[tuple[bytes, bytes]] | None = None,
+) -> HeaderFields:
+    """The upstream response's headers for the client: hop-by-hop ones left out (and the
+    length, which the front writes itself, unless ``keep_length``), the request id added
+    where the upstream gave none. ``raw``: the same fields as the upstream sent them
+    (``UpstreamResponse.raw_fields``), passed on as they came."""
+    if raw is not None:
+        fields = _response_fields(raw, request_id, keep_length)
+        if fields is not None:
+            return fields
     out = _filter(headers, _TO_CLIENT_KEEP_LENGTH if keep_length else _TO_CLIENT)
     if REQUEST_ID not in out:
         out[REQUEST_ID] = request_id
+    return out
+
+
+def _response_fields(
+    raw: list[tuple[bytes, bytes]], request_id: str, keep_length: bool
+) -> EncodedFields | None:
+    """None where the Connection header names another field to leave out (then the mapping
+    is filtered)."""
+    held = _RESPONSE_HELD_BUT_LENGTH if keep_length else _RESPONSE_HELD
+    parts: list[bytes] = []
+    has_id = has_date = has_length = False
+    for name, value in raw:
+        if held.holds(name):
+            connection = len(name) == 10 and name.lower() == b"connection"
+            if connection and not connection_names_only_hop(value):
+                return None
+            continue
+        size = len(name)
+        if size == 12 and _REQUEST_ID_NAME.holds(name):
+            has_id = True
+        elif size == 4 and _DATE_NAME.holds(name):
+            has_date = True
+        elif size == 14 and keep_length and _LENGTH_NAME.holds(name):
+            has_length = True
+        parts.append(name + b": " + value)
+    if not has_id:
+        parts.append(b"X-Request-Id: " + encode_head(request_id))
+    lines = b"\r\n".join(parts) + b"\r\n"
+    return EncodedFields(lines, has_date=has_date, has_length=has_length)
+
+
+def with_fields(headers: HeaderFields, extra: dict[str, str]) -> HeaderFields:
+    """``headers`` with ``extra``'s fields set (replacing those of the same names)."""
+    if not extra:
+        return headers
+    out = CIMultiDict(as_mapping(headers))
+    out.update(extra)
     return out
 
 

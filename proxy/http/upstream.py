@@ -17,6 +17,7 @@ from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamFailure, UpstreamTimeout
+from proxy.http.headers import HeaderFields, as_mapping
 
 Body = bytes | AsyncIterable[bytes] | None
 LARGE_BODY = 1 << 20
@@ -27,6 +28,9 @@ Sink = Callable[[bytes], bool]
 class UpstreamResponse(Protocol):
     status: int
     headers: Mapping[str, str]
+    # The same fields as the upstream sent them, (name, value) bytes in order; None where
+    # the client keeps no such thing.
+    raw_fields: list[tuple[bytes, bytes]] | None
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -42,7 +46,7 @@ class UpstreamResponse(Protocol):
 
 class Upstream(Protocol):
     async def send(
-        self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
+        self, method: str, raw_path: str, headers: HeaderFields, body: Body
     ) -> UpstreamResponse: ...
 
     async def close(self) -> None:
@@ -76,13 +80,14 @@ async def pump_chunks(chunks: AsyncIterator[bytes], sink: Sink) -> bool:
 
 
 class _AiohttpResponse:
-    __slots__ = ("_body", "_resp", "headers", "status")
+    __slots__ = ("_body", "_resp", "headers", "raw_fields", "status")
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self._resp = resp
         self._body: AsyncIterator[bytes] | None = None  # pump's
         self.status: int = resp.status
         self.headers: Mapping[str, str] = resp.headers
+        self.raw_fields: list[tuple[bytes, bytes]] | None = list(resp.raw_headers)
 
     async def pump(self, sink: Sink) -> bool:
         if self._body is None:
@@ -113,9 +118,10 @@ class AiohttpUpstream:
         self._base = base_url.rstrip("/")
 
     async def send(
-        self, method: str, raw_path: str, headers: Mapping[str, str], body: Body
+        self, method: str, raw_path: str, fields: HeaderFields, body: Body
     ) -> UpstreamResponse:
         url = URL(self._base + raw_path, encoded=True)
+        headers = as_mapping(fields)
         data: Any = body
         if isinstance(body, bytes) and len(body) > LARGE_BODY:
             data = io.BytesIO(body)  # aiohttp streams it instead of one large write

@@ -103,12 +103,13 @@ UPSTREAM_HEADERS = {
 
 
 class _Response:
-    __slots__ = ("_payload", "headers", "status")
+    __slots__ = ("_payload", "headers", "raw_fields", "status")
 
     def __init__(self, payload: bytes, headers: Mapping[str, str]) -> None:
         self._payload = payload
         self.status = 200
         self.headers = headers
+        self.raw_fields: list[tuple[bytes, bytes]] | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         yield self._payload

@@ -69,13 +69,14 @@ CONFIGS: dict[str, dict[str, str]] = {
 class PacedResponse:
     """A streamed answer whose events are handed over one at a time."""
 
-    __slots__ = ("_at", "_events", "headers", "status")
+    __slots__ = ("_at", "_events", "headers", "raw_fields", "status")
 
     def __init__(self, events: list[bytes], headers: Mapping[str, str]) -> None:
         self._events = events
         self._at = 0
         self.status = 200
         self.headers = headers
+        self.raw_fields: list[tuple[bytes, bytes]] | None = None
 
     async def pump(self, sink: Sink) -> bool:
         events = self._events
@@ -123,6 +124,7 @@ class SinkClient:
     path = PATH
     raw_path = PATH
     has_body = True
+    passed_fields = None  # the headers are filtered, as behind aiohttp's server
 
     def __init__(self, body: bytes, headers: Mapping[str, str]) -> None:
         self._body = body

@@ -25,6 +25,7 @@ class Front:
     server: FrontServer
     seen: list[tuple[str, str, bytes]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    fields: list[bytes | None] = field(default_factory=list)
 
 
 async def handler(front: Front, request: FrontRequest) -> None:
@@ -47,6 +48,9 @@ async def handler(front: Front, request: FrontRequest) -> None:
         except asyncio.CancelledError:
             front.cancelled.append(path)
             raise
+    elif path == "/fields":
+        front.fields.append(request.passed_fields)
+        await request.respond(204, {}, b"")
     elif path == "/fail":
         raise RuntimeError("a fault of the handler's")
     elif path == "/limit":
@@ -235,3 +239,20 @@ async def test_an_idle_keep_alive_connection_is_closed_after_the_keepalive_timeo
     finally:
         writer.close()
         await server.shutdown(1.0)
+
+
+async def test_the_fields_passed_on_are_the_clients_bytes_less_those_held(front: Front) -> None:
+    """Each request of a keep-alive connection, pipelined ones too, gets its own: held
+    fields (hop-by-hop, framing, Accept-Encoding, X-Request-Id) left out, and a Connection
+    header naming another field makes the handler filter the mapping instead (None)."""
+    first = (
+        b"GET /fields HTTP/1.1\r\nHost: x\r\nX-A: 1\r\nACCEPT-ENCODING: gzip\r\n"
+        b"x-obs: caf\xe9\r\nX-Request-Id: r\r\nTE: trailers\r\nx-a: 2\r\n\r\n"
+    )
+    named = b"GET /fields HTTP/1.1\r\nHost: x\r\nX-A: 1\r\nConnection: keep-alive, X-A\r\n\r\n"
+    only_held = b"GET /fields HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\n\r\n"
+    last = b"GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    got = await exchange(front.port, first + named + only_held + first + last)
+    assert got.count(b"HTTP/1.1 204") == 5
+    passed = b"X-A: 1\r\nx-obs: caf\xe9\r\nx-a: 2\r\n"
+    assert front.fields == [passed, None, b"", passed]

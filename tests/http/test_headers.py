@@ -9,14 +9,21 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.http.headers import (
+    NOT_PASSED,
     REQUEST_ID_BATCH,
+    EncodedFields,
+    HeldNames,
     RequestIds,
+    as_mapping,
     client_response_headers,
+    connection_names_only_hop,
     decode_field,
     encode_head,
     is_event_stream,
+    is_passed,
     request_id_of,
     upstream_request_headers,
+    with_fields,
 )
 
 
@@ -54,6 +61,67 @@ def test_hop_by_hop_framing_and_connection_tokens_stay_behind() -> None:
     assert read.getall("Accept-Encoding") == ["identity"]
 
 
+def test_fields_passed_as_they_came_get_the_request_id_and_identity_added() -> None:
+    passed = b"Content-Type: application/json\r\nX-Obs: caf\xe9\r\n"
+    out = upstream_request_headers(headers(), "rid-1", proxy_reads_body=True, passed=passed)
+    assert isinstance(out, EncodedFields)
+    assert out.lines == passed + b"X-Request-Id: rid-1\r\nAccept-Encoding: identity\r\n"
+    # Read as a mapping (aiohttp's client): decoded as the front decodes them.
+    assert list(as_mapping(out).items()) == [
+        ("Content-Type", "application/json"),
+        ("X-Obs", decode_field(b"caf\xe9")),
+        ("X-Request-Id", "rid-1"),
+        ("Accept-Encoding", "identity"),
+    ]
+    # A pass-through keeps Accept-Encoding, which is not among the fields passed: filtered.
+    kept = upstream_request_headers(
+        headers(("Accept-Encoding", "gzip")), "r", proxy_reads_body=False, passed=b""
+    )
+    assert dict(as_mapping(kept)) == {"Accept-Encoding": "gzip", "X-Request-Id": "r"}
+
+
+def test_field_names_are_told_passed_or_held_whatever_their_case() -> None:
+    for held in NOT_PASSED:
+        for name in (held, held.upper(), held.title()):
+            assert not is_passed(name.encode()), name
+    for name in (
+        b"Content-Type",
+        b"User-Agent",
+        b"Authorization",
+        b"X-Stainless-Lang",
+        b"Accept",
+        b"Hosts",
+        b"Tee",
+        b"x-request-ids",
+        b"caf\xe9",
+        b"0",
+        b"-",
+        b"",
+        b"Upgraded",
+        b"connectio",
+        b"Proxy-Authorizatio",
+        b"x" * 200,
+        b"[onnection",
+        b"@ost",
+    ):
+        assert is_passed(name), name
+
+
+def test_held_names_of_one_length_and_first_letter_are_each_held() -> None:
+    held = HeldNames(frozenset({"abc", "axy", "content-length"}))
+    for name in (b"abc", b"ABC", b"Abc", b"aXy", b"axy", b"CONTENT-length", b"Content-Length"):
+        assert held.holds(name), name
+    for name in (b"abd", b"ab", b"bbc", b"content-lengtx", b"Content-Type", b"", b"\xe1bc"):
+        assert not held.holds(name), name
+
+
+def test_a_connection_header_that_names_another_field_is_told() -> None:
+    for value in (b"keep-alive", b"close", b"Keep-Alive, TE", b"", b" , close"):
+        assert connection_names_only_hop(value)
+    for value in (b"keep-alive, X-Secret", b"x-foo", b"close,Authorization"):
+        assert not connection_names_only_hop(value)
+
+
 def test_connection_tokens_of_one_message_do_not_stick_to_the_next() -> None:
     first = headers(("Connection", "X-Foo"), ("X-Foo", "1"))
     assert "X-Foo" not in upstream_request_headers(first, "r", proxy_reads_body=False)
@@ -77,6 +145,47 @@ def test_response_headers_keep_the_upstream_id_and_drop_the_length_unless_asked(
     ]
     kept = client_response_headers(headers(("content-length", "9")), "mine", keep_length=True)
     assert list(kept.items()) == [("content-length", "9"), ("X-Request-Id", "mine")]
+
+
+def test_response_fields_pass_as_they_came_less_hop_by_hop_and_the_length() -> None:
+    raw = [
+        (b"date", b"Wed, 02 Dec 2026 10:00:00 GMT"),
+        (b"Content-Length", b"9"),
+        (b"Keep-Alive", b"timeout=5"),
+        (b"X-Obs", b"caf\xe9"),
+        (b"connection", b"keep-alive"),
+        (b"x-obs", b"2"),
+    ]
+    mapping = headers(*((n.decode(), decode_field(v)) for n, v in raw))
+    out = client_response_headers(mapping, "mine", raw=raw)
+    assert isinstance(out, EncodedFields)
+    assert out.lines == (
+        b"date: Wed, 02 Dec 2026 10:00:00 GMT\r\nX-Obs: caf\xe9\r\nx-obs: 2\r\n"
+        b"X-Request-Id: mine\r\n"
+    )
+    assert out.has_date and not out.has_length  # what the front writes itself, or not
+    # The same fields as the mapping path gives them (what aiohttp's server is handed).
+    assert list(as_mapping(out).items()) == list(client_response_headers(mapping, "mine").items())
+    kept = client_response_headers(mapping, "mine", keep_length=True, raw=raw)
+    assert isinstance(kept, EncodedFields) and kept.has_length and kept.has_date
+    assert b"Content-Length: 9\r\n" in kept.lines
+    undated = client_response_headers(headers(), "r", raw=[(b"DATE-X", b"1"), (b"Datf", b"2")])
+    assert isinstance(undated, EncodedFields) and not undated.has_date
+    with_id = client_response_headers(headers(), "mine", raw=[(b"X-REQUEST-ID", b"up")])
+    assert isinstance(with_id, EncodedFields) and with_id.lines == b"X-REQUEST-ID: up\r\n"
+    # A Connection header naming another field: the mapping's filter leaves that one out.
+    named = [(b"Connection", b"close, X-Secret"), (b"X-Secret", b"s"), (b"A", b"1")]
+    out = client_response_headers(
+        headers(("Connection", "close, X-Secret"), ("X-Secret", "s"), ("A", "1")), "r", raw=named
+    )
+    assert list(as_mapping(out).items()) == [("A", "1"), ("X-Request-Id", "r")]
+
+
+def test_extra_fields_replace_those_of_their_names() -> None:
+    fields = EncodedFields(b"A: 1\r\nX-Detproxy-Attempts: 9\r\n")
+    assert with_fields(fields, {}) is fields
+    out = with_fields(fields, {"x-detproxy-attempts": "2", "B": "3"})
+    assert list(as_mapping(out).items()) == [("A", "1"), ("x-detproxy-attempts", "2"), ("B", "3")]
 
 
 def test_request_id_is_kept_or_minted_as_a_uuid4() -> None:
