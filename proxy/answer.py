@@ -20,8 +20,8 @@ from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.body import parse_answer
 from proxy.http.errors import UpstreamFailure, send_error
-from proxy.http.headers import client_response_headers, with_fields
-from proxy.http.upstream import UpstreamResponse, read_error_kind
+from proxy.http.headers import with_fields
+from proxy.http.upstream import UpstreamResponse, headers_for_client, read_error_kind
 from proxy.loops.continuation import (
     Continued,
     content_of,
@@ -88,7 +88,7 @@ class WholeAnswer:
                 outcome = outcome_from_response(ex.endpoint, answer)
             if outcome is not None:
                 self._stages.lifecycle.audit(ex, outcome)
-        headers = client_response_headers(upstream.headers, ex.request_id, raw=upstream.raw_fields)
+        headers = headers_for_client(upstream, ex.request_id)
         headers = with_fields(headers, attempt_headers(ex))
         self._stages.lifecycle.finished(ex, upstream.status, "ok")
         await ex.client.respond(upstream.status, headers, self._payload)

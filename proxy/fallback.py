@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.events import EventBus, FallbackSent
-from proxy.http.headers import HeaderFields, is_event_stream
+from proxy.http.headers import HeaderFields
 from proxy.http.sse import SSEDecoder, SSEOverflow
 from proxy.http.upstream import (
     READ_ERRORS,
     Sink,
     Upstream,
     UpstreamResponse,
+    is_event_stream_response,
 )
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 
@@ -47,15 +48,18 @@ class Prefetched:
     no reader of the response was left half-way): ``chunks`` and ``pump`` hand those over first,
     then read on from the response."""
 
-    __slots__ = ("_head", "_inner", "_rest", "headers", "raw_fields", "status")
+    __slots__ = ("_head", "_inner", "_rest", "raw_fields", "status")
 
     def __init__(self, inner: UpstreamResponse, head: bytes) -> None:
         self._inner = inner
         self._head = head
         self._rest: AsyncIterator[bytes] | None = None
         self.status = inner.status
-        self.headers: Mapping[str, str] = inner.headers
         self.raw_fields = inner.raw_fields
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._inner.headers
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The head, then the response's own chunks (an async iterator, not a generator:
@@ -160,7 +164,7 @@ class FallbackSender:
         status = upstream.status
         if status >= 400:
             reason = error_reason(status, await _read_error(upstream))
-        elif is_event_stream(upstream.headers):
+        elif is_event_stream_response(upstream):
             try:
                 upstream, failure = await first_event(upstream, self._max_event_bytes)
             except BaseException:  # the client left while the first event was awaited

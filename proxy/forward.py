@@ -28,13 +28,17 @@ from proxy.http.clientside import ClientSide
 from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import (
     RequestIds,
-    client_response_headers,
     is_event_stream,
     request_id_of,
     upstream_request_headers,
 )
 from proxy.http.sse import ends_with_done
-from proxy.http.upstream import Upstream, read_error_kind
+from proxy.http.upstream import (
+    Upstream,
+    headers_for_client,
+    is_event_stream_response,
+    read_error_kind,
+)
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.loops.continuation import LIMIT_FIELDS
 from proxy.loops.recovery import Recovery
@@ -147,7 +151,7 @@ class Forwarder:
                 # The client's own request carries no logprobs: nothing to compare.
                 self._bus.publish(ShadowDropped(view.model, "injection_failed"))
                 ex.ticket = None
-        if is_event_stream(upstream.headers):
+        if is_event_stream_response(upstream):
             await StreamedAnswer(self._stages, ex, upstream).respond()
         else:
             await WholeAnswer(self._stages, ex, upstream, self._recovery.reads_answers).respond()
@@ -193,9 +197,7 @@ class Forwarder:
         try:
             await client.start(
                 upstream.status,
-                client_response_headers(
-                    upstream.headers, rid, keep_length=True, raw=upstream.raw_fields
-                ),
+                headers_for_client(upstream, rid, keep_length=True),
             )
             async for data in upstream.chunks():
                 await client.write(data)

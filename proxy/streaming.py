@@ -18,8 +18,7 @@ from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
-from proxy.http.headers import client_response_headers, is_event_stream
-from proxy.http.upstream import UpstreamResponse
+from proxy.http.upstream import UpstreamResponse, headers_for_client, is_event_stream_response
 from proxy.loops.continuation import Continued, reasoning_event
 from proxy.loops.recovery import abort_chunk, retry_comment
 from proxy.loops.watch import LoopWatch
@@ -52,9 +51,7 @@ class StreamedAnswer:
         decision: Decision | None = None
         try:
             upstream = self._upstream
-            headers = client_response_headers(
-                upstream.headers, ex.request_id, raw=upstream.raw_fields
-            )
+            headers = headers_for_client(upstream, ex.request_id)
             await client.start(upstream.status, headers)
             decision = await run_attempts(self, stages.recovery)
             result = self._result
@@ -210,7 +207,7 @@ class StreamedAnswer:
         except UpstreamFailure as exc:
             stages.bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))
             return None
-        if upstream.status != 200 or not is_event_stream(upstream.headers):
+        if upstream.status != 200 or not is_event_stream_response(upstream):
             upstream.close()
             return None
         return upstream

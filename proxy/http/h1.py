@@ -61,7 +61,7 @@ def _reset() -> UpstreamFailure:
 class H1Response:
     """One upstream response; see the module docstring for what closing it means."""
 
-    __slots__ = ("_conn", "_done", "_pool", "_timeout", "headers", "raw_fields", "status")
+    __slots__ = ("_conn", "_done", "_headers", "_pool", "_timeout", "raw_fields", "status")
 
     def __init__(self, conn: Conn, pool: H1Upstream, timeout: float) -> None:
         self._conn = conn
@@ -70,9 +70,17 @@ class H1Response:
         self._done = False
         self.status = conn.status
         self.raw_fields: list[tuple[bytes, bytes]] | None = conn.header_list
-        self.headers: Mapping[str, str] = CIMultiDict(
-            [(n.decode("latin-1"), decode_field(v)) for n, v in conn.header_list]
-        )
+        self._headers: Mapping[str, str] | None = None
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        # Decoded when asked: a proxied answer's head is passed on from ``raw_fields``.
+        headers = self._headers
+        if headers is None:
+            raw = self.raw_fields or []
+            headers = CIMultiDict([(n.decode("latin-1"), decode_field(v)) for n, v in raw])
+            self._headers = headers
+        return headers
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The body, piece by piece as it is parsed (an async iterator, not a generator:

@@ -187,31 +187,23 @@ def upstream_request_headers(
 
 
 def client_response_headers(
-    headers: Mapping[str, str],
-    request_id: str,
-    *,
-    keep_length: bool = False,
-    raw: list[tuple[bytes, bytes]] | None = None,
-) -> HeaderFields:
+    headers: Mapping[str, str], request_id: str, *, keep_length: bool = False
+) -> CIMultiDict[str]:
     """The upstream response's headers for the client: hop-by-hop ones left out (and the
     length, which the front writes itself, unless ``keep_length``), the request id added
-    where the upstream gave none. ``raw``: the same fields as the upstream sent them
-    (``UpstreamResponse.raw_fields``), passed on as they came."""
-    if raw is not None:
-        fields = _response_fields(raw, request_id, keep_length)
-        if fields is not None:
-            return fields
+    where the upstream gave none (``response_fields`` does the same from their bytes)."""
     out = _filter(headers, _TO_CLIENT_KEEP_LENGTH if keep_length else _TO_CLIENT)
     if REQUEST_ID not in out:
         out[REQUEST_ID] = request_id
     return out
 
 
-def _response_fields(
+def response_fields(
     raw: list[tuple[bytes, bytes]], request_id: str, keep_length: bool
 ) -> EncodedFields | None:
-    """None where the Connection header names another field to leave out (then the mapping
-    is filtered)."""
+    """``client_response_headers`` of a response's fields as they came, (name, value) bytes:
+    passed on as they came. None where the Connection header names another field to leave
+    out (then the mapping is filtered)."""
     held = _RESPONSE_HELD_BUT_LENGTH if keep_length else _RESPONSE_HELD
     parts: list[bytes] = []
     has_id = has_date = has_length = False

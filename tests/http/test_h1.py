@@ -11,7 +11,8 @@ import pytest
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
-from proxy.http.upstream import READ_ERRORS
+from proxy.http.headers import EncodedFields, decode_field
+from proxy.http.upstream import READ_ERRORS, is_event_stream_response
 from tests.helpers import JSON_REPLY, ScriptedReply, ScriptedRequest, ScriptedServer, replies_with
 
 
@@ -157,6 +158,41 @@ async def test_request_framing(scripted: Any) -> None:
     assert streamed.header(b"transfer-encoding") == b"chunked" and streamed.body == b"hello world"
     assert empty.header(b"content-length") == b"0"
     assert get.header(b"content-length") is None and get.header(b"transfer-encoding") is None
+
+
+async def test_encoded_fields_are_written_as_they_are(scripted: Any) -> None:
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url)
+    fields = EncodedFields(b"X-Obs: caf\xe9\r\nx-many: 1\r\nX-Many: 2\r\n")
+    await (await up.send("POST", "/a", fields, b"{}")).read()
+    (req,) = srv.requests
+    host = srv.url.removeprefix("http://").encode()
+    assert req.head == (
+        b"POST /a HTTP/1.1\r\nHost: %s\r\nX-Obs: caf\xe9\r\nx-many: 1\r\nX-Many: 2\r\n"
+        b"Content-Length: 2\r\n\r\n" % host
+    )
+    await up.close()
+
+
+async def test_the_response_fields_come_as_sent_and_decode_when_asked(scripted: Any) -> None:
+    heads = [
+        b"HTTP/1.1 200 OK\r\nCONTENT-TYPE: text/event-stream; charset=utf-8\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nX-Obs: caf\xe9\r\n",
+        b"HTTP/1.1 200 OK\r\nX-Content-Type: text/event-stream\r\n",
+    ]
+    for head, stream in zip(heads, (True, False, False), strict=True):
+        srv = await scripted(replies_with(head + b"Content-Length: 0\r\n\r\n"))
+        up = client(srv.url)
+        resp = await up.send("GET", "/", {}, None)
+        assert resp.raw_fields == [
+            tuple(line.split(b": ", 1)) for line in head.split(b"\r\n")[1:-1]
+        ] + [(b"Content-Length", b"0")]
+        assert is_event_stream_response(resp) is stream
+        assert list(resp.headers.items()) == [
+            (n.decode("latin-1"), decode_field(v)) for n, v in resp.raw_fields
+        ]
+        await resp.read()
+        await up.close()
 
 
 async def test_a_stale_pooled_connection_is_retried_once(scripted: Any) -> None:
