@@ -62,7 +62,6 @@ LINGER_S = 10.0  # how long a body answered before it came whole is still read (
 _NO_BODY_STATUS = frozenset({204, 304})
 _FRAMED_HERE = HOP_BY_HOP | {"content-length"}  # a whole body's length is this server's
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
-_REQUEST_TASK = "detproxy front request"
 
 Handler = Callable[["FrontRequest"], Awaitable[None]]
 
@@ -522,8 +521,7 @@ class FrontConnection(asyncio.Protocol):
     def _begin(self, request: FrontRequest) -> None:
         if request.headers.get("Expect", "").lower() == "100-continue" and request.has_body:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        # Named: unnamed, each task formats a name of its own ("Task-N"), a request's cost.
-        request.task = self.loop.create_task(self._serve(request), name=_REQUEST_TASK)
+        request.task = self.loop.create_task(self._serve(request))
 
     async def _serve(self, request: FrontRequest) -> None:
         try:
