@@ -20,8 +20,8 @@ from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.body import parse_answer
 from proxy.http.errors import UpstreamFailure, send_error
-from proxy.http.headers import with_fields
-from proxy.http.upstream import UpstreamResponse, headers_for_client, read_error_kind
+from proxy.http.headers import headers_for_client, with_fields
+from proxy.http.upstream import UpstreamResponse, read_error_kind
 from proxy.loops.continuation import (
     Continued,
     content_of,

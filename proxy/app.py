@@ -274,7 +274,7 @@ class _Lifetime:
                 bus,
                 scheduler,
                 store,  # the auditor's: closed with it
-                lambda: forwarder.inflight,
+                forwarder.inflight_now,
                 target=settings.audit.reference_url or "same",
                 guard=guard,
             )

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 import orjson
 
 from proxy.events import EventBus, FallbackSent
-from proxy.http.headers import HeaderFields
+from proxy.http.headers import HeaderFields, is_event_stream_response
 from proxy.http.sse import SSEDecoder, SSEOverflow
 from proxy.http.upstream import (
     READ_ERRORS,
     Sink,
     Upstream,
     UpstreamResponse,
-    is_event_stream_response,
 )
 from proxy.injection import LOGPROBS, InjectionGuard, error_reason
 

@@ -28,17 +28,14 @@ from proxy.http.clientside import ClientSide
 from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import (
     RequestIds,
+    headers_for_client,
     is_event_stream,
+    is_event_stream_response,
     request_id_of,
     upstream_request_headers,
 )
 from proxy.http.sse import ends_with_done
-from proxy.http.upstream import (
-    Upstream,
-    headers_for_client,
-    is_event_stream_response,
-    read_error_kind,
-)
+from proxy.http.upstream import Upstream, read_error_kind
 from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.loops.continuation import LIMIT_FIELDS
 from proxy.loops.recovery import Recovery
@@ -78,6 +75,10 @@ class Forwarder:
         self._ids = RequestIds()
         self.inflight = 0
         self.started = 0  # client requests ever started: tells a shadow whether it overlapped
+
+    def inflight_now(self) -> int:
+        """Client requests in progress (a method, not a lambda: compiled, it runs natively)."""
+        return self.inflight
 
     def attach_auditor(self, auditor: Auditor) -> None:
         self._lifecycle.auditor = auditor

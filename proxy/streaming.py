@@ -18,7 +18,8 @@ from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
-from proxy.http.upstream import UpstreamResponse, headers_for_client, is_event_stream_response
+from proxy.http.headers import headers_for_client, is_event_stream_response
+from proxy.http.upstream import UpstreamResponse
 from proxy.loops.continuation import Continued, reasoning_event
 from proxy.loops.recovery import abort_chunk, retry_comment
 from proxy.loops.watch import LoopWatch

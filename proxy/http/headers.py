@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Final
+from typing import Final, Protocol
 
 from multidict import CIMultiDict, istr
 
@@ -239,6 +239,43 @@ def with_fields(headers: HeaderFields, extra: dict[str, str]) -> HeaderFields:
 def is_event_stream(headers: Mapping[str, str]) -> bool:
     """A response's headers say it is an SSE stream."""
     return headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+class ReceivedFields(Protocol):
+    """What the helpers below read of a received message (``UpstreamResponse`` is one)."""
+
+    raw_fields: list[tuple[bytes, bytes]] | None
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+
+_CONTENT_TYPE: Final = HeldNames(frozenset({"content-type"}))
+
+
+def is_event_stream_response(response: ReceivedFields) -> bool:
+    """``is_event_stream`` of the response's headers, read from its fields' bytes where the
+    client keeps them (no mapping decoded for it)."""
+    raw = response.raw_fields
+    if raw is None:
+        return is_event_stream(response.headers)
+    for name, value in raw:
+        if len(name) == 12 and _CONTENT_TYPE.holds(name):
+            return value.startswith(b"text/event-stream")
+    return False
+
+
+def headers_for_client(
+    response: ReceivedFields, request_id: str, *, keep_length: bool = False
+) -> HeaderFields:
+    """``client_response_headers`` of the response: from its fields' bytes, passed on as they
+    came, where the client keeps them (no mapping decoded for it)."""
+    raw = response.raw_fields
+    if raw is not None:
+        fields = response_fields(raw, request_id, keep_length)
+        if fields is not None:
+            return fields
+    return client_response_headers(response.headers, request_id, keep_length=keep_length)
 
 
 def decode_field(data: bytes) -> str:

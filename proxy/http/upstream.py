@@ -17,14 +17,7 @@ from yarl import URL
 
 from proxy.config import UpstreamConfig
 from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamFailure, UpstreamTimeout
-from proxy.http.headers import (
-    HeaderFields,
-    HeldNames,
-    as_mapping,
-    client_response_headers,
-    is_event_stream,
-    response_fields,
-)
+from proxy.http.headers import HeaderFields, as_mapping
 
 Body = bytes | AsyncIterable[bytes] | None
 LARGE_BODY = 1 << 20
@@ -62,34 +55,6 @@ class Upstream(Protocol):
 
     async def close(self) -> None:
         """Release what this client holds (its idle connections); responses are closed first."""
-
-
-_CONTENT_TYPE = HeldNames(frozenset({"content-type"}))
-
-
-def is_event_stream_response(response: UpstreamResponse) -> bool:
-    """``is_event_stream`` of the response's headers, read from its fields' bytes where the
-    client keeps them (no mapping decoded for it)."""
-    raw = response.raw_fields
-    if raw is None:
-        return is_event_stream(response.headers)
-    for name, value in raw:
-        if len(name) == 12 and _CONTENT_TYPE.holds(name):
-            return value.startswith(b"text/event-stream")
-    return False
-
-
-def headers_for_client(
-    response: UpstreamResponse, request_id: str, *, keep_length: bool = False
-) -> HeaderFields:
-    """``client_response_headers`` of the response: from its fields' bytes, passed on as they
-    came, where the client keeps them (no mapping decoded for it)."""
-    raw = response.raw_fields
-    if raw is not None:
-        fields = response_fields(raw, request_id, keep_length)
-        if fields is not None:
-            return fields
-    return client_response_headers(response.headers, request_id, keep_length=keep_length)
 
 
 # What reading an upstream body raises: both clients raise the UpstreamError tree only.

@@ -11,8 +11,8 @@ import pytest
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
-from proxy.http.headers import EncodedFields, decode_field
-from proxy.http.upstream import READ_ERRORS, is_event_stream_response
+from proxy.http.headers import EncodedFields, decode_field, is_event_stream_response
+from proxy.http.upstream import READ_ERRORS
 from tests.helpers import JSON_REPLY, ScriptedReply, ScriptedRequest, ScriptedServer, replies_with
 
 
