@@ -475,8 +475,8 @@ class FrontConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # As aiohttp decodes them, and as the upstream client encodes them again: bytes past
-        # ASCII (UTF-8, or obs-text) reach the next hop as they came.
+        # The bytes, for the upstream as they came (``passed_fields``); the text, as aiohttp
+        # decodes it (bytes past ASCII, UTF-8 or obs-text, kept as surrogate escapes).
         if is_passed(name):
             self._passed.append(name + b": " + value)
         elif len(name) == 10 and name.lower() == b"connection":

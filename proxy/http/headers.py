@@ -71,6 +71,8 @@ class HeldNames:
         lower = [b""] * ((self._longest + 1) * 26)
         title = [b""] * len(lower)
         for name in sorted(names):
+            if not ("a" <= name[:1] <= "z" and name == name.lower()):
+                raise ValueError(f"a held name is lowercase and starts with a letter: {name!r}")
             at = len(name) * 26 + ord(name[0]) - ord("a")
             # Two held names of one length and letter: this slot looks the name up instead.
             lower[at] = _SHARED if lower[at] else name.encode()

@@ -114,6 +114,9 @@ def test_held_names_of_one_length_and_first_letter_are_each_held() -> None:
         assert held.holds(name), name
     for name in (b"abd", b"ab", b"bbc", b"content-lengtx", b"Content-Type", b"", b"\xe1bc"):
         assert not held.holds(name), name
+    for bad in ("1st", "", "Host"):
+        with pytest.raises(ValueError, match="held name"):
+            HeldNames(frozenset({bad}))
 
 
 def test_a_connection_header_that_names_another_field_is_told() -> None:
