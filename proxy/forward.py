@@ -29,6 +29,7 @@ from proxy.http.errors import UpstreamFailure, send_error
 from proxy.http.headers import (
     RequestIds,
     headers_for_client,
+    headers_for_upstream,
     is_event_stream,
     is_event_stream_response,
     request_id_of,
@@ -112,9 +113,9 @@ class Forwarder:
 
     async def _openai(self, ex: Exchange) -> None:
         client = ex.client
-        ex.request_id = rid = request_id_of(client.headers, self._ids)
+        ex.request_id = rid = request_id_of(client.header(b"x-request-id"), self._ids)
         try:
-            ensure_json_content_type(client.headers)
+            ensure_json_content_type(client.header(b"content-type"))
             raw = await client.read_body(self._max_body_bytes)
             body = parse_object(raw)
         except BadRequest as bad:  # its own name: compiled, one name holds one type
@@ -127,13 +128,12 @@ class Forwarder:
             seeded_is_deterministic=self._seeded_is_deterministic,
         )
         ex.view, ex.body, ex.original = view, body, raw
-        ex.headers = upstream_request_headers(
-            client.headers, rid, proxy_reads_body=True, passed=client.passed_fields
-        )
+        ex.headers = headers_for_upstream(client, rid)
         self._lifecycle.classified(ex)
         auditor = self._lifecycle.auditor
         if auditor is not None:
-            ex.ticket = auditor.plan(view, body, rid, client.raw_path, client.headers)
+            authorization = client.header(b"authorization")
+            ex.ticket = auditor.plan(view, body, rid, client.raw_path, authorization)
         ex.attempts = Attempts(
             rid, view.model, ex.endpoint, view.stream, max_tokens=max_tokens_of(body)
         )
@@ -184,7 +184,7 @@ class Forwarder:
     async def _passthrough(self, ex: Exchange) -> None:
         client = ex.client
         self._lifecycle.classified(ex)
-        ex.request_id = rid = request_id_of(client.headers, self._ids)
+        ex.request_id = rid = request_id_of(client.header(b"x-request-id"), self._ids)
         headers = upstream_request_headers(client.headers, rid, proxy_reads_body=False)
         body: AsyncIterator[bytes] | None = client.body_chunks() if client.has_body else None
         try:

@@ -110,7 +110,7 @@ class Auditor:
         body: dict[str, Any],
         request_id: str,
         raw_path: str,
-        headers: Mapping[str, str],
+        authorization: str | None,
     ) -> AuditTicket | None:
         if not view.deterministic:
             return None
@@ -141,7 +141,7 @@ class Auditor:
             shadow=shadow,
             injected=injected,
             inflight=self._inflight(),
-            authorization=headers.get("Authorization"),
+            authorization=authorization,
             started=time.monotonic(),
         )
 

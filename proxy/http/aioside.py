@@ -41,6 +41,9 @@ class AiohttpSide:
     def headers(self) -> Mapping[str, str]:
         return self._request.headers
 
+    def header(self, name: bytes) -> str | None:
+        return self._request.headers.get(name.decode("latin-1"))
+
     @property
     def passed_fields(self) -> bytes | None:
         return None  # aiohttp keeps no field's bytes: the headers are filtered

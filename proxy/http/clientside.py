@@ -38,6 +38,11 @@ class ClientSide(Protocol):
         """Case-insensitive, repeated names kept."""
         ...
 
+    def header(self, name: bytes) -> str | None:
+        """The first field named ``name`` (lowercase), decoded as ``headers`` decodes it:
+        what the stages read of a request's fields, without a mapping of them all."""
+        ...
+
     @property
     def passed_fields(self) -> bytes | None:
         """The header fields as the client sent them (``Name: value`` lines, CRLF-ended),

@@ -92,12 +92,13 @@ class FrontRequest:
         "_conn",
         "_declared",
         "_discard",
+        "_fields",
+        "_headers",
         "_parts",
         "_path",
         "_size",
         "body_complete",
         "close_after",
-        "headers",
         "method",
         "passed_fields",
         "raw_path",
@@ -112,7 +113,7 @@ class FrontRequest:
         conn: FrontConnection,
         method: str,
         raw_path: str,
-        headers: CIMultiDictProxy[str],
+        fields: list[tuple[bytes, bytes]],
         version: str,
         keep_alive: bool,
         passed_fields: bytes | None = None,
@@ -122,10 +123,13 @@ class FrontRequest:
         self.method = method
         self.raw_path = raw_path
         self._path: str | None = None
-        self.headers = headers
+        # The fields as parsed, (name, value) bytes; decoded into a mapping when asked: a
+        # proxied request reads a few of them (``header``) and passes the rest on as bytes.
+        self._fields = fields
+        self._headers: CIMultiDictProxy[str] | None = None
         self.version = version
         self.close_after = not keep_alive
-        length = headers.get("Content-Length")
+        length = self.header(b"content-length")
         self._declared = int(length) if length is not None and length.isdigit() else None
         self._parts: collections.deque[bytes] = collections.deque()
         self._size = 0  # bytes buffered, not yet taken
@@ -138,6 +142,24 @@ class FrontRequest:
         self.task: asyncio.Task[None] | None = None
 
     # -- the request ---------------------------------------------------------------------
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        headers = self._headers
+        if headers is None:
+            decoded = [(n.decode("latin-1"), decode_field(v)) for n, v in self._fields]
+            headers = self._headers = CIMultiDictProxy(CIMultiDict(decoded))
+        return headers
+
+    def header(self, name: bytes) -> str | None:
+        headers = self._headers
+        if headers is not None:
+            return headers.get(name.decode("latin-1"))
+        size = len(name)
+        for field, value in self._fields:
+            if len(field) == size and (field == name or field.lower() == name):
+                return decode_field(value)
+        return None
 
     @property
     def path(self) -> str:
@@ -153,7 +175,7 @@ class FrontRequest:
     def has_body(self) -> bool:
         if self._declared is not None:
             return self._declared > 0
-        return "chunked" in self.headers.get("Transfer-Encoding", "").lower()
+        return "chunked" in (self.header(b"transfer-encoding") or "").lower()
 
     def feed(self, data: bytes) -> None:
         if self._discard:
@@ -335,7 +357,7 @@ class FrontConnection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
-        self._headers: list[tuple[str, str]] = []
+        self._fields: list[tuple[bytes, bytes]] = []
         # The request's fields as they came, less those not passed on (``NOT_PASSED``): the
         # upstream is sent these bytes (``ClientSide.passed_fields``). Not whole: the
         # Connection header named another field to drop, which the mapping's filter does.
@@ -467,7 +489,7 @@ class FrontConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._url = b""
-        self._headers = []
+        self._fields = []
         self._passed = []
         self._passed_whole = True
 
@@ -475,13 +497,13 @@ class FrontConnection(asyncio.Protocol):
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        # The bytes, for the upstream as they came (``passed_fields``); the text, as aiohttp
-        # decodes it (bytes past ASCII, UTF-8 or obs-text, kept as surrogate escapes).
+        # Kept as bytes: the upstream gets them as they came (``passed_fields``), and the
+        # request decodes a field only when it is read (``header``, ``headers``).
         if is_passed(name):
             self._passed.append(name + b": " + value)
         elif len(name) == 10 and name.lower() == b"connection":
             self._passed_whole = self._passed_whole and connection_names_only_hop(value)
-        self._headers.append((name.decode("latin-1"), decode_field(value)))
+        self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:
         parser = self._parser
@@ -489,11 +511,12 @@ class FrontConnection(asyncio.Protocol):
             self,
             parser.get_method().decode("ascii"),
             decode_field(self._url),
-            CIMultiDictProxy(CIMultiDict(self._headers)),
+            self._fields,
             parser.get_http_version(),
             parser.should_keep_alive(),
             self._passed_fields(),
         )
+        self._fields = []  # the request's own now (a chunked body's trailers come next)
         self._parsing = request
         self._pipeline.append(request)
         if len(self._pipeline) == 1:
@@ -519,7 +542,8 @@ class FrontConnection(asyncio.Protocol):
     # -- requests ------------------------------------------------------------------------
 
     def _begin(self, request: FrontRequest) -> None:
-        if request.headers.get("Expect", "").lower() == "100-continue" and request.has_body:
+        expect = request.header(b"expect")
+        if expect is not None and expect.lower() == "100-continue" and request.has_body:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.task = self.loop.create_task(self._serve(request))
 

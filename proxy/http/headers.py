@@ -167,20 +167,8 @@ def forwarded_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
 
 
 def upstream_request_headers(
-    headers: Mapping[str, str],
-    request_id: str,
-    *,
-    proxy_reads_body: bool,
-    passed: bytes | None = None,
-) -> HeaderFields:
-    """The request's headers for the upstream. ``passed``: the client's fields as they came
-    but for ``NOT_PASSED`` (``ClientSide.passed_fields``), written on as they are (only where
-    the proxy reads the body: Accept-Encoding is among those not passed)."""
-    if passed is not None and proxy_reads_body:
-        rid = encode_head(request_id)
-        return EncodedFields(
-            passed + b"X-Request-Id: " + rid + b"\r\nAccept-Encoding: identity\r\n"
-        )
+    headers: Mapping[str, str], request_id: str, *, proxy_reads_body: bool
+) -> CIMultiDict[str]:
     out = _filter(headers, _TO_UPSTREAM_READ if proxy_reads_body else _TO_UPSTREAM)
     out[REQUEST_ID] = request_id
     if proxy_reads_body:
@@ -241,6 +229,27 @@ def with_fields(headers: HeaderFields, extra: dict[str, str]) -> HeaderFields:
 def is_event_stream(headers: Mapping[str, str]) -> bool:
     """A response's headers say it is an SSE stream."""
     return headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+class SentFields(Protocol):
+    """What ``headers_for_upstream`` reads of a client's request (``ClientSide`` is one)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def passed_fields(self) -> bytes | None: ...
+
+
+def headers_for_upstream(request: SentFields, request_id: str) -> HeaderFields:
+    """``upstream_request_headers`` of a request whose answer the proxy reads: the client's
+    fields as they came, less ``NOT_PASSED`` (``passed_fields``), where its server kept
+    them (no mapping decoded for it); then the request id and ``Accept-Encoding: identity``."""
+    passed = request.passed_fields
+    if passed is None:
+        return upstream_request_headers(request.headers, request_id, proxy_reads_body=True)
+    rid = encode_head(request_id)
+    return EncodedFields(passed + b"X-Request-Id: " + rid + b"\r\nAccept-Encoding: identity\r\n")
 
 
 class ReceivedFields(Protocol):
@@ -340,10 +349,10 @@ class RequestIds:
         return _uuid4_hex(self._random, at)
 
 
-def request_id_of(headers: Mapping[str, str], ids: RequestIds | None = None) -> str:
-    """Keep the caller's ``X-Request-Id`` (vLLM uses it as the engine id), else mint one
-    (from ``ids`` where given)."""
-    rid = headers.get(REQUEST_ID)
+def request_id_of(given: str | None, ids: RequestIds | None = None) -> str:
+    """Keep the caller's ``X-Request-Id`` (``given``: vLLM uses it as the engine id), else
+    mint one (from ``ids`` where given)."""
+    rid = given
     if rid:
         rid = rid.strip()
         if rid and len(rid) <= 256 and rid.isprintable():

@@ -46,7 +46,7 @@ def auditor_with(store: DuplicateStore) -> tuple[Auditor, list[AuditCompleted]]:
 
 def answered(auditor: Auditor, text: str) -> None:
     view = classify("chat", BODY)
-    ticket = auditor.plan(view, BODY, "r", "/v1/chat/completions", {})
+    ticket = auditor.plan(view, BODY, "r", "/v1/chat/completions", None)
     assert ticket is not None  # passive checks are on by default
     auditor.primary_done(ticket, outcome_from_response("chat", chat_body([], [(text, -0.5, [])])))
 

@@ -131,6 +131,9 @@ class SinkClient:
         self.headers = headers
         self.wrote = 0
 
+    def header(self, name: bytes) -> str | None:
+        return self.headers.get(name.decode("latin-1"))
+
     async def read_body(self, limit: int) -> bytes:
         return self._body
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from proxy.http.body import BadRequest
 from proxy.http.front import FrontRequest, FrontServer
 from proxy.http.h1 import H1Upstream
+from proxy.http.headers import decode_field
 
 Handler = Callable[[FrontRequest], Awaitable[None]]
 
@@ -26,6 +27,7 @@ class Front:
     seen: list[tuple[str, str, bytes]] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     fields: list[bytes | None] = field(default_factory=list)
+    read: list[tuple[object, object, list[tuple[str, str]]]] = field(default_factory=list)
 
 
 async def handler(front: Front, request: FrontRequest) -> None:
@@ -48,6 +50,13 @@ async def handler(front: Front, request: FrontRequest) -> None:
         except asyncio.CancelledError:
             front.cancelled.append(path)
             raise
+    elif path == "/header":
+        await request.read_body(64)  # a chunked body's trailers, when it has them, are read
+        before = (request.header(b"x-a"), request.header(b"content-type"), request.header(b"x-no"))
+        mapping = list(request.headers.items())
+        after = (request.header(b"x-a"), request.header(b"content-type"), request.header(b"x-no"))
+        front.read.append((before, after, mapping))
+        await request.respond(204, {}, b"")
     elif path == "/fields":
         front.fields.append(request.passed_fields)
         await request.respond(204, {}, b"")
@@ -256,3 +265,28 @@ async def test_the_fields_passed_on_are_the_clients_bytes_less_those_held(front:
     assert got.count(b"HTTP/1.1 204") == 5
     passed = b"X-A: 1\r\nx-obs: caf\xe9\r\nx-a: 2\r\n"
     assert front.fields == [passed, None, b"", passed]
+
+
+async def test_a_field_is_read_without_the_mapping_and_as_the_mapping_reads_it(
+    front: Front,
+) -> None:
+    """``header`` decodes the first field of a name, in any case, as ``headers`` does; the
+    trailers of a chunked body are not among the request's fields."""
+    body = b"5\r\nhello\r\n0\r\nX-Trailer: t\r\n\r\n"
+    request = (
+        b"POST /header HTTP/1.1\r\nHost: x\r\nx-a: caf\xe9\r\nCONTENT-TYPE: text/plain\r\n"
+        b"X-A: 2\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n" + body
+    )
+    got = await exchange(front.port, request)
+    assert got.startswith(b"HTTP/1.1 204")
+    ((before, after, mapping),) = front.read
+    expected = (decode_field(b"caf\xe9"), "text/plain", None)
+    assert before == after == expected
+    assert mapping == [
+        ("Host", "x"),
+        ("x-a", decode_field(b"caf\xe9")),
+        ("CONTENT-TYPE", "text/plain"),
+        ("X-A", "2"),
+        ("Transfer-Encoding", "chunked"),
+        ("Connection", "close"),
+    ]
