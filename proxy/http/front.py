@@ -44,11 +44,11 @@ from proxy.http.headers import (
     HOP_BY_HOP,
     EncodedFields,
     HeaderFields,
-    connection_names_only_hop,
     decode_field,
     encode_head,
     forwarded_headers,
     is_passed,
+    names_other_fields,
 )
 
 if TYPE_CHECKING:
@@ -501,8 +501,8 @@ class FrontConnection(asyncio.Protocol):
         # request decodes a field only when it is read (``header``, ``headers``).
         if is_passed(name):
             self._passed.append(name + b": " + value)
-        elif len(name) == 10 and name.lower() == b"connection":
-            self._passed_whole = self._passed_whole and connection_names_only_hop(value)
+        elif names_other_fields(name, value):
+            self._passed_whole = False
         self._fields.append((name, value))
 
     def on_headers_complete(self) -> None:

@@ -14,6 +14,7 @@ from typing import cast
 import httptools
 
 from proxy.http.errors import UpstreamBodyError, UpstreamTimeout
+from proxy.http.headers import FRAMING_NAMES
 from proxy.http.upstream import Sink
 
 __all__ = ["HIGH_WATER", "Closed", "Conn", "UpstreamBodyError", "expire", "forget"]
@@ -114,11 +115,7 @@ class Conn(asyncio.Protocol):
         if self.method == "HEAD" or status in (204, 304):
             framing = False
         else:
-            # By length first: bytes.lower is a method call (compiled), len a load.
-            framing = any(
-                len(n) in (14, 17) and n.lower() in (b"content-length", b"transfer-encoding")
-                for n, _ in self.header_list
-            )
+            framing = any(FRAMING_NAMES.holds(n) for n, _ in self.header_list)
         self.until_close = not framing and self.method != "HEAD" and status not in (204, 304)
         if self.method == "HEAD":
             # llhttp would wait for the body the length announces; there is none.

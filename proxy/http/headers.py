@@ -106,6 +106,9 @@ _RESPONSE_HELD_BUT_LENGTH: Final = HeldNames(frozenset(_TO_CLIENT_KEEP_LENGTH))
 _REQUEST_ID_NAME: Final = HeldNames(frozenset({REQUEST_ID.lower()}))
 _DATE_NAME: Final = HeldNames(frozenset({"date"}))
 _LENGTH_NAME: Final = HeldNames(frozenset({"content-length"}))
+_CONTENT_TYPE: Final = HeldNames(frozenset({"content-type"}))
+_CONNECTION: Final = HeldNames(frozenset({"connection"}))
+FRAMING_NAMES: Final = HeldNames(frozenset({"content-length", "transfer-encoding"}))
 _HOP_TOKENS: Final = frozenset(n.encode() for n in HOP_BY_HOP | {"close"})
 
 
@@ -125,6 +128,12 @@ def connection_names_only_hop(value: bytes) -> bool:
         if token and token not in _HOP_TOKENS:
             return False
     return True
+
+
+def names_other_fields(name: bytes, value: bytes) -> bool:
+    """A Connection field whose tokens name a field that is not hop-by-hop: that field is
+    left out too, which fields passed on as they came cannot do (the mapping's filter does)."""
+    return _CONNECTION.holds(name) and not connection_names_only_hop(value)
 
 
 class EncodedFields:
@@ -199,8 +208,7 @@ def response_fields(
     has_id = has_date = has_length = False
     for name, value in raw:
         if held.holds(name):
-            connection = len(name) == 10 and name.lower() == b"connection"
-            if connection and not connection_names_only_hop(value):
+            if names_other_fields(name, value):
                 return None
             continue
         size = len(name)
@@ -259,9 +267,6 @@ class ReceivedFields(Protocol):
 
     @property
     def headers(self) -> Mapping[str, str]: ...
-
-
-_CONTENT_TYPE: Final = HeldNames(frozenset({"content-type"}))
 
 
 def is_event_stream_response(response: ReceivedFields) -> bool:
