@@ -23,8 +23,9 @@ from proxy.events import (
     RequestStarted,
     StreamTimed,
 )
-from proxy.relay.result import StreamResult
+from proxy.relay.result import StreamResult, StreamSpeed
 from proxy.relay.stream import StreamPlan
+from proxy.relay.template import ChunkTemplate
 
 WRITTEN = [
     AttemptEnd,
@@ -40,6 +41,8 @@ WRITTEN = [
     StreamTimed,
     RecoveryBudgetUsed,
     TokenLogprob,
+    StreamSpeed,
+    ChunkTemplate,
 ]
 
 

@@ -96,6 +96,7 @@ _ANCHOR: Final = DETECTOR_ANCHOR_CHARS
 # Length of the tail probe used to reject a candidate before measuring its run.
 _PROBE: Final = 128
 _PREVIEW: Final = 120
+_NEVER: Final = 1 << 62  # ``quiet_chars`` of a detector that reported
 # A letter or a digit (any script): a unit without one is "trivial".
 _ALNUM = re.compile(r"[^\W_]")
 
@@ -193,6 +194,13 @@ class LoopDetector:
     def buffered_chars(self) -> int:
         """Characters held in memory now (window plus pending deltas)."""
         return len(self._buf) + sum(len(p) for p in self._pending)
+
+    def quiet_chars(self) -> int:
+        """How many more chars ``feed`` takes without looking at the text (it keeps it for its
+        next check): no report can come before a feed reaches that check."""
+        if self._report is not None:
+            return _NEVER  # it reported: it never reports again
+        return self._wake_at - self._total - 1
 
     def feed(self, delta: str) -> LoopReport | None:
         """Add one delta; return a report the first time a loop qualifies, else ``None``."""

@@ -172,6 +172,16 @@ class LoopWatch:
                 break
         return _trigger("proxy", channel, index, report), position
 
+    def quiet_chars(self, index: int, channel: str) -> int:
+        """How many chars of texts of choice ``index`` in ``channel`` ``on_run`` takes from here
+        without a trigger (it only keeps them): up to its detector's next check. 0 for a choice
+        or channel not watched yet (its first text makes its detector)."""
+        watch = self._choices.get(index)
+        if watch is None:
+            return 0
+        detector = watch._reasoning if channel == "reasoning" else watch.content
+        return 0 if detector is None else detector.quiet_chars()
+
     def on_end(self, complete: bool) -> None:
         """Nothing to finish: a loop is a trigger while the stream runs, or nothing."""
 

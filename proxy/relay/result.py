@@ -83,6 +83,20 @@ class StreamSpeed:
     inter_token_s: float | None  # mean time between the tokens after the first token event
     tokens_per_s: float | None  # decode rate between the first and the last token event
 
+    def __init__(
+        self,
+        ttft_s: float,
+        tokens: int,
+        inter_token_s: float | None,
+        tokens_per_s: float | None,
+    ) -> None:
+        # Written out: mypyc compiles this one; the generated one runs interpreted, 6,900
+        # instructions a stream (README "The compiled build"). Same fields, same order.
+        object.__setattr__(self, "ttft_s", ttft_s)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "inter_token_s", inter_token_s)
+        object.__setattr__(self, "tokens_per_s", tokens_per_s)
+
 
 def _listed(logprobs: Any) -> int:
     """The tokens a chunk's logprobs list: chat's ``content``, completions' ``tokens``."""

@@ -505,3 +505,49 @@ def test_a_loop_starting_at_any_offset_fires_at_the_oracles_check(
         assert whole.start_offset + whole.covered_chars == first_check
         tokens = run_split(text, list(range(0, len(text), 4)), cfg)
         assert summary(tokens) == summary(whole)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.text(alphabet="ab \n", max_size=400),
+    st.integers(0, 40),
+    st.lists(st.integers(0, 40), min_size=1, max_size=30),
+)
+def test_a_feed_within_quiet_chars_never_reports_and_reaches_the_same_report(
+    noise: str, copies: int, sizes: list[int]
+) -> None:
+    """``quiet_chars``: what the loop watch may hold back. Feeding texts whose lengths stay
+    within it never reports, and the report comes from the feed that reaches the check, as
+    when every delta is fed as it comes."""
+    text = noise + "the same line, again\n" * copies
+    alone, quiet = LoopDetector(DEFAULT), LoopDetector(DEFAULT)
+    held: list[str] = []
+    at = 0
+    for k in itertools.cycle(sizes):
+        if at >= len(text):
+            break
+        piece = text[at : at + max(k, 1)]
+        at += len(piece)
+        expected = alone.feed(piece)
+        room = quiet.quiet_chars() - sum(map(len, held))
+        if len(piece) <= room:
+            assert expected is None  # the promise: no report within it
+            held.append(piece)
+            continue
+        assert quiet.feed("".join([*held, piece])) == expected
+        held = []
+        if expected is not None:
+            assert quiet.quiet_chars() > 1 << 40  # reported: never again
+            break
+
+
+def test_quiet_chars_counts_down_to_the_next_check() -> None:
+    det = LoopDetector(DEFAULT)
+    every = DEFAULT.check_every_chars
+    assert det.quiet_chars() == every - 1
+    det.feed("hello")
+    assert det.quiet_chars() == every - 1 - 5
+    det.feed("x" * (every - 5))  # reaches the first check, which finds no candidate
+    # Outside an exact stretch the next check looked at is a probe (every fifth, with the
+    # defaults: the module's docstring): that one is what the next feed must reach.
+    assert det.quiet_chars() == 5 * every - every - 1
