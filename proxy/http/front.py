@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Final, cast
 from urllib.parse import unquote
 
 import httptools
@@ -62,6 +62,9 @@ LINGER_S = 10.0  # how long a body answered before it came whole is still read (
 _NO_BODY_STATUS = frozenset({204, 304})
 _FRAMED_HERE = HOP_BY_HOP | {"content-length"}  # a whole body's length is this server's
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
+# The size line of a chunk of each size a token's event has, made once: formatting it costs
+# more than the rest of the write (``FrontConnection.write_chunk``).
+_SIZE_LINES: Final = tuple(b"%x\r\n" % n for n in range(1024))
 
 Handler = Callable[["FrontRequest"], Awaitable[None]]
 
@@ -322,8 +325,11 @@ class FrontRequest:
         conn = self._conn
         if conn.closed:
             raise ConnectionResetError("the client closed the connection")
-        if data and self.method != "HEAD":
-            conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        if data:
+            if self._chunked:  # never for HEAD: start() frames its answer with no body
+                conn.write_chunk(data)
+            elif self.method != "HEAD":
+                conn.write(data)
         return not conn.write_paused
 
     async def drain(self) -> None:
@@ -431,6 +437,18 @@ class FrontConnection(asyncio.Protocol):
         if not out:
             self.server.writes.queue(self)
         out.append(data)
+
+    def write_chunk(self, data: bytes) -> None:
+        """``data`` as one chunk of a chunked body (not empty: that one ends the body)."""
+        if self.closed:
+            return
+        out = self._out
+        if not out:
+            self.server.writes.queue(self)
+        size = len(data)
+        out.append(_SIZE_LINES[size] if size < 1024 else b"%x\r\n" % size)
+        out.append(data)
+        out.append(b"\r\n")
 
     def flush(self) -> None:
         out = self._out

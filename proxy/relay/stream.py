@@ -379,13 +379,14 @@ class StreamRelay:
         tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
 
         last = b""  # the bytes last handed to the client
+        write = resp.write_nowait  # looked up once, not per event
 
         def relay(data: bytes) -> bool:
             nonlocal last
             out = tally.feed(data)
             if not out:
                 return True
-            more = resp.write_nowait(out)
+            more = write(out)
             last = out  # handed over: the write raised nothing
             return more
 
@@ -415,6 +416,7 @@ class StreamRelay:
         decoder = self._decoder
 
         last = b""  # the bytes last handed to the client
+        write = resp.write_nowait  # looked up once, not per event
 
         def relay(data: bytes) -> bool:
             # Called from the upstream read's callback: a decision stops the pump at once.
@@ -422,7 +424,7 @@ class StreamRelay:
             out = self._read(data)
             if not out:
                 return result.decision is None
-            more = resp.write_nowait(out)
+            more = write(out)
             last = out  # handed over: the write raised nothing
             return more and result.decision is None
 

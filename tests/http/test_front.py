@@ -30,6 +30,9 @@ class Front:
     read: list[tuple[object, object, list[tuple[str, str]]]] = field(default_factory=list)
 
 
+SIZES = (1, 9, 10, 15, 16, 255, 256, 1023, 1024, 4097)
+
+
 async def handler(front: Front, request: FrontRequest) -> None:
     """What the tests ask of the front, by path."""
     path = request.path
@@ -41,6 +44,12 @@ async def handler(front: Front, request: FrontRequest) -> None:
         await request.start(200, {"Content-Type": "text/event-stream"})
         for i in range(3):
             await request.write(b"data: %d\n\n" % i)
+        await request.end()
+    elif path == "/sizes":  # each size of chunk-size line: from the table and formatted
+        await request.start(200, {"Content-Type": "text/event-stream"})
+        for size in SIZES:
+            assert request.write_nowait(b"x" * size)
+        await request.write(b"")  # nothing: not the last chunk
         await request.end()
     elif path == "/hang":
         await request.start(200, {"Content-Type": "text/event-stream"})
@@ -141,6 +150,13 @@ async def test_a_stream_is_chunk_framed_and_ends_with_the_last_chunk(front: Fron
     head, _, body = got.partition(b"\r\n\r\n")
     assert b"Transfer-Encoding: chunked" in head
     assert body == b"".join(b"9\r\ndata: %d\n\n\r\n" % i for i in range(3)) + b"0\r\n\r\n"
+
+
+async def test_every_chunk_size_is_framed_in_hex(front: Front) -> None:
+    got = await exchange(front.port, post("/sizes", b""), until=b"0\r\n\r\n")
+    body = got.partition(b"\r\n\r\n")[2]
+    expected = b"".join(f"{n:x}".encode() + b"\r\n" + b"x" * n + b"\r\n" for n in SIZES)
+    assert body == expected + b"0\r\n\r\n"
 
 
 async def test_http_1_0_gets_the_stream_unframed_and_the_connection_closed(front: Front) -> None:
