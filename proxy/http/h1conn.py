@@ -29,14 +29,18 @@ class Closed(Exception):
 class Conn(asyncio.Protocol):
     """One upstream connection; carries one response at a time."""
 
-    __deletable__ = ["_parser"]  # for mypyc: see connection_lost
+    __deletable__ = ["_parser", "_feed"]  # for mypyc: see connection_lost
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        # Bound once: compiled, ``self._loop.time()`` looks the method up at every call (a
+        # stream's token calls each of these once).
+        self._time = loop.time
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
         self._parser = httptools.HttpResponseParser(self)
+        self._feed = self._parser.feed_data
         self._head: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         # One timer for the read timeout, re-armed when it fires early, instead of one
@@ -70,7 +74,7 @@ class Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         try:
-            self._parser.feed_data(data)
+            self._feed(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamBodyError(f"malformed response from the upstream: {exc}"))
             self.close()
@@ -80,6 +84,7 @@ class Conn(asyncio.Protocol):
         # The parser's callbacks are this protocol's methods: a reference cycle, left to the
         # cyclic collector unless cut. Nothing is parsed after the connection is lost.
         del self._parser
+        del self._feed
         if self.complete:
             return
         if self.until_close and self._head is not None and self._head.done():
@@ -127,7 +132,7 @@ class Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         sink = self._sink
         if sink is not None and not self.chunks:
-            self._silence_deadline = self._loop.time() + self._silence_s
+            self._silence_deadline = self._time() + self._silence_s
             try:
                 more = sink(body)
             except Exception as exc:  # the consumer's own fault: raised where it waits

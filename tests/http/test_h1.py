@@ -4,6 +4,7 @@ keep-alive reuse, retries, timeouts, aborts, flow control, the connection limit.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
+from proxy.http.h1conn import Conn
 from proxy.http.headers import EncodedFields, decode_field, is_event_stream_response
 from proxy.http.upstream import READ_ERRORS
 from tests.helpers import JSON_REPLY, ScriptedReply, ScriptedRequest, ScriptedServer, replies_with
@@ -524,3 +526,27 @@ async def test_the_pumped_read_timeout_is_the_silence_since_the_last_piece(
     resp = await client(srv.url, read_timeout_s=0.2).send("POST", "/s", {}, b"{}")
     with pytest.raises(TimeoutError):
         await resp.pump(lambda d: True)
+
+
+def test_a_lost_connection_is_freed_by_reference_counting() -> None:
+    """The parser calls back into its connection (a reference cycle): the cycle is cut when
+    the connection is lost, so that it goes at once, not at the cyclic collector's next pass,
+    which pauses the loop (issue 16)."""
+
+    def conns() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is Conn)
+
+    loop = asyncio.new_event_loop()
+    gc.collect()
+    gc.disable()
+    try:
+        before = conns()
+        conn = Conn(loop)
+        conn.data_received(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        assert conn.complete and conns() == before + 1
+        conn.connection_lost(None)
+        del conn
+        assert conns() == before
+    finally:
+        gc.enable()
+        loop.close()
