@@ -198,6 +198,7 @@ class StreamAccumulator:
     """
 
     name = "accumulate"
+    triggers = False  # said, not left to a failed lookup (an exception) for each response
     __slots__ = ("_budget", "_chat", "_choices", "_error", "_full", "_usage")
 
     def __init__(self, endpoint: str, max_chars: int = 4_000_000) -> None:

@@ -86,11 +86,20 @@ class InspectorSet:
     def __init__(
         self, inspectors: Sequence[StreamInspector], on_failure: Callable[[str], None]
     ) -> None:
-        self._inspectors = [i for i in inspectors if not getattr(i, "triggers", False)]
-        self._watchers = [i for i in inspectors if getattr(i, "triggers", False)]
-        self._on_failure = on_failure
+        # One pass, each attribute asked once: a response builds its set, and a lookup that
+        # fails raises (and catches) an AttributeError inside getattr.
+        self._inspectors: list[StreamInspector] = []
+        self._watchers: list[StreamInspector] = []
         # Whether every inspector reads runs of texts: then template chunks need no parsing.
-        self.runs = all(callable(getattr(i, "on_run", None)) for i in inspectors)
+        self.runs = True
+        for inspector in inspectors:
+            if getattr(inspector, "triggers", False):
+                self._watchers.append(inspector)
+            else:
+                self._inspectors.append(inspector)
+            if self.runs and not callable(getattr(inspector, "on_run", None)):
+                self.runs = False
+        self._on_failure = on_failure
         # Whether every watcher says how long it stays quiet (else each text goes at once).
         self._quiet_of = _all_quiet(self._watchers)
         # Texts of template hits of one choice and channel, not yet handed on (``on_text``).
