@@ -121,6 +121,8 @@ class InspectorSet:
         """The text of one template hit of choice ``index`` in ``channel`` (the watchers get it
         only with ``watch``): held while the watchers take it quietly, else handed on with the
         texts held before it; the trigger of its chunk, if one comes."""
+        if not self._inspectors and not self._watchers:
+            return None  # none left to hand it to: nothing is held
         if (
             index != self._held_index
             or channel != self._held_channel
@@ -130,6 +132,8 @@ class InspectorSet:
             self._hand_on()
             self._held_index, self._held_channel, self._held_watched = index, channel, watch
             self._quiet = self._quiet_chars(index, channel) if watch else _UNBOUNDED
+            if not self._inspectors and not self._watchers:
+                return None  # the last one failed just now
         self._held.append(text)
         self._quiet -= len(text)
         if self._quiet >= 0:

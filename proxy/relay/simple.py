@@ -103,13 +103,11 @@ class SimpleReads:
         result.events += 1
         if text:
             count_tokens(result, 1, now)
-        inspectors = relay.inspectors
-        if inspectors:
-            # Held until the watchers would look (``InspectorSet.on_text``); the first trigger
-            # counts: after it the watchers are not asked again.
-            trigger = inspectors.on_text(tpl.index, tpl.channel, text, result.trigger is None)
-            if trigger is not None and relay.decide(trigger):
-                return b""
+        # Held until the watchers would look (``InspectorSet.on_text``); the first trigger
+        # counts: after it the watchers are not asked again.
+        trigger = relay.inspectors.on_text(tpl.index, tpl.channel, text, result.trigger is None)
+        if trigger is not None and relay.decide(trigger):
+            return b""
         if relay.holding:
             return relay.hold(tpl.releases if text else None, read) or b""
         return read

@@ -212,3 +212,17 @@ def test_after_the_first_trigger_the_watchers_get_no_more_texts() -> None:
         assert inspectors.on_text(0, "content", UNIT, False) is None
     inspectors.on_end(True)
     assert len(runs) == fed
+
+
+def test_a_set_with_no_inspector_left_holds_nothing() -> None:
+    """Every inspector dropped (or none, on a stream relayed for its rewrites alone): texts are
+    not kept for no one."""
+    runs: list[list[str]] = []
+    inspectors = InspectorSet([BrokenQuiet(runs)], print)
+    for _ in range(3):
+        assert inspectors.on_text(0, "content", UNIT, True) is None
+    assert not inspectors.watching and not inspectors
+    assert inspectors._held == []  # type: ignore[attr-defined]
+    empty = InspectorSet([], print)
+    empty.on_text(0, "content", UNIT, True)
+    assert empty._held == []  # type: ignore[attr-defined]
