@@ -9,7 +9,8 @@ token timing counts them at once, and the loop watch gets each stretch of one ch
 in one ``on_run`` call, which names the chunk a trigger belongs to: the decision then stops at
 that chunk, and everything before it is handled as if each chunk had been parsed. Any other
 event is parsed and handled like the general path's (and may teach a template). ``relay_one``
-handles a read that is exactly one template chunk, before any splitting.
+handles a read that is exactly one template chunk, before any splitting: its text goes to
+``InspectorSet.on_text``, which holds it until the loop watch would look.
 """
 
 from __future__ import annotations

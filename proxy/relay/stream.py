@@ -20,7 +20,8 @@ Three paths, one result (the client gets the same bytes, whatever the split of t
   are not parsed at all: their texts are decoded in one call per run and fed to the loop watch
   at once (``LoopWatch.on_run``), which locates the chunk a trigger belongs to, so a decision
   stops at the same event as when each chunk is parsed. A read that is one such chunk (a
-  token streamed on its own) is handled whole, not even split;
+  token streamed on its own) is handled whole, not even split, and its text is held with the
+  next ones until the loop watch would look at them (``InspectorSet.on_text``);
 - general: any other read goes through the decoder and is parsed event by event.
 """
 
