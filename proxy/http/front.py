@@ -64,7 +64,8 @@ _FRAMED_HERE = HOP_BY_HOP | {"content-length"}  # a whole body's length is this 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 # The size line of a chunk of each size a token's event has, made once: formatting it costs
 # more than the rest of the write (``FrontConnection.write_chunk``).
-_SIZE_LINES: Final = tuple(b"%x\r\n" % n for n in range(1024))
+_SIZED_LINES: Final = 1024
+_SIZE_LINES: Final = tuple(b"%x\r\n" % n for n in range(_SIZED_LINES))
 
 Handler = Callable[["FrontRequest"], Awaitable[None]]
 
@@ -446,7 +447,7 @@ class FrontConnection(asyncio.Protocol):
         if not out:
             self.server.writes.queue(self)
         size = len(data)
-        out.append(_SIZE_LINES[size] if size < 1024 else b"%x\r\n" % size)
+        out.append(_SIZE_LINES[size] if size < _SIZED_LINES else b"%x\r\n" % size)
         out.append(data)
         out.append(b"\r\n")
 

@@ -78,7 +78,7 @@ class InspectorSet:
         "_inspectors",
         "_on_failure",
         "_quiet",
-        "_quiet_of",
+        "_quiet_known",
         "_watchers",
         "runs",
     )
@@ -101,7 +101,7 @@ class InspectorSet:
                 self.runs = False
         self._on_failure = on_failure
         # Whether every watcher says how long it stays quiet (else each text goes at once).
-        self._quiet_of = _all_quiet(self._watchers)
+        self._quiet_known = _all_quiet(self._watchers)
         # Texts of template hits of one choice and channel, not yet handed on (``on_text``).
         self._held: list[str] = []
         self._held_index = -1
@@ -145,10 +145,10 @@ class InspectorSet:
     def _quiet_chars(self, index: int, channel: str) -> int:
         if not self._watchers:
             return _UNBOUNDED
-        if not self._quiet_of:
+        if not self._quiet_known:
             return 0
         quiet = _UNBOUNDED
-        for watcher in list(self._watchers):
+        for watcher in self._watchers:  # _drop rebinds the attribute, not this list
             try:
                 quiet = min(quiet, watcher.quiet_chars(index, channel))  # type: ignore[attr-defined]
             except Exception:
@@ -237,7 +237,7 @@ class InspectorSet:
         )
         self._inspectors = [i for i in self._inspectors if i is not inspector]
         self._watchers = [i for i in self._watchers if i is not inspector]
-        self._quiet_of = _all_quiet(self._watchers)
+        self._quiet_known = _all_quiet(self._watchers)
         self._on_failure(inspector.name)
 
 
