@@ -83,29 +83,67 @@ def test_a_burst_of_looping_requests_is_recovered(engine: Engine, tmp_path: Path
         answers = asyncio.run(burst())
         counts = metrics(proxy)
     looping, calm = answers[: len(LOOPING)], answers[len(LOOPING) :]
-    loops = total(counts, "detproxy_loops_total", 'source="proxy"')
-    recovered = total(counts, "detproxy_recoveries_total", 'outcome="recovered"')
+    problems = burst_problems(looping, calm, counts)
+    # The failing answers first, short (pytest cuts a long message); the whole record after.
     report = orjson.dumps({"counts": counts, "answers": answers}, option=orjson.OPT_INDENT_2)
+    assert not problems, "\n".join([*problems, report.decode()])
+
+
+def brief(answer: dict[str, Any]) -> str:
+    text = answer["text"]
+    return (
+        f"finish={answer['finish']} attempts={answer['attempts']} "
+        f"recovered={answer['recovered']} {len(text)} chars ending {text[-60:]!r}"
+    )
+
+
+def burst_problems(
+    looping: list[dict[str, Any]], calm: list[dict[str, Any]], counts: dict[str, float]
+) -> list[str]:
+    """What the burst got wrong, one short line each; empty when it all held."""
+    problems = []
     # Every looping request ended normally: no abort, a finish of the engine's own.
-    assert all(a["finish"] in ("stop", "length") and a["text"] for a in looping), report
-    assert total(counts, "detproxy_policy_actions_total", 'action="abort"') == 0, report
+    for i, a in enumerate(looping):
+        if a["finish"] not in ("stop", "length") or not a["text"]:
+            kind = "streamed" if i % 2 else "non-streamed"
+            problems.append(f"looping #{i} ({kind}) did not end normally: {brief(a)}")
+    aborts = total(counts, "detproxy_policy_actions_total", 'action="abort"')
+    if aborts:
+        problems.append(f"{aborts:.0f} policy aborts, expected none")
     # Batched on the engine's two slots, a greedy answer can differ from its serial one (batch
     # effects: a CI run saw a calm prompt loop in the burst). Such a loop is one like the
     # others: retried and recovered. What was not retried must not loop.
     calm_looped = [a for a in calm if a["attempts"] is not None]
-    assert len(calm_looped) < len(CALM), report  # most of the calm prompts stay calm
+    if len(calm_looped) >= len(CALM):  # most of the calm prompts stay calm
+        problems.append(f"all {len(CALM)} calm prompts looped")
     # Each looped at least once (a retry may loop again).
-    assert loops >= len(LOOPING) + len(calm_looped), report
+    loops = total(counts, "detproxy_loops_total", 'source="proxy"')
+    if loops < len(LOOPING) + len(calm_looped):
+        problems.append(
+            f"{loops:.0f} loops detected, expected >= {len(LOOPING) + len(calm_looped)}"
+        )
     # Recovered: at least 95% of the loops' requests (here, all) ended with a retry that
     # did not loop.
-    assert recovered >= 0.95 * (len(LOOPING) + len(calm_looped)), report
-    for a in looping[0::2] + calm_looped:  # non-streamed: the headers say it
-        assert a["recovered"] == "true", report
+    recovered = total(counts, "detproxy_recoveries_total", 'outcome="recovered"')
+    if recovered < 0.95 * (len(LOOPING) + len(calm_looped)):
+        outcomes = {k: v for k, v in counts.items() if k.startswith("detproxy_recoveries_total")}
+        problems.append(
+            f"{recovered:.0f} recovered of {len(LOOPING) + len(calm_looped)} looping requests: "
+            f"{outcomes}"
+        )
+    for i, a in enumerate(looping[0::2]):  # non-streamed: the headers say it
+        if a["recovered"] != "true":
+            problems.append(f"looping #{2 * i} (non-streamed) not recovered: {brief(a)}")
+    for i, a in enumerate(calm):
+        if a["attempts"] is not None and a["recovered"] != "true":
+            problems.append(f"calm #{i} looped and was not recovered: {brief(a)}")
     # The answers that were not retried end normally and do not loop.
-    for a in calm:
-        assert a["finish"] in ("stop", "length") and a["text"], report
-        if a["attempts"] is None:
-            assert loop_in(a["text"]) is None, report
+    for i, a in enumerate(calm):
+        if a["finish"] not in ("stop", "length") or not a["text"]:
+            problems.append(f"calm #{i} did not end normally: {brief(a)}")
+        elif a["attempts"] is None and loop_in(a["text"]) is not None:
+            problems.append(f"calm #{i} looped unnoticed: {brief(a)}")
+    return problems
 
 
 def loop_in(text: str) -> Trigger | None:
