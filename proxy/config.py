@@ -191,6 +191,8 @@ class ServerConfig(_Section):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     admin_token: str | None = Field(default=None, min_length=16)  # bearer token for /detproxy/*
     admin_port: int | None = Field(default=None, ge=0, le=65535)  # a separate admin listener
+    # How long a browser's login (the admin token exchanged for a cookie) lasts.
+    session_ttl_s: int = Field(default=12 * 3600, ge=60, le=30 * 86400)
     # auto: uvloop where it can be imported, else asyncio's own loop.
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     # The garbage collector once serving (proxy/collector.py): start-up's objects frozen out of

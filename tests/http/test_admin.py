@@ -1,15 +1,22 @@
-"""Who may see /detproxy/*: a bearer token, and a separate admin listener."""
+"""Who may see /detproxy/*: a bearer token, a browser's session cookie, a separate admin
+listener."""
 
 from __future__ import annotations
 
+import re
+from html import unescape
+from http.cookies import SimpleCookie
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers import detproxy_serve, free_port
 
 TOKEN = "s3cret-admin-token-0123"
+AUTH_HEADER = {"Authorization": f"Bearer {TOKEN}"}
 
 
 async def test_bearer_token_guards_admin_endpoints_but_not_health(make_proxy: Any) -> None:
@@ -79,3 +86,238 @@ def test_the_guard_is_installed_only_where_there_is_something_to_guard() -> None
     assert admin_middlewares(ServerConfig()) == []
     assert len(admin_middlewares(ServerConfig(admin_token=TOKEN))) == 1
     assert len(admin_middlewares(ServerConfig(admin_port=9090))) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# A browser's login: the token for a session cookie
+
+
+def _hidden(html: str, name: str) -> str:
+    found = re.search(rf'<input type="hidden" name="{name}" value="([^"]*)">', html)
+    assert found, f"no hidden field {name!r} in the page: {html[:300]}"
+    return unescape(found.group(1))
+
+
+def _set_cookies(resp: Any) -> dict[str, SimpleCookie]:
+    out: dict[str, SimpleCookie] = {}
+    for header in resp.headers.getall("Set-Cookie", []):
+        jar: SimpleCookie = SimpleCookie()
+        jar.load(header)
+        for name in jar:
+            out[name] = jar
+    return out
+
+
+async def _login_form(client: Any, next_path: str = "/detproxy/ui") -> tuple[str, str]:
+    resp = await client.get("/detproxy/login", params={"next": next_path})
+    html = await resp.text()
+    assert resp.status == 200 and 'id="login"' in html, f"no login page: {resp.status} {html}"
+    return _hidden(html, "csrf"), _hidden(html, "next")
+
+
+async def _login(client: Any, token: str = TOKEN, **headers: str) -> Any:
+    csrf, next_path = await _login_form(client)
+    return await client.post(
+        "/detproxy/login",
+        data={"token": token, "csrf": csrf, "next": next_path},
+        allow_redirects=False,
+        headers=headers,
+    )
+
+
+@pytest.fixture(params=["lean", "aiohttp"])
+def http_server(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def test_a_browser_logs_in_uses_the_explorer_and_logs_out(make_proxy: Any) -> None:
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url, env={"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN})
+        # Without credentials, the explorer sends a browser to the login page, saying where
+        # it was going.
+        resp = await client.get("/detproxy/ui?model=m1", allow_redirects=False)
+        assert resp.status == 303, f"the explorer without credentials answered {resp.status}"
+        assert resp.headers["Location"] == "/detproxy/login?next=%2Fdetproxy%2Fui%3Fmodel%3Dm1"
+        resp = await client.get(resp.headers["Location"])
+        html = await resp.text()
+        assert resp.status == 200 and 'name="token"' in html
+        assert _hidden(html, "next") == "/detproxy/ui?model=m1"
+        assert "frame-ancestors 'none'" in resp.headers["Content-Security-Policy"]
+        login_cookie = _set_cookies(resp)["detproxy_login"]["detproxy_login"]
+        assert login_cookie["httponly"] and login_cookie["samesite"] == "Strict"
+        assert login_cookie["path"] == "/detproxy/login"
+        # A wrong token: the page again, with an error, 401, no session.
+        resp = await _login(client, "wrong-token-0123456789")
+        assert resp.status == 401, f"a wrong token answered {resp.status}"
+        assert "Wrong token" in await resp.text()
+        assert "detproxy_session" not in _set_cookies(resp)
+        # The right one (pasted with a newline): a cookie that is not the token, and back.
+        resp = await _login(client, TOKEN + "\n")
+        assert resp.status == 303, f"the right token answered {resp.status}: {await resp.text()}"
+        assert resp.headers["Location"] == "/detproxy/ui"
+        cookie = _set_cookies(resp)["detproxy_session"]["detproxy_session"]
+        assert TOKEN not in cookie.value and len(cookie.value) > 40
+        assert cookie["httponly"] and cookie["samesite"] == "Strict" and not cookie["secure"]
+        assert cookie["path"] == "/detproxy/" and cookie["max-age"] == str(12 * 3600)
+        # The cookie opens the explorer (with a log-out button) and the JSON and metrics.
+        resp = await client.get("/detproxy/ui")
+        html = await resp.text()
+        assert resp.status == 200 and 'id="logout"' in html, f"{resp.status}: {html[:300]}"
+        csrf = _hidden(html, "csrf")
+        for path in ("/detproxy/metrics", "/detproxy/incidents", "/detproxy/status"):
+            assert (await client.get(path)).status == 200, f"{path} refused the session cookie"
+        # Already logged in: the login page sends the browser on.
+        resp = await client.get("/detproxy/login?next=/detproxy/status", allow_redirects=False)
+        assert (resp.status, resp.headers["Location"]) == (303, "/detproxy/status")
+        # A bearer header decides on its own: a wrong one is refused, cookie or not.
+        resp = await client.get("/detproxy/metrics", headers={"Authorization": "Bearer nope"})
+        assert resp.status == 401
+        # Log-out needs the session's CSRF token, from this site.
+        resp = await client.post("/detproxy/logout", allow_redirects=False)
+        assert resp.status == 403, f"a log-out without its CSRF token answered {resp.status}"
+        resp = await client.post(
+            "/detproxy/logout",
+            data={"csrf": csrf},
+            headers={"Sec-Fetch-Site": "cross-site"},
+            allow_redirects=False,
+        )
+        assert resp.status == 403, f"a cross-site log-out answered {resp.status}"
+        assert (await client.get("/detproxy/ui")).status == 200, "still logged in"
+        resp = await client.post("/detproxy/logout", data={"csrf": csrf}, allow_redirects=False)
+        assert (resp.status, resp.headers["Location"]) == (303, "/detproxy/login")
+        assert _set_cookies(resp)["detproxy_session"]["detproxy_session"]["max-age"] == "0"
+        resp = await client.get("/detproxy/ui", allow_redirects=False)
+        assert resp.status == 303, "the explorer opened after log-out"
+        assert (await client.get("/detproxy/metrics")).status == 401
+
+
+async def test_login_is_csrf_safe_and_goes_only_to_local_paths(make_proxy: Any) -> None:
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url, env={"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN})
+        # A form posted from another site: refused, token or not.
+        resp = await _login(client, **{"Sec-Fetch-Site": "cross-site"})
+        assert resp.status == 403 and "detproxy_session" not in _set_cookies(resp)
+        # A form without the login page's cookie (a forged one, or cookies off): refused.
+        csrf, _ = await _login_form(client)
+        client.session.cookie_jar.clear()
+        resp = await client.post(
+            "/detproxy/login", data={"token": TOKEN, "csrf": csrf}, allow_redirects=False
+        )
+        assert resp.status == 403, f"a login without the login cookie answered {resp.status}"
+        assert "detproxy_session" not in _set_cookies(resp)
+        # next= elsewhere: the explorer instead.
+        for evil in ("https://evil.example/", "//evil.example/x", "/detproxy/../v1/models"):
+            client.session.cookie_jar.clear()
+            csrf, next_path = await _login_form(client, evil)
+            assert next_path == "/detproxy/ui"
+            resp = await client.post(
+                "/detproxy/login",
+                data={"token": TOKEN, "csrf": csrf, "next": evil},
+                allow_redirects=False,
+            )
+            assert (resp.status, resp.headers["Location"]) == (303, "/detproxy/ui"), evil
+        # A form far larger than a token: not read.
+        client.session.cookie_jar.clear()
+        csrf, _ = await _login_form(client)
+        resp = await client.post(
+            "/detproxy/login", data={"token": "x" * 20_000, "csrf": csrf}, allow_redirects=False
+        )
+        assert resp.status == 413, f"a 20 kB login form answered {resp.status}"
+        # Over https (a TLS-terminating ingress says so): the cookie is Secure.
+        client.session.cookie_jar.clear()
+        csrf, _ = await _login_form(client)
+        resp = await client.post(
+            "/detproxy/login",
+            data={"token": TOKEN, "csrf": csrf},
+            headers={"X-Forwarded-Proto": "https"},
+            allow_redirects=False,
+        )
+        assert resp.status == 303
+        assert _set_cookies(resp)["detproxy_session"]["detproxy_session"]["secure"]
+
+
+async def test_other_unsafe_requests_with_the_cookie_need_its_csrf_token(make_proxy: Any) -> None:
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url, env={"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN})
+        assert (await _login(client)).status == 303
+        csrf = _hidden(await (await client.get("/detproxy/ui")).text(), "csrf")
+        for method in ("POST", "DELETE", "PUT"):
+            resp = await client.request(method, "/detproxy/incidents")
+            assert resp.status == 403, f"a {method} with the cookie alone answered {resp.status}"
+            # Past the guard, the endpoint answers as it answers a bearer request (it takes
+            # only GET: the catch-all's 404).
+            bearer = await client.request(method, "/detproxy/incidents", headers=AUTH_HEADER)
+            resp = await client.request(
+                method, "/detproxy/incidents", headers={"X-Detproxy-Csrf": csrf}
+            )
+            assert resp.status == bearer.status != 403, (
+                f"a {method} with its CSRF token answered {resp.status}, with the bearer token"
+                f" {bearer.status}"
+            )
+        # The token as a form's field does as well; a wrong one does not.
+        resp = await client.post("/detproxy/incidents", data={"csrf": csrf})
+        assert resp.status == 404, f"a form with its CSRF token answered {resp.status}"
+        resp = await client.post("/detproxy/incidents", data={"csrf": "x" * len(csrf)})
+        assert resp.status == 403, f"a form with a wrong CSRF token answered {resp.status}"
+
+
+async def test_wrong_tokens_are_rate_limited(make_proxy: Any) -> None:
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url, env={"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN})
+        for attempt in range(10):
+            resp = await _login(client, f"wrong-token-{attempt:04d}-xxxxxxxx")
+            assert resp.status == 401, f"wrong token {attempt + 1} answered {resp.status}"
+        resp = await _login(client)  # even the right one, until a minute has passed
+        assert resp.status == 429, f"an 11th try within a minute answered {resp.status}"
+        assert 1 <= int(resp.headers["Retry-After"]) <= 61
+        assert "Too many wrong tokens" in await resp.text()
+        assert "detproxy_session" not in _set_cookies(resp)
+        # Scripts with the bearer token are not locked out.
+        assert (await client.get("/detproxy/metrics", headers=AUTH_HEADER)).status == 200
+
+
+async def test_without_an_admin_token_there_is_no_login(make_proxy: Any) -> None:
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url)
+        assert (await client.get("/detproxy/ui")).status == 200
+        assert (await client.get("/detproxy/login")).status == 404
+        html = await (await client.get("/detproxy/ui")).text()
+        assert 'id="logout"' not in html, "a log-out button where there is no login"
+        resp = await client.get("/detproxy/ui", headers=AUTH_HEADER)  # with the bearer token
+        assert 'id="logout"' not in await resp.text()
+
+
+async def test_a_login_cookie_works_on_every_worker(tmp_path: Path) -> None:
+    """serve --workers 2: a cookie one worker made is good on the other (the kernel picks a
+    worker per connection; status says which answered)."""
+    port = free_port()
+    async with (
+        EmulatorServer() as emu,
+        detproxy_serve(
+            emu.url,
+            "--workers",
+            "2",
+            port=port,
+            env={"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN},
+        ) as (base, _),
+        aiohttp.ClientSession(
+            cookie_jar=aiohttp.CookieJar(unsafe=True),
+            connector=aiohttp.TCPConnector(force_close=True),  # a connection per request
+        ) as http,
+    ):
+        async with http.get(base + "/detproxy/login") as resp:
+            html = await resp.text()
+        async with http.post(
+            base + "/detproxy/login",
+            data={"token": TOKEN, "csrf": _hidden(html, "csrf"), "next": "/detproxy/status"},
+            allow_redirects=False,
+        ) as resp:
+            assert resp.status == 303, f"login answered {resp.status}"
+        seen: dict[int, int] = {}
+        for _ in range(300):
+            async with http.get(base + "/detproxy/status") as resp:
+                assert resp.status == 200, f"a worker refused the cookie: {resp.status}"
+                seen[(await resp.json())["worker"]["index"]] = resp.status
+            if len(seen) == 2:
+                break
+        assert len(seen) == 2, f"only workers {sorted(seen)} answered in 300 connections"

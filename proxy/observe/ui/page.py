@@ -10,6 +10,8 @@ from html import escape
 from urllib.parse import quote, urlencode
 
 UI_PATH = "/detproxy/ui"
+LOGIN_PATH = "/detproxy/login"  # with server.admin_token: a browser's login (proxy/http/admin.py)
+LOGOUT_PATH = "/detproxy/logout"
 
 CSS = """
 :root{--fg:#1d2125;--muted:#5c6670;--bg:#fff;--panel:#f5f6f8;--line:#d8dce0;--link:#0b5cad;
@@ -21,6 +23,9 @@ background:var(--bg);margin:0}
 header.top{background:#22282e;color:#fff;padding:8px 18px;display:flex;gap:18px;align-items:center}
 header.top a{color:#fff;text-decoration:none;font-weight:600}
 header.top .src{color:#aab3bc;font-size:12px}
+header.top form.logout{margin:0 0 0 auto}
+header.top form.logout button{background:none;color:#fff;border:1px solid #6c7680;
+border-radius:4px;padding:2px 10px;font:inherit;font-size:12px;cursor:pointer}
 main{padding:12px 18px;max-width:1400px}
 a{color:var(--link)}
 h1{font-size:20px;margin:8px 0}h2{font-size:16px;margin:18px 0 6px}
@@ -113,9 +118,11 @@ def esc(value: object) -> str:
 @dataclass(frozen=True, slots=True)
 class Links:
     """Where the pages point: a live server's paths (``base``), or ``None``: anchors in one
-    report file (the list filters in the page itself then)."""
+    report file (the list filters in the page itself then). ``logout_csrf``: a browser logged
+    in with a session cookie gets a log-out button, whose form carries this token."""
 
     base: str | None = UI_PATH
+    logout_csrf: str | None = None
 
     @property
     def in_file(self) -> bool:
@@ -146,6 +153,13 @@ def new_nonce() -> str:
 def document(title: str, body: str, nonce: str, source: str, links: Links) -> str:
     cls = "report" if links.in_file else "live"
     home = "#" if links.in_file else links.overview()
+    logout = ""
+    if links.logout_csrf is not None:
+        logout = (
+            f'<form class="logout" id="logout" method="post" action="{LOGOUT_PATH}">'
+            f'<input type="hidden" name="csrf" value="{esc(links.logout_csrf)}">'
+            '<button type="submit">Log out</button></form>'
+        )
     return (
         "<!doctype html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
@@ -153,6 +167,6 @@ def document(title: str, body: str, nonce: str, source: str, links: Links) -> st
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
         f"<title>{esc(title)}</title><style>{CSS}</style></head>"
         f'<body class="{cls}"><header class="top"><a href="{esc(home)}">detproxy incidents</a>'
-        f'<span class="src">{esc(source)}</span></header><main>{body}</main>'
+        f'<span class="src">{esc(source)}</span>{logout}</header><main>{body}</main>'
         f'<script nonce="{esc(nonce)}">{SCRIPT}</script></body></html>\n'
     )

@@ -1,6 +1,7 @@
 """``/detproxy/ui``: the explorer served live from the incident ring, the tally and the live
 history. Under ``/detproxy/``, so the admin guard applies to it as to every admin endpoint
-(the admin listener only, the bearer token)."""
+(the admin listener only, the bearer token, or a browser's session cookie: proxy/http/admin.py,
+which redirects a browser without either to its login page)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import cast
 from aiohttp import web
 
 from proxy.events import EventBus
+from proxy.http.admin import session_csrf
 from proxy.observe.incidents import IncidentLog
 from proxy.observe.status import AuditTally
 from proxy.observe.ui.filters import FilterError, parse_filter
@@ -68,31 +70,38 @@ class Explorer:
             source="live",
         )
 
-    def _error(self, status: int, message: str) -> web.Response:
+    def _links_for(self, request: web.Request) -> Links:
+        """A browser logged in with a session cookie gets a log-out button."""
+        csrf = session_csrf(request)
+        return self._links if csrf is None else Links(UI_PATH, logout_csrf=csrf)
+
+    def _error(self, request: web.Request, status: int, message: str) -> web.Response:
         nonce = new_nonce()
-        return _html(error_page(status, message, self._links, nonce), nonce, status)
+        page = error_page(status, message, self._links_for(request), nonce)
+        return _html(page, nonce, status)
 
     async def overview(self, request: web.Request) -> web.Response:
         try:
             wanted = parse_filter(request.query.items())
         except FilterError as exc:
-            return self._error(400, f"bad query parameter {exc.param}: {exc}")
+            return self._error(request, 400, f"bad query parameter {exc.param}: {exc}")
         nonce = new_nonce()
-        return _html(
-            overview_page(build_overview(self.inputs(), wanted), self._links, nonce), nonce
-        )
+        links = self._links_for(request)
+        return _html(overview_page(build_overview(self.inputs(), wanted), links, nonce), nonce)
 
     async def incident(self, request: web.Request) -> web.Response:
         wanted = request.match_info["incident_id"]
         if not _ID.fullmatch(wanted):
-            return self._error(400, "an incident id is 16 lowercase hex digits")
+            return self._error(request, 400, "an incident id is 16 lowercase hex digits")
         for record in self._incidents.recent(ALL):
             if incident_id(record) == wanted:
                 detail = detail_of(record)
                 if detail is not None:
                     nonce = new_nonce()
-                    return _html(incident_page(detail, self._links, nonce, "live"), nonce)
+                    page = incident_page(detail, self._links_for(request), nonce, "live")
+                    return _html(page, nonce)
         return self._error(
+            request,
             404,
             f"no incident {wanted} in the ring (it keeps the newest; older ones are in the"
             " incident log file: detproxy report --html)",

@@ -55,6 +55,16 @@ class Page:
         await self.send("Page.navigate", url=url)
         await self.wait_event("Page.loadEventFired")
 
+    async def reload(self) -> None:
+        self._events.clear()
+        await self.send("Page.reload")
+        await self.wait_event("Page.loadEventFired")
+
+    async def type_into(self, selector: str, text: str) -> None:
+        """Focus the field and type ``text`` as a keyboard would."""
+        await self.js(f"document.querySelector({selector!r}).focus()")
+        await self.send("Input.insertText", text=text)
+
     async def js(self, expression: str) -> Any:
         result = await self.send("Runtime.evaluate", expression=expression, returnByValue=True)
         if "exceptionDetails" in result:

@@ -3,6 +3,7 @@ the emulator: the DOM after the page's script ran, real clicks, a screenshot's p
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.tools.report.cli import main as report_main
 from tests.observe.ui.browser import CHROMIUM, chromium
-from tests.observe.ui.live import AUTH, EVIL_PROMPT, env, make_incidents
+from tests.observe.ui.live import AUTH, EVIL_PROMPT, TOKEN, env, make_incidents
 from tests.observe.ui.png import read_png
 
 pytestmark = pytest.mark.skipif(
@@ -137,3 +138,52 @@ async def test_the_html_report_opens_offline_without_stored_text(
         bars = await page.js(f"document.querySelectorAll('#{target[1:]} rect.topk-bar').length")
         assert bars > 2
     print(f"\nbrowser steps: {time.monotonic() - started:.2f} s")
+
+
+async def test_a_browser_logs_in_with_the_admin_token_and_out(
+    make_proxy: Any, emulator: EmulatorServer, tmp_path: Path
+) -> None:
+    """No bearer header this time: the browser gets the login page, the token pasted into it
+    buys a session cookie, the explorer opens and stays open on reload, log-out ends it."""
+    client = await make_proxy(emulator.url, env=env(store_text=True))
+    await make_incidents(client)
+    ui = str(client.make_url("/detproxy/ui"))
+    async with chromium(tmp_path / "profile") as page:
+        await page.goto(f"{ui}?model=emulator-model")
+        assert await page.js("location.pathname") == "/detproxy/login", "no login page"
+        assert await page.js("document.querySelector('#login input[name=next]').value") == (
+            "/detproxy/ui?model=emulator-model"
+        )
+        # a wrong token: the page again, saying so
+        await page.type_into("#token", "not-the-token-0123456789")
+        await page.click("#login button")
+        error = await page.js("document.getElementById('error')?.textContent")
+        assert error == "Wrong token.", f"after a wrong token the page said {error!r}"
+        await page.type_into("#token", TOKEN)
+        await page.click("#login button")
+        assert await page.js("location.pathname + location.search") == (
+            "/detproxy/ui?model=emulator-model"
+        ), "login did not go back to where the browser was going"
+        rows = await page.js("document.querySelectorAll('#incidents tbody tr').length")
+        assert rows >= 3, f"the incident list has {rows} rows after login"
+        cookies = (await page.send("Network.getCookies"))["cookies"]
+        session = next(c for c in cookies if c["name"] == "detproxy_session")
+        assert session["httpOnly"] and session["sameSite"] == "Strict"
+        assert session["path"] == "/detproxy/" and TOKEN not in session["value"]
+        assert "detproxy_session" not in await page.js("document.cookie")  # HttpOnly
+        # a reload: still logged in
+        await page.reload()
+        assert await page.js("location.pathname") == "/detproxy/ui"
+        assert await page.js("document.querySelectorAll('#incidents tbody tr').length") == rows
+        # the JSON and the metrics open in the browser too (the page itself fetches nothing)
+        await page.goto(str(client.make_url("/detproxy/incidents")))
+        listed = json.loads(await page.js("document.body.innerText"))
+        assert len(listed) == rows, f"the incidents JSON in the browser: {listed!r:.200}"
+        await page.goto(str(client.make_url("/detproxy/metrics")))
+        assert "detproxy_requests_total" in await page.js("document.body.innerText")
+        await page.goto(ui)
+        # log out: back to the login page, and the explorer asks again
+        await page.click("#logout button")
+        assert await page.js("location.pathname") == "/detproxy/login", "log-out went elsewhere"
+        await page.goto(ui)
+        assert await page.js("location.pathname") == "/detproxy/login", "still logged in"
