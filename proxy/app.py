@@ -367,6 +367,7 @@ async def _status(request: web.Request) -> web.Response:
             "audit": app[TALLY].snapshot(),
             "shadow": _shadow_status(app[RUNTIME].scheduler),
             "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
+            "upstream_state": _upstream_state(app[RUNTIME].fingerprint),
             "passive_pending": _passive_pending(app[RUNTIME].auditor),
             "injection": app[RUNTIME].forwarder.guard.snapshot(),
             "recovery_budget": app[RUNTIME].recovery_budget.snapshot(),
@@ -395,6 +396,12 @@ def _fingerprint_status(poller: FingerprintPoller | None) -> dict[str, Any] | No
         "load": dict(fp.load),
         "read_at": fp.read_at,
     }
+
+
+def _upstream_state(poller: FingerprintPoller | None) -> dict[str, Any] | None:
+    """up | down | waiting (not up yet since detproxy started) | unknown (not read yet),
+    since when, why, and the changes and restarts counted; None without a poller."""
+    return poller.state() if poller is not None else None
 
 
 def _passive_pending(auditor: Auditor | None) -> int:

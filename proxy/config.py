@@ -179,6 +179,17 @@ def _http_url(value: str) -> str:
     return str(url).rstrip("/")
 
 
+def _api_root(value: str) -> str:
+    """An upstream's root URL. detproxy adds ``/v1/...`` itself, so the openai SDK's base URL
+    (``http://host:8000/v1``) would send every request to ``/v1/v1/...``, answered 404."""
+    url = _http_url(value)
+    path = URL(url).path
+    if path.endswith("/v1"):
+        root = str(URL(url).with_user(None).with_path(path[: -len("/v1")] or "/")).rstrip("/")
+        raise ValueError(f"ends in /v1: detproxy adds /v1/... itself; use {root}")
+    return url
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -224,7 +235,7 @@ class UpstreamConfig(_Section):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        return _http_url(value)
+        return _api_root(value)
 
 
 class ClassifyConfig(_Section):
@@ -279,7 +290,7 @@ class AuditConfig(_Section):
     @field_validator("reference_url")
     @classmethod
     def _reference(cls, value: str | None) -> str | None:
-        return None if value is None else _http_url(value)
+        return None if value is None else _api_root(value)
 
     @field_validator("answer_extractor")
     @classmethod

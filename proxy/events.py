@@ -223,6 +223,28 @@ class UpstreamFingerprinted:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamUnreachable:
+    """The upstream stopped saying what it is (refused, timed out, loading, or none of its
+    identity endpoints answered): once per outage, when it starts. ``was_up``: False while
+    detproxy has not read an identity yet (it started before its engine)."""
+
+    reason: str
+    since: float
+    was_up: bool
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamRestarted:
+    """The same identity answered again: after an outage (``down_s``), or with a new process
+    start time (``evidence`` "process_start_time"; else "outage"). A new identity is a
+    change (``UpstreamFingerprinted.changed``), never a restart."""
+
+    fingerprint: Fingerprint
+    down_s: float | None
+    evidence: str
+
+
+@dataclass(frozen=True, slots=True)
 class StreamTimed:
     """How fast a completed stream came, as the client saw it, and how busy detproxy was.
 

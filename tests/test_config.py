@@ -137,3 +137,42 @@ def test_what_other_modules_define_is_checked_at_load(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as exc:
             load_settings(path)
         assert field in str(exc.value) and why in str(exc.value) and str(path) in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "fix"),
+    [
+        ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
+        ("http://127.0.0.1:8000/v1/", "http://127.0.0.1:8000"),
+        ("https://user:secret@gw.example/vllm/v1", "https://gw.example/vllm"),
+    ],
+)
+def test_an_openai_base_url_is_refused_with_the_fix(given: str, fix: str) -> None:
+    """The openai SDK's base URL (``.../v1``): detproxy adds /v1/... itself, so every request
+    would go to /v1/v1/... and answer 404. Refused at start, for the reference too."""
+    expected = f"ends in /v1: detproxy adds /v1/... itself; use {fix}"
+    with pytest.raises(ConfigError, match=r"upstream\.url: .*--upstream") as exc:
+        load_settings(flags={"upstream": given})
+    assert expected in str(exc.value) and "secret" not in str(exc.value), str(exc.value)
+    with pytest.raises(ConfigError, match=r"audit\.reference_url") as exc:
+        load_settings(env={"DETPROXY_AUDIT__REFERENCE_URL": given})
+    assert expected in str(exc.value), str(exc.value)
+
+
+def test_a_gateway_path_is_kept() -> None:
+    settings = load_settings(flags={"upstream": "http://gw:8080/vllm/"})
+    assert settings.upstream.url == "http://gw:8080/vllm"
+    assert load_settings(flags={"upstream": "http://h/v1beta"}).upstream.url == "http://h/v1beta"
+
+
+def test_serve_with_an_openai_base_url_says_the_fix_and_exits_2() -> None:
+    exe = str(Path(sys.executable).with_name("detproxy"))
+    proc = subprocess.run(
+        [exe, "serve", "--upstream", "http://127.0.0.1:1/v1", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "ends in /v1: detproxy adds /v1/... itself; use http://127.0.0.1:1" in proc.stderr

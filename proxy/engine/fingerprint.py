@@ -8,6 +8,10 @@ context, speculative types) and its ``llamacpp:*`` metrics. Whatever an upstream
 simply absent. The identity fields (not the load) hash to a short fingerprint; a new
 fingerprint under the same detproxy is a redeploy or a silent change.
 
+A reading where nothing says what runs (refused, timed out, a server still loading) is an
+outage, not an identity: the last identity is kept across it, and the same one coming back
+is a restart, counted apart from changes (``FingerprintPoller``).
+
 ``speculative`` is what the server says it runs, never what its counters have counted so far
 (a fresh server has drafted nothing): vLLM's ``/server_info`` (``speculative_config``) where it
 answers, llama.cpp's ``speculative.types`` in ``/props``, else whether vLLM exports any
@@ -23,15 +27,17 @@ import logging
 import re
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 import xxhash
+from yarl import URL
 
 from proxy.engine.identity import Fingerprint
 from proxy.engine.promtext import samples
-from proxy.events import EventBus, UpstreamFingerprinted
+from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +61,11 @@ _COUNTERS = {
 # Any series of these prefixes (vLLM V1's counters, V0's gauges) means speculative decoding is on.
 _SPEC_PREFIXES = ("vllm:spec_decode_", "llamacpp:spec_decode_")
 SPEC_SERIES = "spec_decode_series"  # parse_metrics' key: how many such samples were read
+# prometheus_client's process collector (vLLM's API server exports it): when the process began.
+_STARTED = "process_start_time_seconds"
+STARTED = "started_at"  # parse_metrics' key for it
 _WANTED = {name: key for key, names in _COUNTERS.items() for name in names}
-_READ = (*_WANTED, *_SPEC_PREFIXES)  # the lines parse_metrics looks at
+_READ = (*_WANTED, *_SPEC_PREFIXES, _STARTED)  # the lines parse_metrics looks at
 _SPEC_TEXT = re.compile(r"speculative_config=([A-Za-z_]\w*)")
 
 
@@ -65,6 +74,9 @@ def parse_metrics(text: str) -> dict[str, float]:
     speculative-decoding series (present, even at 0, when the server runs it)."""
     totals: dict[str, float] = {}
     for name, value in samples(text, _READ):
+        if name == _STARTED:
+            totals[STARTED] = max(value, totals.get(STARTED, value))
+            continue
         if name.startswith(_SPEC_PREFIXES):
             totals[SPEC_SERIES] = totals.get(SPEC_SERIES, 0.0) + 1
         key = _WANTED.get(name)
@@ -173,8 +185,102 @@ def build(
     return Fingerprint(kind, version_str, tuple(sorted(ids)), identity, load, digest, time.time())
 
 
+# What a reading is worth. Only a complete one is an identity: a failed reading (nothing
+# answers, or the server answers but says nothing of itself yet) is an outage, never a change.
+COMPLETE, PARTIAL, NOT_READY, UNREACHABLE = "complete", "partial", "not_ready", "unreachable"
+IDENTITY_PATHS = ("/version", "/v1/models", "/props")  # the endpoints that say what runs
+# Answers that mean "not now": a gateway without its engine, a server still loading
+# (llama-server answers every path 503 "Loading model" until its model is in).
+TRANSIENT = frozenset({502, 503, 504})
+DOWN_INTERVAL_S = 2.0  # readings while the upstream is down, at most this far apart
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One endpoint's answer. ``status`` None: no HTTP answer (``error`` says why: refused,
+    reset, timed out). ``body``: a 200's JSON (its text, for /metrics), else None."""
+
+    status: int | None
+    body: Any = None
+    error: str = ""
+
+    @property
+    def transient(self) -> bool:
+        return self.status is None or self.status in TRANSIENT
+
+
+def says_what_runs(path: str, body: Any) -> bool:
+    """Whether an identity endpoint's body says something of what runs."""
+    if not isinstance(body, dict):
+        return False
+    if path == "/version":
+        return isinstance(body.get("version"), str)
+    if path == "/v1/models":
+        return isinstance(body.get("data"), list)
+    return isinstance(body.get("build_info"), str)  # llama.cpp's /props
+
+
+def _describe(answers: Mapping[str, Answer], paths: tuple[str, ...]) -> str:
+    """The answers of ``paths`` in words, grouped: "HTTP 503 on /version, /props"."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        answer = answers[path]
+        what = (answer.error or "no answer") if answer.status is None else f"HTTP {answer.status}"
+        groups.setdefault(what, []).append(path)
+    return "; ".join(f"{what} on {', '.join(where)}" for what, where in groups.items())
+
+
+def assess(answers: Mapping[str, Answer]) -> tuple[str, str]:
+    """What a reading is worth, and why in words.
+
+    ``complete``: at least one identity endpoint (``/version``, ``/v1/models``, ``/props``)
+    answered 200 with a body that says what runs, and none of the others failed in a way
+    that may pass (no answer, 502, 503, 504): an identity. ``partial``: some said, but one
+    that may hold part of the identity did not answer this time (a timeout under load): not
+    an identity, and no outage either. ``not_ready``: answers, none of them an identity (a
+    server loading, a gateway without its engine, a URL with a wrong path): an outage.
+    ``unreachable``: no HTTP answer at all (refused, reset, timed out): an outage.
+    """
+    said = [p for p in IDENTITY_PATHS if answers[p].status == 200]
+    said = [p for p in said if says_what_runs(p, answers[p].body)]
+    if all(answers[p].status is None for p in IDENTITY_PATHS):
+        return UNREACHABLE, answers["/v1/models"].error or "no answer"
+    if not said:
+        return NOT_READY, _describe(answers, IDENTITY_PATHS)
+    failed = tuple(p for p in IDENTITY_PATHS if answers[p].transient)
+    if failed:
+        return PARTIAL, _describe(answers, failed)
+    return COMPLETE, ""
+
+
+def _error(exc: BaseException, timeout_s: float | None) -> str:
+    """A failed request in a few words (no stack, no repr of the session)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {timeout_s:g} s" if timeout_s else "timed out"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc.os_error, ConnectionRefusedError):
+            return "connection refused"
+        return f"cannot connect ({exc.os_error.strerror or type(exc.os_error).__name__})"
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return "connection closed before an answer"
+    return type(exc).__name__
+
+
+def _plain_url(url: str) -> str:
+    """The URL as logged: without user and password."""
+    return str(URL(url).with_user(None)).rstrip("/")
+
+
 class FingerprintPoller:
-    """Reads the upstream's fingerprint now and every ``interval_s``; publishes each reading."""
+    """Reads the upstream's fingerprint now and every ``interval_s``; publishes what it finds.
+
+    A complete reading is an identity (``UpstreamFingerprinted``; ``changed`` when it differs
+    from the last identity). A failed one starts an outage (``UpstreamUnreachable``, once);
+    the last identity is kept across it. The same identity after an outage, or with a new
+    ``process_start_time_seconds`` (vLLM's /metrics; llama-server exports none), is a
+    restart (``UpstreamRestarted``); after an outage with the same process start time, the
+    engine was only out of detproxy's reach. A new identity is a change, outage or not.
+    """
 
     def __init__(
         self,
@@ -186,48 +292,174 @@ class FingerprintPoller:
     ) -> None:
         self._session = session
         self._base = base_url.rstrip("/")
+        self._shown = _plain_url(self._base)
         self._bus = bus
         self._interval = interval_s
+        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self.current: Fingerprint | None = None
+        self.current: Fingerprint | None = None  # the last identity read (complete reading)
         self._counters: dict[str, float] | None = None
+        self._started: float | None = None  # the current identity's process start time
+        self.up: bool | None = None  # None until the first reading
+        self.since = time.time()  # of the current state
+        self.reason = ""  # why it is down
+        self._outage = False  # since the last identity
+        self.restarts = 0
+        self.changes = 0
+        self.outages = 0  # outages after the upstream was up (not the wait before it)
+        self.read_at: float | None = None
+        self.hint: str | None = None  # a URL that looks wrong, said once
 
-    async def _get(self, path: str, as_json: bool = True) -> Any:
+    async def _get(self, path: str, as_json: bool = True) -> Answer:
         try:
             async with self._session.get(self._base + path, timeout=self._timeout) as resp:
                 if resp.status != 200:
-                    return None
+                    return Answer(resp.status)
                 body = await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            log.debug("fingerprint: %s%s unavailable: %r", self._base, path, exc)
-            return None
+            error = _error(exc, self._timeout_s)
+            log.debug("fingerprint: %s%s unavailable: %s", self._shown, path, error)
+            return Answer(None, error=error)
         if not as_json:
-            return body.decode("utf-8", "replace")
+            return Answer(200, body.decode("utf-8", "replace"))
         try:
-            return orjson.loads(body)
+            return Answer(200, orjson.loads(body))
         except orjson.JSONDecodeError:
-            return None
+            return Answer(200)
 
     async def poll(self) -> Fingerprint:
-        version, models, props, metrics, server_info = await asyncio.gather(
-            self._get("/version"),
-            self._get("/v1/models"),
-            self._get("/props"),
-            self._get("/metrics", as_json=False),
-            self._get("/server_info?config_format=json"),  # vLLM with VLLM_SERVER_DEV_MODE=1
+        """One reading; returns it when it is an identity, else the last identity (else the
+        failed reading, kind "unknown", when none was ever read)."""
+        paths = (*IDENTITY_PATHS, "/metrics", "/server_info?config_format=json")
+        answers = dict(
+            zip(
+                paths,
+                await asyncio.gather(
+                    self._get("/version"),
+                    self._get("/v1/models"),
+                    self._get("/props"),
+                    self._get("/metrics", as_json=False),
+                    self._get(paths[4]),  # vLLM with VLLM_SERVER_DEV_MODE=1
+                ),
+                strict=True,
+            )
         )
+        metrics = answers["/metrics"].body
         counters = parse_metrics(metrics) if isinstance(metrics, str) else {}
         before = self.current.identity.get("speculative") if self.current else None
-        fp = build(version, models, props, counters, self._counters, server_info, before)
-        self._counters = counters
+        bodies = [answers[p].body for p in (*IDENTITY_PATHS, paths[4])]
+        fp = build(bodies[0], bodies[1], bodies[2], counters, self._counters, bodies[3], before)
+        worth, reason = assess(answers)
+        now = self.read_at = time.time()
+        await self._check_prefix(answers)
+        if worth in (UNREACHABLE, NOT_READY):
+            self._down(reason, now)
+        elif worth == PARTIAL:
+            log.debug("fingerprint: %s read in part (%s): identity kept", self._shown, reason)
+        else:
+            self._counters = counters
+            self._identified(fp, counters.get(STARTED), now)
+            return fp
+        return self.current or fp
+
+    def _down(self, reason: str, now: float) -> None:
+        self._outage = True
+        if self.up is False:
+            return  # said when it started
+        was_up = self.up is True
+        self.up, self.since, self.reason = False, now, reason
+        self._bus.publish(UpstreamUnreachable(reason, now, was_up))
+        if was_up:
+            self.outages += 1
+            log.warning("upstream %s down: %s; waiting for it to answer", self._shown, reason)
+        else:
+            log.info("waiting for upstream %s: %s", self._shown, reason)
+
+    def _identified(self, fp: Fingerprint, started: float | None, now: float) -> None:
         previous, self.current = self.current, fp
+        was_down = self.up is False
+        down_s = now - self.since if was_down else None
         changed = previous is not None and previous.fingerprint != fp.fingerprint
+        restart = None
+        if previous is not None and not changed:
+            if started is not None and self._started is not None:
+                if abs(started - self._started) > 0.5:
+                    restart = "process_start_time"
+            elif self._outage:
+                restart = "outage"
+        if started is not None or changed or restart:
+            self._started = started  # else kept: this reading could not read /metrics
+        if self.up is not True:
+            self.up, self.since, self.reason = True, now, ""
+        outage, self._outage = self._outage, False
+        after = f" after {down_s:.0f} s down" if down_s is not None else ""
+        if changed:
+            self.changes += 1
+        elif restart:
+            self.restarts += 1
         self._bus.publish(UpstreamFingerprinted(fp, previous, changed))
         if changed:
             log.warning(
-                "upstream changed: %s -> %s", previous.summary() if previous else None, fp.summary()
+                "upstream changed%s: %s -> %s",
+                after,
+                previous.summary() if previous else None,
+                fp.summary(),
             )
-        return fp
+        elif restart:
+            self._bus.publish(UpstreamRestarted(fp, down_s, restart))
+            how = after or " with a new process start time"
+            version = f" {fp.version}" if fp.version else ""
+            log.warning(
+                "upstream %s restarted: the same identity (%s%s) back%s",
+                self._shown,
+                fp.kind,
+                version,
+                how,
+            )
+        elif outage and previous is not None:
+            log.warning(
+                "upstream %s answers again%s, the same process (not restarted)", self._shown, after
+            )
+        elif was_down:
+            log.debug("upstream %s answers%s", self._shown, after)
+
+    async def _check_prefix(self, answers: Mapping[str, Answer]) -> None:
+        """A URL with the API's prefix in it (``http://host:8000/v1``, the openai SDK's base
+        URL): detproxy asks ``<url>/v1/models``, which is 404, while ``<url>/models`` answers.
+        Said once, in the log and in ``state()``."""
+        if self.hint is not None or answers["/v1/models"].status != 404:
+            return
+        path = URL(self._base).path.rstrip("/")
+        if not path:
+            return
+        alt = await self._get("/models")
+        if alt.status == 200 and says_what_runs("/v1/models", alt.body):
+            root = _plain_url(self._base[: self._base.rstrip("/").rfind("/")])
+            self.hint = (
+                f"upstream URL {self._shown} looks like an API base URL: {self._shown}/models"
+                f" answers but {self._shown}/v1/models is 404; detproxy adds /v1/... itself:"
+                f" use {root}"
+            )
+            log.warning("%s", self.hint)
+
+    def state(self) -> dict[str, Any]:
+        """For /detproxy/status: up or down since when, why, and what was counted."""
+        if self.up is None:
+            state = "unknown"  # not read yet
+        elif self.up:
+            state = "up"
+        else:
+            state = "down" if self.current is not None else "waiting"
+        return {
+            "state": state,
+            "since": self.since,
+            "reason": self.reason or None,
+            "last_reading_at": self.read_at,
+            "changes": self.changes,
+            "restarts": self.restarts,
+            "outages": self.outages,
+            "hint": self.hint,
+        }
 
     async def run(self) -> None:
         while True:
@@ -235,4 +467,7 @@ class FingerprintPoller:
                 await self.poll()
             except Exception:  # a reading that fails must not stop the next one
                 log.exception("fingerprint poll failed")
-            await asyncio.sleep(self._interval)
+            # While it is down (or not up yet), read it more often: it is back, and up,
+            # within seconds rather than a whole interval.
+            down = self.up is not True
+            await asyncio.sleep(min(self._interval, DOWN_INTERVAL_S) if down else self._interval)

@@ -18,7 +18,13 @@ import orjson
 from aiohttp import web
 
 from proxy.config import IncidentConfig
-from proxy.events import AuditCompleted, EventBus, LoopDetected, UpstreamFingerprinted
+from proxy.events import (
+    AuditCompleted,
+    EventBus,
+    LoopDetected,
+    UpstreamFingerprinted,
+    UpstreamRestarted,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +103,7 @@ class IncidentLog:
         bus.subscribe(AuditCompleted, self._on_audit)
         bus.subscribe(LoopDetected, self._on_loop)
         bus.subscribe(UpstreamFingerprinted, self._on_fingerprint)
+        bus.subscribe(UpstreamRestarted, self._on_restart)
 
     def _on_fingerprint(self, ev: UpstreamFingerprinted) -> None:
         self._upstream = ev.fingerprint.summary()
@@ -109,6 +116,18 @@ class IncidentLog:
                     "after": self._upstream | {"identity": ev.fingerprint.identity},
                 }
             )
+
+    def _on_restart(self, ev: UpstreamRestarted) -> None:
+        # The same identity back: not a change; kept so that audits after it can be read
+        # against it. Only a change of identity is an "upstream_change".
+        self.record(
+            {
+                "kind": "upstream_restart",
+                "ts": ev.fingerprint.read_at,
+                "down_s": ev.down_s,
+                "evidence": ev.evidence,
+            }
+        )
 
     def _on_loop(self, ev: LoopDetected) -> None:
         self.record(loop_incident(ev, self._config.store_text))

@@ -35,6 +35,8 @@ from proxy.events import (
     StreamTimed,
     UpstreamFailed,
     UpstreamFingerprinted,
+    UpstreamRestarted,
+    UpstreamUnreachable,
 )
 from proxy.observe.hot import CounterFamily, HistogramFamily
 
@@ -173,8 +175,17 @@ class _UpstreamCollector:
 
     def __init__(self) -> None:
         self.current: Fingerprint | None = None
+        self.up: bool | None = None  # None: not read yet, or never read (no poller)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
+        up = GaugeMetricFamily(
+            "detproxy_upstream_up",
+            "1 while the upstream's readings say what it runs, 0 while they do not"
+            " (refused, timed out, loading); no sample before the first reading",
+        )
+        if self.up is not None:
+            up.add_metric([], int(self.up))
+        yield up
         fp = self.current
         if fp is None:
             return
@@ -329,7 +340,13 @@ class Metrics:
         )
         self.upstream_changes = Counter(
             "detproxy_upstream_changes",
-            "Changes of the upstream's fingerprint (redeploys)",
+            "Changes of the upstream's fingerprint between two readings that said what it runs"
+            " (redeploys); never an outage or a restart",
+            registry=registry,
+        )
+        self.upstream_restarts = Counter(
+            "detproxy_upstream_restarts",
+            "The same upstream identity back after an outage or with a new process start time",
             registry=registry,
         )
         self.upstream = _UpstreamCollector()
@@ -445,6 +462,8 @@ class Metrics:
         bus.subscribe(LoopDetected, self._loop)
         bus.subscribe(PolicyActed, self._policy)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
+        bus.subscribe(UpstreamUnreachable, self._upstream_down)
+        bus.subscribe(UpstreamRestarted, self._upstream_restarted)
         bus.subscribe(StreamTimed, self._timed)
         bus.subscribe(InjectionFailed, self._injection_failed)
         bus.subscribe(InjectionSuspended, self._injection_suspended)
@@ -496,8 +515,15 @@ class Metrics:
 
     def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
         self.upstream.current = ev.fingerprint
+        self.upstream.up = True
         if ev.changed:
             self.upstream_changes.inc()
+
+    def _upstream_down(self, ev: UpstreamUnreachable) -> None:
+        self.upstream.up = False
+
+    def _upstream_restarted(self, ev: UpstreamRestarted) -> None:
+        self.upstream_restarts.inc()
 
     def _loop(self, ev: LoopDetected) -> None:
         self.loops.labels(self.model(ev.model), ev.trigger.channel, ev.trigger.source).inc()

@@ -1,17 +1,34 @@
-"""What runs behind detproxy: read, exported, stamped on incidents, and changes counted."""
+"""What runs behind detproxy: read, exported, stamped on incidents, and changes counted;
+outages and restarts told apart from changes."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
 from aiohttp import ClientSession, web
+from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
-from proxy.engine.fingerprint import FingerprintPoller, build, parse_metrics
-from proxy.events import EventBus, UpstreamFingerprinted
+from proxy.engine.fingerprint import (
+    COMPLETE,
+    DOWN_INTERVAL_S,
+    NOT_READY,
+    PARTIAL,
+    UNREACHABLE,
+    Answer,
+    FingerprintPoller,
+    assess,
+    build,
+    parse_metrics,
+)
+from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric
+from tests.helpers import free_port, metric
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -239,3 +256,311 @@ async def test_the_emulator_reads_as_vllm(make_proxy: Any, registry: CollectorRe
         await asyncio.sleep(0.05)
         incidents = await (await client.get("/detproxy/incidents")).json()
         assert incidents and all(i["upstream"]["version"] == "0.15.1" for i in incidents)
+
+
+# --------------------------------------------------------------------- outages and restarts
+
+FAST = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
+
+
+async def until(what: str, check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> Any:
+    """``check()``'s first truthy value, polled until a deadline."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = await check()
+        if last:
+            return last
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+
+
+async def upstream_state(client: TestClient[Any, Any]) -> dict[str, Any]:
+    state: dict[str, Any] = (await (await client.get("/detproxy/status")).json())["upstream_state"]
+    return state
+
+
+async def reach(client: TestClient[Any, Any], state: str, restarts: int = 0) -> dict[str, Any]:
+    async def check() -> dict[str, Any] | None:
+        now = await upstream_state(client)
+        return now if now["state"] == state and now["restarts"] >= restarts else None
+
+    reached: dict[str, Any] = await until(f"upstream state {state!r}", check)
+    return reached
+
+
+async def more_readings(client: TestClient[Any, Any], state: dict[str, Any], n: int = 3) -> None:
+    """Until the poller has read the upstream ``n`` more times after ``state``."""
+    seen = state["last_reading_at"]
+    for _ in range(n):
+
+        async def later(after: float = seen) -> float | None:
+            at = (await upstream_state(client))["last_reading_at"]
+            return at if at > after else None
+
+        seen = await until("another reading", later)
+
+
+def counts(registry: CollectorRegistry) -> tuple[float, float, float | None]:
+    """(changes, restarts, up) as exported."""
+    return (
+        metric(registry, "detproxy_upstream_changes_total"),
+        metric(registry, "detproxy_upstream_restarts_total"),
+        registry.get_sample_value("detproxy_upstream_up"),
+    )
+
+
+async def upstream_incidents(client: TestClient[Any, Any]) -> list[str]:
+    incidents = await (await client.get("/detproxy/incidents")).json()
+    return [i["kind"] for i in incidents if i["kind"].startswith("upstream")]
+
+
+async def test_detproxy_started_before_its_engine_counts_no_change(
+    make_proxy: Any, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sidecar layout: detproxy up first, the engine on its port minutes later."""
+    caplog.set_level(logging.INFO, "proxy.engine.fingerprint")
+    port = free_port()
+    client = await make_proxy(f"http://127.0.0.1:{port}", env=FAST)
+    waiting = await reach(client, "waiting")
+    assert waiting["reason"] == "connection refused", waiting
+    assert counts(registry) == (0, 0, 0), "nothing answers: the upstream is down, not changed"
+    status = await (await client.get("/detproxy/status")).json()
+    assert status["upstream_fingerprint"] is None, "a failed reading is no identity"
+    async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
+        up = await reach(client, "up")
+        await more_readings(client, up)
+        assert counts(registry) == (0, 0, 1), f"the engine coming up is no change: {up}"
+        assert await upstream_incidents(client) == []
+        status = await (await client.get("/detproxy/status")).json()
+        assert status["upstream_fingerprint"]["kind"] == "vllm"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == [f"waiting for upstream http://127.0.0.1:{port}: connection refused"], said
+
+
+async def test_an_engine_restarted_on_its_port_is_a_restart_not_a_change(
+    make_proxy: Any, registry: CollectorRegistry, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
+        client = await make_proxy(f"http://127.0.0.1:{port}", env=FAST)
+        await reach(client, "up")
+    caplog.set_level(logging.INFO, "proxy.engine.fingerprint")
+    down = await reach(client, "down")
+    assert counts(registry) == (0, 0, 0), f"down is no change: {down}"
+    async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
+        state = await reach(client, "up", restarts=1)
+        await more_readings(client, state)
+        assert counts(registry) == (0, 1, 1), f"one restart, no change: {state}"
+        assert (state["changes"], state["restarts"], state["outages"]) == (0, 1, 1)
+        assert await upstream_incidents(client) == ["upstream_restart"]
+    said = [r.getMessage() for r in caplog.records if r.name == "proxy.engine.fingerprint"]
+    assert len(said) == 2, f"one line when it goes down, one when it is back: {said}"
+    assert said[0].startswith(f"upstream http://127.0.0.1:{port} down: ")
+    assert said[1].startswith(
+        f"upstream http://127.0.0.1:{port} restarted: the same identity (vllm 0.23.0) back after "
+    ), said[1]
+
+
+async def test_another_engine_after_an_outage_is_a_change(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    port = free_port()
+    async with EmulatorServer(EmulatorConfig(models=("model-a",)), port=port):
+        client = await make_proxy(f"http://127.0.0.1:{port}", env=FAST)
+        await reach(client, "up")
+    await reach(client, "down")
+    async with EmulatorServer(EmulatorConfig(models=("model-b",)), port=port):
+
+        async def changed() -> dict[str, Any] | None:
+            state = await upstream_state(client)
+            return state if state["changes"] else None
+
+        state = await until("a change", changed)
+        assert state["state"] == "up" and state["restarts"] == 0, state
+        assert counts(registry) == (1, 0, 1)
+        incidents = await (await client.get("/detproxy/incidents")).json()
+        change = next(i for i in incidents if i["kind"] == "upstream_change")
+        assert (change["before"]["models"], change["after"]["models"]) == (
+            ["model-a"],
+            ["model-b"],
+        )
+
+
+async def test_another_engine_between_two_readings_is_a_change() -> None:
+    """No outage seen (the engine swapped between two readings): still one change."""
+    port = free_port()
+    bus = EventBus()
+    seen: list[object] = []
+    for kind in (UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable):
+        bus.subscribe(kind, seen.append)
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, f"http://127.0.0.1:{port}", bus, interval_s=0)
+        async with EmulatorServer(EmulatorConfig(models=("model-a",)), port=port):
+            first = await poller.poll()
+        async with EmulatorServer(EmulatorConfig(models=("model-b",)), port=port):
+            second = await poller.poll()
+            again = await poller.poll()
+    assert (first.models, second.models) == (("model-a",), ("model-b",))
+    kinds = [(type(e).__name__, getattr(e, "changed", None)) for e in seen]
+    fingerprinted = "UpstreamFingerprinted"
+    assert kinds == [(fingerprinted, False), (fingerprinted, True), (fingerprinted, False)], kinds
+    assert again.fingerprint == second.fingerprint
+    assert (poller.changes, poller.restarts, poller.outages) == (1, 0, 0)
+
+
+def _engine(state: dict[str, Any]) -> web.Application:
+    """A vLLM-shaped upstream whose answers a test moves: ``status`` answers every path with
+    that code (a gateway without its engine, a server loading), ``props`` the same for /props
+    alone, ``started`` its process start time (vLLM's /metrics)."""
+
+    def gate(handler: Callable[[], web.Response], path: str = "") -> Any:
+        async def handle(request: web.Request) -> web.Response:
+            status = state.get("props") if path == "/props" else None
+            status = state.get("status") or status
+            return web.json_response({"error": "x"}, status=status) if status else handler()
+
+        return handle
+
+    app = web.Application()
+    app.router.add_get("/version", gate(lambda: web.json_response({"version": "0.23.0"})))
+    app.router.add_get("/v1/models", gate(lambda: web.json_response(MODELS)))
+    app.router.add_get("/props", gate(lambda: web.json_response({}, status=404), "/props"))
+    app.router.add_get(
+        "/metrics",
+        gate(lambda: web.Response(text=f"{PLAIN}process_start_time_seconds {state['started']}\n")),
+    )
+    return app
+
+
+async def test_the_process_start_time_tells_a_restart_from_a_blip(aiohttp_server: Any) -> None:
+    state: dict[str, Any] = {"started": 1_700_000_000.25}
+    server = await aiohttp_server(_engine(state))
+    bus = EventBus()
+    restarts: list[UpstreamRestarted] = []
+    bus.subscribe(UpstreamRestarted, restarts.append)
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, str(server.make_url("")), bus, interval_s=0)
+        await poller.poll()
+        state["status"] = 502  # the gateway lost its engine for a moment
+        await poller.poll()
+        assert poller.state()["state"] == "down"
+        state["status"] = None  # the same process behind it
+        await poller.poll()
+        assert (poller.up, poller.restarts, restarts) == (True, 0, []), "a blip, no restart"
+        state["started"] += 40  # restarted between two readings: no outage seen
+        await poller.poll()
+        await poller.poll()
+    assert [(r.evidence, r.down_s) for r in restarts] == [("process_start_time", None)]
+    assert (poller.changes, poller.restarts, poller.outages) == (0, 1, 1)
+
+
+async def test_a_server_still_loading_is_not_an_identity(aiohttp_server: Any) -> None:
+    """llama-server answers 503 "Loading model" until its model is in; a server some of whose
+    identity endpoints do not answer yet is read in part: neither is an identity."""
+    state: dict[str, Any] = {"started": 1.0, "status": 503}
+    server = await aiohttp_server(_engine(state))
+    bus = EventBus()
+    readings: list[UpstreamFingerprinted] = []
+    bus.subscribe(UpstreamFingerprinted, readings.append)
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, str(server.make_url("")), bus, interval_s=0)
+        await poller.poll()
+        assert poller.state()["state"] == "waiting", poller.state()
+        assert poller.state()["reason"] == "HTTP 503 on /version, /v1/models, /props"
+        state.update(status=None, props=503)  # /version and /v1/models answer, /props not yet
+        await poller.poll()
+        assert (poller.state()["state"], readings) == ("waiting", []), "a part is no identity"
+        state["props"] = None  # /props answers its 404: this server has none
+        await poller.poll()
+        state["props"] = 504  # and a later reading in part keeps the identity
+        kept = await poller.poll()
+    assert [r.changed for r in readings] == [False] and poller.up is True
+    assert kept.fingerprint == readings[0].fingerprint.fingerprint
+    assert (poller.changes, poller.restarts, poller.outages) == (0, 0, 0)
+
+
+def test_what_a_reading_is_worth() -> None:
+    version, models = Answer(200, {"version": "0.23.0"}), Answer(200, MODELS)
+    refused = Answer(None, error="connection refused")
+    absent, loading = Answer(404), Answer(503)
+
+    def worth(v: Answer, m: Answer, p: Answer) -> str:
+        return assess({"/version": v, "/v1/models": m, "/props": p})[0]
+
+    assert worth(refused, refused, refused) == UNREACHABLE
+    assert worth(loading, loading, loading) == NOT_READY
+    assert worth(absent, absent, absent) == NOT_READY  # answers, none says what runs
+    assert worth(Answer(200, "<html>"), absent, absent) == NOT_READY
+    assert worth(version, models, absent) == COMPLETE  # vLLM
+    assert worth(absent, models, Answer(200, {"build_info": "b1"})) == COMPLETE  # llama.cpp
+    assert worth(version, refused, absent) == PARTIAL  # /v1/models timed out this time
+    assert worth(absent, models, loading) == PARTIAL
+
+
+# ------------------------------------------------------------------ a URL with /v1 in it
+
+
+async def test_an_api_base_url_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    """The openai SDK's base URL given as the upstream: /v1/v1/models is 404, /v1/models
+    answers; the poller says which URL to use, once."""
+    caplog.set_level(logging.WARNING, "proxy.engine.fingerprint")
+    async with EmulatorServer(EmulatorConfig()) as emu, ClientSession() as session:
+        poller = FingerprintPoller(session, emu.url + "/v1", EventBus(), interval_s=0)
+        for _ in range(3):
+            await poller.poll()
+    state = poller.state()
+    assert state["state"] == "waiting", state  # nothing says what runs at that URL
+    expected = (
+        f"upstream URL {emu.url}/v1 looks like an API base URL: {emu.url}/v1/models answers"
+        f" but {emu.url}/v1/v1/models is 404; detproxy adds /v1/... itself: use {emu.url}"
+    )
+    assert state["hint"] == expected
+    assert [r.getMessage() for r in caplog.records] == [expected], "said once"
+
+
+async def test_a_prefixed_url_is_named_in_the_status(
+    make_proxy: Any, upstream: Any, upstream_app: web.Application
+) -> None:
+    """A gateway path that holds the API's prefix (here /api: /api/models answers)."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(MODELS)
+
+    upstream_app.router.add_get("/api/models", models)
+    client = await make_proxy(await upstream() + "/api", env=FAST)
+
+    async def hint() -> str | None:
+        said: str | None = (await upstream_state(client))["hint"]
+        return said
+
+    said = await until("a hint in the status", hint)
+    assert "detproxy adds /v1/... itself: use http://127.0.0.1:" in said, said
+    assert not said.rstrip("0123456789").endswith("/api"), said
+
+
+async def test_an_engine_that_answers_has_no_hint(emulator: EmulatorServer) -> None:
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, emulator.url, EventBus(), interval_s=0)
+        await poller.poll()
+    assert poller.state()["hint"] is None and poller.state()["state"] == "up"
+
+
+async def test_an_upstream_not_up_yet_is_read_again_within_seconds() -> None:
+    """The interval is for an upstream that is up; one that is not is read every few seconds,
+    so that it is known up (and its restarts seen) soon after it answers."""
+    port = free_port()
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, f"http://127.0.0.1:{port}", EventBus(), 3600)
+        task = asyncio.create_task(poller.run())
+        try:
+
+            async def read(state: str) -> bool:
+                return bool(poller.state()["state"] == state)
+
+            await until("the first reading", lambda: read("waiting"))
+            async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
+                await until("up within seconds", lambda: read("up"), timeout_s=DOWN_INTERVAL_S + 3)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
