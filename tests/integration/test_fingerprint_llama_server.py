@@ -1,0 +1,79 @@
+"""The sidecar's first day against the real llama.cpp engine: detproxy started before its
+engine, then the engine restarted on the same port: no upstream change, one restart."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import engine_paths, free_port, run_detproxy, scrape, stop, wait_http
+
+pytestmark = pytest.mark.integration
+
+COUNTS = ("detproxy_upstream_changes_total", "detproxy_upstream_restarts_total")
+
+
+@contextlib.contextmanager
+def llama_server(logdir: Path, port: int) -> Iterator[None]:
+    """llama-server on ``port`` (a fixed one: a restart comes back where it was)."""
+    server, gguf = engine_paths()
+    with open(logdir / f"llama-server-{port}-{time.monotonic_ns()}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+             "-a", "smollm2", "--no-webui", "--metrics"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_http(f"http://127.0.0.1:{port}/health", proc)
+            yield
+        finally:
+            stop(proc)
+
+
+def state_of(url: str) -> dict[str, Any]:
+    with urllib.request.urlopen(url + "/detproxy/status", timeout=5) as resp:
+        state: dict[str, Any] = json.load(resp)["upstream_state"]
+        return state
+
+
+def until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def test_started_before_llama_server_and_llama_server_restarted(tmp_path: Path) -> None:
+    port = free_port()
+    config = "[upstream]\nfingerprint_interval_s = 0.2\n"
+    with run_detproxy(tmp_path, f"http://127.0.0.1:{port}", config) as url:
+        until("waiting for the engine", lambda: state_of(url)["state"] == "waiting")
+        with llama_server(tmp_path, port):
+            until("up", lambda: state_of(url)["state"] == "up")
+            metrics = scrape(url + "/detproxy/metrics", "detproxy_upstream_")
+            assert [metrics[name] for name in COUNTS] == [0, 0], metrics
+            assert metrics["detproxy_upstream_up"] == 1
+            with urllib.request.urlopen(url + "/detproxy/status", timeout=5) as resp:
+                assert json.load(resp)["upstream_fingerprint"]["kind"] == "llama.cpp"
+        until("down", lambda: state_of(url)["state"] == "down")
+        assert (
+            scrape(url + "/detproxy/metrics", "detproxy_upstream_up")["detproxy_upstream_up"] == 0
+        )
+        with llama_server(tmp_path, port):
+            until("restarted", lambda: state_of(url)["restarts"] == 1)
+            metrics = scrape(url + "/detproxy/metrics", "detproxy_upstream_")
+            assert [metrics[name] for name in COUNTS] == [0, 1], metrics
+            assert state_of(url)["state"] == "up"
+    log = next(tmp_path.glob("detproxy-*.log")).read_text()
+    assert "upstream changed" not in log, log
+    assert log.count("restarted: the same identity (llama.cpp ") == 1, log
