@@ -11,7 +11,15 @@ from types import ModuleType
 
 import pytest
 
-from tests.deploy.promql import PROMETHEUS_DIR, PROMETHEUSRULE, ROOT, RULES, RUNBOOK, rules
+from tests.deploy.promql import (
+    PROMETHEUS_DIR,
+    PROMETHEUSRULE,
+    ROOT,
+    RULE_TESTS,
+    RULES,
+    RUNBOOK,
+    rules,
+)
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -62,6 +70,9 @@ def test_every_alert_has_for_severity_annotations_and_a_unit_test() -> None:
         "DetproxyRecoveryBudgetExhausted",
         "DetproxyDown",
         "DetproxyUpstreamChanged",
+        "DetproxyLogprobDriftShift",
+        "DetproxyUpstreamDown",
+        "DetproxyUpstreamRestarting",
     }
     tests = (PROMETHEUS_DIR / "detproxy-rules.test.yaml").read_text(encoding="utf-8")
     for alert in alerts:
@@ -72,6 +83,43 @@ def test_every_alert_has_for_severity_annotations_and_a_unit_test() -> None:
         assert f"alertname: {alert['name']}\n        eval_time" in tests
         assert re.search(rf"alertname: {alert['name']}\n.*\n\s+exp_alerts: \[\]", tests)
         assert re.search(rf"alertname: {alert['name']}\n.*\n\s+exp_alerts:\n", tests)
+
+
+def test_nothing_pages_on_logprob_drift() -> None:
+    """A page (critical) never counts logprob_drift: stock engines drift under batching."""
+    alerts = [r for r in rules(RULES.read_text(encoding="utf-8")) if r["kind"] == "alert"]
+    critical = [a for a in alerts if a["severity"] == "critical"]
+    assert {a["name"] for a in critical} == {
+        "DetproxyNondeterminismHigh",
+        "DetproxyAnswerDivergence",
+        "DetproxyDown",
+        "DetproxyUpstreamDown",
+    }
+    recorded = {r["name"]: r["expr"] for r in rules(RULES.read_text(encoding="utf-8"))}
+    for alert in critical:
+        used = alert["expr"] + "".join(
+            expr for name, expr in recorded.items() if name in alert["expr"]
+        )
+        assert "logprob_drift" not in used, f"{alert['name']} pages on logprob drift"
+    drift = next(a for a in alerts if a["name"] == "DetproxyLogprobDriftShift")
+    assert drift["severity"] == "warning"
+
+
+def test_the_stock_vllm_case_checks_every_alert_stays_quiet() -> None:
+    """The promtool group of a stock engine (most audits drift, none diverges) expects no
+    alert, for every alert of the rule file, at each of its evaluation times."""
+    tests = RULE_TESTS.read_text(encoding="utf-8")
+    start = tests.index("  - name: a stock vLLM that drifts in logprobs under load fires nothing")
+    end = tests.index("\n  - name: ", start + 1)
+    group = tests[start:end]
+    assert 'verdict="text_divergence"' not in group and 'verdict="logprob_drift"' in group
+    names = {r["name"] for r in rules(RULES.read_text(encoding="utf-8")) if r["kind"] == "alert"}
+    checks = re.findall(r"alertname: (\w+)\n\s+eval_time: (\S+)\n\s+exp_alerts: (.*)", group)
+    assert {name for name, _, _ in checks} == names
+    assert {expected for _, _, expected in checks} == {"[]"}
+    times = {t for _, t, _ in checks}
+    assert len(times) >= 3
+    assert len(checks) == len(names) * len(times)
 
 
 def test_recording_rules_are_unit_tested() -> None:
