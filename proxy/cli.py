@@ -1,15 +1,18 @@
-"""The ``detproxy`` command: ``serve`` runs the proxy; ``probe``, ``report``, ``demo`` and
-``emulator`` are the instruments around it."""
+"""The ``detproxy`` command: ``serve`` runs the proxy; ``config`` prints or checks its
+configuration; ``probe``, ``report``, ``demo``, ``sweep`` and ``emulator`` are the instruments
+around it."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import os
 import socket
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from aiohttp import web
 
@@ -27,16 +30,74 @@ from proxy.workers import (
 
 log = logging.getLogger("detproxy")
 
+DESCRIPTION = """\
+detproxy sits in front of an OpenAI-compatible engine (vLLM, SGLang, llama.cpp's server),
+relays every request unchanged, and audits determinism: it replays a budgeted share of
+greedy requests and compares the answers, and it catches repetition loops and recovers them.
+"""
 
-def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("serve", help="run the proxy in front of an OpenAI-compatible upstream")
-    p.add_argument("--config", help="TOML config file (also DETPROXY_CONFIG)")
-    p.add_argument("--upstream", help="upstream base URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
-    p.add_argument("--sample-rate", type=float, help="share of deterministic requests audited")
-    p.add_argument("--shadow-mode", choices=["full", "prefill"])
-    p.add_argument("--loop-policy", choices=["retry", "abort", "observe"])
+SERVE_DESCRIPTION = """\
+Run detproxy in front of an OpenAI-compatible upstream: clients send their requests to it
+as they would to the upstream, and get exactly the upstream's answers.
+
+Settings come from, lowest first: the defaults, the TOML file (--config or DETPROXY_CONFIG),
+environment variables (DETPROXY_<SECTION>__<FIELD>, e.g. DETPROXY_AUDIT__SAMPLE_RATE=0.1, and
+the flat names of the flags below: DETPROXY_UPSTREAM, DETPROXY_PORT, DETPROXY_LOG_LEVEL, ...),
+then these flags. "detproxy config" prints the result without starting a server.
+"""
+
+SERVE_EPILOG = """\
+detproxy's own endpoints: /detproxy/health, /detproxy/metrics (Prometheus),
+/detproxy/status, /detproxy/incidents, /detproxy/ui. SIGTERM stops accepting connections and
+lets requests in flight finish for server.shutdown_grace_s seconds.
+
+exit status: 0 after a signal, 2 when it cannot start (one line on stderr says why).
+"""
+
+CONFIG_DESCRIPTION = """\
+Print the configuration "detproxy serve" would run with, as TOML: the defaults, the file
+(--config or DETPROXY_CONFIG), DETPROXY_* environment variables and the flags, merged.
+Secrets (tokens, API keys, passwords in URLs) are masked. The output is a valid config file.
+With --check, only validate: exit 0 when valid, 2 (and one line on stderr) when not.
+"""
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line that says where to look, exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _settings_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that override the configuration (``proxy.config.FLAT``)."""
+    p.add_argument("--config", metavar="FILE", help="TOML config file (also DETPROXY_CONFIG)")
+    p.add_argument(
+        "--upstream",
+        metavar="URL",
+        help="the engine's base URL, without /v1 (default http://127.0.0.1:8000)",
+    )
+    p.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8080; 0: any free one)")
+    p.add_argument(
+        "--sample-rate",
+        type=float,
+        metavar="F",
+        help="share of deterministic (greedy) requests replayed to audit them, 0 to 1",
+    )
+    p.add_argument(
+        "--shadow-mode",
+        choices=["full", "prefill"],
+        help="full: replay the whole answer; prefill: replay only its first token (cheap)",
+    )
+    p.add_argument(
+        "--loop-policy",
+        choices=["retry", "abort", "observe"],
+        help="what a repetition loop leads to: retry with other sampling, abort the answer,"
+        " or observe (count it, change nothing; the default)",
+    )
     p.add_argument(
         "--event-loop",
         choices=["auto", "uvloop", "asyncio"],
@@ -45,10 +106,106 @@ def _serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument(
         "--workers",
         type=int,
+        metavar="N",
         help="serving processes on the port (SO_REUSEPORT), supervised; default 1: this one",
     )
+    p.add_argument(
+        "--log-level",
+        type=str.lower,
+        choices=LOG_LEVELS,
+        help="info (default): start-up, notable events; debug: every request and audit",
+    )
+    p.add_argument(
+        "--log-format",
+        type=str.lower,
+        choices=["text", "json"],
+        help="text (default), or json: one object per line, for log pipelines",
+    )
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        default=None,
+        help="one line per finished request: endpoint, model, status, duration, request id",
+    )
+
+
+def _serve_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the proxy in front of an OpenAI-compatible upstream",
+        description=SERVE_DESCRIPTION,
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _settings_flags(p)
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)  # set by the supervisor
-    p.add_argument("--log-level", default=os.environ.get("DETPROXY_LOG_LEVEL", "INFO"))
+
+
+def _config_parser(sub: argparse._SubParsersAction[_Parser]) -> None:
+    p = sub.add_parser(
+        "config",
+        help="print the effective configuration as TOML, or check it",
+        description=CONFIG_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--check", action="store_true", help="only validate; print nothing if valid")
+    _settings_flags(p)
+
+
+def _flags(args: argparse.Namespace) -> dict[str, object]:
+    return {
+        "upstream": args.upstream,
+        "host": args.host,
+        "port": args.port,
+        "sample_rate": args.sample_rate,
+        "shadow_mode": args.shadow_mode,
+        "loop_policy": args.loop_policy,
+        "event_loop": args.event_loop,
+        "workers": args.workers,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+        "access_log": args.access_log,
+    }
+
+
+def _load(args: argparse.Namespace) -> Settings:
+    return load_settings(args.config or os.environ.get("DETPROXY_CONFIG"), os.environ, _flags(args))
+
+
+def _fail(message: str) -> int:
+    print(f"detproxy: {message}", file=sys.stderr)
+    return 2
+
+
+def one_line(exc: ConfigError) -> str:
+    """A ConfigError's message (one line per invalid field) on one line."""
+    return " ".join(str(exc).split())
+
+
+# ---------------------------------------------------------------------------------------------
+# Listening
+
+
+def bind_error(host: str, port: int, exc: OSError, flag: str = "--port") -> str:
+    """Why ``host:port`` cannot be listened on, and what to do about it, in one line."""
+    where = f"cannot listen on {host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return f"{where}: {host!r} is not a known host name or address; check --host"
+    if exc.errno == errno.EADDRINUSE:
+        return (
+            f"{where}: the address is already in use by another process; stop it, or choose"
+            f" another {flag}"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"{where}: {host} is not an address of this machine; use one of its addresses,"
+            " 127.0.0.1, or 0.0.0.0 for all"
+        )
+    if exc.errno == errno.EACCES:
+        return (
+            f"{where}: permission denied (ports below 1024 need privileges); choose another {flag}"
+        )
+    return f"{where}: {exc.strerror or exc}"
 
 
 def _bind(host: str, port: int, shared: bool = False) -> socket.socket:
@@ -56,32 +213,82 @@ def _bind(host: str, port: int, shared: bool = False) -> socket.socket:
         return reuseport_socket(host, port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        # Listen now: two sockets with SO_REUSEADDR that do not listen yet (another process
+        # starting at the same moment) can both bind a port; only listen() says it is taken.
+        # The server listens again later, with its own backlog.
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
+def _listeners(settings: Settings, shared: bool) -> tuple[socket.socket, socket.socket | None]:
+    """The main socket and the admin one, bound; raises ``ConfigError`` saying why not."""
+    server = settings.server
+    if server.admin_port is not None and server.admin_port == server.port != 0:
+        raise ConfigError(
+            f"server.admin_port is server.port ({server.port}): give the admin listener"
+            " another port, or leave admin_port unset to serve /detproxy/ on the main port"
+        )
+    try:
+        main = _bind(server.host, server.port, shared=shared)
+    except OSError as exc:
+        raise ConfigError(bind_error(server.host, server.port, exc)) from None
+    if server.admin_port is None:
+        return main, None
+    try:
+        return main, _bind(server.host, server.admin_port, shared=shared)
+    except OSError as exc:
+        main.close()
+        raise ConfigError(
+            bind_error(server.host, server.admin_port, exc, "server.admin_port")
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# serve
+
+
 def serve_app(settings: Settings) -> web.Application:
-    """The app ``serve`` runs: ``build_app`` and, once it serves, the collector settled."""
-    from proxy.app import build_app
+    """The app ``serve`` runs: ``build_app``, its events logged, and, once it serves, the
+    collector settled."""
+    from proxy.app import BUS, build_app
     from proxy.collector import on_serving
+    from proxy.observe.log import EventLog
 
     app = build_app(settings)
+    EventLog(settings.log, settings.upstream.url).subscribe(app[BUS])
     app.on_startup.append(on_serving(settings.server))
     return app
+
+
+def _log_summary(settings: Settings) -> None:
+    from proxy.observe.log import startup_lines
+
+    for msg, fields in startup_lines(settings):
+        log.info("%s", msg, extra={"fields": {"event": "config", **fields}})
 
 
 def _supervise(settings: Settings, serve_argv: list[str]) -> int:
     """``--workers N``: the port bound here first (in use: exit 2; 0: one port for all), then
     N workers started on it and kept running (proxy/workers.py)."""
+    from proxy.observe.log import mask_url
+
     server = settings.server
     try:
         held = [reuseport_socket(server.host, server.port)]
-        if server.admin_port is not None:
-            held.append(reuseport_socket(server.host, server.admin_port))
     except OSError as exc:
-        print(f"detproxy: cannot listen on {server.host}:{server.port}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(bind_error(server.host, server.port, exc))
+    if server.admin_port is not None:
+        try:
+            held.append(reuseport_socket(server.host, server.admin_port))
+        except OSError as exc:
+            held[0].close()
+            return _fail(bind_error(server.host, server.admin_port, exc, "server.admin_port"))
     port = held[0].getsockname()[1]
     env = dict(os.environ) | worker_budgets(settings, server.workers)
     if server.admin_port is not None:
@@ -93,8 +300,10 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
         server.workers,
         server.host,
         port,
-        settings.upstream.url,
+        mask_url(settings.upstream.url),
+        extra={"fields": {"event": "supervising", "workers": server.workers, "port": port}},
     )
+    _log_summary(settings)
     try:
         return Supervisor(argv, server.workers, server.shutdown_grace_s, env).run()
     finally:
@@ -103,63 +312,103 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
 
 
 def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
+    from proxy.observe.log import configure, mask_url
+
     worker = args.worker_index
-    tag = "" if worker is None else f" [worker {worker}]"
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format=f"%(asctime)s %(levelname)s %(name)s{tag}: %(message)s",
-    )
-    flags = {
-        "upstream": args.upstream,
-        "host": args.host,
-        "port": args.port,
-        "sample_rate": args.sample_rate,
-        "shadow_mode": args.shadow_mode,
-        "loop_policy": args.loop_policy,
-        "event_loop": args.event_loop,
-        "workers": args.workers,
-    }
     try:
-        settings = load_settings(
-            args.config or os.environ.get("DETPROXY_CONFIG"), os.environ, flags
-        )
-        loop = new_event_loop(settings.server.event_loop)
+        settings = _load(args)
     except ConfigError as exc:
-        print(f"detproxy: {exc}", file=sys.stderr)
-        return 2
+        return _fail(one_line(exc))
+    configure(settings.log, worker)
     server = settings.server
     if worker is None and server.workers > 1:
         return _supervise(settings, serve_argv)
-    app = serve_app(settings)
+    try:
+        loop = new_event_loop(server.event_loop)
+    except ConfigError as exc:
+        return _fail(one_line(exc))
+    try:
+        main_sock, admin_sock = _listeners(settings, shared=worker is not None)
+    except ConfigError as exc:
+        loop.close()
+        return _fail(str(exc))
+    try:
+        app = serve_app(settings)
+    except (ConfigError, OSError) as exc:
+        from proxy.serving import describe_start_error
+
+        for sock in (main_sock, admin_sock):
+            if sock is not None:
+                sock.close()
+        loop.close()
+        return _fail(describe_start_error(exc))
     if worker is not None:
         app[WORKER] = WorkerIdentity(worker, server.workers)
         app.cleanup_ctx.append(watch_supervisor(os.getppid()))
-    log.info(
-        "detproxy %s listening on %s:%d, upstream %s, event loop %s",
-        __version__,
-        server.host,
-        server.port,
-        settings.upstream.url,
-        loop_name(loop),
-    )
-    from proxy.serving import run
+    port = main_sock.getsockname()[1]
 
-    shared = worker is not None
-    main_sock = _bind(server.host, server.port, shared=shared)
-    admin_sock = (
-        _bind(server.host, server.admin_port, shared=shared)
-        if server.admin_port is not None
-        else None
-    )
-    run(app, server, main_sock, admin_sock, loop)
+    def listening() -> None:
+        admin = ""
+        if admin_sock is not None:
+            admin = f", admin on {server.host}:{admin_sock.getsockname()[1]}"
+        log.info(
+            "detproxy %s listening on %s:%d%s, upstream %s, event loop %s%s",
+            __version__,
+            server.host,
+            port,
+            admin,
+            mask_url(settings.upstream.url),
+            loop_name(loop),
+            "" if worker is None else f", worker {worker} of {server.workers}",
+            extra={
+                "fields": {
+                    "event": "listening",
+                    "version": __version__,
+                    "host": server.host,
+                    "port": port,
+                    "upstream": mask_url(settings.upstream.url),
+                    "event_loop": loop_name(loop),
+                    "workers": server.workers,
+                }
+            },
+        )
+        if worker is None:  # with --workers, the supervisor said it once
+            _log_summary(settings)
+
+    from proxy.serving import StartError, run
+
+    try:
+        run(app, server, main_sock, admin_sock, loop, on_listening=listening)
+    except StartError as exc:
+        return _fail(str(exc))
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+
+
+def _config(args: argparse.Namespace) -> int:
+    from proxy.config_toml import effective_toml
+
+    try:
+        settings = _load(args)
+    except ConfigError as exc:
+        return _fail(one_line(exc))
+    if not args.check:
+        sys.stdout.write(effective_toml(settings))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The tools
 
 
 TOOLS = {
     "probe": "the two-minute instrument: is greedy output bitwise stable on this upstream?",
     "report": "read incident logs and print rates, agreement and the worst items",
     "demo": "run the emulator, detproxy and a little traffic, and show what was found",
-    "sweep": "throughput, TTFT and ITL per concurrency level, with the spread across repeats",
+    "sweep": "throughput, TTFT and inter-token latency per concurrency level",
     "emulator": "run the vLLM emulator (for demos and tests)",
 }
 
@@ -180,14 +429,22 @@ def _tool(name: str, argv: list[str]) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="detproxy", description=__doc__)
+    parser = _Parser(
+        prog="detproxy",
+        description=DESCRIPTION,
+        epilog='Run "detproxy COMMAND --help" for the options of a command.',
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"detproxy {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _serve_parser(sub)
+    _config_parser(sub)
     for name, text in TOOLS.items():
         sub.add_parser(name, help=text, add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in TOOLS:
         return _tool(argv[0], argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "config":
+        return _config(args)
     return _serve(args, argv)

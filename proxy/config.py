@@ -412,6 +412,22 @@ class InjectionConfig(_Section):
     max_suspend_s: float = Field(default=3600.0, gt=0)
 
 
+class LogConfig(_Section):
+    """What ``detproxy serve`` logs (proxy/observe/log.py): never a header, prompt or output."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["text", "json"] = "text"  # json: one object per line, for log pipelines
+    access_log: bool = False  # one line per finished request
+    # A notable event that repeats (the same kind, the same model) is logged at most once per
+    # this many seconds; the next line says how many were left out.
+    repeat_s: float = Field(default=60.0, ge=0)
+
+    @field_validator("level", "format", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+
 class Settings(_Section):
     server: ServerConfig = ServerConfig()
     upstream: UpstreamConfig = UpstreamConfig()
@@ -420,6 +436,7 @@ class Settings(_Section):
     audit: AuditConfig = AuditConfig()
     loops: LoopConfig = LoopConfig()
     incidents: IncidentConfig = IncidentConfig()
+    log: LogConfig = LogConfig()
 
 
 class ConfigError(Exception):
@@ -437,6 +454,9 @@ FLAT = {
     "loop_policy": ("loops", "policy"),
     "event_loop": ("server", "event_loop"),
     "workers": ("server", "workers"),
+    "log_level": ("log", "level"),
+    "log_format": ("log", "format"),
+    "access_log": ("log", "access_log"),
 }
 
 

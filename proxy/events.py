@@ -65,8 +65,9 @@ class RequestFinished:
     outcome: str  # ok | upstream_error | client_error | client_disconnect | bad_request
     duration_s: float
     first_byte_s: float | None  # upstream headers (non-stream) or first SSE event (stream)
+    request_id: str  # the client's X-Request-Id, else detproxy's own; "" before one was given
 
-    def __init__(  # noqa: PLR0917 (the generated one took them so: callers pass them so)
+    def __init__(  # noqa: PLR0913, PLR0917 (the generated one took them so: callers pass them so)
         self,
         endpoint: str,
         model: str,
@@ -76,6 +77,7 @@ class RequestFinished:
         outcome: str,
         duration_s: float,
         first_byte_s: float | None,
+        request_id: str = "",
     ) -> None:
         # Written out: mypyc compiles this one; the generated one runs interpreted (README
         # "The compiled build"). The fields above and these arguments are the same, in order.
@@ -87,6 +89,7 @@ class RequestFinished:
         object.__setattr__(self, "outcome", outcome)
         object.__setattr__(self, "duration_s", duration_s)
         object.__setattr__(self, "first_byte_s", first_byte_s)
+        object.__setattr__(self, "request_id", request_id)
 
 
 @dataclass(frozen=True, slots=True)

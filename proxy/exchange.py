@@ -137,6 +137,7 @@ class Lifecycle:
                 outcome=outcome,
                 duration_s=self._clock() - ex.t0,
                 first_byte_s=ex.first_byte_s,
+                request_id=ex.request_id,
             )
         )
 

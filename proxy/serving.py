@@ -9,17 +9,21 @@ endpoints to the aiohttp app on a private loopback listener. The admin listener
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.app import RUNTIME
-from proxy.config import ServerConfig
+from proxy.app import INCIDENTS, RUNTIME
+from proxy.config import ConfigError, ServerConfig
 from proxy.http.front import FrontServer
 from proxy.http.h1 import H1Upstream
+
+log = logging.getLogger("detproxy")
 
 # asyncio's default of 100 overflows when hundreds of clients connect at once (a wrk start, a
 # client pool after a redeploy): dropped SYNs come back 1 s, 3 s later. The kernel caps it at
@@ -35,16 +39,32 @@ def _loopback_socket() -> socket.socket:
     return sock
 
 
+class StartError(Exception):
+    """The app could not start (its configuration, a file it opens): one line saying why."""
+
+
+@dataclass(slots=True)
+class Drain:
+    """What the shutdown of the main listener found: proxied requests in flight when it
+    stopped accepting, those still running when the grace ran out (cancelled), and how long
+    it waited."""
+
+    in_flight: int = 0
+    cut: int = 0
+    seconds: float = 0.0
+
+
 @asynccontextmanager
 async def serving(
     app: web.Application,
     server: ServerConfig,
     main: socket.socket,
     admin: socket.socket | None = None,
+    drain: Drain | None = None,
 ) -> AsyncIterator[FrontServer | None]:
     """The app started and served on ``main`` (and ``admin``); on exit, requests in progress
-    get ``server.shutdown_grace_s`` to finish, then the app's cleanup runs. Yields the front
-    (None when aiohttp serves the main listener)."""
+    get ``server.shutdown_grace_s`` to finish (what happened recorded in ``drain``), then the
+    app's cleanup runs. Yields the front (None when aiohttp serves the main listener)."""
     runner = web.AppRunner(
         app,
         handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
@@ -52,10 +72,10 @@ async def serving(
         shutdown_timeout=server.shutdown_grace_s,
         keepalive_timeout=server.keepalive_timeout_s,
     )
-    await runner.setup()
     front: FrontServer | None = None
     private: H1Upstream | None = None
     try:
+        await runner.setup()  # the app's start: a failure here still cleans up what started
         socks = [s for s in (admin,) if s is not None]
         if server.http == "aiohttp":
             socks.insert(0, main)
@@ -79,26 +99,104 @@ async def serving(
             await front.listen(main, LISTEN_BACKLOG)
         yield front
     finally:
+        grace = server.shutdown_grace_s
         if front is not None:
-            await front.shutdown(server.shutdown_grace_s)
+            front.stop_listening()
+            grace = await _wait_in_flight(app, grace, drain)
+            await front.shutdown(grace)
+        elif drain is not None and RUNTIME in app:  # aiohttp's server drains in its cleanup
+            drain.in_flight = app[RUNTIME].forwarder.inflight
         if private is not None:
             await private.close()
         await runner.cleanup()
 
 
+async def _wait_in_flight(app: web.Application, grace_s: float, drain: Drain | None) -> float:
+    """Until the proxied requests in flight are done or ``grace_s`` ran out; the grace left."""
+    forwarder = app[RUNTIME].forwarder
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    deadline = start + grace_s
+    in_flight = forwarder.inflight
+    # Polled: the forwarder counts its requests, it does not signal the last one's end.
+    while forwarder.inflight and loop.time() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    if drain is not None:
+        drain.in_flight = in_flight
+        drain.cut = forwarder.inflight
+        drain.seconds = loop.time() - start
+    return max(deadline - loop.time(), 0.0)
+
+
+def describe_start_error(exc: BaseException) -> str:
+    """One line for what stopped the app from starting."""
+    if isinstance(exc, ConfigError):
+        return " ".join(str(exc).split())  # its lines, one per field, on one line
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"cannot open {exc.filename}: {exc.strerror or exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 async def serve_until_signalled(
-    app: web.Application, server: ServerConfig, main: socket.socket, admin: socket.socket | None
+    app: web.Application,
+    server: ServerConfig,
+    main: socket.socket,
+    admin: socket.socket | None,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
+    """Serves until SIGTERM or SIGINT, then drains, saying so. A failure to start raises
+    ``StartError``; ``on_listening`` runs once the listeners accept connections."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def signalled(sig: signal.Signals) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled, sig)
+    drain = Drain()
+    started = False
     try:
-        async with serving(app, server, main, admin):
+        async with serving(app, server, main, admin, drain):
+            started = True
+            if on_listening is not None:
+                on_listening()
             await stop.wait()
+            name = received[0].name if received else "stop"
+            log.info(
+                "%s: stopped accepting connections; %d request(s) in flight get up to %gs",
+                name,
+                app[RUNTIME].forwarder.inflight,
+                server.shutdown_grace_s,
+                extra={"fields": {"event": "shutdown", "signal": name}},
+            )
+    except (ConfigError, OSError) as exc:
+        if started:
+            raise
+        raise StartError(describe_start_error(exc)) from exc
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+    incidents = app[INCIDENTS]
+    log.info(
+        "stopped: %d request(s) drained in %.1fs, %d cut at the end of the grace;"
+        " %d incident line(s) written",
+        drain.in_flight - drain.cut,
+        drain.seconds,
+        drain.cut,
+        incidents.written,
+        extra={
+            "fields": {
+                "event": "stopped",
+                "drained": drain.in_flight - drain.cut,
+                "cut": drain.cut,
+                "drain_s": round(drain.seconds, 3),
+                "incidents_written": incidents.written,
+            }
+        },
+    )
 
 
 def run(
@@ -107,11 +205,13 @@ def run(
     main: socket.socket,
     admin: socket.socket | None,
     loop: asyncio.AbstractEventLoop,
+    on_listening: Callable[[], None] | None = None,
 ) -> None:
-    """Serves on ``loop`` until a signal; then the loop's tasks and generators are closed."""
+    """Serves on ``loop`` until a signal; then the loop's tasks and generators are closed.
+    Raises ``StartError`` when the app cannot start."""
     asyncio.set_event_loop(loop)
     try:
-        loop.run_until_complete(serve_until_signalled(app, server, main, admin))
+        loop.run_until_complete(serve_until_signalled(app, server, main, admin, on_listening))
     finally:
         leftover = [t for t in asyncio.all_tasks(loop) if not t.done()]
         for task in leftover:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -30,6 +31,8 @@ Vector = tuple[str, tuple[tuple[str, float | None], ...]]  # None: an unknown (N
 # Short background requests: frequent prefills, so the probe's own prefill often shares a
 # batch with another one (decode-only company leaves some engines' first token unchanged).
 BACKGROUND_TOKENS = 16
+# Where --api-key comes from when it is not given, first found first.
+API_KEY_ENV = ("DETPROXY_API_KEY", "OPENAI_API_KEY")
 
 
 class ProbeError(Exception):
@@ -97,6 +100,12 @@ class Prober:
         try:
             async with self._http.post(self._url, json=self._body(prompt, 1, True)) as resp:
                 payload = await resp.read()
+                if resp.status in (401, 403):
+                    given = "the API key given was refused" if self._args.api_key else "no API key"
+                    raise ProbeError(
+                        f"{self._url} answered {resp.status} ({given}): pass the key the server"
+                        f" was started with (--api-key, or {' or '.join(API_KEY_ENV)})"
+                    )
                 if resp.status != 200:
                     raise ProbeError(
                         f"{self._url} answered {resp.status}: "
@@ -196,32 +205,79 @@ def render(results: Sequence[PromptResult], top_k: int) -> str:
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="detproxy probe",
-        description=__doc__,
+        description=(__doc__ or "").replace("``", ""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--upstream", required=True, help="base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--model", required=True)
+    parser.add_argument(
+        "--upstream",
+        required=True,
+        metavar="URL",
+        help="the engine's base URL, e.g. http://127.0.0.1:8000",
+    )
+    parser.add_argument(
+        "--model", required=True, metavar="M", help="model name sent in each request"
+    )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompt", help="one prompt")
-    source.add_argument("--prompts", type=Path, help="a file with one prompt per line")
-    parser.add_argument("--runs", type=int, default=10)
-    parser.add_argument("--top-logprobs", type=int, default=20)
-    parser.add_argument("--concurrency", default="1", help="levels, e.g. 1,2,4,8,16")
-    parser.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    source.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    source.add_argument(
+        "--prompts", type=Path, metavar="FILE", help="a file with one prompt per line"
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=10,
+        metavar="N",
+        help="requests per prompt and level (default 10)",
+    )
+    parser.add_argument(
+        "--top-logprobs",
+        type=int,
+        default=20,
+        metavar="K",
+        help="logprobs compared per request (default 20; vLLM's --max-logprobs bounds it)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default="1",
+        metavar="LIST",
+        help="levels, e.g. 1,2,4,8,16: at level L, L - 1 background requests run (default 1)",
+    )
+    parser.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="/v1/chat/completions (default) or /v1/completions",
+    )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="sent as a bearer token, for a server started with --api-key (default:"
+        f" ${API_KEY_ENV[0]}, else ${API_KEY_ENV[1]})",
+    )
     parser.add_argument(
         "--extra-body",
         default="{}",
+        metavar="JSON",
         help='JSON merged into every request, e.g. {"cache_prompt": false}',
     )
-    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="seconds per request (default 120)",
+    )
     parser.add_argument(
         "--load-settle",
         type=float,
         default=0.5,
-        help="seconds the background load runs before a level is measured",
+        metavar="S",
+        help="seconds the background load runs before a level is measured (default 0.5)",
     )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.api_key is None:
+        args.api_key = next((os.environ[n] for n in API_KEY_ENV if os.environ.get(n)), None)
     try:
         args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
         args.extra_body = orjson.loads(args.extra_body)
@@ -253,7 +309,8 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=max(args.levels) + 1)
     results: list[PromptResult] = []
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
         prober = Prober(http, args)
         serial: dict[str, Vector] = {}
         for level in sorted(set(args.levels)):

@@ -126,3 +126,29 @@ def test_usage_and_connection_errors_exit_2(capsys: pytest.CaptureFixture[str]) 
     assert (
         main(["--upstream", "http://x", "--model", "m", "--prompt", "x", "--concurrency", "0"]) == 2
     )
+
+
+def test_a_server_started_with_an_api_key_is_probed_with_it(
+    start_emulator: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("DETPROXY_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    url = start_emulator("--api-key", "sk-probe-key")
+    code = main(["--model", "emulator-model", "--runs", "2", "--upstream", url, "--prompt", "Hi"])
+    err = capsys.readouterr().err
+    assert code == 2 and "answered 401 (no API key)" in err and "--api-key" in err, err
+    code, report = probe(
+        capsys, "--upstream", url, "--prompt", "Hello", "--api-key", "sk-probe-key"
+    )
+    assert code == 0 and report["stable"]
+    code = main(
+        ["--model", "emulator-model", "--upstream", url, "--prompt", "Hi", "--api-key", "x"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and "answered 401 (the API key given was refused)" in err, err
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-probe-key")
+    code, report = probe(capsys, "--upstream", url, "--prompt", "Hello")
+    assert code == 0 and report["stable"], "OPENAI_API_KEY was not used"
+    monkeypatch.setenv("DETPROXY_API_KEY", "wrong")  # before OPENAI_API_KEY
+    code, _ = probe(capsys, "--upstream", url, "--prompt", "Hello")
+    assert code == 2

@@ -16,39 +16,179 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="detproxy emulator",
         description="Emulate vLLM's OpenAI-compatible server with injectable nondeterminism.",
+        epilog="Any setting can be changed for one request with the X-Emulator-Knobs header, a"
+        ' JSON object of setting names with underscores, e.g. {"flip_probability": 1}.',
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8001)
-    p.add_argument("--model", action="append", dest="models", metavar="NAME")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-logprobs", type=int)
-    p.add_argument("--version", dest="version")
-    p.add_argument("--default-temperature", type=float)
-    p.add_argument("--api-key")
-    p.add_argument("--enable-request-id-headers", action="store_true", default=None)
-    p.add_argument("--reasoning-style", choices=get_args(ReasoningStyle))
-    p.add_argument("--reasoning-tokens", type=int)
-    p.add_argument("--token-latency", type=float, dest="token_latency_s")
-    p.add_argument("--headers-delay", type=float, dest="headers_delay_s")
-    p.add_argument("--end-delay", type=float, dest="end_delay_s")
-    p.add_argument("--tokens-per-chunk", "--stream-interval", type=int, dest="tokens_per_chunk")
-    p.add_argument("--speculative", action="store_true", default=None)
-    p.add_argument("--speculative-tokens", type=int)
-    p.add_argument("--speculative-acceptance", type=float)
-    p.add_argument("--flip-probability", type=float)
-    p.add_argument("--flip-position", type=int)
-    p.add_argument("--logprob-jitter", type=float, dest="logprob_jitter_probability")
-    p.add_argument("--batch-divergence-slope", type=float)
-    p.add_argument("--loop-channel", choices=get_args(LoopChannel))
-    p.add_argument("--loop-after-tokens", type=int)
-    p.add_argument("--loop-unit")
-    p.add_argument("--loop-escape-probability", type=float)
-    p.add_argument("--engine-repetition-detection", action="store_true", default=None)
-    p.add_argument("--nan-logprobs", action="store_true", default=None)
-    p.add_argument("--fault", choices=get_args(FaultKind))
-    p.add_argument("--fault-after-tokens", type=int)
-    p.add_argument("--fault-probability", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
+    p.add_argument(
+        "--model",
+        action="append",
+        dest="models",
+        metavar="NAME",
+        help="a model name it serves; repeat for several (default emulator-model)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, metavar="N", help="context length in tokens (default 4096)"
+    )
+    p.add_argument(
+        "--max-logprobs",
+        type=int,
+        metavar="N",
+        help="largest top_logprobs accepted, as vLLM's --max-logprobs (default 20; -1: no limit)",
+    )
+    p.add_argument(
+        "--version", dest="version", help="the vLLM version /version reports (default 0.17.1)"
+    )
+    p.add_argument(
+        "--default-temperature",
+        type=float,
+        metavar="T",
+        help="temperature of a request that sets none (default 1.0, vLLM's)",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="as vLLM's --api-key: /v1/* requests without 'Authorization: Bearer KEY' get 401",
+    )
+    p.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        default=None,
+        help="answers carry X-Request-Id, as with vLLM's flag of that name",
+    )
+    p.add_argument(
+        "--reasoning-style",
+        choices=get_args(ReasoningStyle),
+        help="the field reasoning is sent in (default reasoning)",
+    )
+    p.add_argument(
+        "--reasoning-tokens",
+        type=int,
+        metavar="N",
+        help="reasoning tokens before each chat answer (default 0: none)",
+    )
+    p.add_argument(
+        "--token-latency",
+        type=float,
+        dest="token_latency_s",
+        metavar="S",
+        help="seconds per engine step, i.e. per streamed chunk (default 0)",
+    )
+    p.add_argument(
+        "--headers-delay",
+        type=float,
+        dest="headers_delay_s",
+        metavar="S",
+        help="seconds before the response headers (default 0)",
+    )
+    p.add_argument(
+        "--end-delay",
+        type=float,
+        dest="end_delay_s",
+        metavar="S",
+        help="seconds between a stream's data: [DONE] and the end of its body (default 0)",
+    )
+    p.add_argument(
+        "--tokens-per-chunk",
+        "--stream-interval",
+        type=int,
+        dest="tokens_per_chunk",
+        metavar="N",
+        help="tokens per streamed chunk, as vLLM's --stream-interval (default 1)",
+    )
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        default=None,
+        help="speculative decoding: each step drafts tokens and accepts some (vllm:spec_decode_*)",
+    )
+    p.add_argument(
+        "--speculative-tokens", type=int, metavar="N", help="draft tokens per step (default 3)"
+    )
+    p.add_argument(
+        "--speculative-acceptance",
+        type=float,
+        metavar="P",
+        help="probability each draft token is accepted (default 0.7)",
+    )
+    p.add_argument(
+        "--flip-probability",
+        type=float,
+        metavar="P",
+        help="share of greedy answers whose token at --flip-position is the runner-up (default 0)",
+    )
+    p.add_argument(
+        "--flip-position",
+        type=int,
+        metavar="N",
+        help="token index of that flip (default 0: the first token)",
+    )
+    p.add_argument(
+        "--logprob-jitter",
+        type=float,
+        dest="logprob_jitter_probability",
+        metavar="P",
+        help="share of greedy answers whose logprobs drift, the text unchanged (default 0)",
+    )
+    p.add_argument(
+        "--batch-divergence-slope",
+        type=float,
+        metavar="S",
+        help="batch effects: with N requests in flight a greedy answer diverges with"
+        " probability S x (N - 1) (default 0)",
+    )
+    p.add_argument(
+        "--loop-channel",
+        choices=get_args(LoopChannel),
+        help="where greedy answers fall into a repetition loop (default none)",
+    )
+    p.add_argument(
+        "--loop-after-tokens",
+        type=int,
+        metavar="N",
+        help="tokens before the loop starts (default 5)",
+    )
+    p.add_argument("--loop-unit", metavar="TEXT", help="the text repeated in a loop")
+    p.add_argument(
+        "--loop-escape-probability",
+        type=float,
+        metavar="P",
+        help="probability a retry with a penalty or temperature > 0 escapes the loop (default 0.7)",
+    )
+    p.add_argument(
+        "--engine-repetition-detection",
+        action="store_true",
+        default=None,
+        help="honour vLLM's repetition_detection request parameter (ends a loop itself)",
+    )
+    p.add_argument(
+        "--nan-logprobs",
+        action="store_true",
+        default=None,
+        help="logprobs come out NaN (a broken checkpoint): whole answers asking for them get 400",
+    )
+    p.add_argument(
+        "--fault",
+        choices=get_args(FaultKind),
+        metavar="KIND",
+        help="a transport or protocol fault to inject: " + ", ".join(get_args(FaultKind)),
+    )
+    p.add_argument(
+        "--fault-after-tokens",
+        type=int,
+        metavar="N",
+        help="tokens streamed before a stream fault fires (default 3; 0: before the first)",
+    )
+    p.add_argument(
+        "--fault-probability",
+        type=float,
+        metavar="P",
+        help="share of requests the fault hits (default 1)",
+    )
+    p.add_argument(
+        "--seed", type=int, help="seed of every random draw: the same seed, the same answers"
+    )
     return p
 
 

@@ -74,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="detproxy sweep",
         description="Sustained output tokens/s, TTFT and inter-token latency per concurrency"
-        " level, repeated to show the spread, with the upstream fingerprint before and after.",
+        " level,\nrepeated to show the spread, with the upstream fingerprint read before and"
+        " after.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
