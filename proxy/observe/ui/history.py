@@ -6,9 +6,16 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
-from proxy.events import AuditCompleted, EventBus, UpstreamFingerprinted
+from proxy.events import (
+    AuditCompleted,
+    EventBus,
+    UpstreamFingerprinted,
+    UpstreamRestarted,
+    UpstreamUnreachable,
+)
 from proxy.observe.status import MAX_KEYS
 from proxy.observe.ui.timeline import Observation, Point
+from proxy.tools.report.summary import iso
 
 BUCKET_S = 10.0
 MAX_BUCKETS = 6 * 360  # six hours
@@ -27,10 +34,22 @@ class LiveHistory:
         self._buckets: dict[int, Counter[tuple[str, str]]] = {}  # bucket -> (model, verdict)
         # Of each run of one fingerprint, its first and its latest reading.
         self._readings: deque[Observation] = deque(maxlen=max_readings)
+        self._down: UpstreamUnreachable | None = None  # the outage going on, if any
+        self._restarts = 0
+        self._restarted_at: float | None = None
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._audited)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
+        bus.subscribe(UpstreamUnreachable, self._unreachable)
+        bus.subscribe(UpstreamRestarted, self._restarted)
+
+    def _unreachable(self, ev: UpstreamUnreachable) -> None:
+        self._down = ev
+
+    def _restarted(self, ev: UpstreamRestarted) -> None:
+        self._restarts += 1
+        self._restarted_at = ev.fingerprint.read_at
 
     def _audited(self, ev: AuditCompleted) -> None:
         bucket = int(ev.timestamp // self._bucket_s)
@@ -44,6 +63,7 @@ class LiveHistory:
             counts[key] += 1
 
     def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
+        self._down = None
         fp = ev.fingerprint
         reading = Observation(fp.read_at, fp.fingerprint, fp.kind, fp.version)
         readings = self._readings
@@ -63,3 +83,18 @@ class LiveHistory:
 
     def readings(self) -> list[Observation]:
         return list(self._readings)
+
+    def upstream_notes(self) -> list[str]:
+        """The upstream's state in words, where it is worth a line: down (or not up yet),
+        and the restarts seen (the same identity back: not a change)."""
+        notes = []
+        down = self._down
+        if down is not None:
+            what = "down" if down.was_up else "not up yet"
+            notes.append(f"The upstream is {what} since {iso(down.since)}: {down.reason}")
+        if self._restarts and self._restarted_at is not None:
+            notes.append(
+                f"The upstream restarted {self._restarts} time(s), the last at"
+                f" {iso(self._restarted_at)}: the same identity each time, not a change"
+            )
+        return notes

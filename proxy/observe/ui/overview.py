@@ -33,6 +33,7 @@ class Inputs:
     readings: Sequence[Observation]  # the upstream's fingerprint readings
     now: float | None  # the live page's clock; None: the data's last time
     source: str  # "live", or the files read
+    upstream: Sequence[str] = ()  # the live upstream's state in words (down, restarts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,7 +219,7 @@ def build_overview(inputs: Inputs, wanted: IncidentFilter) -> Overview:
         for key, n in (counter or {}).items():
             activity[key[0]] += n
     models = sorted(activity, key=lambda m: (-activity[m], m))
-    notes = []
+    notes = list(inputs.upstream)
     if wanted.model is not None:
         models = [wanted.model]
     elif len(models) > MAX_MODELS:

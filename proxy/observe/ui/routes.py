@@ -68,6 +68,7 @@ class Explorer:
             readings=self._history.readings(),
             now=self._clock(),
             source="live",
+            upstream=self._history.upstream_notes(),
         )
 
     def _links_for(self, request: web.Request) -> Links:

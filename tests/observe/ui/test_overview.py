@@ -4,6 +4,7 @@ curve, loops and recoveries, fingerprint spans, filtering."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -11,7 +12,15 @@ import orjson
 from policies.base import Trigger
 from proxy.audit.verdict import Verdict
 from proxy.engine.identity import Fingerprint
-from proxy.events import AuditCompleted, EventBus, LoopDetected, PolicyActed, UpstreamFingerprinted
+from proxy.events import (
+    AuditCompleted,
+    EventBus,
+    LoopDetected,
+    PolicyActed,
+    UpstreamFingerprinted,
+    UpstreamRestarted,
+    UpstreamUnreachable,
+)
 from proxy.observe.status import INFLIGHT_CAP, AuditTally
 from proxy.observe.ui.filters import IncidentFilter
 from proxy.observe.ui.history import LiveHistory
@@ -204,3 +213,29 @@ def test_tally_lines_carry_audits_by_inflight_and_the_report_reads_them() -> Non
     del line["audits_by_inflight"]  # a tally of an older detproxy
     older = parse_tally(line)
     assert older is not None and older.by_inflight == {}
+
+
+def test_the_live_overview_says_when_the_upstream_is_down_and_how_often_it_restarted() -> None:
+    history, bus, tally = LiveHistory(), EventBus(), AuditTally()
+    history.subscribe(bus)
+    print_ = Fingerprint("vllm", "0.23.0", ("m",), {}, fingerprint="a", read_at=120.0)
+
+    def notes() -> tuple[str, ...]:
+        live = replace(inputs([], tally, history, now=200.0), upstream=history.upstream_notes())
+        return build_overview(live, IncidentFilter()).notes
+
+    assert notes() == ()
+    bus.publish(UpstreamUnreachable("connection refused", 60.0, was_up=False))
+    assert notes() == (
+        "The upstream is not up yet since 1970-01-01T00:01:00.000Z: connection refused",
+    )
+    bus.publish(UpstreamFingerprinted(print_, None, False))
+    assert notes() == ()
+    bus.publish(UpstreamUnreachable("HTTP 503 on /version, /v1/models, /props", 150.0, True))
+    assert notes()[0].startswith("The upstream is down since 1970-01-01T00:02:30.000Z: HTTP 503")
+    bus.publish(UpstreamFingerprinted(print_, print_, False))
+    bus.publish(UpstreamRestarted(print_, 30.0, "outage"))
+    assert notes() == (
+        "The upstream restarted 1 time(s), the last at 1970-01-01T00:02:00.000Z: the same"
+        " identity each time, not a change",
+    )
