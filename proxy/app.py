@@ -102,8 +102,9 @@ def _scheduler(
     guard: InjectionGuard,
 ) -> ShadowScheduler | None:
     audit = settings.audit
-    if audit.sample_rate <= 0 and not any(r > 0 for r in audit.model_rates.values()):
-        return None
+    rates = (audit.sample_rate, *audit.model_rates.values())
+    if audit.at_least_every_s <= 0 and not any(r > 0 for r in rates):
+        return None  # audit off: no rate and no floor
     target = reference or upstream
     load = UpstreamLoad(session, audit.reference_url or settings.upstream.url)
     return ShadowScheduler(
@@ -254,7 +255,7 @@ class _Lifetime:
 
     async def incidents_ctx(self, app: web.Application) -> AsyncIterator[None]:
         yield
-        if self.settings.incidents.path:
+        if self.incidents.on_disk:
             self.incidents.write(self.tally.summary())  # the last word of this process
         self.incidents.close()
 
@@ -311,7 +312,7 @@ class _Lifetime:
 
     async def tally_ctx(self, app: web.Application) -> AsyncIterator[None]:
         tasks = TaskOwner("app")
-        if self.settings.incidents.path:
+        if self.incidents.on_disk:
             every_s = self.settings.incidents.tally_interval_s
             tasks.spawn(_write_tallies(self.incidents, self.tally, every_s), name="tally")
         yield

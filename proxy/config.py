@@ -8,6 +8,7 @@ ones also have flat names (``DETPROXY_UPSTREAM``, ``DETPROXY_PORT``, ...).
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from collections.abc import Mapping
@@ -172,6 +173,35 @@ def answer_extractor_spec(spec: str) -> tuple[Literal["json", "regex"], str]:
     return "regex", argument
 
 
+STATE_DIR_ENV = "DETPROXY_STATE_DIR"
+INCIDENT_FILE = "incidents.jsonl"
+
+
+def default_state_dir(env: Mapping[str, str] | None = None) -> Path | None:
+    """Where detproxy keeps what it writes by default: ``$DETPROXY_STATE_DIR``, else
+    ``$XDG_STATE_HOME/detproxy``, else ``~/.local/state/detproxy`` (None: no home to put it
+    in). Read from ``env`` (the process environment by default) when called, never at import."""
+    env = os.environ if env is None else env
+    given = env.get(STATE_DIR_ENV, "")
+    if given:
+        return Path(given).expanduser()
+    xdg = env.get("XDG_STATE_HOME", "")
+    if xdg and Path(xdg).is_absolute():  # the XDG spec: a relative one is to be ignored
+        return Path(xdg) / "detproxy"
+    try:
+        home = Path.home()
+    except (KeyError, RuntimeError):  # no $HOME and no passwd entry
+        return None
+    return home / ".local" / "state" / "detproxy"
+
+
+def default_incident_path(env: Mapping[str, str] | None = None) -> str | None:
+    """``incidents.path`` when the configuration does not set it (``detproxy report`` with no
+    argument reads it): ``<state dir>/incidents.jsonl``."""
+    state = default_state_dir(env)
+    return str(state / INCIDENT_FILE) if state is not None else None
+
+
 def _http_url(value: str) -> str:
     url = URL(value)
     if url.scheme not in ("http", "https") or not url.host:
@@ -246,7 +276,12 @@ class ClassifyConfig(_Section):
 
 
 class AuditConfig(_Section):
-    sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    # On by default (SPEC 1.16): 5% of deterministic requests get a shadow replay, and a model
+    # not audited for at_least_every_s gets its next one audited whatever the rate picked (a
+    # repeated prompt is never picked by the hash; 5% of a handful is none); budgets below
+    # bound what it costs. Off: sample_rate = 0 and at_least_every_s = 0.
+    sample_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    at_least_every_s: float = Field(default=60.0, ge=0.0)  # per model; 0: no floor
     # Per-model rates by glob pattern ("qwen3-*" = 0.5); the first match wins.
     model_rates: dict[str, float] = Field(default_factory=dict)
     # hash: the same request is always (or never) audited; random: independent draws.
@@ -265,9 +300,19 @@ class AuditConfig(_Section):
     shadow_extra_body: dict[str, Any] = Field(default_factory=dict)
     reference_url: str | None = None  # replay to a control engine instead of the same upstream
     inject_top_logprobs: int = Field(default=5, ge=0)  # bounded by upstream.max_logprobs
+    # The budgets, all enforced before a shadow is sent (what does not fit is dropped and
+    # counted in detproxy_shadow_dropped_total{reason}). Concurrency is the bound on the
+    # engine's load: at most 4 sequences more in its batch (vLLM schedules up to 256 by
+    # default: under 2% of its batch; a llama-server with few slots: lower it). The rate caps
+    # bursts of short (prefill) shadows; at 5% it binds only above 2,000 greedy requests/s.
     max_concurrent_shadows: int = Field(default=4, gt=0)
     max_shadows_per_s: float = Field(default=100.0, gt=0)
-    max_token_share: float = Field(default=1.0, ge=0)  # shadow tokens / primary tokens
+    # Shadow tokens (prompt + completion) at most this share of the tokens of the deterministic
+    # requests detproxy saw (since start), plus token_allowance always, so that the first
+    # audits fit before any share has built up (like loops.recovery_token_floor). A full
+    # shadow costs what its primary did: at 5% it spends about half of this share.
+    max_token_share: float = Field(default=0.1, ge=0)  # shadow tokens / primary tokens
+    token_allowance: int = Field(default=8192, ge=0)
     queue_size: int = Field(default=256, ge=1)
     shadow_timeout_s: float = Field(default=600.0, gt=0)
     answer_extractor: str | None = None  # "json:$.path" or "regex:PATTERN"
@@ -301,7 +346,9 @@ class AuditConfig(_Section):
 
 
 class IncidentConfig(_Section):
-    path: str | None = None  # JSON lines file; None keeps incidents in memory only
+    # JSON lines file, default_incident_path() unless set (resolved when the settings are
+    # built); "" keeps incidents in memory only. Its folder is created at start.
+    path: str | None = Field(default_factory=lambda: default_incident_path())
     max_bytes: int = Field(default=50 * 1024 * 1024, gt=0)
     backups: int = Field(default=5, ge=0)
     ring_size: int = Field(default=1000, gt=0)
@@ -435,7 +482,7 @@ class Settings(_Section):
     classify: ClassifyConfig = ClassifyConfig()
     audit: AuditConfig = AuditConfig()
     loops: LoopConfig = LoopConfig()
-    incidents: IncidentConfig = IncidentConfig()
+    incidents: IncidentConfig = Field(default_factory=IncidentConfig)  # path: read at build
     log: LogConfig = LogConfig()
 
 

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,11 +13,34 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
-from proxy.config import load_settings
+from proxy.config import STATE_DIR_ENV, load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import ServedApp, redis_server
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests never write into the real home: detproxy's default state directory (the default
+    incident log's folder) is a temporary one for the whole session, set before collection
+    (settings built there resolve it too) and inherited by the detproxy processes tests start."""
+    state = tempfile.mkdtemp(prefix="detproxy-state-")
+    config.stash[_STATE_DIR] = (state, os.environ.get(STATE_DIR_ENV))
+    os.environ[STATE_DIR_ENV] = state
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state, before = config.stash.get(_STATE_DIR, (None, None))
+    if state is None:
+        return
+    if before is None:
+        os.environ.pop(STATE_DIR_ENV, None)
+    else:
+        os.environ[STATE_DIR_ENV] = before
+    shutil.rmtree(state, ignore_errors=True)
+
+
+_STATE_DIR = pytest.StashKey[tuple[str, str | None]]()
 
 
 @pytest.fixture

@@ -47,6 +47,10 @@ from proxy.serving import serving
 
 TESTS = Path(__file__).resolve().parent
 
+# No shadow replays (detproxy audits 5% and one a minute per model by default): for tests that
+# count upstream requests or audits and are about something else. Passive checks stay on.
+NO_SHADOWS = {"DETPROXY_AUDIT__SAMPLE_RATE": "0", "DETPROXY_AUDIT__AT_LEAST_EVERY_S": "0"}
+
 # ---------------------------------------------------------------------------------------------
 # Ports and processes
 

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, load_settings
+from proxy.config import (
+    ConfigError,
+    Settings,
+    default_incident_path,
+    default_state_dir,
+    load_settings,
+)
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -137,6 +143,36 @@ def test_what_other_modules_define_is_checked_at_load(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as exc:
             load_settings(path)
         assert field in str(exc.value) and why in str(exc.value) and str(path) in str(exc.value)
+
+
+def test_the_state_directory_follows_the_environment_then_xdg_then_home(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    assert default_state_dir({"DETPROXY_STATE_DIR": "/srv/dp", "XDG_STATE_HOME": "/x"}) == Path(
+        "/srv/dp"
+    )
+    assert default_state_dir({"XDG_STATE_HOME": "/x"}) == Path("/x/detproxy")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    home = tmp_path / ".local" / "state" / "detproxy"
+    assert default_state_dir({"XDG_STATE_HOME": "relative/ignored"}) == home
+    assert default_state_dir({"DETPROXY_STATE_DIR": ""}) == home  # empty: unset
+    assert default_incident_path({"XDG_STATE_HOME": "/x"}) == "/x/detproxy/incidents.jsonl"
+
+
+def test_the_incident_path_defaults_to_the_state_dir_read_when_settings_are_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("DETPROXY_STATE_DIR", str(tmp_path / "one"))
+    first = load_settings()
+    monkeypatch.setenv("DETPROXY_STATE_DIR", str(tmp_path / "two"))
+    assert first.incidents.path == str(tmp_path / "one" / "incidents.jsonl")
+    assert load_settings().incidents.path == str(tmp_path / "two" / "incidents.jsonl")
+    assert Settings().incidents.path == str(tmp_path / "two" / "incidents.jsonl")
+    assert "path" not in load_settings().incidents.model_fields_set  # the default, not chosen
+    memory_only = load_settings(env={"DETPROXY_INCIDENTS__PATH": ""})
+    assert memory_only.incidents.path == "" and "path" in memory_only.incidents.model_fields_set
+    explicit = load_settings(write(tmp_path, '[incidents]\npath = "/srv/i.jsonl"\n'))
+    assert explicit.incidents.path == "/srv/i.jsonl"
 
 
 @pytest.mark.parametrize(

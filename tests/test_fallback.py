@@ -16,7 +16,7 @@ import pytest
 from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
-from tests.helpers import metric, sse_event
+from tests.helpers import NO_SHADOWS, metric, sse_event
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -361,7 +361,7 @@ async def test_a_refused_retry_gives_the_client_the_answer_it_had(
 ) -> None:
     scripted = Looping("no_overrides")
     url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY)
+    proxy = await make_proxy(url, env=LOOP_RETRY | NO_SHADOWS)  # bytes as the engine's
     body = request_body(CHAT, stream=False)
     _, expected = await direct(url, CHAT, body)
     resp = await proxy.post(CHAT, json=body)

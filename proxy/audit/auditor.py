@@ -125,6 +125,7 @@ class Auditor:
             return None
         upstream_body, injected = body, False
         if shadow:
+            self._sampler.started(view.model)
             lp = plan_logprobs(
                 view.endpoint,
                 body,
@@ -183,9 +184,11 @@ class Auditor:
                 self._tasks.spawn(
                     self._check_duplicate(ticket, outcome, latency), name="duplicate-check"
                 )
-        if ticket.shadow and self._scheduler is not None:
+        if self._scheduler is not None:
+            # Every deterministic primary the audit saw is the token budget's base.
             self._scheduler.count_primary_tokens(_tokens_of(outcome))
-            self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
+            if ticket.shadow:
+                self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
 
     def _emit(self, ticket: AuditTicket, seen: Compared) -> None:
         verdict = seen.verdict

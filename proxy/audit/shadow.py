@@ -1,8 +1,9 @@
 """The shadow scheduler: replays audited requests off the request path, under budgets.
 
 A bounded queue feeds a fixed number of owned workers (the concurrency budget). A token
-bucket caps shadows per second and a running tally caps the share of upstream tokens spent
-on shadows; what does not fit is dropped and counted, never queued without bound. ``quiet``
+bucket caps shadows per second and a running tally caps the tokens spent on shadows at an
+allowance plus a share of the deterministic primaries' tokens; what does not fit is dropped
+and counted, never queued without bound. ``quiet``
 scheduling waits until detproxy's own in-flight count (and, when configured, the upstream's
 ``vllm:num_requests_running``) is low enough, up to a deadline.
 """
@@ -119,16 +120,23 @@ class ShadowScheduler:
             self._bus.publish(ShadowDropped("", "shutdown"))
 
     def count_primary_tokens(self, tokens: int) -> None:
+        """A deterministic primary's tokens (audited or not): the token budget's base."""
         self.primary_tokens += tokens
+
+    @property
+    def token_budget(self) -> float:
+        """Shadow tokens allowed so far: the allowance plus the share of the primaries'."""
+        return self._config.token_allowance + self._config.max_token_share * self.primary_tokens
 
     def admit(self, model: str) -> bool:
         """Asked when a sampled primary starts: may a shadow follow it? The rate limit is
-        taken here, so that a primary that will not be replayed goes out as the client sent
-        it (no logprobs injected for the audit, which the engine would have to compute) and
-        is relayed without accumulating its output."""
+        taken here, and a spent token budget refuses here already, so that a primary that will
+        not be replayed goes out as the client sent it (no logprobs injected for the audit,
+        which the engine would have to compute) and is relayed without accumulating its
+        output."""
         reason = None
-        if self._config.max_token_share == 0:
-            reason = "token_budget"  # no shadow ever fits (the budget grows with primaries)
+        if self.shadow_tokens >= self.token_budget:
+            reason = "token_budget"  # no shadow fits until primaries add to the budget
         elif not self._bucket.take():
             reason = "rate_limit"
         if reason is not None:
@@ -139,8 +147,7 @@ class ShadowScheduler:
     def submit(self, job: ShadowJob) -> bool:
         """After an admitted primary: queue its shadow, within the token budget and the queue."""
         reason = None
-        budget = self._config.max_token_share * self.primary_tokens
-        if self.shadow_tokens + job.estimated_tokens > budget:
+        if self.shadow_tokens + job.estimated_tokens > self.token_budget:
             reason = "token_budget"
         elif self._queue.full():
             reason = "queue_full"

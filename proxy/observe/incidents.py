@@ -2,8 +2,13 @@
 
 A subscriber of ``AuditCompleted``. Lines go to a size-rotated file (``path``,
 ``path.1``, ... ``path.N``) and to a bounded in-memory ring served newest first at
-``/detproxy/incidents``. Prompts and outputs are kept only when ``store_text`` is on;
-hashes always are.
+``/detproxy/incidents`` (filtered by ``kind``, ``verdict``, ``mode`` and ``model``; a value
+the endpoint does not know is a 400 that lists the known ones). Prompts and outputs are kept
+only when ``store_text`` is on; hashes always are.
+
+The file's folder is created at start. A path the configuration names that cannot be written
+stops the start (``ConfigError``); the default one (the state directory, e.g. a read-only home
+in a container) only says so in the log once, and incidents stay in memory.
 """
 
 from __future__ import annotations
@@ -11,13 +16,15 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from dataclasses import asdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import IO, Any
 
 import orjson
 from aiohttp import web
 
-from proxy.config import IncidentConfig
+from proxy.config import STATE_DIR_ENV, ConfigError, IncidentConfig
 from proxy.events import (
     AuditCompleted,
     EventBus,
@@ -25,8 +32,14 @@ from proxy.events import (
     UpstreamFingerprinted,
     UpstreamRestarted,
 )
+from proxy.http.errors import error_response
+from proxy.observe.ui.filters import MAX_MODEL_CHARS, MODES, VERDICT_CHOICES
 
 log = logging.getLogger(__name__)
+
+KINDS = ("audit", "loop", "upstream_change")
+DEFAULT_LIMIT = 100
+QUERY_PARAMS = ("limit", "kind", "verdict", "mode", "model")
 
 
 def audit_incident(ev: AuditCompleted) -> dict[str, Any]:
@@ -96,8 +109,39 @@ class IncidentLog:
         self.written = 0
         self.write_errors = 0
         self._upstream: dict[str, Any] | None = None
-        if config.path:
-            self._open()
+        self._closed = False
+        self._on_disk = self._check(config.path) if config.path else False
+
+    @property
+    def on_disk(self) -> bool:
+        """Incidents go to a file (not only to the ring): it could be written at start."""
+        return self._on_disk
+
+    def _check(self, path: str) -> bool:
+        """Create the file's folder and the file (it is opened at the first line); what to do
+        when that fails depends on whether the path was configured (stop the start) or is the
+        default (log it, keep the ring)."""
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "ab"):
+                pass
+            return True
+        except OSError as exc:
+            why = exc.strerror or type(exc).__name__
+            if "path" in self._config.model_fields_set:
+                raise ConfigError(
+                    f"incidents.path: cannot write {path} ({why}); create its folder writable "
+                    'by detproxy, choose another path, or set incidents.path = "" to keep '
+                    "incidents in memory only"
+                ) from None
+            log.warning(
+                "cannot write the default incident log %s (%s): incidents are kept in memory "
+                "only; set %s or incidents.path to a writable place",
+                path,
+                why,
+                STATE_DIR_ENV,
+            )
+            return False
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._on_audit)
@@ -144,6 +188,7 @@ class IncidentLog:
     def _rotate(self) -> None:
         assert self._file is not None and self._config.path
         self._file.close()
+        self._file = None  # until reopened: a failed rotation leaves no closed file to write to
         path, backups = self._config.path, self._config.backups
         if backups == 0:
             os.truncate(path, 0)
@@ -162,12 +207,15 @@ class IncidentLog:
 
     def write(self, incident: dict[str, Any]) -> None:
         """Append one line to the file (the ring is for incidents only, not tallies)."""
-        if self._file is None:
+        if not self._on_disk or self._closed:
             return
         line = orjson.dumps(incident) + b"\n"
         try:
+            if self._file is None:
+                self._open()  # at the first line (or after a rotation that could not reopen)
             if self._size and self._size + len(line) > self._config.max_bytes:
                 self._rotate()
+            assert self._file is not None
             self._file.write(line)
             self._file.flush()  # acknowledged means on its way to disk
             self._size += len(line)
@@ -182,26 +230,98 @@ class IncidentLog:
         return items
 
     def close(self) -> None:
+        self._closed = True
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
 
+    def select(self, query: IncidentQuery) -> list[dict[str, Any]]:
+        """The newest ``query.limit`` incidents of the ring that match ``query``, newest first."""
+        if query.limit <= 0:
+            return []
+        found = []
+        for record in reversed(self._ring):
+            if query.matches(record):
+                found.append(record)
+                if len(found) == query.limit:
+                    break
+        return found
+
     async def handle(self, request: web.Request) -> web.Response:
-        raw = request.query.get("limit", "100")
         try:
-            limit = int(raw)
-        except ValueError:
-            limit = -1
-        if limit < 0:
-            body = {
-                "error": {
-                    "message": "limit must be a non-negative integer",
-                    "type": "BadRequestError",
-                    "param": "limit",
-                    "code": 400,
-                }
-            }
-            return web.json_response(body, status=400, dumps=lambda o: orjson.dumps(o).decode())
-        return web.Response(body=orjson.dumps(self.recent(limit)), content_type="application/json")
+            query = parse_query(request.query.items())
+        except QueryError as exc:
+            return error_response(400, str(exc), param=exc.param)
+        return web.Response(body=orjson.dumps(self.select(query)), content_type="application/json")
+
+
+class QueryError(ValueError):
+    """A query parameter of ``/detproxy/incidents`` it cannot use; the message says why."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class IncidentQuery:
+    """What ``/detproxy/incidents`` returns. ``verdict`` is an audit's verdict, or the kind of a
+    loop or an upstream change (as the explorer's list has it)."""
+
+    limit: int = DEFAULT_LIMIT
+    kind: str | None = None
+    verdict: str | None = None
+    mode: str | None = None
+    model: str | None = None
+
+    def matches(self, record: dict[str, Any]) -> bool:
+        kind = record.get("kind")
+        if self.kind is not None and kind != self.kind:
+            return False
+        if self.verdict is not None:
+            verdict = record.get("verdict") if kind == "audit" else kind
+            if verdict != self.verdict:
+                return False
+        if self.mode is not None and record.get("mode") != self.mode:
+            return False
+        return self.model is None or record.get("model") == self.model
+
+
+def _one_of(param: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise QueryError(param, f"{param} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def parse_query(pairs: Iterable[tuple[str, str]]) -> IncidentQuery:
+    """``/detproxy/incidents``'s query: unknown names, repeats and values it does not know are
+    refused (a typo must not silently return everything); an empty value means unset."""
+    seen: dict[str, str] = {}
+    for name, value in pairs:
+        if name not in QUERY_PARAMS:
+            raise QueryError(
+                name, f"unknown query parameter {name!r}; known: {', '.join(QUERY_PARAMS)}"
+            )
+        if name in seen:
+            raise QueryError(name, f"{name} given more than once")
+        seen[name] = value
+    values = {k: v for k, v in seen.items() if v != ""}
+    limit = DEFAULT_LIMIT
+    raw = values.get("limit")
+    if raw is not None:
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 9):
+            raise QueryError("limit", f"limit must be a non-negative integer; got {raw!r}")
+        limit = int(raw)
+    model = values.get("model")
+    if model is not None and (len(model) > MAX_MODEL_CHARS or not model.isprintable()):
+        raise QueryError("model", f"model must be printable and at most {MAX_MODEL_CHARS} chars")
+    kind, verdict, mode = values.get("kind"), values.get("verdict"), values.get("mode")
+    return IncidentQuery(
+        limit=limit,
+        kind=_one_of("kind", kind, KINDS) if kind is not None else None,
+        verdict=_one_of("verdict", verdict, VERDICT_CHOICES) if verdict is not None else None,
+        mode=_one_of("mode", mode, MODES) if mode is not None else None,
+        model=model,
+    )

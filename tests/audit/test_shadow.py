@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -12,7 +12,9 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
-from proxy.audit.shadow import TokenBucket
+from proxy.audit.shadow import ShadowJob, ShadowScheduler, TokenBucket
+from proxy.config import AuditConfig
+from proxy.events import EventBus, ShadowDropped
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers import metric
 
@@ -183,12 +185,43 @@ async def test_budgets_drop_and_count(
     assert status["audit"]["audits"] + dropped(registry, "queue_full") == 6
 
     other = CollectorRegistry()
-    client = await make_proxy(
-        slow_emulator.url, registry=other, env=AUDIT_ALL | {"DETPROXY_AUDIT__MAX_TOKEN_SHARE": "0"}
-    )
+    no_budget = {"DETPROXY_AUDIT__MAX_TOKEN_SHARE": "0", "DETPROXY_AUDIT__TOKEN_ALLOWANCE": "0"}
+    client = await make_proxy(slow_emulator.url, registry=other, env=AUDIT_ALL | no_budget)
     resp = await client.post("/v1/chat/completions", json=chat("no budget"))
     assert resp.status == 200
     assert dropped(other, "token_budget") == 1
+
+
+def scheduler(**config: Any) -> tuple[ShadowScheduler, list[str]]:
+    """A scheduler whose workers never start: admit and submit only."""
+    bus = EventBus()
+    drops: list[str] = []
+    bus.subscribe(ShadowDropped, lambda ev: drops.append(ev.reason))
+    sched = ShadowScheduler(AuditConfig(**config), cast(Any, None), bus, cast(Any, None))
+    return sched, drops
+
+
+def job(tokens: int) -> ShadowJob:
+    return ShadowJob(MODEL, "chat", "/v1/chat/completions", {}, {}, tokens, lambda r: None)
+
+
+def test_the_token_budget_is_an_allowance_plus_a_share_of_primary_tokens() -> None:
+    sched, drops = scheduler(max_token_share=0.1, token_allowance=1000)
+    assert sched.admit(MODEL) and sched.submit(job(600)), "the first audit fits the allowance"
+    assert sched.admit(MODEL) and not sched.submit(job(600)), "1200 tokens > the 1000 allowed"
+    assert drops == ["token_budget"]
+    sched.count_primary_tokens(10_000)  # 1000 + 0.1 x 10000 = 2000 allowed
+    assert sched.submit(job(600)) and sched.shadow_tokens == 1200
+    assert not sched.submit(job(900)), "2100 tokens > the 2000 allowed"
+    sched.shadow_tokens = 2000
+    assert not sched.admit(MODEL), "a spent budget refuses before the primary goes out"
+    assert drops == ["token_budget"] * 3
+
+
+def test_no_share_and_no_allowance_admit_no_shadow() -> None:
+    sched, drops = scheduler(max_token_share=0, token_allowance=0)
+    sched.count_primary_tokens(10**6)
+    assert not sched.admit(MODEL) and drops == ["token_budget"]
 
 
 def test_token_bucket() -> None:

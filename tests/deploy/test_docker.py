@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from proxy.config import load_settings
+from proxy.config import default_incident_path, load_settings
 from tests.deploy.promql import rules
 from tests.helpers import free_port
 
@@ -227,7 +227,32 @@ def healthcheck_command() -> list[str]:
     return exec_form(command)
 
 
+def image_env() -> dict[str, str]:
+    """The runtime stage's ENV (``KEY=value`` pairs)."""
+    env: dict[str, str] = {}
+    for keyword, args in runtime_stage():
+        if keyword == "ENV":
+            for pair in shlex.split(args):
+                key, _, value = pair.partition("=")
+                env[key] = value
+    return env
+
+
 # ---------------------------------------------------------------- Dockerfile
+
+
+def test_the_image_state_dir_is_a_volume_the_detproxy_user_owns() -> None:
+    stage = runtime_stage()
+    state = image_env().get("DETPROXY_STATE_DIR")
+    assert state == "/var/lib/detproxy", f"DETPROXY_STATE_DIR in the image: {state}"
+    volumes = [v for kw, args in stage if kw == "VOLUME" for v in exec_form(args)]
+    assert state in volumes, f"no VOLUME at the state dir {state}: {volumes}"
+    runs = " ".join(args for kw, args in stage if kw == "RUN")
+    assert f"chown {DETPROXY_UID}:{DETPROXY_UID} {state}" in runs, "the state dir's owner"
+    keywords = [kw for kw, _ in stage]
+    assert keywords.index("VOLUME") < keywords.index("USER")
+    # detproxy's own default resolves into it, and `detproxy report` reads the same file.
+    assert default_incident_path(image_env()) == f"{state}/incidents.jsonl"
 
 
 def test_dockerfile_runs_detproxy_as_a_fixed_non_root_user() -> None:
@@ -393,10 +418,13 @@ def test_detproxy_config_file_and_environment_load(filename: str) -> None:
     config = host_file(detproxy, env["DETPROXY_CONFIG"])
     settings = load_settings(config, env, {"host": "0.0.0.0", "port": 8080})
     assert settings.upstream.url.rstrip("/") == env["DETPROXY_UPSTREAM"].rstrip("/")
-    if settings.incidents.path:
-        # The incident log is on a named volume, writable by the image's user.
-        volume = mount_of(detproxy, str(Path(settings.incidents.path).parent))
-        assert volume["type"] == "volume"
+    # The state dir (the image's, or the stack's own) is a named volume, and the incident log
+    # (configured or the default) lies in it, where `detproxy report` finds it.
+    state = (image_env() | env)["DETPROXY_STATE_DIR"]
+    assert mount_of(detproxy, state)["type"] == "volume", f"{filename}: {state} is no volume"
+    default = default_incident_path(image_env() | env)
+    for path in {settings.incidents.path or default, default}:
+        assert str(Path(str(path)).parent) == state, f"{filename}: incident log at {path}"
     grace = re.fullmatch(r"(\d+)s", str(detproxy["stop_grace_period"]))
     assert grace and int(grace.group(1)) > settings.server.shutdown_grace_s
 

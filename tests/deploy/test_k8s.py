@@ -27,7 +27,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
-from proxy.config import load_settings
+from proxy.config import default_incident_path, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -328,6 +328,27 @@ def test_raw_manifests_validate(path: Path) -> None:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_toml_configs_load(layout: str) -> None:
     load_settings(K8S / layout / "detproxy.toml", {}, {})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_state_dir_is_a_mounted_volume_holding_the_incident_log(layout: str) -> None:
+    """DETPROXY_STATE_DIR names a pod volume (read-only root: nothing else can be written), and
+    the incident log, configured or the default, lies in it."""
+    docs = yaml.safe_load_all((K8S / layout / "deployment.yaml").read_text(encoding="utf-8"))
+    deployment = next(d for d in docs if d and d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    detproxy = containers(spec)["detproxy"]
+    env = {e["name"]: e.get("value") for e in detproxy.get("env", [])}
+    state = env.get("DETPROXY_STATE_DIR")
+    assert state == "/var/lib/detproxy", f"{layout}: DETPROXY_STATE_DIR is {state}"
+    (mount,) = [m for m in detproxy["volumeMounts"] if m["mountPath"] == state]
+    assert not mount.get("readOnly"), f"{layout}: the state dir is mounted read-only"
+    volume = {v["name"]: v for v in spec["volumes"]}[mount["name"]]
+    assert {"emptyDir", "persistentVolumeClaim"} & set(volume), f"{layout}: {volume}"
+    settings = load_settings(K8S / layout / "detproxy.toml", {}, {})
+    default = default_incident_path(env)
+    for path in {settings.incidents.path or default, default}:
+        assert str(Path(str(path)).parent) == state, f"{layout}: incident log at {path}"
 
 
 # ---------------------------------------------------------------- rendered

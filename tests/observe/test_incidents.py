@@ -1,17 +1,20 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from proxy.audit.compare import Divergence, Verdict
-from proxy.config import IncidentConfig
+from proxy.config import ConfigError, IncidentConfig, load_settings
 from proxy.events import AuditCompleted, EventBus
-from proxy.observe.incidents import IncidentLog
+from proxy.observe.incidents import IncidentLog, QueryError, parse_query
 from proxy.tools.emulator import EmulatorServer
+from tests.helpers import NO_SHADOWS
 
 
 def event(i: int, verdict: str = "text_divergence", **extra: Any) -> AuditCompleted:
@@ -60,7 +63,7 @@ def test_only_non_identical_audits_are_incidents_newest_first(tmp_path: Path) ->
 
 
 def test_text_is_kept_only_when_the_event_carries_it(tmp_path: Path) -> None:
-    log = IncidentLog(IncidentConfig())
+    log = IncidentLog(IncidentConfig(path=""))
     bus = EventBus()
     log.subscribe(bus)
     bus.publish(event(1, prompt="secret prompt", primary_text="x", shadow_text="y"))
@@ -95,7 +98,8 @@ async def test_incidents_endpoint_and_store_text(make_proxy: Any, tmp_path: Path
     async with EmulatorServer() as emu:
         client = await make_proxy(
             emu.url,
-            env={
+            env=NO_SHADOWS  # the incident below is the passive duplicate check's
+            | {
                 "DETPROXY_INCIDENTS__STORE_TEXT": "true",
                 "DETPROXY_INCIDENTS__PATH": str(tmp_path / "i.jsonl"),
             },
@@ -128,7 +132,8 @@ async def test_tally_lines_carry_the_denominators(make_proxy: Any, tmp_path: Pat
     async with EmulatorServer() as emu:
         client = await make_proxy(
             emu.url,
-            env={
+            env=NO_SHADOWS
+            | {
                 "DETPROXY_INCIDENTS__PATH": str(path),
                 "DETPROXY_INCIDENTS__TALLY_INTERVAL_S": "0.05",
             },
@@ -149,3 +154,128 @@ async def test_tally_lines_carry_the_denominators(make_proxy: Any, tmp_path: Pat
     last = tallies[-1]
     assert last["audits"] == {"emulator-model": {"duplicate": {"identical": 2}}}
     assert last["process"] == tallies[0]["process"] and last["ts"] >= tallies[0]["ts"]
+
+
+def test_the_default_log_is_on_disk_in_the_state_dir_its_folder_created(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    state = tmp_path / "not" / "there" / "yet"
+    monkeypatch.setenv("DETPROXY_STATE_DIR", str(state))
+    log = IncidentLog(load_settings().incidents)
+    bus = EventBus()
+    log.subscribe(bus)
+    bus.publish(event(1))
+    log.close()
+    assert log.on_disk and log.written == 1
+    (line,) = (state / "incidents.jsonl").read_bytes().splitlines()
+    assert orjson.loads(line)["request_id"] == "r1"
+
+
+def test_the_default_log_rotates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DETPROXY_STATE_DIR", str(tmp_path))
+    config = IncidentConfig(max_bytes=1500, backups=2)  # the default path, small files
+    assert config.path == str(tmp_path / "incidents.jsonl")
+    log = IncidentLog(config)
+    bus = EventBus()
+    log.subscribe(bus)
+    for i in range(20):
+        bus.publish(event(i))
+    log.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["incidents.jsonl", "incidents.jsonl.1", "incidents.jsonl.2"]
+    assert all(p.stat().st_size <= 1500 for p in tmp_path.iterdir())
+
+
+def test_a_default_log_that_cannot_be_written_keeps_incidents_in_memory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder cannot be made under a file (as root too)
+    monkeypatch.setenv("DETPROXY_STATE_DIR", str(blocker / "state"))
+    with caplog.at_level(logging.WARNING, logger="proxy.observe.incidents"):
+        log = IncidentLog(IncidentConfig())
+    (warning,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "in memory only" in warning.getMessage() and "DETPROXY_STATE_DIR" in warning.getMessage()
+    bus = EventBus()
+    log.subscribe(bus)
+    bus.publish(event(1))
+    assert not log.on_disk and [r["request_id"] for r in log.recent(5)] == ["r1"]
+    log.close()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "a-folder"])
+def test_a_configured_log_that_cannot_be_written_stops_the_start(
+    tmp_path: Path, where: str
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    path = blocker / "incidents.jsonl" if where == "under-a-file" else tmp_path
+    with pytest.raises(ConfigError) as exc:
+        IncidentLog(IncidentConfig(path=str(path)))
+    message = str(exc.value)
+    assert message.startswith(f"incidents.path: cannot write {path}") and "\n" not in message
+    assert 'incidents.path = ""' in message
+
+
+def test_a_configured_log_gets_its_folders(tmp_path: Path) -> None:
+    path = tmp_path / "var" / "log" / "detproxy" / "incidents.jsonl"
+    log = IncidentLog(IncidentConfig(path=str(path)))
+    log.close()
+    assert path.is_file() and log.on_disk
+
+
+def test_an_empty_path_keeps_incidents_in_memory_only(tmp_path: Path) -> None:
+    log = IncidentLog(IncidentConfig(path=""))
+    assert not log.on_disk
+    log.close()
+
+
+@pytest.mark.parametrize(
+    ("query", "param", "says"),
+    [
+        ("verdict=loops", "verdict", "identical, logprob_drift, text_divergence"),
+        ("verdict=diverged", "verdict", "loop, upstream_change"),
+        ("kind=audits", "kind", "audit, loop, upstream_change"),
+        ("mode=shadow", "mode", "full, prefill, n_choices, duplicate"),
+        ("limit=-1", "limit", "non-negative integer"),
+        ("limit=1.5", "limit", "non-negative integer"),
+        ("limit=%D9%A5", "limit", "non-negative integer"),  # a non-ASCII digit
+        ("verdcit=loop", "verdcit", "known: limit, kind, verdict, mode, model"),
+        ("verdict=loop&verdict=identical", "verdict", "more than once"),
+    ],
+)
+async def test_a_filter_the_endpoint_does_not_know_is_a_400_listing_the_known_values(
+    make_proxy: Any, query: str, param: str, says: str
+) -> None:
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url, env={"DETPROXY_INCIDENTS__PATH": ""})
+        resp = await client.get(f"/detproxy/incidents?{query}")
+        error = (await resp.json())["error"]
+        assert (resp.status, error["param"], error["type"]) == (400, param, "BadRequestError"), (
+            f"{query}: {resp.status} {error}"
+        )
+        assert says in error["message"], error["message"]
+        await client.close()
+
+
+def test_filters_select_by_kind_verdict_mode_and_model() -> None:
+    log = IncidentLog(IncidentConfig(path=""))
+    log.record({"kind": "audit", "verdict": "text_divergence", "mode": "full", "model": "a"})
+    log.record({"kind": "audit", "verdict": "logprob_drift", "mode": "prefill", "model": "b"})
+    log.record({"kind": "loop", "model": "a", "channel": "content"})
+    log.record({"kind": "upstream_change"})
+
+    def select(query: str) -> list[tuple[str | None, ...]]:
+        pairs = [tuple(kv.split("=")) for kv in query.split("&") if kv]
+        found = log.select(parse_query(pairs))  # type: ignore[arg-type]
+        return [(r["kind"], r.get("verdict"), r.get("model")) for r in found]
+
+    assert select("verdict=loop") == [("loop", None, "a")]
+    assert select("kind=audit&model=a") == [("audit", "text_divergence", "a")]
+    assert select("verdict=logprob_drift&mode=prefill") == [("audit", "logprob_drift", "b")]
+    assert select("verdict=upstream_change") == [("upstream_change", None, None)]
+    assert select("model=a&limit=1") == [("loop", None, "a")]  # newest first
+    assert select("limit=0") == [] and len(select("")) == 4
+    assert select("verdict=&model=") == select("")  # an empty value means unset
+    with pytest.raises(QueryError):
+        parse_query([("limit", "1" * 10)])

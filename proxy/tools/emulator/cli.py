@@ -38,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest top_logprobs accepted, as vLLM's --max-logprobs (default 20; -1: no limit)",
     )
     p.add_argument(
-        "--version", dest="version", help="the vLLM version /version reports (default 0.17.1)"
+        "--vllm-version",
+        "--version",
+        dest="version",
+        metavar="VERSION",
+        help="the vLLM version /version reports (default: 0.23.0, the API shape emulated)",
     )
     p.add_argument(
         "--default-temperature",

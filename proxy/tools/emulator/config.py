@@ -41,7 +41,9 @@ class EmulatorConfig(BaseModel):
     models: tuple[str, ...] = Field(default=("emulator-model",), min_length=1)
     max_model_len: int = Field(default=4096, ge=16)
     max_logprobs: int = Field(default=20, ge=-1)
-    version: str = "0.17.1"
+    # What /version answers (vLLM's release): the request and response shapes emulated are
+    # 0.23's (reasoning, repetition_detection, the error nesting of >= 0.10.1).
+    version: str = Field(default="0.23.0", min_length=1)
     seed: int = 0
     default_temperature: float = Field(default=1.0, ge=0.0)
     # vLLM's --api-key: /v1/* requests without ``Authorization: Bearer <key>`` get its 401.

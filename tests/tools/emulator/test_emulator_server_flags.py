@@ -77,3 +77,14 @@ async def test_no_api_key_accepts_anything(make_client: MakeClient) -> None:
 )
 def test_cli_flags(argv: list[str], field: str, value: object) -> None:
     assert getattr(config_from_args(build_parser().parse_args(argv)), field) == value
+
+
+async def test_version_is_the_vllm_release_whose_api_is_emulated(make_client: MakeClient) -> None:
+    client, _ = await make_client()
+    assert (await client.get("/version")).json() == {"version": "0.23.0"}
+
+
+@pytest.mark.parametrize("flag", ["--vllm-version", "--version"])
+def test_the_version_is_a_flag(flag: str) -> None:
+    assert config_from_args(build_parser().parse_args([flag, "0.24.1"])).version == "0.24.1"
+    assert config_from_args(build_parser().parse_args([])).version == "0.23.0"
