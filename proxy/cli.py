@@ -277,8 +277,13 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
     """``--workers N``: the port bound here first (in use: exit 2; 0: one port for all), then
     N workers started on it and kept running (proxy/workers.py)."""
     from proxy.observe.log import mask_url
+    from proxy.serving import describe_start_error
 
     server = settings.server
+    try:  # what would stop every worker at its start stops here, once (the incident path)
+        serve_app(settings)
+    except (ConfigError, OSError) as exc:
+        return _fail(describe_start_error(exc))
     try:
         held = [reuseport_socket(server.host, server.port)]
     except OSError as exc:

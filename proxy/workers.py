@@ -248,6 +248,7 @@ class Supervisor:
                 log.error("worker pid %d did not stop within its grace; killed", proc.pid)
                 proc.kill()
                 proc.wait()
+        log.info("stopped: %d worker(s) exited", len(procs))
         return 0
 
 

@@ -118,10 +118,11 @@ def test_an_admin_port_in_use_is_one_line(taken_port: int, tmp_path: Path) -> No
     assert_one_line_error(code, err, f":{taken_port}", "server.admin_port")
 
 
-def test_an_unwritable_incident_path_is_one_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_an_unwritable_incident_path_is_one_line(tmp_path: Path, workers: str) -> None:
     (tmp_path / "a-file").write_text("")
     code, err = run_cli(
-        "serve", "--port", "0",
+        "serve", "--port", "0", "--workers", workers,
         env={"DETPROXY_INCIDENTS__PATH": str(tmp_path / "a-file" / "incidents.jsonl")},
     )  # fmt: skip
     assert_one_line_error(code, err, "incidents.path", str(tmp_path / "a-file"))

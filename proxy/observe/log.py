@@ -281,7 +281,7 @@ class EventLog:
         self._log = logger or logging.getLogger(EVENTS)
         self._access = access or logging.getLogger(ACCESS)
         self._access_on = config.access_log
-        self._upstream = mask_url(upstream) if upstream else "upstream"
+        self._upstream = mask_url(upstream) or "(unknown)"
         self._repeats = Repeats(config.repeat_s, clock)
 
     def subscribe(self, bus: EventBus) -> None:
@@ -327,7 +327,7 @@ class EventLog:
         self._emit(
             logging.WARNING,
             ("upstream_failed", ev.kind, ev.stage),
-            f"{self._upstream} {what} {when} ({ev.endpoint} request)",
+            f"upstream {self._upstream} {what} {when} ({ev.endpoint} request)",
             event="upstream_failed",
             endpoint=ev.endpoint,
             kind=ev.kind,
