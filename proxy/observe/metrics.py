@@ -338,16 +338,18 @@ class Metrics:
             speed_labels,
             RATE_BUCKETS,
         )
-        self.upstream_changes = Counter(
+        # Every worker (--workers N) reads the upstream and counts what it reads: summed over
+        # the workers, one change would count N times. Under --workers these two are gauges
+        # of mode "max" (dead workers' files included, so they never go down): the count of
+        # the worker that saw the most, which increase() reads as it reads a counter.
+        self.upstream_changes = self._upstream_count(
             "detproxy_upstream_changes",
             "Changes of the upstream's fingerprint between two readings that said what it runs"
             " (redeploys); never an outage or a restart",
-            registry=registry,
         )
-        self.upstream_restarts = Counter(
+        self.upstream_restarts = self._upstream_count(
             "detproxy_upstream_restarts",
             "The same upstream identity back after an outage or with a new process start time",
-            registry=registry,
         )
         self.upstream = _UpstreamCollector()
         registry.register(self.upstream)
@@ -424,6 +426,11 @@ class Metrics:
         )
 
         self._audit_series: set[tuple[str, str]] = set()  # (model, mode) with every verdict
+
+    def _upstream_count(self, name: str, text: str) -> _Counts:
+        if self.multiprocess:
+            return Gauge(name + "_total", text, registry=self.registry, multiprocess_mode="max")
+        return Counter(name, text, registry=self.registry)
 
     def _counter(self, name: str, text: str, labels: list[str]) -> Callable[..., _Counts]:
         """A family every request updates: lock-free cells in one process (``proxy.observe.hot``),

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proxy.audit.verdict import VERDICTS, Verdict
+from proxy.config import STATE_DIR_ENV
 from proxy.events import (
     AuditCompleted,
     EventBus,
@@ -14,7 +24,10 @@ from proxy.events import (
     StreamTimed,
 )
 from proxy.observe.metrics import Metrics
-from tests.helpers import metric
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers import free_port, metric, metric_samples, wait_healthy
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def finished(status: int = 200, model: str = "m", stream: bool = False) -> RequestFinished:
@@ -94,3 +107,59 @@ def test_a_shared_recovery_budget_is_the_max_across_workers_not_the_sum() -> Non
     shared = Metrics(CollectorRegistry(), budget_shared=True).recovery_budget
     assert own._multiprocess_mode == "livesum"
     assert shared._multiprocess_mode == "livemax"
+
+
+async def test_two_workers_count_an_upstream_restart_once(tmp_path: Path) -> None:
+    """Under --workers every worker reads the upstream: one restart is 1, not one per worker."""
+    upstream, port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        "PATH": "",
+        "PYTHONPATH": ROOT,
+        "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.1",
+        STATE_DIR_ENV: os.environ.get(STATE_DIR_ENV, str(tmp_path)),
+    }
+    argv = ["-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{upstream}"]
+    argv += ["--port", str(port), "--workers", "2"]
+
+    async def scrape(http: aiohttp.ClientSession) -> dict[str, float]:
+        async with http.get(base + "/detproxy/metrics") as resp:
+            return metric_samples(await resp.text(), "detproxy_upstream_")
+
+    def fresh() -> aiohttp.ClientSession:  # a connection per request: any worker answers
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+    async def both(what: str, check: Callable[[dict[str, Any]], bool]) -> None:
+        """Until each of the two workers says so in its ``upstream_state``."""
+        deadline, seen = time.monotonic() + 30, dict[int, Any]()
+        async with fresh() as http:
+            while time.monotonic() < deadline and len(seen) < 2:
+                async with http.get(base + "/detproxy/status") as resp:
+                    status = await resp.json()
+                if check(status["upstream_state"]):
+                    seen[status["worker"]["index"]] = status["upstream_state"]
+                await asyncio.sleep(0.02)
+        assert len(seen) == 2, f"not both workers {what} within 30 s: {seen}"
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *argv, env=env, stderr=asyncio.subprocess.DEVNULL
+    )
+    try:
+        await wait_healthy(base + "/detproxy/health")
+        config = EmulatorConfig(version="0.23.0")
+        async with EmulatorServer(config, port=upstream):
+            await both("read it up", lambda state: state["state"] == "up")
+        await both("read it down", lambda state: state["state"] == "down")
+        async with EmulatorServer(config, port=upstream):
+            await both("saw the restart", lambda state: state["restarts"] == 1)
+            for _ in range(6):  # whichever worker answers the scrape
+                async with fresh() as http:
+                    seen = await scrape(http)
+                assert (seen["detproxy_upstream_restarts_total"], seen["detproxy_upstream_up"]) == (
+                    1,
+                    1,
+                ), seen
+                assert seen["detproxy_upstream_changes_total"] == 0, seen
+    finally:
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), 30)
