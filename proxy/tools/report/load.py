@@ -36,6 +36,8 @@ class AuditLine:
     shadow_token: str | None
     margin: float | None
     delta: float | None  # max |delta logprob| in nats; None: unknown or +inf
+    # An answer extractor ran and found an answer on either side (no extractor: never).
+    answered: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,7 @@ class LogData:
     malformed: int = 0
     unknown_kind: int = 0
     duplicates: int = 0
+    upstream_changes: int = 0  # upstream_change lines: read, not summarised here
 
 
 def _num(value: Any) -> float | None:
@@ -145,6 +148,7 @@ def parse_audit(obj: dict[str, Any]) -> AuditLine | None:
         shadow_token=_str(div.get("shadow_token")),
         margin=_num(div.get("margin")),
         delta=_num(obj.get("max_abs_logprob_delta")),
+        answered=obj.get("primary_answer") is not None or obj.get("shadow_answer") is not None,
     )
 
 
@@ -218,6 +222,9 @@ def read_into(data: LogData, path: str, seen: set[bytes]) -> None:
             data.malformed += 1
             continue
         kind = obj.get("kind")
+        if kind == "upstream_change":
+            data.upstream_changes += 1
+            continue
         if kind not in ("audit", "loop", "tally"):
             data.unknown_kind += 1
             continue

@@ -11,6 +11,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Any
 
+IGNORED_NOTE = "ignored "  # summary's note on skipped lines, which the header already gives
 MODES_ORDER = ("full", "prefill", "n_choices", "duplicate")
 TEXT_WIDTH = 100
 
@@ -36,20 +37,53 @@ class Table:
 Block = Heading | Para | Table
 
 
+MODE_MEANING = {
+    "full": "a shadow replay of the whole request",
+    "prefill": "a replay of the first token only",
+    "duplicate": "the same request sent twice by clients",
+    "n_choices": "the n > 1 choices of one request",
+}
+
+
 def pct(rate: float | None) -> str:
-    return "n/a" if rate is None else f"{100 * rate:.2f}%"
+    """A share as a rounded percentage (one decimal)."""
+    return "n/a" if rate is None else f"{100 * rate:.1f}%"
+
+
+def ci(p: dict[str, Any]) -> str:
+    """The 95% Wilson interval of a proportion, ``49.2-73.4%``."""
+    if p["ci_low"] is None or p["ci_high"] is None:
+        return "n/a"
+    return f"{100 * p['ci_low']:.1f}-{100 * p['ci_high']:.1f}%"
 
 
 def num(value: float | None) -> str:
+    """A count as is; anything else with three significant digits."""
     if value is None:
         return "n/a"
     if isinstance(value, int) or float(value).is_integer():
         return str(int(value))
-    return f"{value:.4g}"
+    return f"{value:.3g}"
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else (many or one + 's')}"
+
+
+def words(name: str) -> str:
+    """``looped_again`` as ``looped again``."""
+    return name.replace("_", " ")
 
 
 def token(value: str | None) -> str:
     return "n/a" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def when(iso_time: str) -> str:
+    """``2026-12-04T06:55:45.388Z`` as ``2026-12-04 06:55:45``; anything else as it came."""
+    if len(iso_time) >= 19 and iso_time[10] == "T":
+        return iso_time[:10] + " " + iso_time[11:19]
+    return iso_time
 
 
 def printable(text: str) -> str:
@@ -65,97 +99,164 @@ def _mode_key(mode: str) -> tuple[int, str]:
 
 def _counts(sec: dict[str, Any]) -> list[Block]:
     verdicts = list(sec["verdicts"])
+    modes = sorted(sec["verdicts_by_mode"], key=_mode_key)
     rows = []
-    for mode in sorted(sec["verdicts_by_mode"], key=_mode_key):
+    for mode in modes:
         counts = sec["verdicts_by_mode"][mode]
         rows.append((mode, str(sum(counts.values())), *(str(counts.get(v, 0)) for v in verdicts)))
-    rows.append(("total", str(sum(sec["verdicts"].values())), *map(str, sec["verdicts"].values())))
+    total = sum(sec["verdicts"].values())
+    if len(modes) != 1:
+        rows.append(("total", str(total), *map(str, sec["verdicts"].values())))
+    logged = sec["incident_lines"]["audit"]
     if sec["counts_from"] == "tally":
-        lead, column = f"Audited: {sec['audited']} (from tallies).", "audited"
+        column = "audits"
+        lead = (
+            f"{plural(total, 'audit')}, counted by the tallies; the log holds a line for each one"
+            f" that was not identical ({logged} here)."
+        )
     else:
-        lead, column = "Audited: unknown (no tallies); incident lines by mode and verdict:", "lines"
+        column = "lines"
+        lead = (
+            f"{plural(logged, 'audit line')} (no tally in the log: identical audits, which get"
+            " no line, are not counted, so there are no shares):"
+        )
     right = (False, *([True] * (len(verdicts) + 1)))
-    return [Para(lead), Table(("mode", column, *verdicts), tuple(rows), right)]
+    legend = "; ".join(f"{m}: {MODE_MEANING[m]}" for m in modes if m in MODE_MEANING)
+    out: list[Block] = [Para(lead), Table(("mode", column, *verdicts), tuple(rows), right)]
+    if legend:
+        out.append(Para(f"Modes: {legend}."))
+    return out
 
 
 def _rates(sec: dict[str, Any]) -> list[Block]:
     if sec["rates"] is None:
-        return [Para("Rates: n/a (denominators unknown without tally lines).")]
-    named = [(v, p) for v, p in sec["rates"].items()]
-    named += [("TARr (raw-output agreement)", sec["tar_r"])]
-    named += [("TARa (answer agreement)", sec["tar_a"])]
-    rows = tuple(
-        (
-            name,
-            str(p["count"]),
-            f"{p['of']} {p['denominator']}",
-            pct(p["rate"]),
-            f"{pct(p['ci_low'])} - {pct(p['ci_high'])}",
-        )
-        for name, p in named
-    )
-    head = ("measure", "count", "of", "rate", "95% Wilson CI")
-    return [
-        Para(f"Rates (comparable = all but incomparable = {sec['comparable']}):"),
-        Table(head, rows, (False, True, False, True, False)),
+        return [Para("Shares: n/a (denominators unknown without tally lines).")]
+    named = [
+        (v if v != "logprob_drift" else "logprob_drift (same tokens)", p)
+        for v, p in sec["rates"].items()
+        if v != "incomparable"
     ]
+    named.append(("TARr (raw-output agreement: same tokens)", sec["tar_r"]))
+    if sec["tar_a"] is not None:
+        named.append(("TARa (answer agreement)", sec["tar_a"]))
+    incomparable = sec["rates"].get("incomparable")
+    if incomparable is not None:
+        named.append(("incomparable (of all audits)", incomparable))
+    rows = tuple(
+        (name, str(p["count"]), str(p["denominator"]), pct(p["rate"]), ci(p)) for name, p in named
+    )
+    out: list[Block] = [
+        Para(
+            f"Shares of the {sec['comparable']} comparable audits (all but incomparable), with"
+            " their 95% Wilson intervals:"
+        ),
+        Table(("measure", "count", "of", "share", "95% CI"), rows, (False, True, True, True, True)),
+    ]
+    if sec["tar_a"] is None:
+        out.append(Para(f"TARa (answer agreement): n/a ({sec.get('tar_a_note', 'no answers')})."))
+    return out
 
 
 def _positions(sec: dict[str, Any]) -> list[Block]:
     pos, delta = sec["positions"], sec["logprob_delta"]
     tie = pos["near_tie"]
-    out: list[Block] = [
-        Para(
-            f"Divergence positions (first divergent token of text/answer divergences):"
-            f" count {pos['count']}, min {num(pos['min'])}, median {num(pos['median'])},"
-            f" p90 {num(pos['p90'])}, max {num(pos['max'])}."
+    lines = pos.get("divergent_lines", pos["count"])
+    out: list[Block] = []
+    if lines:
+        missing = lines - pos["count"]
+        why = (
+            f"; the other {missing} compare output hashes only (duplicate requests, or no"
+            " tokens to compare)"
+            if missing
+            else ""
         )
-    ]
+        out.append(
+            Para(
+                f"First divergent token: known for {pos['count']} of the {lines} text or answer"
+                f" divergence lines{why}. Token index: min {num(pos['min'])}, median"
+                f" {num(pos['median'])}, p90 {num(pos['p90'])}, max {num(pos['max'])}."
+            )
+        )
     if pos["count"]:
         buckets = pos["histogram"]
         out.append(
             Table(
-                tuple(b["bucket"] for b in buckets),
-                (tuple(str(b["count"]) for b in buckets),),
-                tuple(True for _ in buckets),
+                ("token index", *(b["bucket"] for b in buckets)),
+                (("divergences", *(str(b["count"]) for b in buckets)),),
+                (False, *(True for _ in buckets)),
             )
         )
-    out.append(
-        Para(
-            f"Near-tie flips (margin < {tie['threshold_nats']} nats): {tie['count']} of"
-            f" {tie['with_margin']} with a margin ({pct(tie['share'])}). Max |delta logprob|"
-            f" (nats, {delta['count']} lines, {delta['null']} null = unknown or inf):"
-            f" p50 {num(delta['p50'])}, p90 {num(delta['p90'])}, p99 {num(delta['p99'])},"
-            f" max {num(delta['max'])}."
+        if tie["with_margin"]:
+            out.append(
+                Para(
+                    f"Near ties: {tie['count']} of the {tie['with_margin']} with a known margin"
+                    f" ({pct(tie['share'])}) flipped where the primary's top two tokens were"
+                    f" within {tie['threshold_nats']} nats."
+                )
+            )
+    seen = delta["count"] + delta["null"]
+    if seen:
+        if delta["count"]:
+            spread = (
+                f"median {num(delta['p50'])}, p90 {num(delta['p90'])}, p99 {num(delta['p99'])},"
+                f" max {num(delta['max'])} nats"
+            )
+        else:
+            spread = "no values"
+        nulls = f" ({delta['null']} without one: no logprobs, or infinite)" if delta["null"] else ""
+        out.append(
+            Para(
+                f"Largest |logprob delta| over the common prefix, on {delta['count']} of the"
+                f" {seen} comparable audit lines{nulls}: {spread}."
+            )
         )
-    )
     return out
 
 
 def _loops(sec: dict[str, Any]) -> list[Block]:
     loops = sec["loops"]
     where = "tallies" if loops["counts_from"] == "tally" else "loop lines"
-    out: list[Block] = [Para(f"Loops: {loops['total']} (from {where}).")]
-    rows = tuple(
-        (ch, src, str(n))
-        for ch, by_src in loops["by_channel_source"].items()
-        for src, n in by_src.items()
-    )
-    if rows:
-        out.append(Table(("channel", "source", "count"), rows, (False, False, True)))
+    total = loops["total"]
+    out: list[Block] = []
+    if not total:
+        out.append(Para(f"Loops: none (from the {where})."))
+    else:
+        out.append(
+            Para(
+                f"Loops: {total} detected (from the {where}), on client requests and on their"
+                " retries:"
+            )
+        )
+        rows = tuple(
+            (ch, src, str(n))
+            for ch, by_src in sorted(loops["by_channel_source"].items())
+            for src, n in sorted(by_src.items())
+        )
+        out.append(Table(("channel", "source", "loops"), rows, (False, False, True)))
     acts = sec["policy_actions"]
     if acts is None:
-        out.append(Para("Policy actions: n/a (only tallies count them)."))
+        if total:
+            out.append(Para("Retries and aborts: n/a (only tallies count them)."))
         return out
-    rec = acts["recovery"]
-    aborts = ", ".join(f"{k} {n}" for k, n in acts["aborts"].items()) or "none"
-    out.append(
-        Para(
-            f"Policy actions: recovered {acts['recovered']} of {acts['retried']} retried"
-            f" ({pct(rec['rate'])}, 95% CI {pct(rec['ci_low'])} - {pct(rec['ci_high'])});"
-            f" aborts: {aborts}; observed {acts['observed']}."
+    by_action = acts["by_action"]
+    retried = acts["retried"]
+    if retried:
+        outcomes = sorted(
+            by_action.get("retry", {}).items(), key=lambda o: (o[0] != "recovered", o)
         )
-    )
+        parts = " + ".join(f"{n} {words(outcome)}" for outcome, n in outcomes)
+        rec = acts["recovery"]
+        text = f"Retries: {retried} = {parts} ({pct(rec['rate'])} recovered, 95% CI {ci(rec)})."
+    else:
+        text = "Retries: none."
+    aborts = sum(acts["aborts"].values())
+    if aborts:
+        why = ", ".join(f"{n} {words(k)}" for k, n in acts["aborts"].items())
+        text += f" Aborted: {aborts} ({why})."
+    if acts["observed"]:
+        text += f" Observed only: {acts['observed']}."
+    if retried or aborts or acts["observed"] or total:
+        out.append(Para(text))
     strategies = sec.get("recovery_strategies") or {}
     by_strategy = tuple(
         (
@@ -171,7 +272,7 @@ def _loops(sec: dict[str, Any]) -> list[Block]:
     if by_strategy:
         out.append(
             Table(
-                ("strategy", "retried", "recovered", "rate", "tokens per retry", "tokens kept"),
+                ("strategy", "retried", "recovered", "share", "tokens per retry", "tokens kept"),
                 by_strategy,
                 (False, True, True, True, True, True),
             )
@@ -189,11 +290,10 @@ def section_blocks(title: str, sec: dict[str, Any]) -> list[Block]:
     ]
 
 
-def _worst(items: list[dict[str, Any]]) -> list[Block]:
-    head: tuple[str, ...] = ("#", "request_id", "model", "mode", "verdict", "index", "primary")
-    head = (*head, "shadow")
-    head = (*head, "margin", "delta", "time")
-    rows = tuple(
+def _worst(items: list[dict[str, Any]], one_model: bool) -> list[Block]:
+    head: tuple[str, ...] = ("#", "request id", "model", "mode", "verdict", "at token")
+    head = (*head, "primary", "shadow", "margin", "delta", "time (UTC)")
+    rows: tuple[tuple[str, ...], ...] = tuple(
         (
             str(i),
             w["request_id"],
@@ -205,47 +305,93 @@ def _worst(items: list[dict[str, Any]]) -> list[Block]:
             token(w["shadow_token"]),
             num(w["margin"]),
             num(w["delta"]),
-            w["time"],
+            when(w["time"]),
         )
         for i, w in enumerate(items, 1)
     )
-    right = (True, False, False, False, False, True, False, False, True, True, False)
-    return [Table(head, rows, right)] if rows else [Para("None.")]
+    right: tuple[bool, ...] = (True, False, False, False, False, True, False, False, True, True)
+    right = (*right, False)
+    if one_model:  # the model is in the heading above
+        keep = [i for i in range(len(head)) if i != 2]
+        head = tuple(head[i] for i in keep)
+        rows = tuple(tuple(r[i] for i in keep) for r in rows)
+        right = tuple(right[i] for i in keep)
+    if not rows:
+        return [Para("None.")]
+    return [
+        Table(head, rows, right),
+        Para(
+            "margin: the primary's top-1 minus top-2 logprob at that token (nats; small: a near"
+            " tie); delta: the largest |logprob delta| over the common prefix (nats)."
+        ),
+    ]
 
 
-def blocks(report: dict[str, Any]) -> list[Block]:
+def _header(report: dict[str, Any]) -> list[Block]:
     lines = report["lines"]
+    processes = len(report["processes"])
+    kinds = [
+        plural(lines["audit"], "audit line"),
+        plural(lines["loop"], "loop line"),
+        plural(lines["tally"], "tally", "tallies")
+        + (f" (the counts of {plural(processes, 'detproxy process', 'detproxy processes')})"),
+    ]
+    if lines.get("upstream_change"):
+        kinds.append(plural(lines["upstream_change"], "upstream change"))
+    ignored = [
+        (lines["malformed"], "malformed"),
+        (lines["unknown_kind"], "of an unknown kind"),
+        (lines["duplicate"], "duplicate"),
+    ]
+    skipped = ", ".join(f"{n} {what}" for n, what in ignored if n)
     out: list[Block] = [
         Heading("detproxy report", 1),
+        Para("Read: " + ", ".join(report["files"]) + "."),
         Para(
-            f"Files: {', '.join(report['files'])}. Lines: {lines['read']} ({lines['audit']}"
-            f" audit, {lines['loop']} loop, {lines['tally']} tally from"
-            f" {len(report['processes'])} process(es)); ignored: {lines['malformed']}"
-            f" malformed, {lines['unknown_kind']} unknown kind, {lines['duplicate']} duplicate."
+            f"{plural(lines['read'], 'line')}: "
+            + ", ".join(kinds)
+            + (f"; ignored: {skipped}." if skipped else ".")
         ),
     ]
     span = report["time_range"]
     if span is not None:
-        out.append(Para(f"Time range: {span['first']} to {span['last']} (UTC)."))
+        first, last = when(span["first"]), when(span["last"])
+        if first[:10] == last[:10]:
+            last = last[11:]
+        out.append(Para(f"From {first} to {last} UTC."))
     if report["model_filter"] is not None:
-        out.append(Para(f"Model filter: {report['model_filter']}"))
-    for model, sec in report["models"].items():
+        out.append(Para(f"Models matching: {report['model_filter']}"))
+    return out
+
+
+def blocks(report: dict[str, Any]) -> list[Block]:
+    out = _header(report)
+    models = report["models"]
+    if not models:
+        out.append(Para("No audits or loops in these files."))
+    for model, sec in models.items():
         out += section_blocks(f"Model {model}", sec)
-    out += section_blocks("All models", report["all_models"])
-    out.append(Heading("Shadows dropped (all models)", 2))
+    if len(models) > 1:
+        out += section_blocks(f"All models ({len(models)})", report["all_models"])
+    out.append(Heading("Shadow replays dropped", 2))
     dropped = report["shadows_dropped"]
     if dropped is None:
         out.append(Para("n/a (no tally lines)."))
     elif dropped:
         rows = tuple((r, str(n)) for r, n in dropped.items())
-        out.append(Table(("reason", "count"), rows, (False, True)))
+        out.append(
+            Para(f"{sum(dropped.values())} dropped (not replayed, so not audited), by reason:")
+        )
+        out.append(Table(("reason", "dropped"), rows, (False, True)))
     else:
         out.append(Para("None."))
-    out.append(Heading(f"Worst items (top {len(report['worst'])})", 2))
-    out += _worst(report["worst"])
-    if report["notes"]:
+    worst = report["worst"]
+    out.append(Heading(f"Worst items ({len(worst)}, most serious first)", 2))
+    out += _worst(worst, len(models) == 1)
+    notes = [n for n in report["notes"] if not n.startswith(IGNORED_NOTE)]  # in the header
+    if notes:
         out.append(Heading("Notes", 2))
-        out += [Para(f"- {n}") for n in report["notes"]]
+        out += [Para(f"- {n}") for n in notes]
     return out
 
 

@@ -5,14 +5,17 @@ over processes. Positions, deltas and the worst items come from the audit lines 
 
 The ``--json`` object (keys sorted; ``P`` = a proportion ``{count, denominator, of, rate,
 ci_low, ci_high}`` with a 95% Wilson interval, rate and bounds null when the denominator is 0):
-``schema``, ``files``, ``model_filter``, ``lines {read, audit, loop, tally, malformed,
-unknown_kind, duplicate}``, ``time_range {first, last} | null``, ``processes`` (ids whose last
-tally counted), ``denominators_known``, ``models {name: S}``, ``all_models S``,
+``schema``, ``files``, ``model_filter``, ``lines {read, audit, loop, tally, upstream_change,
+malformed, unknown_kind, duplicate}`` (they add up to ``read``), ``time_range {first, last} |
+null``, ``processes`` (ids whose last tally counted), ``denominators_known``, ``models {name:
+S}``, ``all_models S``,
 ``shadows_dropped {reason: n} | null``, ``worst [{request_id, model, mode, choice, verdict, index,
 primary_token, shadow_token, margin, delta, ts, time}]``, ``notes [str]``. ``S``: ``counts_from``
 (tally|incidents), ``audited``, ``audited_by_mode`` (null without tallies), ``verdicts``,
 ``verdicts_by_mode``, ``comparable``, ``rates {verdict: P}``, ``tar_r P``, ``tar_a P`` (null
-without tallies), ``incident_lines {audit, loop}``, ``positions {count, min, median, p90, max,
+without tallies, and null with ``tar_a_note`` when no audit line carries an extracted answer),
+``answers_extracted`` (audit lines with an extracted answer, plus answer divergences),
+``incident_lines {audit, loop}``, ``positions {count, divergent_lines, min, median, p90, max,
 histogram [{bucket, count}], near_tie {threshold_nats, count, with_margin, share}}``,
 ``logprob_delta {count, null, p50, p90, p99, max}``, ``loops {counts_from, total,
 by_channel_source}``, ``recovery_strategies {strategy: {retried, recovered, looped_again,
@@ -36,6 +39,10 @@ from proxy.tools.report.stats import delta_summary, position_summary, proportion
 
 SCHEMA = "detproxy.report/1"
 DIVERGED = ("text_divergence", "answer_divergence")
+NO_ANSWERS = (
+    "no answer was extracted: no answer extractor configured ([audit] answer_extractor),"
+    " or it matched nothing"
+)
 WORST_RANK = {"answer_divergence": 0, "text_divergence": 1, "logprob_drift": 2}
 
 
@@ -189,8 +196,17 @@ def model_section(
         "policy_actions": actions,
         "recovery_strategies": strategies,
     }
+    section["positions"]["divergent_lines"] = sum(1 for a in audits if a.verdict in DIVERGED)
+    # An extractor that ran leaves answers on the audit lines (drifts and divergences alike) or
+    # an answer_divergence; without one, every answer is null and TARa would read 100%.
+    section["answers_extracted"] = sum(1 for a in audits if a.answered) + verdicts.get(
+        "answer_divergence", 0
+    )
     if tally is not None:
         section.update(_rates(verdicts))
+        if not section["answers_extracted"]:
+            section["tar_a"] = None
+            section["tar_a_note"] = NO_ANSWERS
     return section
 
 
@@ -297,6 +313,7 @@ def build_report(
             "malformed": data.malformed,
             "unknown_kind": data.unknown_kind,
             "duplicate": data.duplicates,
+            "upstream_change": data.upstream_changes,
         },
         "time_range": _time_range(data),
         "processes": [t.process for t in tallies],

@@ -109,7 +109,9 @@ def test_counts_rates_and_lines(logs: list[Path], capsys: pytest.CaptureFixture[
         "malformed": 4,
         "unknown_kind": 1,
         "duplicate": 0,
+        "upstream_change": 0,
     }
+    assert sum(v for k, v in report["lines"].items() if k != "read") == report["lines"]["read"]
     assert report["processes"] == ["p1", "p2"]
     assert report["denominators_known"] is True
     assert list(report["models"]) == ["llama-3", "qwen3-8b"]
@@ -194,18 +196,84 @@ def test_text_and_markdown_carry_the_figures(
     assert main([str(p) for p in logs]) == 0
     text = capsys.readouterr().out
     low, high = wilson_quadratic(109, 118)
-    tar_r = f"{100 * 109 / 118:.2f}%  {100 * low:.2f}% - {100 * high:.2f}%"
-    assert "TARr (raw-output agreement)" in text and tar_r in text
+    # A share: count, denominator, rounded percentage, interval.
+    qwen = text.split("Model qwen3-8b", 1)[1]
+    tar_r = next(ln for ln in qwen.splitlines() if "TARr" in ln).split()
+    assert tar_r[-4:] == [
+        "109",
+        "118",
+        f"{100 * 109 / 118:.1f}%",
+        f"{100 * low:.1f}-{100 * high:.1f}%",
+    ]
     assert "TARa (answer agreement)" in text
-    assert "Audited: 121 (from tallies)." in text
-    assert "near-tie" in text.lower() and "3 of 5 with a margin (60.00%)" in text
+    assert "121 audits, counted by the tallies" in text
+    assert "Near ties: 3 of the 5 with a known margin (60.0%)" in text
     assert "queue_full" in text and "a8" in text
-    assert "4 malformed" in text
+    # The line counts add up, and the ignored ones are said once.
+    assert (
+        "19 lines: 10 audit lines, 1 loop line, 3 tallies (the counts of 2 detproxy processes);"
+        " ignored: 4 malformed, 1 of an unknown kind." in " ".join(text.split())
+    )
+    assert text.count("malformed") == 1
+    assert "## " not in text and "0.00%" not in text
     assert main([*map(str, logs), "--markdown"]) == 0
     md = capsys.readouterr().out
-    assert "## Model qwen3-8b" in md and "## All models" in md
-    assert f"| TARr (raw-output agreement) | 109 | comparable 118 | {100 * 109 / 118:.2f}% |" in md
+    assert "## Model qwen3-8b" in md and "## All models (2)" in md
+    assert (
+        f"| TARr (raw-output agreement: same tokens) | 109 | 118 | {100 * 109 / 118:.1f}% |" in md
+    )
     assert "|---|---:|" in md
+
+
+def test_one_model_has_no_all_models_section(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(
+        tmp_path / "incidents.jsonl",
+        [tally("p1", 10, {"m": {"full": {"identical": 3, "logprob_drift": 1}}})],
+    )
+    assert main([str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "Model m" in text and "All models" not in text
+    # One mode: no total row repeating it.
+    assert not any(ln.split()[:1] == ["total"] for ln in text.splitlines())
+    assert "4 audits, counted by the tallies" in text
+
+
+def test_tar_a_is_not_claimed_without_an_answer_extractor(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    counts = {"m": {"full": {"identical": 8, "logprob_drift": 1, "text_divergence": 1}}}
+    bare = write(
+        tmp_path / "bare.jsonl",
+        [
+            tally("p1", 10, counts),
+            audit("x1", "text_divergence", ts=5, model="m", index=1),
+            audit("x2", "logprob_drift", ts=6, model="m", index=1),
+        ],
+    )
+    report = run_json(capsys, str(bare))
+    sec = report["models"]["m"]
+    assert sec["tar_a"] is None and sec["answers_extracted"] == 0
+    assert "no answer extractor configured" in sec["tar_a_note"]
+    assert sec["tar_r"]["count"] == 9
+    assert main([str(bare)]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "TARa (answer agreement): n/a (no answer was extracted: no answer extractor" in text
+    assert "100.0%" not in text.split("TARa", 1)[1].split("\n", 1)[0]
+
+    # With an extractor, the lines carry answers: TARa is measured.
+    answered = audit("x1", "text_divergence", ts=5, model="m", index=1)
+    answered |= {"primary_answer": '"2024-03-03"', "shadow_answer": '"2024-03-03"'}
+    extracted = write(tmp_path / "extracted.jsonl", [tally("p1", 10, counts), answered])
+    sec = run_json(capsys, str(extracted))["models"]["m"]
+    assert sec["answers_extracted"] == 1 and "tar_a_note" not in sec
+    assert (sec["tar_a"]["count"], sec["tar_a"]["denominator"]) == (10, 10)
+    # An answer divergence is evidence of an extractor even when no line is left.
+    diverged = {"m": {"full": {"identical": 9, "answer_divergence": 1}}}
+    path = write(tmp_path / "diverged.jsonl", [tally("p1", 10, diverged)])
+    sec = run_json(capsys, str(path))["models"]["m"]
+    assert (sec["tar_a"]["count"], sec["tar_a"]["denominator"]) == (9, 10)
 
 
 def test_output_is_deterministic(logs: list[Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -265,7 +333,8 @@ def test_without_tallies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert any("denominators unknown" in n for n in report["notes"])
     assert main([str(path)]) == 0
     text = capsys.readouterr().out
-    assert "denominators unknown" in text and "Rates: n/a" in text
+    assert "denominators unknown" in text and "Shares: n/a" in text
+    assert "3 audit lines" not in text and "2 audit lines (no tally in the log" in text
 
 
 def test_tally_behind_incidents_is_noted(
@@ -345,7 +414,7 @@ def test_recovery_rate_and_cost_per_strategy(
     assert main([str(path)]) == 0
     text = capsys.readouterr().out
     row = next(ln for ln in text.splitlines() if ln.strip().startswith("continue"))
-    assert row.split() == ["continue", "10", "9", "90.00%", "300", "4500"]
+    assert row.split() == ["continue", "10", "9", "90.0%", "300", "4500"]
 
 
 def test_a_tally_without_recoveries_reads_as_none(
