@@ -238,9 +238,10 @@ class UpstreamUnreachable:
 
 @dataclass(frozen=True, slots=True)
 class UpstreamRestarted:
-    """The same identity answered again: after an outage (``down_s``), or with a new process
-    start time (``evidence`` "process_start_time"; else "outage"). A new identity is a
-    change (``UpstreamFingerprinted.changed``), never a restart."""
+    """The same identity answered again: from a process started since the last reading
+    (``evidence`` "process_start_time"), or after an outage ("outage"). ``down_s``: how long
+    no identity was read, None where no outage was seen. A new identity is a change
+    (``UpstreamFingerprinted.changed``), never a restart."""
 
     fingerprint: Fingerprint
     down_s: float | None

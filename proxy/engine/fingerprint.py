@@ -192,6 +192,7 @@ IDENTITY_PATHS = ("/version", "/v1/models", "/props")  # the endpoints that say 
 # Answers that mean "not now": a gateway without its engine, a server still loading
 # (llama-server answers every path 503 "Loading model" until its model is in).
 TRANSIENT = frozenset({502, 503, 504})
+CLOCK_SLACK_S = 1.0  # between the engine's clock and detproxy's
 DOWN_INTERVAL_S = 2.0  # readings while the upstream is down, at most this far apart
 
 
@@ -276,10 +277,12 @@ class FingerprintPoller:
 
     A complete reading is an identity (``UpstreamFingerprinted``; ``changed`` when it differs
     from the last identity). A failed one starts an outage (``UpstreamUnreachable``, once);
-    the last identity is kept across it. The same identity after an outage, or with a new
-    ``process_start_time_seconds`` (vLLM's /metrics; llama-server exports none), is a
-    restart (``UpstreamRestarted``); after an outage with the same process start time, the
-    engine was only out of detproxy's reach. A new identity is a change, outage or not.
+    the last identity is kept across it. The same identity is a restart
+    (``UpstreamRestarted``) when its ``process_start_time_seconds`` says that its process
+    began after the last identity was read (vLLM's /metrics with one API server;
+    llama-server and vLLM's multi-process metrics export none), else when it comes back
+    after an outage; after an outage with an older process start time, the engine was only
+    out of detproxy's reach. A new identity is a change, outage or not.
     """
 
     def __init__(
@@ -357,7 +360,8 @@ class FingerprintPoller:
         elif worth == PARTIAL:
             log.debug("fingerprint: %s read in part (%s): identity kept", self._shown, reason)
         else:
-            self._counters = counters
+            if counters:  # a reading without /metrics keeps the last one's for the deltas
+                self._counters = counters
             self._identified(fp, counters.get(STARTED), now)
             return fp
         return self.current or fp
@@ -383,7 +387,10 @@ class FingerprintPoller:
         restart = None
         if previous is not None and not changed:
             if started is not None and self._started is not None:
-                if abs(started - self._started) > 0.5:
+                # A process that began after the last identity was read. (Behind a load
+                # balancer the readings alternate between processes started long ago.)
+                moved = started - self._started > 0.5
+                if moved and started > previous.read_at - CLOCK_SLACK_S:
                     restart = "process_start_time"
             elif self._outage:
                 restart = "outage"

@@ -434,7 +434,7 @@ def _engine(state: dict[str, Any]) -> web.Application:
 
 
 async def test_the_process_start_time_tells_a_restart_from_a_blip(aiohttp_server: Any) -> None:
-    state: dict[str, Any] = {"started": 1_700_000_000.25}
+    state: dict[str, Any] = {"started": time.time() - 3600}
     server = await aiohttp_server(_engine(state))
     bus = EventBus()
     restarts: list[UpstreamRestarted] = []
@@ -448,11 +448,25 @@ async def test_the_process_start_time_tells_a_restart_from_a_blip(aiohttp_server
         state["status"] = None  # the same process behind it
         await poller.poll()
         assert (poller.up, poller.restarts, restarts) == (True, 0, []), "a blip, no restart"
-        state["started"] += 40  # restarted between two readings: no outage seen
+        state["started"] = time.time()  # restarted between two readings: no outage seen
         await poller.poll()
         await poller.poll()
     assert [(r.evidence, r.down_s) for r in restarts] == [("process_start_time", None)]
     assert (poller.changes, poller.restarts, poller.outages) == (0, 1, 1)
+
+
+async def test_engines_behind_a_load_balancer_are_not_restarts(aiohttp_server: Any) -> None:
+    """One URL, several engines of one identity (a Service): the readings alternate between
+    processes started long ago; none of them is a restart."""
+    begun = time.time() - 3600
+    state: dict[str, Any] = {"started": begun}
+    server = await aiohttp_server(_engine(state))
+    async with ClientSession() as session:
+        poller = FingerprintPoller(session, str(server.make_url("")), EventBus(), interval_s=0)
+        for i in range(6):
+            state["started"] = begun + 100 * (i % 3)  # three pods in turn
+            await poller.poll()
+    assert (poller.changes, poller.restarts, poller.outages) == (0, 0, 0)
 
 
 async def test_a_server_still_loading_is_not_an_identity(aiohttp_server: Any) -> None:
