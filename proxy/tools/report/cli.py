@@ -36,8 +36,10 @@ def _non_negative(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="detproxy report",
-        description="Summarise detproxy incident logs: audit rates with 95%% Wilson intervals,"
-        " TARr/TARa, divergence positions, loops, policy actions and the worst items.",
+        description="Summarise detproxy incident logs: audit rates with 95% Wilson intervals,"
+        " TARr/TARa, divergence positions, loops, policy actions and the worst items. With no"
+        " FILE: the incident log that detproxy serve writes (incidents.path of --config FILE or"
+        " $DETPROXY_CONFIG, else <state dir>/incidents.jsonl) and its rotated backups.",
     )
     p.add_argument(
         "files",

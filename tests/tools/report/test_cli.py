@@ -422,3 +422,10 @@ def test_a_tally_without_recoveries_reads_as_none(
 ) -> None:
     path = write(tmp_path / "old.jsonl", [tally("p1", 1000.0, {})])
     assert run_json(capsys, str(path))["lines"]["tally"] == 1
+
+
+def test_help_says_what_it_reads_without_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "95% Wilson" in text and "%%" not in text
+    assert "--config FILE" in text and "With no FILE" in text
