@@ -466,7 +466,7 @@ class LogConfig(_Section):
     format: Literal["text", "json"] = "text"  # json: one object per line, for log pipelines
     access_log: bool = False  # one line per finished request
     # A notable event that repeats (the same kind, the same model) is logged at most once per
-    # this many seconds; the next line says how many were left out.
+    # this many seconds; the next line says how many were left out (0: every one).
     repeat_s: float = Field(default=60.0, ge=0)
 
     @field_validator("level", "format", mode="before")

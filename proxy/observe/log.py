@@ -126,22 +126,27 @@ def startup_lines(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
     """What the effective configuration does, in a few lines (message, structured fields),
     with no secret in them: logged once detproxy listens."""
     audit, loops, inc, server = settings.audit, settings.loops, settings.incidents, settings.server
-    rates = ", ".join(f"{clean(k)} {_share(v)}" for k, v in audit.model_rates.items())
-    share = _share(audit.sample_rate) + (f" (per model: {rates})" if rates else "")
-    audited = audit.sample_rate > 0 or any(r > 0 for r in audit.model_rates.values())
+    per_model = ", ".join(f"{clean(k)} {_share(v)}" for k, v in audit.model_rates.items())
+    share = _share(audit.sample_rate) + (f" (per model: {per_model})" if per_model else "")
+    rates = (audit.sample_rate, *audit.model_rates.values())
+    audited = audit.at_least_every_s > 0 or any(r > 0 for r in rates)
     target = mask_url(audit.reference_url) if audit.reference_url else "the upstream"
     if audited:
         schedule: str = audit.schedule
         if schedule == "quiet":
             schedule += f" (within {audit.quiet_deadline_s:g}s)"
+        floor = ""
+        if audit.at_least_every_s > 0:
+            floor = f" (and one per model every {audit.at_least_every_s:g}s at least)"
         audit_msg = (
-            f"audit: {share} of deterministic requests replayed to {target}, {audit.shadow_mode}"
+            f"audit: {share} of deterministic requests{floor} replayed to {target},"
+            f" {audit.shadow_mode}"
             f" shadows, {schedule} schedule; budgets: {audit.max_concurrent_shadows} at once,"
             f" {audit.max_shadows_per_s:g}/s, shadow tokens <= {audit.max_token_share:g} x"
             f" client tokens, queue {audit.queue_size}"
         )
     else:
-        audit_msg = "audit: no replays (audit.sample_rate = 0)"
+        audit_msg = "audit: no replays (audit.sample_rate and at_least_every_s are 0)"
     audit_msg += "; passive checks " + ("on" if audit.passive_checks else "off")
     ladders = loops.ladder_list()
     policy = ", ".join(f"{clean(lad.models)}: {lad.action}" for lad in ladders)
@@ -178,6 +183,7 @@ def startup_lines(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
                 "max_concurrent_shadows": audit.max_concurrent_shadows,
                 "max_shadows_per_s": audit.max_shadows_per_s,
                 "max_token_share": audit.max_token_share,
+                "at_least_every_s": audit.at_least_every_s,
             },
         ),
         (

@@ -263,7 +263,10 @@ def test_the_startup_summary_says_what_runs_and_no_secret() -> None:
     text = "\n".join(msg for msg, _ in startup_lines(settings))
     for secret in ("t0ps3cr3t", "hunter2", "sk-very-secret", "pw2"):
         assert secret not in text, f"{secret} in the summary:\n{text}"
-    assert "25% of deterministic requests replayed to http://ref:***@ref:8000" in text
+    assert (
+        "25% of deterministic requests (and one per model every 60s at least) replayed to" in text
+    )
+    assert "replayed to http://ref:***@ref:8000" in text
     assert "incidents: memory only" in text
     assert "admin endpoints on 127.0.0.1:9090, token required" in text
 
