@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("proxy", "policies", "tests", "deploy", "README.md", "pyproject.toml", "setup.py")
+COPIED = ("proxy", "policies", "tests", "deploy", "docs", "README.md", "pyproject.toml", "setup.py")
 
 
 def main() -> int:
