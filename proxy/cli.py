@@ -266,10 +266,11 @@ def serve_app(settings: Settings) -> web.Application:
     return app
 
 
-def _log_summary(settings: Settings) -> None:
+def _log_summary(settings: Settings, app: web.Application) -> None:
+    from proxy.app import INCIDENTS
     from proxy.observe.log import startup_lines
 
-    for msg, fields in startup_lines(settings):
+    for msg, fields in startup_lines(settings, on_disk=app[INCIDENTS].on_disk):
         log.info("%s", msg, extra={"fields": {"event": "config", **fields}})
 
 
@@ -281,7 +282,7 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
 
     server = settings.server
     try:  # what would stop every worker at its start stops here, once (the incident path)
-        serve_app(settings)
+        app = serve_app(settings)
     except (ConfigError, OSError) as exc:
         return _fail(describe_start_error(exc))
     try:
@@ -308,7 +309,7 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
         mask_url(settings.upstream.url),
         extra={"fields": {"event": "supervising", "workers": server.workers, "port": port}},
     )
-    _log_summary(settings)
+    _log_summary(settings, app)
     try:
         return Supervisor(argv, server.workers, server.shutdown_grace_s, env).run()
     finally:
@@ -378,7 +379,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
             },
         )
         if worker is None:  # with --workers, the supervisor said it once
-            _log_summary(settings)
+            _log_summary(settings, app)
 
     from proxy.serving import StartError, run
 

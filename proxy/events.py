@@ -65,7 +65,7 @@ class RequestFinished:
     outcome: str  # ok | upstream_error | client_error | client_disconnect | bad_request
     duration_s: float
     first_byte_s: float | None  # upstream headers (non-stream) or first SSE event (stream)
-    request_id: str  # the client's X-Request-Id, else detproxy's own; "" before one was given
+    request_id: str = ""  # the client's X-Request-Id, else detproxy's own; "" before one was given
 
     def __init__(  # noqa: PLR0913, PLR0917 (the generated one took them so: callers pass them so)
         self,

@@ -69,7 +69,8 @@ def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
     and the recovery budget's token floor (unless Redis shares it). (Shares, ``max_token_share`` and
     ``recovery_token_share``, hold per worker as they do for the whole.) A worker whose
     clients are busier than the others' reaches its part sooner: the whole stays under the
-    limit, never over it."""
+    limit, never over it. The audit's token allowance is split too, and its floor (one audit
+    per model every ``at_least_every_s``) stretched by ``count``: together, about one."""
     audit, loops = settings.audit, settings.loops
     if audit.max_concurrent_shadows < count:
         log.warning(
@@ -82,6 +83,8 @@ def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
         "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": str(
             max(1, audit.max_concurrent_shadows // count)
         ),
+        "DETPROXY_AUDIT__TOKEN_ALLOWANCE": str(audit.token_allowance // count),
+        "DETPROXY_AUDIT__AT_LEAST_EVERY_S": repr(audit.at_least_every_s * count),
     }
     # A budget shared through Redis is one account for every worker already.
     if loops.recovery_budget_store == "memory":

@@ -110,6 +110,11 @@ def test_a_port_in_use_is_one_line(taken_port: int, workers: str, tmp_path: Path
     assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{taken_port}", "another --port")
 
 
+def test_the_emulator_on_a_port_in_use_is_one_line(taken_port: int) -> None:
+    code, err = run_cli("emulator", "--port", str(taken_port))
+    assert_one_line_error(code, err, f"cannot listen on 127.0.0.1:{taken_port}", "--port")
+
+
 def test_an_admin_port_in_use_is_one_line(taken_port: int, tmp_path: Path) -> None:
     code, err = run_cli(
         "serve", "--port", "0",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy.config import Settings
+from proxy.config import Settings, load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import worker_budgets
 from tests.helpers import free_port, wait_healthy
@@ -215,3 +215,14 @@ def test_the_workers_split_the_budgets_a_redis_store_does_not_need_split() -> No
     split = worker_budgets(shared, 3)
     assert "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR" not in split  # one account for all of them
     assert split["DETPROXY_AUDIT__MAX_SHADOWS_PER_S"] == repr(shared.audit.max_shadows_per_s / 3)
+
+
+def test_the_workers_split_the_audit_allowance_and_stretch_its_floor() -> None:
+    settings = Settings.model_validate({"audit": {"token_allowance": 9000, "at_least_every_s": 60}})
+    split = worker_budgets(settings, 3)
+    assert split["DETPROXY_AUDIT__TOKEN_ALLOWANCE"] == "3000"
+    # Each worker audits a model at least every 180 s: the three together, about every 60 s.
+    assert float(split["DETPROXY_AUDIT__AT_LEAST_EVERY_S"]) == 180.0
+    # And the overrides are values the workers' own configuration accepts.
+    worker = load_settings(None, split)
+    assert worker.audit.token_allowance == 3000 and worker.audit.at_least_every_s == 180.0

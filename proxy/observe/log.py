@@ -122,9 +122,10 @@ def _share(rate: float) -> str:
     return f"{rate * 100:g}%"
 
 
-def startup_lines(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
+def startup_lines(settings: Settings, on_disk: bool = True) -> list[tuple[str, dict[str, Any]]]:
     """What the effective configuration does, in a few lines (message, structured fields),
-    with no secret in them: logged once detproxy listens."""
+    with no secret in them: logged once detproxy listens. ``on_disk``: whether the incident
+    log could open its file (the default path falls back to memory when it cannot)."""
     audit, loops, inc, server = settings.audit, settings.loops, settings.incidents, settings.server
     per_model = ", ".join(f"{clean(k)} {_share(v)}" for k, v in audit.model_rates.items())
     share = _share(audit.sample_rate) + (f" (per model: {per_model})" if per_model else "")
@@ -143,7 +144,7 @@ def startup_lines(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
             f" {audit.shadow_mode}"
             f" shadows, {schedule} schedule; budgets: {audit.max_concurrent_shadows} at once,"
             f" {audit.max_shadows_per_s:g}/s, shadow tokens <= {audit.max_token_share:g} x"
-            f" client tokens, queue {audit.queue_size}"
+            f" deterministic requests' tokens + {audit.token_allowance}, queue {audit.queue_size}"
         )
     else:
         audit_msg = "audit: no replays (audit.sample_rate and at_least_every_s are 0)"
@@ -157,7 +158,12 @@ def startup_lines(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
         if loops.enabled
         else "loops: not watched (loops.enabled = false)"
     )
-    if inc.path:
+    if inc.path and not on_disk:
+        incidents_msg = (
+            f"incidents: memory only (the last {inc.ring_size}): {inc.path} cannot be written;"
+            " set DETPROXY_STATE_DIR or incidents.path to a writable place"
+        )
+    elif inc.path:
         incidents_msg = (
             f"incidents: {inc.path} (rotated at {inc.max_bytes // (1024 * 1024)} MiB,"
             f" {inc.backups} kept)"
@@ -195,7 +201,7 @@ def startup_lines(settings: Settings) -> list[tuple[str, dict[str, Any]]]:
                 "recovery_token_floor": loops.recovery_token_floor,
             },
         ),
-        (incidents_msg, {"incidents_path": inc.path}),
+        (incidents_msg, {"incidents_path": inc.path if on_disk else None}),
         (
             f"{admin}; {log_msg}",
             {

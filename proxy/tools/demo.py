@@ -347,8 +347,18 @@ def write_loops(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="detproxy demo", description=__doc__)
-    parser.add_argument("--requests", type=int, default=40)
+    parser = argparse.ArgumentParser(
+        prog="detproxy demo",
+        description=(
+            "The first thing to run: starts the vLLM emulator with injected nondeterminism and"
+            " repetition loops, detproxy in front of it (every greedy request audited, loops"
+            " retried), sends a short burst of traffic, prints what was detected and recovered"
+            " and where to look, and stops everything it started."
+        ),
+    )
+    parser.add_argument(
+        "--requests", type=int, default=40, help="client requests to send (default 40)"
+    )
     parser.add_argument(
         "--dir",
         type=Path,

@@ -274,3 +274,13 @@ def test_the_startup_summary_says_what_runs_and_no_secret() -> None:
 def test_mask_url_hides_only_the_password() -> None:
     assert mask_url("http://a:b@h:1/x") == "http://a:***@h:1/x"
     assert mask_url("http://h:1") == "http://h:1"
+
+
+def test_the_summary_says_when_the_default_incident_file_fell_back_to_memory() -> None:
+    settings = Settings.model_validate({"incidents": {"path": "/nowhere/incidents.jsonl"}})
+    on_disk = dict(startup_lines(settings, on_disk=True))
+    fallen = dict(startup_lines(settings, on_disk=False))
+    (line,) = [m for m in fallen if m.startswith("incidents:")]
+    assert "memory only" in line and "/nowhere/incidents.jsonl cannot be written" in line, line
+    assert fallen[line] == {"incidents_path": None}
+    assert any(m.startswith("incidents: /nowhere/incidents.jsonl (rotated") for m in on_disk)

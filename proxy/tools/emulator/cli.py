@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import socket
+import sys
 from typing import Any, get_args
 
 from aiohttp import web
@@ -212,6 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         parser.error(str(exc))
     app = build_emulator_app(config)
+    try:
+        sock = socket.create_server((args.host, args.port))
+    except OSError as exc:
+        print(
+            f"detproxy emulator: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}"
+            " (choose another --port or stop what holds it)",
+            file=sys.stderr,
+        )
+        return 2
     print(f"vLLM emulator {config.version} serving {', '.join(config.models)}")
-    web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, access_log=None)
+    web.run_app(app, sock=sock, handler_cancellation=True, access_log=None)
     return 0

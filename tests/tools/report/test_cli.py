@@ -354,8 +354,14 @@ def test_tally_behind_incidents_is_noted(
 
 
 def test_missing_or_unreadable_file(
-    logs: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    logs: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # No FILE reads the default log: none in an empty state dir.
+    monkeypatch.setenv("DETPROXY_STATE_DIR", str(tmp_path / "empty-state"))
+    monkeypatch.delenv("DETPROXY_CONFIG", raising=False)
     assert main([str(logs[0]), str(tmp_path / "nope.jsonl")]) == 2
     captured = capsys.readouterr()
     assert "nope.jsonl" in captured.err and captured.out == ""
