@@ -57,6 +57,12 @@ NO_SHADOWS = {"DETPROXY_AUDIT__SAMPLE_RATE": "0", "DETPROXY_AUDIT__AT_LEAST_EVER
 EXE = str(Path(sys.executable).with_name("detproxy"))  # the console script a user runs
 
 
+def bare_env(**extra: str) -> dict[str, str]:
+    """A child process's environment with nothing of the caller's but the session's state
+    dir (tests/conftest.py): without it the child would keep incidents in the real home."""
+    return {"PATH": "", "DETPROXY_STATE_DIR": os.environ["DETPROXY_STATE_DIR"], **extra}
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -119,7 +125,7 @@ async def detproxy_serve(
         "--port",
         str(port),
         *flags,
-        env={"PATH": "", **(env or {})},
+        env={**bare_env(), **(env or {})},
         stderr=asyncio.subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"

@@ -15,7 +15,7 @@ import pytest
 
 from proxy.config import Settings, load_settings
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import EXE, detproxy_serve, free_port
+from tests.helpers import EXE, bare_env, detproxy_serve, free_port
 
 CHAT = {
     "model": "emulator-model",
@@ -63,7 +63,7 @@ async def test_uvloop_asked_for_but_missing_stops_serve_at_start(tmp_path: Path)
         "uvloop",
         "--port",
         str(free_port()),
-        env={"PATH": "", "PYTHONPATH": str(tmp_path)},
+        env={**bare_env(), "PYTHONPATH": str(tmp_path)},
         stderr=asyncio.subprocess.PIPE,
     )
     _, err = await asyncio.wait_for(proc.communicate(), 30)
@@ -78,7 +78,7 @@ async def test_uvloop_asked_for_but_missing_stops_serve_at_start(tmp_path: Path)
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, str]:
     """The console script run to its end: (exit status, stderr)."""
     done = subprocess.run(
-        [EXE, *args], env={"PATH": "", **(env or {})}, capture_output=True, timeout=timeout
+        [EXE, *args], env={**bare_env(), **(env or {})}, capture_output=True, timeout=timeout
     )
     return done.returncode, done.stderr.decode()
 
@@ -181,7 +181,7 @@ def test_config_prints_toml_that_loads_back_into_the_same_settings(tmp_path: Pat
     }
     done = subprocess.run(
         [EXE, "config", "--config", str(file), "--port", "9999", "--log-format", "json"],
-        env={"PATH": "", **env},
+        env={**bare_env(), **env},
         capture_output=True,
         timeout=60,
     )
@@ -198,7 +198,9 @@ def test_config_masks_secrets(tmp_path: Path) -> None:
         "DETPROXY_AUDIT__SERVICE_API_KEY": "sk-secret-key",
         "DETPROXY_UPSTREAM": "http://user:hunter2@engine:8000",
     }
-    done = subprocess.run([EXE, "config"], env={"PATH": "", **env}, capture_output=True, timeout=60)
+    done = subprocess.run(
+        [EXE, "config"], env={**bare_env(), **env}, capture_output=True, timeout=60
+    )
     out = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode()
     for secret in env.values():

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.cli import serve_app
 from proxy.config import Settings, load_settings
+from tests.helpers import bare_env
 
 ROOT = Path(__file__).resolve().parents[1]
 Client = Callable[..., Awaitable[TestClient[Any, Any]]]
@@ -73,7 +74,7 @@ def test_importing_detproxy_leaves_the_collector_alone() -> None:
     run = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        env={**bare_env(), "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=60,

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import bare_env, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BURST = 600
@@ -59,7 +59,7 @@ async def test_a_burst_of_connections_waits_in_the_backlog() -> None:
             emu.url,
             "--port",
             str(port),
-            env={"PATH": "", "PYTHONPATH": str(ROOT)},
+            env={**bare_env(), "PYTHONPATH": str(ROOT)},
             cwd=ROOT,
             stderr=asyncio.subprocess.DEVNULL,
         )

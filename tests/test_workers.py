@@ -19,7 +19,7 @@ import aiohttp
 from proxy.config import Settings, load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import worker_budgets
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import bare_env, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {
@@ -50,7 +50,7 @@ async def supervised(
             "--log-level",
             "INFO",
             *flags,
-            env={"PATH": "", "PYTHONPATH": str(ROOT)},
+            env={**bare_env(), "PYTHONPATH": str(ROOT)},
             cwd=ROOT,
             stderr=err,
         )
@@ -196,7 +196,7 @@ async def test_a_port_in_use_stops_the_supervisor_at_start(tmp_path: Path) -> No
             str(port),
             "--workers",
             "2",
-            env={"PATH": "", "PYTHONPATH": str(ROOT)},
+            env={**bare_env(), "PYTHONPATH": str(ROOT)},
             cwd=ROOT,
             stderr=asyncio.subprocess.PIPE,
         )

@@ -25,7 +25,7 @@ from proxy.events import (
 )
 from proxy.observe.metrics import Metrics
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import free_port, metric, metric_samples, wait_healthy
+from tests.helpers import bare_env, free_port, metric, metric_samples, wait_healthy
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -114,7 +114,7 @@ async def test_two_workers_count_an_upstream_restart_once(tmp_path: Path) -> Non
     upstream, port = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
     env = {
-        "PATH": "",
+        **bare_env(),
         "PYTHONPATH": ROOT,
         "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.1",
         STATE_DIR_ENV: os.environ.get(STATE_DIR_ENV, str(tmp_path)),
