@@ -389,7 +389,9 @@ class FingerprintPoller:
             if started is not None and self._started is not None:
                 # A process that began after the last identity was read. (Behind a load
                 # balancer the readings alternate between processes started long ago.)
-                moved = started - self._started > 0.5
+                # One process reports one start time, to the hundredth of a second (Linux
+                # jiffies); two processes started apart differ.
+                moved = abs(started - self._started) >= 0.01
                 if moved and started > previous.read_at - CLOCK_SLACK_S:
                     restart = "process_start_time"
             elif self._outage:

@@ -362,6 +362,25 @@ async def test_an_engine_restarted_on_its_port_is_a_restart_not_a_change(
     ), said[1]
 
 
+async def test_an_engine_restarted_between_two_readings_is_a_restart(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    """No reading fell in the outage: the engine's process start time (vLLM's /metrics, and the
+    emulator's like it) still tells the restart."""
+    port = free_port()
+    config = EmulatorConfig(version="0.23.0")
+    async with EmulatorServer(config, port=port) as first:
+        async with ClientSession() as http, http.get(first.url + "/metrics") as resp:
+            assert "\nprocess_start_time_seconds " in await resp.text()
+        client = await make_proxy(
+            f"http://127.0.0.1:{port}", env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "1"}
+        )
+        await more_readings(client, await reach(client, "up"), n=1)
+    async with EmulatorServer(config, port=port):
+        state = await reach(client, "up", restarts=1)
+        assert counts(registry) == (0, 1, 1), f"one restart, no change: {state}"
+
+
 async def test_another_engine_after_an_outage_is_a_change(
     make_proxy: Any, registry: CollectorRegistry
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,6 +52,8 @@ class EmulatorState:
 
     seed: int
     rng: random.Random = field(init=False)
+    # When this emulator's process started (a real server's process collector says so).
+    started_at: float = field(default_factory=time.time)
     running: int = 0
     completed: int = 0
     aborted: int = 0

@@ -34,6 +34,10 @@ def render_metrics(cfg: EmulatorConfig, state: EmulatorState) -> str:
         for m in models:
             lines.append(f'{name}{{engine="0",model_name="{m}"}} {value if m == first else 0.0}')
 
+    # vLLM's /metrics carries prometheus_client's process collector (Linux): a restart of the
+    # server shows as a later start time.
+    family("process_start_time_seconds", "gauge", "Start time of the process since unix epoch.")
+    lines.append(f"process_start_time_seconds {state.started_at:.2f}")
     family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")
     per_model("vllm:num_requests_running", float(state.running))
     family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")
