@@ -247,6 +247,25 @@ class ServerConfig(_Section):
     keepalive_timeout_s: float = Field(default=75.0, gt=0)  # idle client connections
 
 
+class UpstreamExpectConfig(_Section):
+    """What the operator declares the engine must run (``[upstream.expect]``); a key left out
+    is not checked. Held against what the engine says it loaded (proxy.engine.expect)."""
+
+    attention_backend: str | None = None  # e.g. "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"
+    moe_backend: str | None = None
+    quantization: str | None = None  # e.g. "fp8"; "none" for unquantized
+    dtype: str | None = None  # e.g. "bfloat16"
+    cudagraphs: bool | None = None
+    prefix_caching: bool | None = None
+    speculative: bool | str | None = None  # off/on, or the method (e.g. "eagle3")
+    batch_invariant: bool | None = None
+    unknown_env: bool | None = None  # false: no unknown environment variable allowed
+
+    def declared(self) -> dict[str, Any]:
+        """The keys the operator set (None: not declared)."""
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
 class UpstreamConfig(_Section):
     url: str = "http://127.0.0.1:8000"
     connect_timeout_s: float = Field(default=10.0, gt=0)
@@ -261,6 +280,10 @@ class UpstreamConfig(_Section):
     max_logprobs: int = Field(default=20, ge=0)
     # Read /version, /v1/models, /metrics and /props this often (0: never).
     fingerprint_interval_s: float = Field(default=30.0, ge=0)
+    # The engine's own log, followed from its start across rotation ("-": detproxy's stdin,
+    # for `vllm serve ... 2>&1 | detproxy serve ...`); what it says it loaded.
+    engine_log: str | None = None
+    expect: UpstreamExpectConfig = UpstreamExpectConfig()
 
     @field_validator("url")
     @classmethod

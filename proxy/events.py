@@ -249,6 +249,21 @@ class UpstreamRestarted:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineFactsRead:
+    """What the engine says it loaded changed (its log, its endpoints, merged), held against
+    ``[upstream.expect]``. ``facts``: a ``proxy.engine.facts.EngineFacts`` (typed loosely so
+    that this module does not load the parsers); ``mismatches``: ``proxy.engine.expect``'s
+    ``Mismatch`` for each declared field not met; ``unknown_fields``: declared fields that
+    nothing has said yet; ``declared``: every declared field (for the gauge's zeros)."""
+
+    facts: Any
+    mismatches: tuple[Any, ...]
+    unknown_fields: tuple[str, ...]
+    declared: tuple[str, ...]
+    read_at: float
+
+
+@dataclass(frozen=True, slots=True)
 class StreamTimed:
     """How fast a completed stream came, as the client saw it, and how busy detproxy was.
 

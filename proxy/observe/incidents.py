@@ -27,6 +27,7 @@ from aiohttp import web
 from proxy.config import STATE_DIR_ENV, ConfigError, IncidentConfig
 from proxy.events import (
     AuditCompleted,
+    EngineFactsRead,
     EventBus,
     LoopDetected,
     UpstreamFingerprinted,
@@ -37,7 +38,7 @@ from proxy.observe.ui.filters import MAX_MODEL_CHARS, MODES, VERDICT_CHOICES
 
 log = logging.getLogger(__name__)
 
-KINDS = ("audit", "loop", "upstream_change")
+KINDS = ("audit", "loop", "upstream_change", "engine_mismatch")
 DEFAULT_LIMIT = 100
 QUERY_PARAMS = ("limit", "kind", "verdict", "mode", "model")
 
@@ -109,6 +110,7 @@ class IncidentLog:
         self.written = 0
         self.write_errors = 0
         self._upstream: dict[str, Any] | None = None
+        self._mismatched: frozenset[tuple[str, str, str]] = frozenset()  # recorded last
         self._closed = False
         self._on_disk = self._check(config.path) if config.path else False
 
@@ -148,9 +150,33 @@ class IncidentLog:
         bus.subscribe(LoopDetected, self._on_loop)
         bus.subscribe(UpstreamFingerprinted, self._on_fingerprint)
         bus.subscribe(UpstreamRestarted, self._on_restart)
+        bus.subscribe(EngineFactsRead, self._on_engine_facts)
+
+    def _on_engine_facts(self, ev: EngineFactsRead) -> None:
+        """One ``engine_mismatch`` per new set of unmet declarations, not one per reading."""
+        now = frozenset((str(m.field), repr(m.expected), repr(m.loaded)) for m in ev.mismatches)
+        if now == self._mismatched:
+            return
+        self._mismatched = now
+        if not now:
+            return
+        self.record(
+            {
+                "kind": "engine_mismatch",
+                "ts": ev.read_at,
+                "mismatches": [
+                    {"field": m.field, "expected": m.expected, "loaded": m.loaded}
+                    for m in ev.mismatches
+                ],
+                "loaded": ev.facts.as_dict(),
+                "recipe": ev.facts.digest(),
+            }
+        )
 
     def _on_fingerprint(self, ev: UpstreamFingerprinted) -> None:
         self._upstream = ev.fingerprint.summary()
+        if ev.fingerprint.identity.get("recipe"):  # what loaded: audits carry it
+            self._upstream["recipe"] = ev.fingerprint.identity["recipe"]
         if ev.changed and ev.previous is not None:
             self.record(
                 {

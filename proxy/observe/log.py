@@ -25,6 +25,7 @@ from proxy.config import LogConfig, Settings
 from proxy.events import (
     AuditCompleted,
     ClientDisconnected,
+    EngineFactsRead,
     EventBus,
     FallbackSent,
     InjectionFailed,
@@ -295,8 +296,10 @@ class EventLog:
         self._access_on = config.access_log
         self._upstream = mask_url(upstream) or "(unknown)"
         self._repeats = Repeats(config.repeat_s, clock)
+        self._mismatched: frozenset[tuple[str, str, str]] = frozenset()  # said last
 
     def subscribe(self, bus: EventBus) -> None:
+        bus.subscribe(EngineFactsRead, self._engine_facts)
         bus.subscribe(UpstreamFailed, self._upstream_failed)
         bus.subscribe(InspectionStopped, self._inspection_stopped)
         bus.subscribe(InjectionFailed, self._injection_failed)
@@ -500,6 +503,35 @@ class EventLog:
             event="shared_store_failed",
             store=ev.store,
             reason=ev.reason,
+        )
+
+    def _engine_facts(self, ev: EngineFactsRead) -> None:
+        """A WARNING when the set of unmet declarations changes (not on every reading); an
+        INFO when the last one is met again."""
+        now = frozenset((str(m.field), repr(m.expected), repr(m.loaded)) for m in ev.mismatches)
+        if now == self._mismatched:
+            return
+        self._mismatched = now
+        if not now:
+            self._emit(
+                logging.INFO,
+                None,
+                "engine: every declared [upstream.expect] field is met",
+                event="engine_expectation_met",
+            )
+            return
+        said = "; ".join(
+            f"{m.field}: declared {m.expected!r}, loaded {m.loaded!r}" for m in ev.mismatches
+        )
+        self._emit(
+            logging.WARNING,
+            None,
+            f"engine does not run what [upstream.expect] declares: {said}",
+            event="engine_mismatch",
+            mismatches=[
+                {"field": m.field, "expected": m.expected, "loaded": m.loaded}
+                for m in ev.mismatches
+            ],
         )
 
     def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:

@@ -17,6 +17,7 @@ from proxy.engine.identity import Fingerprint
 from proxy.events import (
     AuditCompleted,
     ClientDisconnected,
+    EngineFactsRead,
     EventBus,
     FallbackSent,
     InjectionFailed,
@@ -424,6 +425,14 @@ class Metrics:
             ["model", "endpoint", "outcome"],
             registry=registry,
         )
+        self.engine_mismatch = Gauge(
+            "detproxy_engine_expectation_mismatch",
+            "1 while a field declared in [upstream.expect] is not what the engine says it"
+            " loaded (0 once it is; only declared fields)",
+            ["field"],
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
 
         self._audit_series: set[tuple[str, str]] = set()  # (model, mode) with every verdict
 
@@ -458,6 +467,7 @@ class Metrics:
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(RequestStarted, self._started)
+        bus.subscribe(EngineFactsRead, self._engine_facts)
         bus.subscribe(RequestClassified, self._classified)
         bus.subscribe(RequestFinished, self._finished)
         bus.subscribe(UpstreamFailed, self._upstream_failed)
@@ -525,6 +535,11 @@ class Metrics:
         self.upstream.up = True
         if ev.changed:
             self.upstream_changes.inc()
+
+    def _engine_facts(self, ev: EngineFactsRead) -> None:
+        wrong = {str(m.field) for m in ev.mismatches}
+        for name in ev.declared:
+            self.engine_mismatch.labels(name).set(1 if name in wrong else 0)
 
     def _upstream_down(self, ev: UpstreamUnreachable) -> None:
         self.upstream.up = False

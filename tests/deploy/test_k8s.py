@@ -510,6 +510,30 @@ def test_sidecar_detproxy_takes_the_serving_port_and_vllm_moves_to_localhost(
     assert int(flag(vllm["args"], "--max-logprobs")) >= settings.upstream.max_logprobs
 
 
+@needs_kustomize
+def test_sidecar_detproxy_follows_the_log_vllm_writes_on_a_shared_volume(tmp_path: Path) -> None:
+    objects = render("sidecar")
+    spec = pod_spec(objects)
+    detproxy, vllm = containers(spec)["detproxy"], containers(spec)["vllm"]
+    engine_log = settings_of(objects, detproxy, tmp_path).upstream.engine_log
+    assert engine_log, "detproxy.toml sets upstream.engine_log"
+
+    def volume_of(container: Obj) -> tuple[str, bool]:
+        """The volume holding engine_log in this container, and whether it is read-only."""
+        (mount,) = [
+            m for m in container["volumeMounts"] if engine_log.startswith(m["mountPath"] + "/")
+        ]
+        return mount["name"], bool(mount.get("readOnly"))
+
+    (name, read_only), (vllm_name, vllm_read_only) = volume_of(detproxy), volume_of(vllm)
+    assert name == vllm_name and read_only and not vllm_read_only
+    (volume,) = [v for v in spec["volumes"] if v["name"] == name]
+    assert "emptyDir" in volume, volume
+    # vLLM writes the file: its command tees its output there, and stays PID 1 (exec).
+    script = " ".join(vllm["command"])
+    assert f"tee -a {engine_log}" in script and "exec vllm serve" in script, script
+
+
 def spec_labels(objects: tuple[Obj, ...]) -> dict[str, str]:
     deployment = only(objects, "Deployment")
     labels: dict[str, str] = deployment["spec"]["template"]["metadata"]["labels"]
