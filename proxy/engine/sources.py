@@ -16,7 +16,14 @@ from proxy.engine.facts import EngineFacts
 MAX_TEXT = 1 << 20  # characters of a text payload looked at
 _CACHE_INFO = re.compile(r"^vllm:cache_config_info\{(?P<labels>[^}]*)\}", re.MULTILINE)
 _LABEL = re.compile(r'(?P<k>\w+)="(?P<v>(?:[^"\\]|\\.)*)"')
-_BOOLS = {"True": True, "False": False, "true": True, "false": False, True: True, False: False}
+_BOOLS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False}
+_COMPILATION_MODES = {
+    0: "NONE",
+    1: "STOCK_TORCH_COMPILE",
+    2: "DYNAMO_TRACE_ONCE",
+    3: "VLLM_COMPILE",
+}
+_CUDAGRAPH_MODES = {0: "NONE", 1: "PIECEWISE", 2: "FULL"}
 _INIT_HEADER = (
     "INFO 01-01 00:00:00 [core.py:1] Initializing a V1 LLM engine (vunknown) with config: "
 )
@@ -24,9 +31,12 @@ _INIT_HEADER = (
 _VLLM_ENV_FACTS = {"VLLM_BATCH_INVARIANT": "batch_invariant"}
 
 
-def _facts(values: Mapping[str, Any], source: str, **extra: Any) -> EngineFacts:
+def _facts(values: Mapping[str, Any], source: str) -> EngineFacts:
+    """The known values; nothing but the engine's name is nothing said."""
     known = {k: v for k, v in values.items() if v is not None}
-    return EngineFacts(known, {k: source for k in known}, **extra)
+    if known.keys() <= {"engine"}:
+        return EngineFacts()
+    return EngineFacts(known, {k: source for k in known})
 
 
 def _get(obj: Any, *path: str) -> Any:
@@ -43,7 +53,7 @@ def _bool(value: Any) -> bool | None:
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     if isinstance(value, str):
-        return _BOOLS.get(value.strip())
+        return _BOOLS.get(value.strip().lower())
     return None
 
 
@@ -54,12 +64,12 @@ def _str(value: Any) -> str | None:
     return None
 
 
-def _enum_name(value: Any) -> str | None:
-    """``<CUDAGraphMode.NONE: 0>``, ``CUDAGraphMode.NONE``, ``"NONE"`` or 3 -> a name."""
+def _enum_name(value: Any, numbers: Mapping[int, str]) -> str | None:
+    """``<CUDAGraphMode.NONE: 0>``, ``CUDAGraphMode.NONE``, ``"NONE"`` or 0 -> a name."""
     if isinstance(value, bool) or value is None:
         return None
     if isinstance(value, int):
-        return str(value)
+        return numbers.get(value)
     if isinstance(value, str):
         m = re.search(r"(?:\w+\.)?(?P<n>[A-Z][A-Z0-9_]*)", value)
         return m["n"] if m else None
@@ -112,8 +122,8 @@ def _vllm_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "kv_cache_dtype": _str(_get(cache, "cache_dtype")),
         "prefix_caching": _bool(_get(cache, "enable_prefix_caching")),
         "chunked_prefill": _bool(_get(sched, "enable_chunked_prefill")),
-        "compilation_mode": _enum_name(_get(comp, "mode")),
-        "cudagraph_mode": _enum_name(_get(comp, "cudagraph_mode")),
+        "compilation_mode": _enum_name(_get(comp, "mode"), _COMPILATION_MODES),
+        "cudagraph_mode": _enum_name(_get(comp, "cudagraph_mode"), _CUDAGRAPH_MODES),
         "attention_backend": _str(_get(cfg, "attention_config", "backend")),
     }
     for key in ("moe_backend", "linear_backend"):
@@ -179,17 +189,17 @@ def facts_from_sglang_server_info(info: Any) -> EngineFacts:
     if not isinstance(info, Mapping):
         return EngineFacts()
     try:
-        spec = info.get("speculative_algorithm", "absent")
+        spec = info.get("speculative_algorithm")
         chunk = info.get("chunked_prefill_size")
         no_graph = _bool(info.get("disable_cuda_graph"))
         no_radix = _bool(info.get("disable_radix_cache"))
-        quant = info.get("quantization", "absent")
+        quant = info.get("quantization")
         values: dict[str, Any] = {
             "engine": "sglang",
             "version": _str(info.get("version")),
             "model": _str(info.get("model_path")),
             "dtype": _str(info.get("dtype")),
-            "quantization": "none" if quant is None else _str(quant),
+            "quantization": "none" if _said_none(info, "quantization") else _str(quant),
             "attention_backend": _str(info.get("attention_backend")),
             "moe_backend": _str(info.get("moe_runner_backend")),
             "batch_invariant": _bool(info.get("enable_deterministic_inference")),
@@ -198,7 +208,7 @@ def facts_from_sglang_server_info(info: Any) -> EngineFacts:
             "chunked_prefill": (
                 chunk > 0 if isinstance(chunk, int) and not isinstance(chunk, bool) else None
             ),
-            "speculative": False if spec is None else _str(spec),
+            "speculative": False if _said_none(info, "speculative_algorithm") else _str(spec),
             "speculative_draft": _str(info.get("speculative_draft_model_path")),
             "kv_cache_dtype": _str(info.get("kv_cache_dtype")),
         }
