@@ -21,6 +21,7 @@ from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.config import Settings, UpstreamConfig
 from proxy.engine.fingerprint import FingerprintPoller
+from proxy.engine.follow import EngineLogFollower, EngineTruth
 from proxy.engine.load import UpstreamLoad
 from proxy.events import EventBus
 from proxy.forward import Forwarder
@@ -60,6 +61,7 @@ class Runtime:
     auditor: Auditor | None
     fingerprint: FingerprintPoller | None
     recovery_budget: RecoveryBudget
+    engine: EngineTruth | None = None  # what the engine says it loaded, against [upstream.expect]
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -281,11 +283,15 @@ class _Lifetime:
             )
             forwarder.attach_auditor(auditor)
         poller = None
-        if settings.upstream.fingerprint_interval_s > 0:
+        upstream = settings.upstream
+        engine = EngineTruth(bus, upstream.expect.declared(), upstream.engine_log)
+        if upstream.engine_log:
+            EngineLogFollower(upstream.engine_log, engine)  # attaches itself as engine.follower
+        if upstream.fingerprint_interval_s > 0:
             poller = FingerprintPoller(
-                session, settings.upstream.url, bus, settings.upstream.fingerprint_interval_s
+                session, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
             )
-        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, self.budget)
+        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, self.budget, engine)
         yield
 
     async def auditor_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -307,6 +313,9 @@ class _Lifetime:
         tasks = TaskOwner("app")
         if poller is not None:
             tasks.spawn(poller.run(), name="fingerprint")
+        engine = app[RUNTIME].engine
+        if engine is not None and engine.follower is not None:
+            tasks.spawn(engine.follower.run(), name="engine-log")
         yield
         await tasks.close()
 
@@ -369,6 +378,7 @@ async def _status(request: web.Request) -> web.Response:
             "shadow": _shadow_status(app[RUNTIME].scheduler),
             "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
             "upstream_state": _upstream_state(app[RUNTIME].fingerprint),
+            "engine": _engine_status(app[RUNTIME].engine),
             "passive_pending": _passive_pending(app[RUNTIME].auditor),
             "injection": app[RUNTIME].forwarder.guard.snapshot(),
             "recovery_budget": app[RUNTIME].recovery_budget.snapshot(),
@@ -403,6 +413,11 @@ def _upstream_state(poller: FingerprintPoller | None) -> dict[str, Any] | None:
     """up | down | waiting (not up yet since detproxy started) | unknown (not read yet),
     since when, why, and the changes and restarts counted; None without a poller."""
     return poller.state() if poller is not None else None
+
+
+def _engine_status(engine: EngineTruth | None) -> dict[str, Any] | None:
+    """What the engine says it loaded, what was declared of it that it does not meet."""
+    return engine.status() if engine is not None else None
 
 
 def _passive_pending(auditor: Auditor | None) -> int:

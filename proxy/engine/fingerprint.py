@@ -18,6 +18,13 @@ answers, llama.cpp's ``speculative.types`` in ``/props``, else whether vLLM expo
 ``vllm:spec_decode_*`` series (it does, at 0, from its start exactly when speculative decoding
 is configured). ``None`` when nothing says; a reading that cannot tell (``/metrics`` did not
 answer) keeps the previous reading's value.
+
+The recipe (what the engine says it loaded: ``proxy.engine.follow.EngineTruth``, from its log
+and from these endpoints) is part of the identity, as ``identity["recipe"]`` (its digest), but
+not of the hash while it only grows: a fact learnt later (the log read after the first reading,
+``/server_info`` answering later) is no change. A fact that moved from one known value to
+another is: the fingerprint then hashes the new recipe's digest in, and keeps it until the next
+move.
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import logging
 import re
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import orjson
@@ -38,6 +45,10 @@ from yarl import URL
 from proxy.engine.identity import Fingerprint
 from proxy.engine.promtext import samples
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
+
+if TYPE_CHECKING:
+    from proxy.engine.facts import EngineFacts
+    from proxy.engine.follow import EngineTruth
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +94,24 @@ def parse_metrics(text: str) -> dict[str, float]:
         if key is not None:
             totals[key] = totals.get(key, 0.0) + value
     return totals
+
+
+def endpoint_facts(server_info: Any, props: Any, metrics_text: Any) -> EngineFacts:
+    """What the endpoints say was loaded: vLLM's or SGLang's ``/server_info`` (told apart by
+    shape: vLLM's has ``vllm_config``), ``vllm:cache_config_info``, llama.cpp's ``/props``."""
+    from proxy.engine import sources  # the parsers load with the first reading, not at import
+
+    facts = sources.facts_from_cache_config_info(
+        metrics_text if isinstance(metrics_text, str) else ""
+    )
+    if isinstance(server_info, dict):
+        if "vllm_config" in server_info:
+            facts = facts.merged(sources.facts_from_vllm_server_info(server_info))
+        elif server_info:
+            facts = facts.merged(sources.facts_from_sglang_server_info(server_info))
+    if isinstance(props, dict) and isinstance(props.get("build_info"), str):
+        facts = facts.merged(sources.facts_from_llama_props(props))
+    return facts
 
 
 def _speculative_of_server_info(info: Any) -> bool | None:
@@ -292,8 +321,12 @@ class FingerprintPoller:
         bus: EventBus,
         interval_s: float,
         timeout_s: float = 5.0,
+        truth: EngineTruth | None = None,
     ) -> None:
         self._session = session
+        self._truth = truth
+        self._recipe: dict[str, Any] = {}  # the recipe's facts at the last identity
+        self._salt = ""  # the recipe digest hashed in since its last move ("" before any)
         self._base = base_url.rstrip("/")
         self._shown = _plain_url(self._base)
         self._bus = bus
@@ -353,6 +386,8 @@ class FingerprintPoller:
         bodies = [answers[p].body for p in (*IDENTITY_PATHS, paths[4])]
         fp = build(bodies[0], bodies[1], bodies[2], counters, self._counters, bodies[3], before)
         worth, reason = assess(answers)
+        if self._truth is not None and worth in (COMPLETE, PARTIAL):
+            self._truth.endpoints_read(endpoint_facts(bodies[3], bodies[2], metrics))
         now = self.read_at = time.time()
         await self._check_prefix(answers)
         if worth in (UNREACHABLE, NOT_READY):
@@ -362,8 +397,7 @@ class FingerprintPoller:
         else:
             if counters:  # a reading without /metrics keeps the last one's for the deltas
                 self._counters = counters
-            self._identified(fp, counters.get(STARTED), now)
-            return fp
+            return self._identified(fp, counters.get(STARTED), now)
         return self.current or fp
 
     def _down(self, reason: str, now: float) -> None:
@@ -379,7 +413,30 @@ class FingerprintPoller:
         else:
             log.info("waiting for upstream %s: %s", self._shown, reason)
 
-    def _identified(self, fp: Fingerprint, started: float | None, now: float) -> None:
+    def _with_recipe(self, fp: Fingerprint) -> tuple[Fingerprint, list[str]]:
+        """The reading with the recipe's digest in its identity, and the facts that moved
+        since the last identity (see the module's docstring)."""
+        truth = self._truth
+        if truth is None:
+            return fp, []
+        values = dict(truth.facts.values)
+        recipe = truth.digest()
+        from proxy.engine.follow import moved  # the parsers load with the first reading
+
+        shifted = moved(self._recipe, values)
+        self._recipe = {**self._recipe, **{k: v for k, v in values.items() if v is not None}}
+        if shifted:
+            self._recipe = {k: v for k, v in values.items() if v is not None}
+            self._salt = recipe or ""
+        digest = fp.fingerprint
+        if self._salt:
+            digest = xxhash.xxh3_64_hexdigest(f"{fp.fingerprint}:{self._salt}".encode())
+        return replace(fp, identity={**fp.identity, "recipe": recipe}, fingerprint=digest), shifted
+
+    def _identified(self, fp: Fingerprint, started: float | None, now: float) -> Fingerprint:
+        fp, shifted = self._with_recipe(fp)
+        if shifted:
+            log.warning("upstream recipe moved: %s", ", ".join(shifted))
         previous, self.current = self.current, fp
         was_down = self.up is False
         down_s = now - self.since if was_down else None
@@ -431,6 +488,7 @@ class FingerprintPoller:
             )
         elif was_down:
             log.debug("upstream %s answers%s", self._shown, after)
+        return fp
 
     async def _check_prefix(self, answers: Mapping[str, Answer]) -> None:
         """A URL with the API's prefix in it (``http://host:8000/v1``, the openai SDK's base

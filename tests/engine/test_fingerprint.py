@@ -597,3 +597,28 @@ async def test_an_upstream_not_up_yet_is_read_again_within_seconds() -> None:
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+# --------------------------------------------------------------------- the recipe
+
+
+def test_server_info_is_told_apart_by_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One URL, two engines: vLLM's /server_info has ``vllm_config``; SGLang's is its server
+    arguments."""
+    from proxy.engine import sources
+    from proxy.engine.facts import EngineFacts
+    from proxy.engine.fingerprint import endpoint_facts
+
+    def said(name: str) -> Callable[[Any], EngineFacts]:
+        return lambda _: EngineFacts({name: True}, {name: name}, (), (), (), False)
+
+    for name in ("vllm", "sglang", "llama"):
+        attr = {"vllm": "vllm_server_info", "sglang": "sglang_server_info", "llama": "llama_props"}
+        monkeypatch.setattr(sources, f"facts_from_{attr[name]}", said(name))
+    monkeypatch.setattr(sources, "facts_from_cache_config_info", said("cache"))
+    vllm = endpoint_facts({"vllm_config": {}, "vllm_env": {}}, None, "")
+    sglang = endpoint_facts({"attention_backend": "fa3", "disable_radix_cache": False}, None, "")
+    llama = endpoint_facts(None, {"build_info": "b1-x"}, None)
+    assert {k for k, v in vllm.values.items() if v} == {"cache", "vllm"}, vllm
+    assert {k for k, v in sglang.values.items() if v} == {"cache", "sglang"}, sglang
+    assert {k for k, v in llama.values.items() if v} == {"cache", "llama"}, llama

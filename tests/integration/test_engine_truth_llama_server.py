@@ -1,0 +1,76 @@
+"""Engine truth against the real llama.cpp engine: detproxy follows llama-server's own log file
+and reads its /props; a declared expectation it does not meet raises the mismatch (status,
+metric, incident), one it meets raises nothing."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import run_detproxy, run_engine, scrape
+
+pytestmark = pytest.mark.integration
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return json.load(resp)
+
+
+def until(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
+
+
+def config(engine_log: Path, expect: str) -> str:
+    return (
+        f'[upstream]\nfingerprint_interval_s = 0.5\nengine_log = "{engine_log}"\n'
+        f"[upstream.expect]\n{expect}\n"
+    )
+
+
+def test_llama_server_log_and_props_held_against_expectations(tmp_path: Path) -> None:
+    logs = tmp_path / "engine"
+    logs.mkdir()
+    with run_engine(logs, "-np", "1") as engine:
+        (log_file,) = logs.glob("llama-server-*.log")
+        # Not met: llama-server runs no draft model.
+        with run_detproxy(tmp_path, engine.url, config(log_file, "speculative = true")) as url:
+
+            def mismatched() -> Any:
+                found = get(url + "/detproxy/status")["engine"]
+                return found if found["mismatches"] else None
+
+            engine_state = until("the speculative mismatch shown", mismatched)
+            assert [m["field"] for m in engine_state["mismatches"]] == ["speculative"]
+            assert engine_state["engine_log"]["read_lines"] > 0, engine_state
+            assert engine_state["loaded"], "llama-server's log and /props say what loaded"
+            gauge = scrape(url + "/detproxy/metrics", "detproxy_engine_expectation_mismatch")
+            assert list(gauge.values()) == [1.0], gauge
+            kinds = [i["kind"] for i in get(url + "/detproxy/incidents")]
+            assert kinds.count("engine_mismatch") == 1, kinds
+        # Met: nothing raised.
+        with run_detproxy(tmp_path, engine.url, config(log_file, "speculative = false")) as url:
+
+            def read() -> Any:
+                found = get(url + "/detproxy/status")["engine"]
+                return found if "speculative" not in found["unknown"] and found["loaded"] else None
+
+            engine_state = until("the recipe read", read)
+            assert engine_state["mismatches"] == [], engine_state
+            gauge = scrape(url + "/detproxy/metrics", "detproxy_engine_expectation_mismatch")
+            assert list(gauge.values()) == [0.0], gauge
+            kinds = [i["kind"] for i in get(url + "/detproxy/incidents")]
+            assert "engine_mismatch" not in kinds, kinds
