@@ -36,7 +36,10 @@ _INIT = re.compile(r"Initializing a V1 LLM engine \(v(?P<v>[^)]+)\) with config:
 _AUTO_ATTN = re.compile(r"Using (?P<b>\w+) attention backend out of potential backends")
 _EXPLICIT_ATTN = re.compile(r"Using AttentionBackendEnum\.(?P<b>\w+) backend")
 _FA_VERSION = re.compile(r"Using FlashAttention version (?P<n>\d+)")
-_MOE = re.compile(r"Using (?:the )?'?(?P<b>[\w.-]+)'? (?:\w+ )?MoE backend")
+# "Using 'FLASHINFER_CUTLASS' NvFp4 MoE backend out of potential backends: [...]" (the choice);
+# "Using TritonExperts MoE backend" (the experts class it then builds: kept only when alone)
+_MOE = re.compile(r"Using '?(?P<b>[\w.-]+)'? \w+ MoE backend out of potential backends")
+_MOE_CLASS = re.compile(r"Using '?(?P<b>[\w.-]+)'? MoE backend\b")
 _SELECTED = re.compile(r"Selected (?P<k>\w+) for (?P<what>.*)")
 _NVFP4_GEMM = re.compile(r"Using (?P<k>\w+) for NVFP4 GEMM")
 _MARLIN = re.compile(r"Your GPU does not have native support for FP8 computation")
@@ -239,6 +242,9 @@ class EngineLogReader:
             return True
         if (v := _MOE.search(msg)) is not None:
             self._set("moe_backend", v["b"])
+            return True
+        if (v := _MOE_CLASS.search(msg)) is not None:
+            self._values.setdefault("moe_backend", v["b"])
             return True
         if (v := _NVFP4_GEMM.search(msg)) is not None:
             self._set("linear_backend", v["k"])

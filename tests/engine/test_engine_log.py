@@ -263,3 +263,36 @@ def test_llama_server_real_start_up_logs() -> None:
         "speculative": False,
         "prefix_caching": True,
     }
+
+
+def test_kernel_selection_fallback_and_deprecation_lines() -> None:
+    """Line formats from vLLM logs of quantized MoE models (not in the 0.23.0 fixtures)."""
+    head = "2026-04-19 12:19:24.098 | (EngineCore pid=207) INFO 04-19 10:19:24 [x.py:1] "
+    reader = EngineLogReader()
+    for msg in (
+        "Using FlashInferCutlassNvFp4LinearKernel for NVFP4 GEMM",
+        "Using 'FLASHINFER_CUTLASS' NvFp4 MoE backend out of potential backends: ['MARLIN'].",
+        "Using TritonExperts MoE backend",
+        "Your GPU does not have native support for FP8 computation but FP8 quantization is "
+        "being used. Weight-only FP8 compression will be used leveraging the Marlin kernel.",
+        "Tried to force FLASHINFER_TRTLLM, but the kernel couldn't be implemented",
+        "argument 'disable_log_requests' is deprecated and replaced with 'enable_log_requests'",
+    ):
+        reader.feed(head + msg)
+        assert reader.ignored_lines == 0, f"not understood: {msg}"
+    facts = reader.facts
+    assert facts.values["linear_backend"] == "FlashInferCutlassNvFp4LinearKernel"
+    assert facts.values["moe_backend"] == "FLASHINFER_CUTLASS", "the experts class overrode it"
+    assert len(facts.fallbacks) == 2
+    assert facts.fallbacks[0].startswith("FP8 weight-only Marlin")
+    assert facts.fallbacks[1].startswith("Tried to force FLASHINFER_TRTLLM")
+    assert facts.deprecated == (
+        "argument 'disable_log_requests' is deprecated and replaced with 'enable_log_requests'",
+    )
+    selected = EngineLogReader()
+    selected.feed(head + "Selected CutlassFP8ScaledMMLinearKernel for Fp8LinearMethod")
+    selected.feed(head + "Using TRITON Unquantized MoE backend out of potential backends: [].")
+    assert dict(selected.facts.values) == {
+        "linear_backend": "CutlassFP8ScaledMMLinearKernel",
+        "moe_backend": "TRITON",
+    }
