@@ -221,8 +221,6 @@ class EngineLogReader:
             if isinstance(args, dict):
                 self._set("engine", "vllm")
                 self._set("non_default_args", {str(k): a for k, a in args.items()})
-                if "VLLM_BATCH_INVARIANT" in args:
-                    self._set("batch_invariant", bool(args["VLLM_BATCH_INVARIANT"]))
                 return True
             return False
         if (v := _INIT.search(msg)) is not None:
