@@ -253,10 +253,14 @@ class UpstreamExpectConfig(_Section):
 
     attention_backend: str | None = None  # e.g. "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN"
     moe_backend: str | None = None
+    linear_backend: str | None = None  # e.g. "CutlassFP8ScaledMMLinearKernel"
     quantization: str | None = None  # e.g. "fp8"; "none" for unquantized
     dtype: str | None = None  # e.g. "bfloat16"
+    kv_cache_dtype: str | None = None  # e.g. "auto", "fp8"
     cudagraphs: bool | None = None
+    enforce_eager: bool | None = None
     prefix_caching: bool | None = None
+    chunked_prefill: bool | None = None
     speculative: bool | str | None = None  # off/on, or the method (e.g. "eagle3")
     batch_invariant: bool | None = None
     unknown_env: bool | None = None  # false: no unknown environment variable allowed

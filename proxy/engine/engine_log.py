@@ -55,6 +55,10 @@ _FAILED = re.compile(r"EngineCore failed to start|Engine core initialization fai
 _BATCH_INV = re.compile(
     r"[Bb]atch[- ]invariant (?:mode )?(?:is )?enabled|Enabling batch[- ]invariant"
 )
+# vLLM 0.23 logs nothing of its own for VLLM_BATCH_INVARIANT=1; torch's override warning, in the
+# engine core's output, names the module that replaced its kernels (seen on the H200,
+# 2026-12-04). Its absence says nothing (a warnings filter hides it): never read as false.
+_BATCH_INV_KERNEL = re.compile(r"registered at \S*vllm/model_executor/layers/batch_invariant\.py")
 # SGLang messages
 _SG_ATTN = re.compile(r"Use (?P<b>\w+) backend by default")
 _SG_ARGS = re.compile(r"server_args=ServerArgs\((?P<a>.*)\)\s*$")
@@ -188,6 +192,9 @@ class EngineLogReader:
     def _vllm(self, text: str) -> bool:
         m = _VLLM.search(text)
         if m is None:
+            if _BATCH_INV_KERNEL.search(text) is not None:
+                self._set("batch_invariant", True)
+                return True
             w = _PYWARN.search(text)
             if w is None or ("VLLM_" not in w["msg"] and "vllm" not in text):
                 return False

@@ -296,3 +296,55 @@ def test_kernel_selection_fallback_and_deprecation_lines() -> None:
         "linear_backend": "CutlassFP8ScaledMMLinearKernel",
         "moe_backend": "TRITON",
     }
+
+
+# The six vLLM 0.23.0 instances of tests/gpu/vllm/on_device.sh, their own logs as the H200 wrote
+# them on 2026-12-04 (the engine_truth step followed them with [upstream] engine_log).
+H200 = {"model": "/root/model", "attention_backend": "FLASH_ATTN", "flash_attn_version": 3}
+H200 |= {"prefix_caching": True}
+
+
+def test_h200_stock_eager() -> None:
+    assert vals("vllm-0.23.0-h200-stock.log") == COMMON | EAGER | H200
+
+
+def test_h200_batch_invariant_read_from_the_kernel_override_warning() -> None:
+    # vLLM says nothing itself; torch's override warning names vLLM's batch_invariant module
+    assert vals("vllm-0.23.0-h200-bi.log") == COMMON | EAGER | H200 | {"batch_invariant": True}
+    assert "batch_invariant" not in vals("vllm-0.23.0-h200-stock.log"), "unknown, not false"
+
+
+def test_h200_ngram_speculative() -> None:
+    got = vals("vllm-0.23.0-h200-spec.log")
+    assert got == COMMON | EAGER | H200 | {
+        "speculative": "ngram",
+        "speculative_draft": "None",
+        "num_speculative_tokens": 4,
+    }
+
+
+def test_h200_gguf_with_an_unknown_attention_variable() -> None:
+    reader = read("vllm-0.23.0-h200-gguf-unknown-env.log")
+    assert vals("vllm-0.23.0-h200-gguf-unknown-env.log") == COMMON | EAGER | H200 | {
+        "model": "/root/payload/model/model.gguf",
+        "quantization": "gguf",
+    }
+    assert reader.facts.unknown_env == ("VLLM_ATTENTION_BACKEND",)
+
+
+def test_h200_cuda_graphs_and_torch_compile() -> None:
+    assert vals("vllm-0.23.0-h200-graphs.log") == COMMON | H200 | {
+        "enforce_eager": False,
+        "cudagraphs": True,
+        "compilation_mode": "VLLM_COMPILE",
+        "cudagraph_mode": "FULL_AND_PIECEWISE",
+    }
+
+
+def test_h200_reasoning_parser_instance_names_its_arguments() -> None:
+    reader = read("vllm-0.23.0-h200-think.log")
+    args = reader.facts.values["non_default_args"]
+    assert args["reasoning_parser"] == "deepseek_r1", args
+    assert vals("vllm-0.23.0-h200-think.log") == COMMON | EAGER | H200 | {
+        "model": "/root/model-think"
+    }

@@ -113,3 +113,13 @@ def test_a_failed_start_checks_only_what_it_said() -> None:
 
 def test_keys_outside_the_spec_are_ignored() -> None:
     assert check({"colour": "blue"}, EngineFacts({"colour": "red"})) == ((), ())
+
+
+def test_every_checked_field_can_be_declared_in_the_config() -> None:
+    from proxy.config import UpstreamExpectConfig
+
+    declarable = set(UpstreamExpectConfig.model_fields)
+    assert declarable == set(EXPECT_KEYS), (
+        f"[upstream.expect] refuses {sorted(set(EXPECT_KEYS) - declarable)}, "
+        f"checks nothing for {sorted(declarable - set(EXPECT_KEYS))}"
+    )

@@ -63,7 +63,7 @@ setup)
   start bi 8002 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager
   start spec 8003 "X=1" "${bf16[@]}" --enforce-eager --speculative-config \
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
-  start gguf 8004 "X=1" --model "$P/model/model.gguf" --tokenizer "$M" --enforce-eager
+  start gguf 8004 "VLLM_ATTENTION_BACKEND=FLASHINFER" --model "$P/model/model.gguf" --tokenizer "$M" --enforce-eager
   start graphs 8005 "X=1" "${bf16[@]}"
   # A stand-in reasoning model: vLLM's deepseek_r1 parser, a template that opens <think>.
   python3 tests/gpu/vllm/think_tokenizer.py "$M" "$T" 2>&1 | grep -v Warning | tail -4 &&

@@ -1039,6 +1039,72 @@ async def step_spec_fresh(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+# What the operator declares for each instance ([upstream.expect]); what each should give:
+# stock runs --enforce-eager (cudagraphs declared on: a mismatch); gguf was started with
+# VLLM_ATTENTION_BACKEND=FLASHINFER, which vLLM 0.23 calls unknown and ignores (two mismatches).
+ENGINE_EXPECT: dict[str, dict[str, Any]] = {
+    "stock": {"attention_backend": "FLASH_ATTN", "cudagraphs": True, "prefix_caching": True,
+              "speculative": False, "unknown_env": False},
+    "bi": {"batch_invariant": True, "enforce_eager": True, "unknown_env": False},
+    "spec": {"speculative": "ngram", "enforce_eager": True},
+    "gguf": {"attention_backend": "FLASHINFER", "quantization": "gguf", "unknown_env": False},
+    "graphs": {"cudagraphs": True, "enforce_eager": False, "dtype": "bfloat16"},
+    "think": {"dtype": "bfloat16", "speculative": False},
+}  # fmt: skip
+
+
+async def engine_truth_one(ctx: Ctx, name: str, url: str) -> dict[str, Any]:
+    log = ctx.args.logs / f"vllm-{name}.log" if ctx.args.logs else None
+    if log is None or not log.exists():
+        return {"status": "skipped", "reason": f"no log for {name}"}
+    expect = ENGINE_EXPECT.get(name, {})
+    cfg: dict[str, Any] = {
+        "upstream": {"fingerprint_interval_s": 2, "engine_log": str(log)},
+        "upstream.expect": expect,
+        "audit": {"sample_rate": 0.0},
+    }
+    proxy = Detproxy(url, cfg, ctx.work, f"engine-{name}")
+    lines = len(log.read_text(errors="replace").splitlines())
+    out: dict[str, Any] = {"expect": expect, "log_lines": lines}
+    try:
+        await proxy.ready(http := ctx.http)
+        t0 = time.monotonic()
+        engine: dict[str, Any] = {}
+        while time.monotonic() - t0 < 25:
+            st = await proxy.status(http)
+            engine = st.get("engine") or {}
+            loaded = (engine.get("loaded") or {}).get("facts") or {}
+            if loaded.get("attention_backend") or loaded.get("start_failed"):
+                break
+            await asyncio.sleep(0.5)
+        out["read_after_s"] = round(time.monotonic() - t0, 2)
+        out["engine"] = engine
+        out["identity"] = (st.get("upstream_fingerprint") or {}).get("identity")
+        m = await proxy.metrics(http)
+        out["mismatch_gauges"] = {
+            k: v for k, v in m.items() if k.startswith("detproxy_engine_expectation_mismatch")
+        }
+        out["incidents"] = [
+            i for i in await proxy.incidents(http) if i.get("kind") == "engine_mismatch"
+        ][:5]
+    finally:
+        proxy.stop()
+    return out
+
+
+async def step_engine_truth(ctx: Ctx) -> dict[str, Any]:
+    """Each instance's own start-up log followed by a detproxy ([upstream] engine_log), with an
+    [upstream.expect] per instance: what /detproxy/status says loaded, and the mismatches."""
+    names = [n for n in ("stock", "bi", "spec", "gguf", "graphs", "think") if n in ctx.url]
+    got = await asyncio.gather(
+        *(engine_truth_one(ctx, n, ctx.url[n]) for n in names), return_exceptions=True
+    )
+    return {
+        n: (g if not isinstance(g, BaseException) else {"status": "error", "error": repr(g)})
+        for n, g in zip(names, got, strict=True)
+    }
+
+
 async def step_graphs(ctx: Ctx) -> dict[str, Any]:
     """vLLM's production default (torch.compile, CUDA graphs) instead of --enforce-eager: its
     own serial reference against the eager one, and the audit at 16 and 32 in flight."""
@@ -1684,6 +1750,7 @@ def est_audit(ctx: Ctx, conc: int, n: int = N_LOAD, share: float = 1.0) -> float
 
 STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx], float]]] = [
     ("spec_fresh", step_spec_fresh, lambda c: 30),
+    ("engine_truth", step_engine_truth, lambda c: 40),
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
