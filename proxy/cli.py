@@ -328,6 +328,11 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     configure(settings.log, worker)
     server = settings.server
     if worker is None and server.workers > 1:
+        if settings.upstream.engine_log == "-":  # one stdin cannot feed N processes
+            return _fail(
+                f"upstream.engine_log: '-' (stdin) cannot be read by {server.workers} workers;"
+                " name the engine's log file instead (e.g. vllm serve ... 2>&1 | tee FILE)"
+            )
         return _supervise(settings, serve_argv)
     try:
         loop = new_event_loop(server.event_loop)

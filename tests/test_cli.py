@@ -133,6 +133,14 @@ def test_an_unwritable_incident_path_is_one_line(tmp_path: Path, workers: str) -
     assert_one_line_error(code, err, "incidents.path", str(tmp_path / "a-file"))
 
 
+def test_the_engine_log_on_stdin_with_several_workers_is_one_line(tmp_path: Path) -> None:
+    code, err = run_cli(
+        "serve", "--port", "0", "--workers", "2",
+        env={"DETPROXY_UPSTREAM__ENGINE_LOG": "-", "DETPROXY_STATE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert_one_line_error(code, err, "upstream.engine_log", "2 workers", "log file")
+
+
 @pytest.mark.parametrize(
     ("args", "env", "expected"),
     [
