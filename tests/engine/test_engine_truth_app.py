@@ -197,3 +197,39 @@ def test_the_engine_piped_into_detproxy_is_read_and_detproxy_stops_while_it_writ
                 proc.kill()
                 proc.wait()
             proc.stdin.close()
+
+
+async def test_an_audit_incident_carries_the_recipe_it_was_measured_on(
+    make_proxy: Any, tmp_path: Path
+) -> None:
+    from tests.helpers import chat, knobs
+
+    path = tmp_path / "vllm.log"
+    written(path, engine_log(UNKNOWN_ENV_LOG))
+    env = FAST | {
+        "DETPROXY_UPSTREAM__ENGINE_LOG": str(path),
+        "DETPROXY_AUDIT__SAMPLE_RATE": "1",
+        "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+    }
+    async with EmulatorServer(EmulatorConfig(version="0.23.0")) as emu:
+        client = await make_proxy(emu.url, env=env)
+
+        async def recipe_in_identity() -> Any:
+            now = await status(client)
+            recipe = now["engine"]["recipe"]
+            fp = now["upstream_fingerprint"] or {}
+            return recipe if recipe and fp.get("identity", {}).get("recipe") == recipe else None
+
+        recipe = await until("the recipe in the upstream's identity", recipe_in_identity)
+        resp = await client.post(
+            "/v1/chat/completions",
+            json=chat(),
+            headers=knobs(flip_probability=1.0, flip_position=1),  # the primary only
+        )
+        assert resp.status == 200, await resp.text()
+
+        async def audited() -> list[dict[str, Any]]:
+            return await incidents(client, "audit")
+
+        (incident,) = await until("an audit incident", audited)
+        assert incident["upstream"]["recipe"] == recipe, incident.get("upstream")
