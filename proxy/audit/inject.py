@@ -58,8 +58,3 @@ def strip_logprobs(answer: dict[str, Any]) -> bool:
                 choice["logprobs"] = None
                 changed = True
     return changed
-
-
-def logprob_params(body: dict[str, Any]) -> dict[str, Any]:
-    """The logprob parameters a request carried, so its shadow asks for exactly the same."""
-    return {k: body[k] for k in ("logprobs", "top_logprobs") if k in body}

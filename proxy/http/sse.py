@@ -196,7 +196,3 @@ def _parse_block(raw: bytes, lines: list[bytes]) -> SSEEvent:
 def encode_event(data: bytes) -> bytes:
     """Encode one data-only event the way vLLM does."""
     return b"data: " + data + b"\n\n"
-
-
-def encode_comment(text: str) -> bytes:
-    return b": " + text.encode() + b"\n\n"
