@@ -8,7 +8,9 @@ cd "$(dirname "$0")/.."
 
 # Debian packages: the engine's toolchain, promtool (from prometheus) for the alert rules, and
 # redis-server for the shared duplicate store and haproxy for the scale-out test (the tests start
-# their own on free ports), chromium for the incident explorer's browser tests (headless).
+# their own on free ports), chromium for the incident explorer's browser tests (headless),
+# buildah and debootstrap for the image (tests/deploy/test_image.py: deploy/docker/build_image.sh
+# builds it without a Docker daemon, its base and caches in ~/.cache/detproxy/image).
 missing=""
 command -v cmake >/dev/null || missing="$missing cmake"
 command -v g++ >/dev/null || missing="$missing g++ make"
@@ -17,6 +19,8 @@ command -v redis-server >/dev/null || missing="$missing redis-server"
 command -v amtool >/dev/null || missing="$missing prometheus-alertmanager"
 command -v haproxy >/dev/null || missing="$missing haproxy"
 command -v chromium >/dev/null || missing="$missing chromium"
+command -v buildah >/dev/null || missing="$missing buildah"
+command -v debootstrap >/dev/null || missing="$missing debootstrap"
 if [ -n "$missing" ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null
 fi
