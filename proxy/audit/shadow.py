@@ -98,6 +98,7 @@ class ShadowScheduler:
         self._bucket = TokenBucket(config.max_shadows_per_s)
         self._tasks = TaskOwner("shadow")
         self._running = 0
+        self.sent = 0  # shadows sent upstream (a triage replay is alone only if none was)
         self.primary_tokens = 0
         self.shadow_tokens = 0
 
@@ -179,67 +180,129 @@ class ShadowScheduler:
     async def _quiet_enough(self) -> bool:
         """Wait until the load has stayed low for ``quiet_settle_s``, up to the deadline."""
         cfg = self._config
-        now = time.monotonic()
-        deadline = now + cfg.quiet_deadline_s
-        quiet_since: float | None = None
-        while True:
-            ok = self._load.inflight <= cfg.quiet_max_inflight
-            if ok and cfg.quiet_max_upstream_running is not None and self._upstream_running:
-                running = await self._upstream_running()
-                ok = running is not None and running <= cfg.quiet_max_upstream_running
-            now = time.monotonic()
-            if not ok:
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = now
-            if quiet_since is not None and now - quiet_since >= cfg.quiet_settle_s:
-                return True
-            if now >= deadline:
-                return False
-            await asyncio.sleep(cfg.quiet_poll_s)
+        running = self._upstream_running if cfg.quiet_max_upstream_running is not None else None
+        return await wait_quiet(
+            self._load,
+            cfg.quiet_max_inflight,
+            running,
+            cfg.quiet_max_upstream_running,
+            settle_s=cfg.quiet_settle_s,
+            deadline_s=cfg.quiet_deadline_s,
+            poll_s=cfg.quiet_poll_s,
+        )
 
     async def _run(self, job: ShadowJob) -> None:
         if self._config.schedule == "quiet" and not await self._quiet_enough():
             self._bus.publish(ShadowDropped(job.model, "quiet_deadline"))
             return
-        inflight, started = self._load.inflight, self._load.started
-        t0 = time.monotonic()
-        try:
-            async with asyncio.timeout(self._config.shadow_timeout_s):
-                resp = await self._upstream.send(
-                    "POST", job.raw_path, job.headers, orjson.dumps(job.body)
-                )
-                try:
-                    payload = await resp.read()
-                finally:
-                    resp.close()
-        except TimeoutError:
-            self._bus.publish(ShadowDropped(job.model, "timeout"))
+        self.sent += 1
+        sent = await replay(
+            self._upstream,
+            self._load,
+            job.raw_path,
+            job.headers,
+            job.body,
+            self._config.shadow_timeout_s,
+        )
+        if isinstance(sent, str):
+            self._bus.publish(ShadowDropped(job.model, sent))
             return
-        except UpstreamError as exc:
-            log.info("shadow replay failed: %s", exc)
+        resp_status, payload, parsed = sent.status, sent.payload, sent.parsed
+        latency, inflight, overlapped = sent.latency_s, sent.inflight, sent.overlapped
+        if resp_status != 200 or not isinstance(parsed, dict):
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
-            return
-        except Exception as exc:  # whatever else an Upstream implementation raises
-            log.info("shadow replay failed: %r", exc)
-            self._bus.publish(ShadowDropped(job.model, "upstream_error"))
-            return
-        latency = time.monotonic() - t0
-        overlapped = inflight > 0 or self._load.started != started
-        try:
-            parsed = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            parsed = None
-        if resp.status != 200 or not isinstance(parsed, dict):
-            self._bus.publish(ShadowDropped(job.model, "upstream_error"))
-            if self._guard is not None and 400 <= resp.status < 500 and resp.status != 429:
+            if self._guard is not None and 400 <= resp_status < 500 and resp_status != 429:
                 # The same request with its primary's logprobs was answered; replayed
                 # non-streamed it is refused (vLLM: NaN logprobs). Shadows cannot work for the
                 # model: the guard suspends them rather than spend a generation on each.
-                reason = error_reason(resp.status, payload)
-                self._guard.failed(job.model, job.endpoint, [LOGPROBS], resp.status, reason)
+                reason = error_reason(resp_status, payload)
+                self._guard.failed(job.model, job.endpoint, [LOGPROBS], resp_status, reason)
             return
         if self._guard is not None:
             self._guard.succeeded(job.model, [LOGPROBS])
         outcome = outcome_from_response(job.endpoint, parsed)
         job.on_result(ShadowResult(outcome, latency, inflight, overlapped))
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """One replay's answer: its status, body (parsed: a dict, or None for junk), how long it
+    took and how busy detproxy was (client requests in flight when it was sent; whether any
+    client request ran while it did)."""
+
+    status: int
+    payload: bytes
+    parsed: Any
+    latency_s: float
+    inflight: int
+    overlapped: bool
+
+
+async def replay(
+    upstream: Upstream,
+    load: ProxyLoad,
+    raw_path: str,
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    timeout_s: float,
+) -> Replayed | str:
+    """Send one replay (a shadow, a triage experiment) and read its answer; a str says why
+    there is none (``timeout`` or ``upstream_error``)."""
+    inflight, started = load.inflight, load.started
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await upstream.send("POST", raw_path, headers, orjson.dumps(body))
+            try:
+                payload = await resp.read()
+            finally:
+                resp.close()
+    except TimeoutError:
+        return "timeout"
+    except UpstreamError as exc:
+        log.info("replay failed: %s", exc)
+        return "upstream_error"
+    except Exception as exc:  # whatever else an Upstream implementation raises
+        log.info("replay failed: %r", exc)
+        return "upstream_error"
+    latency = time.monotonic() - t0
+    overlapped = inflight > 0 or load.started != started
+    try:
+        parsed = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        parsed = None
+    return Replayed(resp.status, payload, parsed, latency, inflight, overlapped)
+
+
+async def wait_quiet(
+    load: ProxyLoad,
+    max_inflight: int,
+    upstream_running: Callable[[], Awaitable[int | None]] | None,
+    max_upstream_running: int | None,
+    *,
+    settle_s: float,
+    deadline_s: float,
+    poll_s: float,
+    busy: Callable[[], bool] | None = None,
+) -> bool:
+    """Wait until the load has stayed low for ``settle_s``, up to ``deadline_s``: detproxy's
+    in-flight client requests at most ``max_inflight``, the upstream's running requests (where
+    read) at most ``max_upstream_running``, and ``busy()`` (other work of detproxy's) false."""
+    now = time.monotonic()
+    deadline = now + deadline_s
+    quiet_since: float | None = None
+    while True:
+        ok = load.inflight <= max_inflight and not (busy is not None and busy())
+        if ok and max_upstream_running is not None and upstream_running is not None:
+            running = await upstream_running()
+            ok = running is not None and running <= max_upstream_running
+        now = time.monotonic()
+        if not ok:
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = now
+        if quiet_since is not None and now - quiet_since >= settle_s:
+            return True
+        if now >= deadline:
+            return False
+        await asyncio.sleep(poll_s)

@@ -1,0 +1,194 @@
+"""From evidence to a cause (pure): the one-switch-at-a-time reading of what triage saw.
+
+In order, the first that the evidence shows:
+
+- ``recipe_change``: the upstream's identity differed between the primary and the shadow, or
+  the replays ran on another identity than the primary, agree with each other and not with it;
+- ``intrinsic``: two runs in the same condition (alone; the same cache state, or any once cold
+  and warm runs agree) differ: serial batch-1 replays of one request disagree;
+- ``prefix_cache``: cold runs agree with each other, warm runs agree with each other, and
+  cold differs from warm (at least two of each);
+- ``speculative``: the upstream says it runs speculative decoding, its runs alone agree, the
+  reference's agree, and the two differ;
+- ``batch``: the runs alone agree (at least two) and a run beside other requests (the primary
+  or the shadow with others in flight) differs from them;
+- ``unknown`` otherwise, naming the evidence that was missing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from proxy.attribution.evidence import Attribution, Evidence, Run
+
+
+def _groups(runs: Iterable[Run]) -> set[int]:
+    return {r.group for r in runs if r.group is not None}
+
+
+def _answered(runs: Iterable[Run]) -> list[Run]:
+    return [r for r in runs if r.group is not None]
+
+
+def _names(runs: Iterable[Run]) -> str:
+    return ", ".join(r.name for r in runs)
+
+
+def _recipe_change(ev: Evidence) -> Attribution | None:
+    primary, shadow = ev.run("primary"), ev.run("shadow")
+    if (
+        primary is not None
+        and shadow is not None
+        and shadow.target == "same"
+        and primary.identity is not None
+        and shadow.identity is not None
+        and primary.identity != shadow.identity
+    ):
+        return Attribution(
+            "recipe_change",
+            f"the upstream's identity changed between the primary ({primary.identity}) "
+            f"and the shadow ({shadow.identity})",
+        )
+    if primary is None or primary.identity is None or primary.group is None:
+        return None
+    replays = [
+        r for r in _answered(ev.runs) if r.target == "same" and r.name not in ("primary", "shadow")
+    ]
+    others = {r.identity for r in replays}
+    groups = _groups(replays)
+    if (
+        len(replays) >= 2
+        and len(others) == 1
+        and None not in others
+        and primary.identity not in others
+        and len(groups) == 1
+        and primary.group not in groups
+    ):
+        return Attribution(
+            "recipe_change",
+            f"the replays ran on identity {others.pop()}, agree with each other and not with "
+            f"the primary, which ran on {primary.identity}",
+        )
+    return None
+
+
+def _alone_same(ev: Evidence) -> list[Run]:
+    return [r for r in _answered(ev.runs) if r.target == "same" and r.alone is True]
+
+
+def _cache_split(alone: list[Run]) -> tuple[set[int], set[int], int, int]:
+    cold = [r for r in alone if r.cache == "cold"]
+    warm = [r for r in alone if r.cache == "warm"]
+    return _groups(cold), _groups(warm), len(cold), len(warm)
+
+
+def _intrinsic(ev: Evidence) -> Attribution | None:
+    alone = _alone_same(ev)
+    cold, warm, n_cold, n_warm = _cache_split(alone)
+    for state, groups in (("cold", cold), ("warm", warm)):
+        if len(groups) > 1:
+            runs = [r for r in alone if r.cache == state]
+            return Attribution(
+                "intrinsic",
+                f"{state} runs alone, one at a time, disagree with each other ({_names(runs)}: "
+                f"{len(groups)} distinct outputs)",
+            )
+    indifferent = n_cold >= 1 and n_warm >= 1 and cold == warm
+    if indifferent and len(_groups(alone)) > 1:
+        return Attribution(
+            "intrinsic",
+            f"runs alone disagree ({_names(alone)}: {len(_groups(alone))} distinct outputs) "
+            "while cold and warm runs agree",
+        )
+    reference = [r for r in _answered(ev.runs) if r.target == "reference" and r.alone is True]
+    if len(_groups(reference)) > 1:
+        return Attribution(
+            "intrinsic",
+            f"the reference's runs alone disagree with each other ({_names(reference)})",
+        )
+    return None
+
+
+def _prefix_cache(ev: Evidence) -> Attribution | None:
+    cold, warm, n_cold, n_warm = _cache_split(_alone_same(ev))
+    if n_cold >= 2 and n_warm >= 2 and len(cold) == 1 and len(warm) == 1 and cold != warm:
+        return Attribution(
+            "prefix_cache",
+            f"{n_cold} cold runs agree, {n_warm} warm runs agree, and cold differs from warm",
+        )
+    return None
+
+
+def _speculative(ev: Evidence) -> Attribution | None:
+    recipe = _alone_same(ev)
+    reference = [r for r in _answered(ev.runs) if r.target == "reference" and r.alone is not False]
+    if len(recipe) < 2 or len(reference) < 2:
+        return None
+    mine, theirs = _groups(recipe), _groups(reference)
+    if len(mine) != 1 or len(theirs) != 1 or mine == theirs:
+        return None
+    if ev.speculative is True:
+        return Attribution(
+            "speculative",
+            f"the upstream runs speculative decoding; its {len(recipe)} runs agree, the "
+            f"reference's {len(reference)} agree, and the two differ",
+        )
+    return None
+
+
+def _batch(ev: Evidence) -> Attribution | None:
+    alone = _alone_same(ev)
+    groups = _groups(alone)
+    if len(alone) < 2 or len(groups) != 1:
+        return None
+    crowded = [r for r in _answered(ev.runs) if r.target == "same" and r.alone is False]
+    odd = [r for r in crowded if r.group not in groups]
+    if not odd:
+        return None
+    company = ", ".join(f"{r.name} with {r.inflight} in flight" for r in odd)
+    return Attribution(
+        "batch",
+        f"{len(alone)} runs alone agree; the runs beside other requests differ ({company})",
+    )
+
+
+def _unknown(ev: Evidence) -> Attribution:
+    missing = list(ev.missing)
+    if ev.cold_method is None:
+        missing.append("no way to run cold on this engine")
+    alone = _alone_same(ev)
+    if len(alone) < 2:
+        missing.append(f"serial replays alone: {len(alone)} answered, 2 needed")
+    groups = _groups(alone)
+    if len(alone) >= 2 and len(groups) == 1:
+        primary, shadow = ev.run("primary"), ev.run("shadow")
+        odd = [r for r in (primary, shadow) if r is not None and r.group not in groups]
+        if not odd:
+            missing.append("replays agreed with both primary and shadow")
+        else:
+            for r in odd:
+                if r.alone is None:
+                    missing.append(
+                        f"replays agree with each other, not with the {r.name}, and whether "
+                        f"the {r.name} shared its batch is not known"
+                    )
+                elif r.target == "reference":
+                    missing.append(
+                        "the recipe differs from the reference, but the upstream does not say "
+                        "it runs speculative decoding"
+                        if ev.speculative is not True
+                        else "replays to the reference (2 needed to call it self-consistent)"
+                    )
+                else:
+                    missing.append(f"the {r.name} differs from the replays in the same condition")
+    if not missing:
+        missing.append("the runs fit no single cause")
+    return Attribution("unknown", "the evidence does not decide", tuple(dict.fromkeys(missing)))
+
+
+def decide(ev: Evidence) -> Attribution:
+    for rule in (_recipe_change, _intrinsic, _prefix_cache, _speculative, _batch):
+        found = rule(ev)
+        if found is not None:
+            return found
+    return _unknown(ev)
