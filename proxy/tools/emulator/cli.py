@@ -18,7 +18,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="detproxy emulator",
         description="Emulate vLLM's OpenAI-compatible server with injectable nondeterminism.",
-        epilog="Any setting can be changed for one request with the X-Emulator-Knobs header, a"
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Causes of divergence, one flag each (injection record kind in brackets):\n"
+        "  intrinsic     --flip-probability P [flip]: random per request, even alone in flight\n"
+        "  batch         --batch-divergence-slope S [batch_drift, batch_divergence]: only with\n"
+        "                other requests in flight\n"
+        "  prefix_cache  --warm-cache-divergence P [prefix_cache]: warm differs from cold\n"
+        "  speculative   --speculative --speculative-divergence P [speculative]: differs from\n"
+        "                the same emulator without --speculative\n"
+        "  recipe_change restart with another --vllm-version or --model\n"
+        "Records: GET /emulator/injections.\n\n"
+        "Any setting can be changed for one request with the X-Emulator-Knobs header, a"
         ' JSON object of setting names with underscores, e.g. {"flip_probability": 1}.',
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -143,6 +153,35 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="S",
         help="batch effects: with N requests in flight a greedy answer diverges with"
         " probability S x (N - 1) (default 0)",
+    )
+    p.add_argument(
+        "--no-enable-prefix-caching",
+        action="store_false",
+        dest="enable_prefix_caching",
+        default=None,
+        help="turn the prefix cache off, as vLLM's flag (on by default; then nothing is warm)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        default=None,
+        help="report usage.prompt_tokens_details.cached_tokens, as vLLM's flag",
+    )
+    p.add_argument(
+        "--warm-cache-divergence",
+        type=float,
+        metavar="P",
+        help="cause prefix_cache: for a share P of prompts (by prompt hash) a warm request (prompt"
+        " found in the prefix cache; cache_salt partitions it) answers greedy with the runner-up"
+        " token at a position fixed by the prompt (default 0)",
+    )
+    p.add_argument(
+        "--speculative-divergence",
+        type=float,
+        metavar="P",
+        help="cause speculative (with --speculative): for a share P of prompts (by prompt hash)"
+        " the greedy answer differs from the plain recipe's at a position fixed by the prompt,"
+        " the same run after run (default 0)",
     )
     p.add_argument(
         "--loop-channel",

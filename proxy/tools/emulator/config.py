@@ -72,6 +72,15 @@ class EmulatorConfig(BaseModel):
     # (N - 1)): its logprobs drift from then on and its text diverges (the rank-2 token) at a
     # position among the first ten (answers shorter than that keep their text).
     batch_divergence_slope: float = Field(default=0.0, ge=0.0)
+    # Prefix cache (vLLM's automatic prefix caching, on by default; vLLM's
+    # --no-enable-prefix-caching turns it off). warm_cache_divergence: the share of prompts
+    # (chosen by a hash of the prompt) whose greedy answer, when the prompt was found (partly)
+    # cached, takes the runner-up token at a position fixed by that hash: cold agrees with cold,
+    # warm with warm, cold differs from warm.
+    enable_prefix_caching: bool = True
+    warm_cache_divergence: float = Field(default=0.0, ge=0.0, le=1.0)
+    # vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details = {cached_tokens}.
+    enable_prompt_tokens_details: bool = False
 
     # Repetition loops. Greedy requests without a penalty always loop; an attempt with a
     # presence/frequency/repetition penalty or temperature > 0 escapes with this probability,
@@ -106,6 +115,10 @@ class EmulatorConfig(BaseModel):
     speculative: bool = False
     speculative_tokens: int = Field(default=3, ge=1)
     speculative_acceptance: float = Field(default=0.7, ge=0.0, le=1.0)
+    # With speculative on: the share of prompts (chosen by a hash of the prompt) whose greedy
+    # answer takes the runner-up token at a position fixed by that hash, so the speculative
+    # recipe differs from the plain one but agrees with itself run after run.
+    speculative_divergence: float = Field(default=0.0, ge=0.0, le=1.0)
 
     # Transport and protocol faults. Stream faults fire once fault_after_tokens tokens were
     # sent; at 0, before the first event (a stream that fails right after its 200 header).

@@ -22,6 +22,7 @@ from .plan import (
     build_chat_job,
     build_completion_job,
     choice_rng,
+    with_prefix_hits,
 )
 from .responses import (
     NAN_LOGPROBS_MESSAGE,
@@ -88,8 +89,9 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
         return error_response(err)
     state.requests += 1
     state.prompt_tokens += job.prompt_tokens
-    for tokens, blocks in job.prompts:
-        state.prefix_lookup(tokens, blocks, PREFIX_BLOCK_SIZE)
+    if cfg.enable_prefix_caching:
+        hits = [state.prefix_lookup(t, blocks, PREFIX_BLOCK_SIZE) for t, blocks in job.prompts]
+        job = with_prefix_hits(cfg, job, hits)
     fault: FaultKind = cfg.fault
     if fault != "none" and cfg.fault_probability < 1.0 and rng.random() >= cfg.fault_probability:
         fault = "none"

@@ -18,6 +18,8 @@ InjectionKind = Literal[
     "fault",
     "nan_logprobs",
     "loop_escape",
+    "prefix_cache",
+    "speculative",
 ]
 
 

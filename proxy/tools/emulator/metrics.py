@@ -78,7 +78,8 @@ def render_metrics(cfg: EmulatorConfig, state: EmulatorState) -> str:
     family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig.")
     lines.append(
         f'vllm:cache_config_info{{block_size="{PREFIX_BLOCK_SIZE}",cache_dtype="auto",'
-        f'enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.9",'
+        f'enable_prefix_caching="{cfg.enable_prefix_caching}",engine="0",'
+        'gpu_memory_utilization="0.9",'
         f'num_gpu_blocks="{NUM_GPU_BLOCKS}"}} 1.0'
     )
     return "\n".join(lines) + "\n"

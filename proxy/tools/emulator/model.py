@@ -105,6 +105,11 @@ class ChoicePlan:
     batch_from: int = 0
     drift_seed: int = 0
     loop_escaped: bool = False  # a loop was due, and a penalty or temperature ended it
+    # Recipe-dependent divergences (greedy only): the runner-up token at this position because
+    # the prompt was found in the prefix cache (warm), or because speculative decoding is on.
+    warm_position: int | None = None
+    warm_cached_tokens: int = 0
+    speculative_position: int | None = None
 
 
 def prompt_key(model: str, text: str) -> int:
@@ -310,6 +315,13 @@ class ChoiceGenerator:
         plan = self.plan
         if pos == plan.flip_position:
             self._event("flip", self._flip_detail(order), inflight)
+            return order[1]
+        if pos == plan.warm_position:
+            detail = self._flip_detail(order) | {"cached_tokens": plan.warm_cached_tokens}
+            self._event("prefix_cache", detail, inflight)
+            return order[1]
+        if pos == plan.speculative_position:
+            self._event("speculative", self._flip_detail(order), inflight)
             return order[1]
         if self._batch_p is None:
             p = self.batch_probability(inflight)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import xxhash
@@ -65,6 +65,10 @@ class Job:
     prompts: tuple[tuple[int, tuple[int, ...]], ...] = ()
     # The answer to a closed reasoning, reported in the reasoning field(s) by the parser.
     answer_as_reasoning: bool = False
+    # Prompt tokens found in the prefix cache (set once the cache was looked up).
+    cached_tokens: int = 0
+    # vLLM's --enable-prompt-tokens-details: usage reports cached_tokens.
+    prompt_tokens_details: bool = False
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -141,6 +145,34 @@ _TWO64 = float(1 << 64)
 DIVERGENCE_WINDOW = 10  # first divergent token index 0-9 on GPUs (gpu-llama-server.md)
 
 
+def recipe_divergence(cause: str, key: int, share: float) -> int | None:
+    """Where a recipe-dependent cause (``prefix_cache``, ``speculative``) changes the greedy
+    answer to the prompt ``key``: a position among the first ten, or None for the prompts it
+    spares. Both come from a hash of (cause, prompt): a prompt is always affected the same way."""
+    if share <= 0:
+        return None
+    h = xxhash.xxh64_intdigest(f"{cause}\x00{key}".encode())
+    if (h >> 11) / float(1 << 53) >= share:
+        return None
+    return h % DIVERGENCE_WINDOW
+
+
+def with_prefix_hits(cfg: EmulatorConfig, job: Job, hits: list[int]) -> Job:
+    """``job`` after its prefix-cache lookup: ``hits[p]`` cached tokens of prompt ``p``; a warm
+    greedy choice of an affected prompt diverges (EmulatorConfig.warm_cache_divergence)."""
+    plans = list(job.plans)
+    if cfg.warm_cache_divergence > 0 and job.sampling.greedy:
+        per_prompt = len(plans) // max(len(hits), 1)
+        for i, plan in enumerate(plans):
+            cached = hits[min(i // max(per_prompt, 1), len(hits) - 1)]
+            if cached <= 0:
+                continue
+            pos = recipe_divergence("prefix_cache", plan.prompt_key, cfg.warm_cache_divergence)
+            if pos is not None:
+                plans[i] = replace(plan, warm_position=pos, warm_cached_tokens=cached)
+    return replace(job, plans=tuple(plans), cached_tokens=sum(hits))
+
+
 def _escapes(cfg: EmulatorConfig, sampling: Sampling, content: int, index: int) -> bool:
     """Whether choice ``index`` of a request that would loop escapes it (see EmulatorConfig)."""
     if sampling.greedy and not sampling.penalised:
@@ -201,6 +233,9 @@ def _choice_plans(
                     expected = min(max_tokens, reasoning_tokens + natural, DIVERGENCE_WINDOW)
                     drift = rng.randrange(max(expected, 1))
             batch = sampling.greedy and cfg.batch_divergence_slope > 0
+            spec = None
+            if sampling.greedy and cfg.speculative:
+                spec = recipe_divergence("speculative", key, cfg.speculative_divergence)
             escaped = loop is not None and _escapes(cfg, sampling, content, index)
             plans.append(
                 ChoicePlan(
@@ -218,6 +253,7 @@ def _choice_plans(
                     batch_from=rng.randrange(DIVERGENCE_WINDOW) if batch else 0,
                     drift_seed=rng.getrandbits(64) if drift is not None or batch else 0,
                     loop_escaped=escaped,
+                    speculative_position=spec,
                 )
             )
     return tuple(plans)
@@ -291,6 +327,7 @@ def build_chat_job(
         include_reasoning=req.include_reasoning,
         reasoning_style=cfg.reasoning_style,
         nan_logprobs=cfg.nan_logprobs,
+        prompt_tokens_details=cfg.enable_prompt_tokens_details,
         answer_as_reasoning=closed and parser and cfg.closed_reasoning_answer == "reasoning",
     )
 
@@ -347,4 +384,5 @@ def build_completion_job(
         include_reasoning=False,
         reasoning_style=cfg.reasoning_style,
         nan_logprobs=cfg.nan_logprobs,
+        prompt_tokens_details=cfg.enable_prompt_tokens_details,
     )

@@ -85,7 +85,9 @@ def usage(job: Job, completion_tokens: int, reasoning_tokens: int) -> dict[str, 
         "prompt_tokens": job.prompt_tokens,
         "total_tokens": job.prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": (
+            {"cached_tokens": job.cached_tokens} if job.prompt_tokens_details else None
+        ),
     }
     if job.reasoning_active:
         out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
