@@ -9,12 +9,13 @@ from __future__ import annotations
 import gzip
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 
 GZIP_MAGIC = b"\x1f\x8b"
+KNOWN_KINDS = ("audit", "loop", "tally", "cause", "engine_mismatch", "upstream_restart")
 
 Key3 = tuple[str, str, str]
 
@@ -38,6 +39,43 @@ class AuditLine:
     delta: float | None  # max |delta logprob| in nats; None: unknown or +inf
     # An answer extractor ran and found an answer on either side (no extractor: never).
     answered: bool = False
+    # Triage's verdict (SPEC 1.14): on the line itself, or from a later ``kind: cause`` line
+    # that names it; None while triage has not decided (or never reached it).
+    cause: str | None = None
+    cause_evidence: dict[str, Any] | None = None
+    fingerprint: str = ""  # the upstream's fingerprint when it was measured ("" unknown)
+    recipe: str = ""  # the digest of what the engine loaded then ("" unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class CauseLine:
+    """A ``kind: cause`` line: triage's verdict on the audit incident it names."""
+
+    audit_ts: float
+    request_id: str
+    mode: str
+    choice: int
+    cause: str
+    evidence: dict[str, Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMismatchLine:
+    """An ``engine_mismatch`` incident: declared fields ([upstream.expect]) not met."""
+
+    ts: float
+    recipe: str
+    mismatches: tuple[tuple[str, str, str], ...]  # (field, declared, loaded), as JSON text
+    loaded: dict[str, Any]  # the facts that loaded (``facts``), by name
+
+
+@dataclass(frozen=True, slots=True)
+class RestartLine:
+    """An ``upstream_restart`` incident: the same identity back after an outage."""
+
+    ts: float
+    down_s: float | None
+    fingerprint: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +116,9 @@ class LogData:
     unknown_kind: int = 0
     duplicates: int = 0
     upstream_changes: int = 0  # upstream_change lines: read, not summarised here
+    engine_mismatches: list[EngineMismatchLine] = field(default_factory=list)
+    restarts: list[RestartLine] = field(default_factory=list)
+    causes: list[CauseLine] = field(default_factory=list)  # merged into audits by read_logs
 
 
 def _num(value: Any) -> float | None:
@@ -94,6 +135,10 @@ def _int(value: Any) -> int | None:
 
 def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 def _counts(obj: Any) -> dict[str, int] | None:
@@ -136,6 +181,8 @@ def parse_audit(obj: dict[str, Any]) -> AuditLine | None:
     if div is not None and not isinstance(div, dict):
         return None
     div = div or {}
+    upstream = _dict(obj.get("upstream"))
+    evidence = obj.get("cause_evidence")
     return AuditLine(
         ts=ts,
         request_id=_str(obj.get("request_id")) or "",
@@ -149,7 +196,70 @@ def parse_audit(obj: dict[str, Any]) -> AuditLine | None:
         margin=_num(div.get("margin")),
         delta=_num(obj.get("max_abs_logprob_delta")),
         answered=obj.get("primary_answer") is not None or obj.get("shadow_answer") is not None,
+        cause=_str(obj.get("cause")),
+        cause_evidence=evidence if isinstance(evidence, dict) else None,
+        fingerprint=_str(upstream.get("fingerprint")) or "",
+        recipe=_str(upstream.get("recipe")) or "",
     )
+
+
+def _json(value: Any) -> str:
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
+def parse_cause(obj: dict[str, Any]) -> CauseLine | None:
+    audit_ts, cause = _num(obj.get("audit_ts")), _str(obj.get("cause"))
+    if audit_ts is None or cause is None:
+        return None
+    evidence = obj.get("cause_evidence")
+    return CauseLine(
+        audit_ts,
+        _str(obj.get("request_id")) or "",
+        _str(obj.get("mode")) or "",
+        _int(obj.get("choice")) or 0,
+        cause,
+        evidence if isinstance(evidence, dict) else None,
+    )
+
+
+def parse_engine_mismatch(obj: dict[str, Any]) -> EngineMismatchLine | None:
+    ts, raw = _num(obj.get("ts")), obj.get("mismatches")
+    if ts is None or not isinstance(raw, list):
+        return None
+    rows = tuple(
+        (str(m.get("field")), _json(m.get("expected")), _json(m.get("loaded")))
+        for m in raw
+        if isinstance(m, dict)
+    )
+    loaded = obj.get("loaded")
+    facts = loaded.get("facts") if isinstance(loaded, dict) else None
+    return EngineMismatchLine(
+        ts, _str(obj.get("recipe")) or "", rows, facts if isinstance(facts, dict) else {}
+    )
+
+
+def parse_restart(obj: dict[str, Any]) -> RestartLine | None:
+    ts = _num(obj.get("ts"))
+    if ts is None:
+        return None
+    upstream = _dict(obj.get("upstream"))
+    return RestartLine(ts, _num(obj.get("down_s")), _str(upstream.get("fingerprint")) or "")
+
+
+def cause_key(ts: float, request_id: str, mode: str, choice: int) -> tuple[Any, ...]:
+    return (ts, request_id, mode, choice)
+
+
+def merge_causes(data: LogData) -> None:
+    """Each ``kind: cause`` line's verdict onto the audit line it names (the latest wins); a
+    cause whose incident is not among the lines read (rotated away) stays in ``causes`` only."""
+    latest = {cause_key(c.audit_ts, c.request_id, c.mode, c.choice): c for c in data.causes}
+    if not latest:
+        return
+    for i, a in enumerate(data.audits):
+        found = latest.get(cause_key(a.ts, a.request_id, a.mode, a.choice))
+        if found is not None:
+            data.audits[i] = replace(a, cause=found.cause, cause_evidence=found.evidence)
 
 
 def parse_loop(obj: dict[str, Any]) -> LoopLine | None:
@@ -225,7 +335,7 @@ def read_into(data: LogData, path: str, seen: set[bytes]) -> None:
         if kind == "upstream_change":
             data.upstream_changes += 1
             continue
-        if kind not in ("audit", "loop", "tally"):
+        if kind not in KNOWN_KINDS:
             data.unknown_kind += 1
             continue
         if kind != "tally":
@@ -248,6 +358,21 @@ def _add(data: LogData, kind: str, obj: dict[str, Any]) -> None:
         if loop is not None:
             data.loops.append(loop)
             return
+    elif kind == "cause":
+        cause = parse_cause(obj)
+        if cause is not None:
+            data.causes.append(cause)
+            return
+    elif kind == "engine_mismatch":
+        mismatch = parse_engine_mismatch(obj)
+        if mismatch is not None:
+            data.engine_mismatches.append(mismatch)
+            return
+    elif kind == "upstream_restart":
+        restart = parse_restart(obj)
+        if restart is not None:
+            data.restarts.append(restart)
+            return
     else:
         tally = parse_tally(obj)
         if tally is not None:
@@ -261,4 +386,5 @@ def read_logs(paths: list[str]) -> LogData:
     seen: set[bytes] = set()
     for path in paths:
         read_into(data, path, seen)
+    merge_causes(data)
     return data

@@ -280,19 +280,75 @@ def _loops(sec: dict[str, Any]) -> list[Block]:
     return out
 
 
+def _causes(sec: dict[str, Any]) -> list[Block]:
+    causes = sec.get("causes") or {}
+    if not causes:
+        return []
+    rows = tuple((words(c), str(v["count"]), v["meaning"], v["action"]) for c, v in causes.items())
+    out: list[Block] = [
+        Para("Causes (triage's verdicts on the audit lines; what to do about each):"),
+        Table(("cause", "count", "what it means", "what to do"), rows, (False, True, False, False)),
+    ]
+    missing = sec.get("unknown_missing") or {}
+    if missing:
+        listed = "; ".join(f"{what} ({n})" for what, n in missing.items())
+        out.append(Para(f"Unknown: the evidence missing: {listed}."))
+    return out
+
+
 def section_blocks(title: str, sec: dict[str, Any]) -> list[Block]:
     return [
         Heading(title, 2),
         *_counts(sec),
         *_rates(sec),
+        *_causes(sec),
         *_positions(sec),
         *_loops(sec),
     ]
 
 
+def engine_blocks(engine: dict[str, Any] | None) -> list[Block]:
+    """What the engine loaded: the recipes measured on, declared fields not met, restarts."""
+    if not engine:
+        return []
+    recipes, mismatches = engine["recipes"], engine["mismatches"]
+    restarts = engine["restarts"]
+    if not recipes and not mismatches and not restarts["count"]:
+        return []
+    out: list[Block] = [Heading("Engine (what loaded)", 2)]
+    if recipes:
+        out.append(Para("Audits measured on recipe " + ", ".join(recipes) + "."))
+    for m in mismatches:
+        out.append(
+            Para(
+                f"{when(m['time'])} UTC: recipe {m['recipe'] or 'n/a'} does not meet"
+                f" [upstream.expect] ({plural(len(m['fields']), 'field')}):"
+            )
+        )
+        rows = tuple((f["field"], f["declared"], f["loaded"]) for f in m["fields"])
+        out.append(Table(("field", "declared", "loaded"), rows, (False, False, False)))
+    if engine["loaded"]:
+        facts = tuple(
+            (str(k), v if isinstance(v, str) else json.dumps(v))
+            for k, v in engine["loaded"].items()
+        )
+        out.append(Para("Loaded at the last mismatch:"))
+        out.append(Table(("fact", "value"), facts, (False, False)))
+    if restarts["count"]:
+        longest = restarts["longest_down_s"]
+        down = "" if longest is None else f", the longest down {num(longest)} s"
+        out.append(
+            Para(
+                f"Upstream restarted {plural(restarts['count'], 'time')} (the same identity"
+                f" back, not a change), the last at {when(restarts['last'])} UTC{down}."
+            )
+        )
+    return out
+
+
 def _worst(items: list[dict[str, Any]], one_model: bool) -> list[Block]:
     head: tuple[str, ...] = ("#", "request id", "model", "mode", "verdict", "at token")
-    head = (*head, "primary", "shadow", "margin", "delta", "time (UTC)")
+    head = (*head, "primary", "shadow", "margin", "delta", "cause", "time (UTC)")
     rows: tuple[tuple[str, ...], ...] = tuple(
         (
             str(i),
@@ -305,12 +361,13 @@ def _worst(items: list[dict[str, Any]], one_model: bool) -> list[Block]:
             token(w["shadow_token"]),
             num(w["margin"]),
             num(w["delta"]),
+            words(w.get("cause") or "untriaged"),
             when(w["time"]),
         )
         for i, w in enumerate(items, 1)
     )
     right: tuple[bool, ...] = (True, False, False, False, False, True, False, False, True, True)
-    right = (*right, False)
+    right = (*right, False, False)
     if one_model:  # the model is in the heading above
         keep = [i for i in range(len(head)) if i != 2]
         head = tuple(head[i] for i in keep)
@@ -338,6 +395,12 @@ def _header(report: dict[str, Any]) -> list[Block]:
     ]
     if lines.get("upstream_change"):
         kinds.append(plural(lines["upstream_change"], "upstream change"))
+    if lines.get("upstream_restart"):
+        kinds.append(plural(lines["upstream_restart"], "upstream restart"))
+    if lines.get("engine_mismatch"):
+        kinds.append(plural(lines["engine_mismatch"], "engine mismatch", "engine mismatches"))
+    if lines.get("cause"):
+        kinds.append(plural(lines["cause"], "cause line"))
     ignored = [
         (lines["malformed"], "malformed"),
         (lines["unknown_kind"], "of an unknown kind"),
@@ -373,6 +436,7 @@ def blocks(report: dict[str, Any]) -> list[Block]:
         out += section_blocks(f"Model {model}", sec)
     if len(models) > 1:
         out += section_blocks(f"All models ({len(models)})", report["all_models"])
+    out += engine_blocks(report.get("engine"))
     out.append(Heading("Shadow replays dropped", 2))
     dropped = report["shadows_dropped"]
     if dropped is None:

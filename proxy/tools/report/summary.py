@@ -21,7 +21,12 @@ histogram [{bucket, count}], near_tie {threshold_nats, count, with_margin, share
 by_channel_source}``, ``recovery_strategies {strategy: {retried, recovered, looped_again,
 recovery P, generated_tokens, generated_per_retry, kept_tokens}}`` (null without tallies),
 ``policy_actions {by_action, retried, recovered, recovery P, aborts,
-observed} | null``.
+observed} | null``, ``causes {cause: {count, meaning, action}}`` (triage's verdicts on the audit
+lines, SPEC 1.14; ``untriaged`` for those it has not decided) and ``unknown_missing {what: n}``.
+Worst items carry ``cause`` (null: untriaged). ``engine {recipes [digest], mismatches [{ts, time,
+recipe, fields [{field, declared, loaded}]}], loaded {fact: value} | null, restarts {count,
+last, longest_down_s}}``: what the engine loaded (SPEC 1.15), from the ``engine_mismatch`` and
+``upstream_restart`` lines and the recipe digests the audit lines were measured on.
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from proxy.audit.verdict import VERDICTS
+from proxy.tools.report.causes import (
+    ACTION,
+    MEANING,
+    TRIAGED,
+    UNTRIAGED,
+    cause_order,
+    missing_evidence,
+)
 from proxy.tools.report.load import AuditLine, Key3, LogData, LoopLine, Tally
 from proxy.tools.report.stats import delta_summary, position_summary, proportion
 
@@ -196,6 +209,7 @@ def model_section(
         "policy_actions": actions,
         "recovery_strategies": strategies,
     }
+    section.update(cause_section(audits))
     section["positions"]["divergent_lines"] = sum(1 for a in audits if a.verdict in DIVERGED)
     # An extractor that ran leaves answers on the audit lines (drifts and divergences alike) or
     # an answer_divergence; without one, every answer is null and TARa would read 100%.
@@ -208,6 +222,51 @@ def model_section(
             section["tar_a"] = None
             section["tar_a_note"] = NO_ANSWERS
     return section
+
+
+def cause_section(audits: list[AuditLine]) -> dict[str, Any]:
+    """Triage's verdicts on these audit lines, each with what it means and what to do."""
+    counts: Counter[str] = Counter()
+    missing: Counter[str] = Counter()
+    for a in audits:
+        if a.cause is not None:
+            counts[a.cause] += 1
+            if a.cause == "unknown":
+                missing[missing_evidence(a.cause_evidence) or "(not named)"] += 1
+        elif a.verdict in TRIAGED:
+            counts[UNTRIAGED] += 1
+    return {
+        "causes": {
+            c: {"count": counts[c], "meaning": MEANING.get(c, ""), "action": ACTION.get(c, "")}
+            for c in sorted(counts, key=cause_order)
+        },
+        "unknown_missing": dict(missing.most_common()),
+    }
+
+
+def engine_section(data: LogData) -> dict[str, Any]:
+    """What the engine loaded: declared fields not met, restarts, the recipes measured on."""
+    mismatches = sorted(data.engine_mismatches, key=lambda m: m.ts)
+    restarts = data.restarts
+    downs = [r.down_s for r in restarts if r.down_s is not None]
+    return {
+        "recipes": sorted({a.recipe for a in data.audits if a.recipe}),
+        "mismatches": [
+            {
+                "ts": m.ts,
+                "time": iso(m.ts),
+                "recipe": m.recipe,
+                "fields": [{"field": f, "declared": d, "loaded": ld} for f, d, ld in m.mismatches],
+            }
+            for m in mismatches
+        ],
+        "loaded": dict(mismatches[-1].loaded) if mismatches else None,
+        "restarts": {
+            "count": len(restarts),
+            "last": iso(max(r.ts for r in restarts)) if restarts else None,
+            "longest_down_s": max(downs) if downs else None,
+        },
+    }
 
 
 def _worst_key(a: AuditLine) -> tuple[Any, ...]:
@@ -230,6 +289,7 @@ def worst(audits: list[AuditLine], top: int) -> list[dict[str, Any]]:
             "shadow_token": a.shadow_token,
             "margin": a.margin,
             "delta": a.delta,
+            "cause": a.cause,
             "ts": a.ts,
             "time": iso(a.ts),
         }
@@ -314,6 +374,9 @@ def build_report(
             "unknown_kind": data.unknown_kind,
             "duplicate": data.duplicates,
             "upstream_change": data.upstream_changes,
+            "engine_mismatch": len(data.engine_mismatches),
+            "upstream_restart": len(data.restarts),
+            "cause": len(data.causes),
         },
         "time_range": _time_range(data),
         "processes": [t.process for t in tallies],
@@ -322,5 +385,6 @@ def build_report(
         "all_models": section(None),
         "shadows_dropped": dict(sorted(dropped.items())) if tallies else None,
         "worst": worst(audits, top),
+        "engine": engine_section(data),
         "notes": _notes(data, tallies, sections),
     }

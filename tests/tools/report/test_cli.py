@@ -110,6 +110,9 @@ def test_counts_rates_and_lines(logs: list[Path], capsys: pytest.CaptureFixture[
         "unknown_kind": 1,
         "duplicate": 0,
         "upstream_change": 0,
+        "engine_mismatch": 0,
+        "upstream_restart": 0,
+        "cause": 0,
     }
     assert sum(v for k, v in report["lines"].items() if k != "read") == report["lines"]["read"]
     assert report["processes"] == ["p1", "p2"]
