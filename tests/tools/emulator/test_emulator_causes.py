@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from proxy.tools.emulator.cli import build_parser, config_from_args
-from tests.helpers import EmulatorClient, chat
+from tests.helpers import EmulatorClient, chat, completion, stream_text
 
 from .conftest import MakeClient
 
@@ -114,6 +114,31 @@ async def test_prefix_cache_cold_agrees_warm_agrees_cold_differs_from_warm(
     text = await metrics.text()
     hits = [ln for ln in text.splitlines() if ln.startswith("vllm:prefix_cache_hits_total{")]
     assert hits and float(hits[0].rsplit(" ", 1)[1]) == sum(cached) + cached[0]
+
+
+async def test_prefix_cache_streams_the_same_warm_answer(make_client: MakeClient) -> None:
+    client, server = await make_client(warm_cache_divergence=1.0)
+    cold = await ask(client, long_chat(cache_salt="a"))
+    warm = await ask(client, long_chat(cache_salt="a"))
+    streamed = await client.chat(long_chat(cache_salt="a", stream=True))
+    text = stream_text(streamed.events())
+    assert text == warm["choices"][0]["message"]["content"], "streamed warm answer differs"
+    assert text != cold["choices"][0]["message"]["content"]
+    assert [r["kind"] for r in server.injections()] == ["prefix_cache", "prefix_cache"]
+
+
+async def test_prefix_cache_is_per_prompt_in_a_completions_batch(make_client: MakeClient) -> None:
+    client, server = await make_client(warm_cache_divergence=1.0)
+    a, b = f"Alpha. {LONG}", f"Beta. {LONG}"
+    cold = (await client.completion(completion(prompt=[a, b], max_tokens=12))).json()
+    # a is now cached; a new prompt c stays cold beside it.
+    c = f"Gamma. {LONG}"
+    mixed = (await client.completion(completion(prompt=[a, c], max_tokens=12))).json()
+    alone_c = (await client.completion(completion(prompt=c, max_tokens=12, cache_salt="x"))).json()
+    assert mixed["choices"][0]["text"] != cold["choices"][0]["text"], "warm prompt a unchanged"
+    assert mixed["choices"][1]["text"] == alone_c["choices"][0]["text"], "cold prompt c changed"
+    recs = server.injections()
+    assert [(r["kind"], r["choice"]) for r in recs] == [("prefix_cache", 0)]
 
 
 async def test_prefix_cache_off_nothing_is_warm(make_client: MakeClient) -> None:
