@@ -420,6 +420,7 @@ TOOLS = {
     "report": "read incident logs and print rates, agreement and the worst items",
     "demo": "run the emulator, detproxy and a little traffic, and show what was found",
     "sweep": "throughput, TTFT and inter-token latency per concurrency level",
+    "diagnose": "why greedy output varies: each cause tested alone (a CI gate)",
     "emulator": "run the vLLM emulator (for demos and tests)",
 }
 
@@ -429,6 +430,7 @@ TOOL_MODULES = {
     "report": "proxy.tools.report.cli",
     "demo": "proxy.tools.demo",
     "sweep": "proxy.tools.sweep.cli",
+    "diagnose": "proxy.tools.diagnose.cli",
     "emulator": "proxy.tools.emulator.cli",
 }
 
