@@ -16,6 +16,7 @@ from policies.base import PolicyChain
 from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
+from proxy.attribution.triage import Triage
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
@@ -62,6 +63,7 @@ class Runtime:
     fingerprint: FingerprintPoller | None
     recovery_budget: RecoveryBudget
     engine: EngineTruth | None = None  # what the engine says it loaded, against [upstream.expect]
+    triage: Triage | None = None  # follow-up experiments on divergent audits: their causes
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -117,6 +119,34 @@ def _scheduler(
         load.running if audit.quiet_max_upstream_running is not None else None,
         guard,
     )
+
+
+def _triage(
+    settings: Settings,
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    reference: Upstream | None,
+    bus: EventBus,
+    forwarder: Forwarder,
+    scheduler: ShadowScheduler | None,
+) -> Triage | None:
+    """Triage needs shadows to follow (it reads their divergences) and a rate above 0."""
+    if scheduler is None or settings.attribution.triage_rate <= 0:
+        return None
+    audit = settings.audit
+    load = UpstreamLoad(session, settings.upstream.url)
+    triage = Triage(
+        settings.attribution,
+        audit,
+        bus,
+        upstream,
+        forwarder,
+        reference=reference,
+        scheduler=scheduler,
+        upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
+    )
+    triage.subscribe(bus)
+    return triage
 
 
 def _recovery_budget(settings: Settings) -> RecoveryBudget:
@@ -226,6 +256,7 @@ class _Lifetime:
             self.runtime_ctx,
             self.auditor_ctx,
             self.scheduler_ctx,
+            self.triage_ctx,
             self.fingerprint_ctx,
             self.tally_ctx,
             self.budget_sync_ctx,
@@ -270,6 +301,7 @@ class _Lifetime:
         )
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
+        triage = _triage(settings, session, target, reference, bus, forwarder, scheduler)
         auditor = None
         if scheduler is not None or store is not None:
             auditor = Auditor(
@@ -280,6 +312,7 @@ class _Lifetime:
                 forwarder.inflight_now,
                 target=settings.audit.reference_url or "same",
                 guard=guard,
+                triage=triage.offer if triage is not None else None,
             )
             forwarder.attach_auditor(auditor)
         poller = None
@@ -291,7 +324,7 @@ class _Lifetime:
             poller = FingerprintPoller(
                 session, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
             )
-        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, self.budget, engine)
+        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, self.budget, engine, triage)
         yield
 
     async def auditor_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -307,6 +340,14 @@ class _Lifetime:
         yield
         if scheduler is not None:
             await scheduler.close()
+
+    async def triage_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        triage = app[RUNTIME].triage
+        if triage is not None:
+            triage.start()
+        yield
+        if triage is not None:
+            await triage.close()
 
     async def fingerprint_ctx(self, app: web.Application) -> AsyncIterator[None]:
         poller = app[RUNTIME].fingerprint
@@ -376,6 +417,8 @@ async def _status(request: web.Request) -> web.Response:
             "tasks": len(asyncio.all_tasks()),
             "audit": app[TALLY].snapshot(),
             "shadow": _shadow_status(app[RUNTIME].scheduler),
+            "causes": app[TALLY].causes_by_model(),
+            "triage": _triage_status(app[RUNTIME].triage),
             "upstream_fingerprint": _fingerprint_status(app[RUNTIME].fingerprint),
             "upstream_state": _upstream_state(app[RUNTIME].fingerprint),
             "engine": _engine_status(app[RUNTIME].engine),
@@ -418,6 +461,10 @@ def _upstream_state(poller: FingerprintPoller | None) -> dict[str, Any] | None:
 def _engine_status(engine: EngineTruth | None) -> dict[str, Any] | None:
     """What the engine says it loaded, what was declared of it that it does not meet."""
     return engine.status() if engine is not None else None
+
+
+def _triage_status(triage: Triage | None) -> dict[str, Any] | None:
+    return triage.status() if triage is not None else None
 
 
 def _passive_pending(auditor: Auditor | None) -> int:

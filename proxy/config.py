@@ -372,6 +372,33 @@ class AuditConfig(_Section):
         return value
 
 
+class AttributionConfig(_Section):
+    """Triage (SPEC 1.14): follow-up replays of a non-identical audit, off the request path,
+    one at a time, at quiet times, that decide its cause. What does not fit the budgets is
+    dropped, counted in detproxy_triage_dropped_total{reason}, and the incident's cause is
+    ``unknown`` with the budget named as the missing evidence."""
+
+    triage_rate: float = Field(default=1.0, ge=0.0, le=1.0)  # of non-identical audits; 0: off
+    cold_replays: int = Field(default=4, ge=2)  # serial, each with a fresh cache_salt
+    warm_replays: int = Field(default=2, ge=0)  # after a priming run, without salt; 0: none
+    reference_replays: int = Field(default=2, ge=0)  # where audit.reference_url is set
+    # How a replay runs cold: auto reads the upstream's kind (vLLM: cache_salt; llama.cpp's
+    # server: cache_prompt false); "none" says the engine has no way (the evidence says so).
+    cold_method: Literal["auto", "cache_salt", "cache_prompt", "none"] = "auto"
+    max_per_minute: float = Field(default=6.0, gt=0)  # triages started
+    # Triage tokens (every replay's prompt + completion) at most this share of the tokens of
+    # the deterministic requests detproxy saw, plus token_allowance always.
+    max_token_share: float = Field(default=0.05, ge=0)
+    token_allowance: int = Field(default=32768, ge=0)
+    queue_size: int = Field(default=16, ge=1)
+    # Quiet: each replay waits until detproxy has at most this many client requests in flight
+    # and no shadow running (and audit.quiet_max_upstream_running, where set), for at most
+    # quiet_deadline_s; then the triage gives up (dropped: quiet_deadline).
+    quiet_max_inflight: int = Field(default=0, ge=0)
+    quiet_deadline_s: float = Field(default=60.0, gt=0)
+    replay_timeout_s: float = Field(default=120.0, gt=0)
+
+
 class IncidentConfig(_Section):
     # JSON lines file, default_incident_path() unless set (resolved when the settings are
     # built); "" keeps incidents in memory only. Its folder is created at start.
@@ -427,7 +454,10 @@ class LoopConfig(_Section):
     # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
     enabled: bool = True
-    stream_mode: Literal["restart", "hold_reasoning"] = "restart"
+    # continue: a streamed loop goes on from exactly what the client was shown (restarts only
+    # while nothing was shown), so a delta-reading client gets one answer; restart: the answer
+    # starts again after an SSE comment; hold_reasoning: reasoning held back until it ends.
+    stream_mode: Literal["continue", "restart", "hold_reasoning"] = "continue"
     hold_max_bytes: int = Field(default=256 * 1024, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     # The recovery budget (policies/budget.py): per model, the extra tokens recoveries make the
@@ -508,6 +538,7 @@ class Settings(_Section):
     injection: InjectionConfig = InjectionConfig()
     classify: ClassifyConfig = ClassifyConfig()
     audit: AuditConfig = AuditConfig()
+    attribution: AttributionConfig = AttributionConfig()
     loops: LoopConfig = LoopConfig()
     incidents: IncidentConfig = Field(default_factory=IncidentConfig)  # path: read at build
     log: LogConfig = LogConfig()

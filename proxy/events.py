@@ -369,3 +369,33 @@ class RecoveryTokens:
     strategy: str  # restart | continue | close_reasoning
     generated: int
     kept: int
+
+
+@dataclass(frozen=True, slots=True)
+class CauseAttributed:
+    """Triage decided why one choice of an audited request diverged (SPEC 1.14).
+
+    ``cause``: intrinsic | batch | prefix_cache | speculative | recipe_change | unknown;
+    ``evidence``: the incident's ``cause_evidence`` (the runs, which agreed, where they parted,
+    in-flight counts, and for unknown what was missing). ``upstream``: the fingerprint the
+    primary ran on, where read."""
+
+    request_id: str
+    model: str
+    mode: str
+    choice: int
+    verdict: str
+    cause: str
+    evidence: dict[str, Any]
+    timestamp: float
+    audit_ts: float  # the audit incident's "ts": with request_id, mode and choice, its key
+    upstream: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TriageDropped:
+    """A divergent audit that triage could not run its experiments for, and why:
+    queue_full | rate_limit | token_budget | quiet_deadline | error | shutdown."""
+
+    model: str
+    reason: str

@@ -3,7 +3,8 @@
 In order, the first that the evidence shows:
 
 - ``recipe_change``: the upstream's identity differed between the primary and the shadow, or
-  the replays ran on another identity than the primary, agree with each other and not with it;
+  the replays ran on another identity than the primary and agree with each other and with the
+  shadow, not with the primary (the change was read only after the shadow);
 - ``intrinsic``: two runs in the same condition (alone; the same cache state, or any once cold
   and warm runs agree) differ: serial batch-1 replays of one request disagree;
 - ``prefix_cache``: cold runs agree with each other, warm runs agree with each other, and
@@ -63,11 +64,12 @@ def _recipe_change(ev: Evidence) -> Attribution | None:
         and primary.identity not in others
         and len(groups) == 1
         and primary.group not in groups
+        and (shadow is None or shadow.group in groups)
     ):
         return Attribution(
             "recipe_change",
-            f"the replays ran on identity {others.pop()}, agree with each other and not with "
-            f"the primary, which ran on {primary.identity}",
+            f"the replays ran on identity {others.pop()} and agree with each other and with "
+            f"the shadow, not with the primary, which ran on {primary.identity}",
         )
     return None
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from proxy.attribution.case import TRIAGED, Diverged, TriageCase
 from proxy.audit.compare import UNKNOWN_LOGPROBS, Verdict, compare_choices, output_hash
 from proxy.audit.extract import AnswerExtractor, build_extractor
 from proxy.audit.inject import needs_injection, plan_logprobs
@@ -86,8 +87,11 @@ class Auditor:
         inflight: Callable[[], int],
         target: str = "same",
         guard: InjectionGuard | None = None,
+        *,
+        triage: Callable[[TriageCase], None] | None = None,
     ) -> None:
         self._settings = settings
+        self._triage = triage  # takes the shadows that diverged (proxy.attribution)
         self._guard = guard
         self._audit = settings.audit
         self._passive_checks = settings.audit.passive_checks  # read per request: once here
@@ -190,8 +194,10 @@ class Auditor:
             if ticket.shadow:
                 self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
 
-    def _emit(self, ticket: AuditTicket, seen: Compared) -> None:
+    def _emit(self, ticket: AuditTicket, seen: Compared) -> float:
+        """Publish the comparison; returns its timestamp (the incident's ``ts``)."""
         verdict = seen.verdict
+        timestamp = time.time()
         store_text = self._settings.incidents.store_text and verdict.verdict != "identical"
         primary, other = seen.primary, seen.other
         self._bus.publish(
@@ -208,13 +214,14 @@ class Auditor:
                 primary_latency_s=seen.primary_latency,
                 shadow_latency_s=seen.shadow_latency,
                 target=seen.target,
-                timestamp=time.time(),
+                timestamp=timestamp,
                 shadow_overlapped=seen.overlapped,
                 prompt=_prompt_text(ticket.upstream_body) if store_text else None,
                 primary_text=_text(primary) if store_text and primary else None,
                 shadow_text=_text(other) if store_text and other else None,
             )
         )
+        return timestamp
 
     def _compare_choices(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
         first, *others = outcome.choices
@@ -256,9 +263,11 @@ class Auditor:
         body, headers = self._shadow_request(ticket, prefill)
         prompt_tokens = outcome.prompt_tokens or 0
         estimate = prompt_tokens + (1 if prefill else _completion_tokens(outcome))
+        inflight_end = self._inflight()  # the primary's company as it ended (itself included)
 
         def on_result(result: ShadowResult) -> None:
             mode = "prefill" if prefill else "full"
+            diverged: list[Diverged] = []
             shadow_choices = {c.index: c for c in result.outcome.choices}
             for primary in outcome.choices:
                 other = shadow_choices.get(primary.index)
@@ -280,7 +289,12 @@ class Auditor:
                     target=self._target,
                     overlapped=result.overlapped,
                 )
-                self._emit(ticket, seen)
+                ts = self._emit(ticket, seen)
+                if verdict.verdict in TRIAGED:
+                    diverged.append(Diverged(primary.index, verdict.verdict, ts))
+            if diverged and self._triage is not None:
+                seen_by = _Shadowed(body, headers, outcome, result, estimate, mode, inflight_end)
+                self._triage(self._triage_case(ticket, seen_by, tuple(diverged)))
 
         return ShadowJob(
             model=ticket.view.model,
@@ -290,6 +304,46 @@ class Auditor:
             headers=headers,
             estimated_tokens=estimate,
             on_result=on_result,
+        )
+
+    def _triage_case(
+        self, ticket: AuditTicket, seen: _Shadowed, diverged: tuple[Diverged, ...]
+    ) -> TriageCase:
+        audit = self._audit
+        result = seen.result
+        replay = dict(seen.body)
+        salt = ticket.upstream_body.get("cache_salt")
+        if salt is None:
+            replay.pop("cache_salt", None)
+        else:
+            replay["cache_salt"] = salt  # the client's tenant: warm runs stay in it
+        cold = audit.cache_salt or audit.shadow_extra_body.get("cache_prompt") is False
+        alone: bool | None = None
+        if result.overlapped:
+            alone = False
+        elif audit.max_concurrent_shadows == 1:
+            alone = True
+        now = time.time()
+        return TriageCase(
+            request_id=ticket.request_id,
+            model=ticket.view.model,
+            endpoint=ticket.view.endpoint,
+            raw_path=ticket.raw_path,
+            body=replay,
+            headers=seen.headers,
+            mode=seen.mode,
+            target=self._target,
+            primary=seen.primary,
+            shadow=result.outcome,
+            primary_inflight=ticket.inflight,
+            primary_inflight_end=seen.inflight_end,
+            shadow_inflight=result.inflight,
+            shadow_cold=cold,
+            shadow_alone=alone,
+            primary_at=now - (time.monotonic() - ticket.started),
+            shadow_at=now,
+            estimated_tokens=seen.estimate,
+            diverged=diverged,
         )
 
     def _shadow_request(
@@ -336,6 +390,19 @@ class Compared:
     other: ChoiceOutcome | None = None
     target: str = "same"
     overlapped: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Shadowed:
+    """A shadow as it was sent and answered, for triage."""
+
+    body: dict[str, Any]
+    headers: dict[str, str]
+    primary: Outcome
+    result: ShadowResult
+    estimate: int
+    mode: str
+    inflight_end: int
 
 
 def _completion_tokens(outcome: Outcome) -> int:

@@ -27,6 +27,7 @@ from aiohttp import web
 from proxy.config import STATE_DIR_ENV, ConfigError, IncidentConfig
 from proxy.events import (
     AuditCompleted,
+    CauseAttributed,
     EngineFactsRead,
     EventBus,
     LoopDetected,
@@ -77,6 +78,46 @@ def audit_incident(ev: AuditCompleted) -> dict[str, Any]:
         record["primary_text"] = ev.primary_text
         record["shadow_text"] = ev.shadow_text
     return record
+
+
+def cause_record(ev: CauseAttributed) -> dict[str, Any]:
+    """The file's follow-up line for an audit incident (see ``merge_causes``)."""
+    return {
+        "kind": "cause",
+        "ts": ev.timestamp,
+        "audit_ts": ev.audit_ts,
+        "request_id": ev.request_id,
+        "model": ev.model,
+        "mode": ev.mode,
+        "choice": ev.choice,
+        "verdict": ev.verdict,
+        "cause": ev.cause,
+        "cause_evidence": ev.evidence,
+        "upstream_fingerprint": ev.upstream,
+    }
+
+
+def cause_key(record: dict[str, Any]) -> tuple[Any, ...]:
+    ts = record.get("audit_ts") if record.get("kind") == "cause" else record.get("ts")
+    return (ts, record.get("request_id"), record.get("mode"), record.get("choice"))
+
+
+def merge_causes(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records read back from the file with each ``kind: cause`` line merged into the audit
+    incident it names (``cause`` and ``cause_evidence`` added) and dropped; a cause whose
+    incident is not among them (rotated away) is kept as it is."""
+    out = list(records)
+    audits = {cause_key(r): r for r in out if r.get("kind") == "audit"}
+    kept: list[dict[str, Any]] = []
+    for record in out:
+        if record.get("kind") == "cause":
+            target = audits.get(cause_key(record))
+            if target is not None:
+                target["cause"] = record.get("cause")
+                target["cause_evidence"] = record.get("cause_evidence")
+                continue
+        kept.append(record)
+    return kept
 
 
 def loop_incident(ev: LoopDetected, store_text: bool) -> dict[str, Any]:
@@ -151,6 +192,26 @@ class IncidentLog:
         bus.subscribe(UpstreamFingerprinted, self._on_fingerprint)
         bus.subscribe(UpstreamRestarted, self._on_restart)
         bus.subscribe(EngineFactsRead, self._on_engine_facts)
+        bus.subscribe(CauseAttributed, self._on_cause)
+
+    def _on_cause(self, ev: CauseAttributed) -> None:
+        """Triage's verdict on an audit incident already recorded: merged into it in the ring,
+        and appended to the file as its own line (``kind: cause``) that names the incident by
+        ``request_id``, ``mode``, ``choice`` and ``audit_ts`` (the incident's ``ts``): the
+        first record is never rewritten."""
+        line = cause_record(ev)
+        for record in reversed(self._ring):
+            if (
+                record.get("kind") == "audit"
+                and record.get("ts") == ev.audit_ts
+                and record.get("request_id") == ev.request_id
+                and record.get("mode") == ev.mode
+                and record.get("choice") == ev.choice
+            ):
+                record["cause"] = ev.cause
+                record["cause_evidence"] = ev.evidence
+                break
+        self.write(line)
 
     def _on_engine_facts(self, ev: EngineFactsRead) -> None:
         """One ``engine_mismatch`` per new set of unmet declarations, not one per reading."""

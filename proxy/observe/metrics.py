@@ -16,6 +16,7 @@ from proxy.audit.verdict import VERDICTS
 from proxy.engine.identity import Fingerprint
 from proxy.events import (
     AuditCompleted,
+    CauseAttributed,
     ClientDisconnected,
     EngineFactsRead,
     EventBus,
@@ -34,6 +35,7 @@ from proxy.events import (
     ShadowQueue,
     SharedStoreFailed,
     StreamTimed,
+    TriageDropped,
     UpstreamFailed,
     UpstreamFingerprinted,
     UpstreamRestarted,
@@ -361,6 +363,20 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.divergence_causes = Counter(
+            "detproxy_divergence_causes",
+            "Divergent audits by the cause triage attributed them to (intrinsic | batch |"
+            " prefix_cache | speculative | recipe_change | unknown)",
+            ["model", "cause"],
+            registry=registry,
+        )
+        self.triage_dropped = Counter(
+            "detproxy_triage_dropped",
+            "Divergent audits whose triage experiments were not run, by reason (queue_full |"
+            " rate_limit | token_budget | quiet_deadline | error | shutdown)",
+            ["reason"],
+            registry=registry,
+        )
         self.shadow_queue = Gauge(
             "detproxy_shadow_queue_depth",
             "Shadow replays waiting",
@@ -476,6 +492,8 @@ class Metrics:
         bus.subscribe(AuditCompleted, self._audited)
         bus.subscribe(ShadowDropped, self._shadow_dropped)
         bus.subscribe(ShadowQueue, self._shadow_queue)
+        bus.subscribe(CauseAttributed, self._cause)
+        bus.subscribe(TriageDropped, self._triage_dropped)
         bus.subscribe(LoopDetected, self._loop)
         bus.subscribe(PolicyActed, self._policy)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
@@ -574,6 +592,12 @@ class Metrics:
 
     def _shadow_dropped(self, ev: ShadowDropped) -> None:
         self.shadow_dropped.labels(ev.reason).inc()
+
+    def _cause(self, ev: CauseAttributed) -> None:
+        self.divergence_causes.labels(ev.model, ev.cause).inc()
+
+    def _triage_dropped(self, ev: TriageDropped) -> None:
+        self.triage_dropped.labels(ev.reason).inc()
 
     def _shadow_queue(self, ev: ShadowQueue) -> None:
         self.shadow_queue.set(ev.queued)

@@ -14,6 +14,7 @@ from typing import Any
 
 from proxy.events import (
     AuditCompleted,
+    CauseAttributed,
     EventBus,
     LoopDetected,
     PolicyActed,
@@ -48,6 +49,7 @@ class AuditTally:
         # (model, in flight at the primary, verdict): the batch-effects curve's denominators
         self.by_inflight: Counter[tuple[str, ...]] = Counter()
         self.dropped: Counter[str] = Counter()
+        self.causes: Counter[tuple[str, ...]] = Counter()  # (model, cause)
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._audited)
@@ -55,6 +57,14 @@ class AuditTally:
         bus.subscribe(LoopDetected, self._loop)
         bus.subscribe(PolicyActed, self._acted)
         bus.subscribe(RecoveryTokens, self._recovery_tokens)
+        bus.subscribe(CauseAttributed, self._cause)
+
+    def _cause(self, ev: CauseAttributed) -> None:
+        self._add(self.causes, (ev.model, ev.cause))
+
+    def causes_by_model(self) -> dict[str, Any]:
+        """``/detproxy/status``'s ``causes``: {model: {cause: count}}."""
+        return _nest(self.causes)
 
     @staticmethod
     def _add(counter: Counter[tuple[str, ...]], key: tuple[str, ...]) -> None:
@@ -113,5 +123,6 @@ class AuditTally:
             "recoveries": _nest(self.recoveries),
             "recovery_tokens": _nest(self.recovery_tokens),
             "audits_by_inflight": _nest(self.by_inflight),
+            "causes": _nest(self.causes),
             "shadows_dropped": dict(self.dropped),
         }

@@ -1,0 +1,51 @@
+"""What the audit hands to triage: one shadow comparison whose verdict was not identical."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.audit.outcome import Outcome
+
+# The verdicts triage looks into (incomparable is an error, not a divergence).
+TRIAGED = ("logprob_drift", "text_divergence", "answer_divergence")
+
+
+@dataclass(frozen=True, slots=True)
+class Diverged:
+    """One choice that diverged: its index, the audit's verdict, the incident's ``ts``."""
+
+    choice: int
+    verdict: str
+    audit_ts: float
+
+
+@dataclass(frozen=True, slots=True)
+class TriageCase:
+    """A shadow replay that diverged from its primary, with how each of the two ran.
+
+    ``body`` is the replay's body as the shadow sent it (logprobs as the primary had them; one
+    token long in prefill mode) less the shadow's own ``cache_salt`` (the client's, if any, is
+    kept). ``shadow_cold``: the shadow ran with a fresh ``cache_salt`` (or cache_prompt off).
+    ``shadow_alone``: None when other shadows could have shared its batch."""
+
+    request_id: str
+    model: str
+    endpoint: str
+    raw_path: str
+    body: Mapping[str, Any]
+    headers: Mapping[str, str]
+    mode: str  # full | prefill
+    target: str  # same | the reference's URL: where the shadow went
+    primary: Outcome
+    shadow: Outcome
+    primary_inflight: int  # detproxy's client requests in flight when the primary started
+    primary_inflight_end: int  # and when it ended (both count the primary itself)
+    shadow_inflight: int
+    shadow_cold: bool
+    shadow_alone: bool | None
+    primary_at: float  # wall clock, when the primary started
+    shadow_at: float  # wall clock, when the shadow's answer came
+    estimated_tokens: int  # one run's prompt + completion tokens
+    diverged: tuple[Diverged, ...]

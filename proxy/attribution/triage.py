@@ -1,0 +1,297 @@
+"""Triage: which divergent audits get follow-up experiments, when, and at what cost.
+
+The auditor offers each shadow that diverged (``offer``). A share (``triage_rate``) is taken;
+budgets like the shadows' bound what it costs: one triage at a time (serial replays are the
+experiment), a rate per minute, a share of the deterministic primaries' tokens plus an
+allowance, a bounded queue. Each replay waits for a quiet moment (few or no client requests in
+flight, no shadow running), up to a deadline. What does not fit is dropped and counted
+(``TriageDropped``), and its incident still gets a cause: decided from the primary and the
+shadow alone (a recipe change needs no replay), else ``unknown`` naming the budget. A triage
+that fails is logged, counted (reason ``error``) and never reaches a client request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+import random
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from proxy.attribution.case import TriageCase
+from proxy.attribution.decide import decide
+from proxy.attribution.evidence import evidence_record
+from proxy.attribution.experiments import (
+    GaveUp,
+    Observed,
+    Plan,
+    build_evidence,
+    observed_of_audit,
+    run_experiments,
+)
+from proxy.audit.outcome import outcome_from_response
+from proxy.audit.shadow import ProxyLoad, ShadowScheduler, TokenBucket, replay, wait_quiet
+from proxy.config import AttributionConfig, AuditConfig
+from proxy.engine.identity import Fingerprint
+from proxy.events import CauseAttributed, EventBus, TriageDropped, UpstreamFingerprinted
+from proxy.http.upstream import Upstream
+from proxy.tasks import TaskOwner
+
+log = logging.getLogger(__name__)
+
+_READINGS = 256  # identity readings kept to say which identity a past run ran on
+
+
+class Triage:
+    def __init__(  # noqa: PLR0913 (what it reuses of the app, one argument each)
+        self,
+        config: AttributionConfig,
+        audit: AuditConfig,
+        bus: EventBus,
+        upstream: Upstream,
+        load: ProxyLoad,
+        *,
+        reference: Upstream | None = None,
+        scheduler: ShadowScheduler | None = None,
+        upstream_running: Callable[[], Awaitable[int | None]] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._audit = audit
+        self._bus = bus
+        self._upstream = upstream
+        self._reference = reference
+        self._load = load
+        self._scheduler = scheduler
+        self._upstream_running = upstream_running
+        self._rng = rng or random.Random()
+        self._queue: asyncio.Queue[TriageCase] = asyncio.Queue(maxsize=config.queue_size)
+        self._bucket = TokenBucket(config.max_per_minute / 60.0)
+        self._tasks = TaskOwner("triage")
+        self._readings: deque[tuple[float, Fingerprint]] = deque(maxlen=_READINGS)
+        self.running = False
+        self.tokens = 0  # spent (reserved when a triage is queued)
+        self.triaged = 0  # triages whose experiments ran
+        self.offered = 0
+
+    # -- wiring -------------------------------------------------------------------------------
+
+    def subscribe(self, bus: EventBus) -> None:
+        bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
+
+    def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
+        self._readings.append((ev.fingerprint.read_at, ev.fingerprint))
+
+    def start(self) -> None:
+        self._tasks.spawn(self._worker(), name="worker")
+
+    async def close(self) -> None:
+        dropped = self._queue.qsize()
+        await self._tasks.close()
+        for _ in range(dropped):
+            self._bus.publish(TriageDropped("", "shutdown"))
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "offered": self.offered,
+            "triaged": self.triaged,
+            "queued": self.queued,
+            "running": self.running,
+            "tokens": self.tokens,
+            "token_budget": self.token_budget,
+        }
+
+    # -- budgets ------------------------------------------------------------------------------
+
+    @property
+    def token_budget(self) -> float:
+        primary = self._scheduler.primary_tokens if self._scheduler is not None else 0
+        return self._config.token_allowance + self._config.max_token_share * primary
+
+    def _plan(self) -> Plan:
+        cfg = self._config
+        return Plan(
+            cfg.cold_replays,
+            cfg.warm_replays,
+            cfg.reference_replays,
+            self._cold_method(),
+            self._reference is not None,
+        )
+
+    def _runs_planned(self, plan: Plan) -> int:
+        warm = 1 + plan.warm_replays if plan.cold_method and plan.warm_replays else 0
+        return plan.cold_replays + warm + (plan.reference_replays if plan.reference else 0)
+
+    def offer(self, case: TriageCase) -> None:
+        """From the auditor, on the request's task: take it or drop it, never wait."""
+        if self._config.triage_rate < 1.0 and self._rng.random() >= self._config.triage_rate:
+            return  # not sampled: the incident has no cause
+        self.offered += 1
+        cost = case.estimated_tokens * self._runs_planned(self._plan())
+        reason = None
+        if self.tokens + cost > self.token_budget:
+            reason = "token_budget"
+        elif self._queue.full():
+            reason = "queue_full"
+        elif not self._bucket.take():
+            reason = "rate_limit"
+        if reason is not None:
+            self._give_up(case, reason, f"triage budget: {reason}")
+            return
+        self.tokens += cost
+        self._queue.put_nowait(case)
+
+    # -- the experiment -----------------------------------------------------------------------
+
+    def _identity_at(self, t: float) -> str | None:
+        i = bisect.bisect_right([r[0] for r in self._readings], t)
+        return self._readings[i - 1][1].fingerprint if i > 0 else None
+
+    def _current(self) -> Fingerprint | None:
+        return self._readings[-1][1] if self._readings else None
+
+    def _cold_method(self) -> str | None:
+        chosen = self._config.cold_method
+        if chosen == "none":
+            return None
+        if chosen != "auto":
+            return chosen
+        fp = self._current()
+        if fp is not None and fp.kind == "vllm":
+            return "cache_salt"
+        if fp is not None and fp.kind == "llama.cpp":
+            return "cache_prompt"
+        if self._audit.cache_salt:
+            return "cache_salt"  # the operator says the engine takes a salt
+        if self._audit.shadow_extra_body.get("cache_prompt") is False:
+            return "cache_prompt"
+        return None
+
+    def _speculative(self) -> bool | None:
+        fp = self._current()
+        value = fp.identity.get("speculative") if fp is not None else None
+        return value if isinstance(value, bool) else None
+
+    def _audit_runs(self, case: TriageCase) -> list[Observed]:
+        return observed_of_audit(
+            case, self._identity_at(case.primary_at), self._identity_at(case.shadow_at)
+        )
+
+    def _attribute(
+        self, case: TriageCase, runs: list[Observed], missing: tuple[str, ...], plan: Plan
+    ) -> None:
+        first_token_only = case.mode == "prefill"
+        speculative = self._speculative()
+        upstream = self._identity_at(case.primary_at)
+        for d in case.diverged:
+            evidence = build_evidence(
+                runs, d, first_token_only, plan.cold_method, speculative, missing
+            )
+            found = decide(evidence)
+            self._bus.publish(
+                CauseAttributed(
+                    request_id=case.request_id,
+                    model=case.model,
+                    mode=case.mode,
+                    choice=d.choice,
+                    verdict=d.verdict,
+                    cause=found.cause,
+                    evidence=evidence_record(evidence, found),
+                    timestamp=time.time(),
+                    audit_ts=d.audit_ts,
+                    upstream=upstream,
+                )
+            )
+
+    def _give_up(self, case: TriageCase, reason: str, missing: str) -> None:
+        self._bus.publish(TriageDropped(case.model, reason))
+        self._attribute(case, self._audit_runs(case), (missing,), self._plan())
+
+    async def _worker(self) -> None:
+        while True:
+            case = await self._queue.get()
+            self.running = True
+            try:
+                await self._triage(case)
+            except Exception as exc:
+                log.exception("triage of %s failed", case.request_id)
+                self._give_up(case, "error", f"triage failed: {type(exc).__name__}")
+            finally:
+                self.running = False
+
+    async def _triage(self, case: TriageCase) -> None:
+        runs = self._audit_runs(case)
+        plan = self._plan()
+        primary, shadow = runs[0].identity, runs[1].identity
+        if primary is not None and shadow is not None and primary != shadow:
+            self._attribute(case, runs, (), plan)  # a recipe change: no replay needed
+            return
+        try:
+            replays, missing = await run_experiments(case, plan, _Runner(self, case))
+        except GaveUp as exc:
+            self._give_up(case, exc.reason, f"no quiet moment: {exc.reason}")
+            return
+        self.triaged += 1
+        self._attribute(case, runs + replays, missing, plan)
+
+    async def _quiet(self) -> bool:
+        audit = self._audit
+        scheduler = self._scheduler
+        running = self._upstream_running if audit.quiet_max_upstream_running is not None else None
+        return await wait_quiet(
+            self._load,
+            self._config.quiet_max_inflight,
+            running,
+            audit.quiet_max_upstream_running,
+            settle_s=audit.quiet_settle_s,
+            deadline_s=self._config.quiet_deadline_s,
+            poll_s=audit.quiet_poll_s,
+            busy=(lambda: scheduler.running > 0) if scheduler is not None else None,
+        )
+
+    async def send(
+        self, case: TriageCase, name: str, target: str, cache: str, body: Mapping[str, Any]
+    ) -> Observed:
+        if not await self._quiet():
+            raise GaveUp("quiet_deadline")
+        upstream = self._reference if target == "reference" else self._upstream
+        assert upstream is not None
+        scheduler = self._scheduler
+        shadows_before = scheduler.sent if scheduler is not None else 0
+        shadows_running = scheduler.running if scheduler is not None else 0
+        headers = dict(case.headers)
+        headers["X-Request-Id"] = f"{case.request_id}-triage-{name}"
+        identity = None
+        if target == "same":
+            fp = self._current()
+            identity = fp.fingerprint if fp is not None else None
+        sent = await replay(
+            upstream, self._load, case.raw_path, headers, body, self._config.replay_timeout_s
+        )
+        if isinstance(sent, str):
+            return Observed(name, target, cache, None, None, identity, None, sent)
+        shadows = scheduler is not None and (scheduler.sent != shadows_before or shadows_running)
+        alone = not sent.overlapped and not shadows
+        if sent.status != 200 or not isinstance(sent.parsed, dict):
+            error = f"HTTP {sent.status}"
+            return Observed(name, target, cache, alone, sent.inflight, identity, None, error)
+        outcome = outcome_from_response(case.endpoint, sent.parsed)
+        return Observed(name, target, cache, alone, sent.inflight, identity, outcome)
+
+
+class _Runner:
+    """The experiments' way to the upstream, for one case."""
+
+    def __init__(self, triage: Triage, case: TriageCase) -> None:
+        self._triage = triage
+        self._case = case
+
+    async def run(self, name: str, target: str, cache: str, body: Mapping[str, Any]) -> Observed:
+        return await self._triage.send(self._case, name, target, cache, body)

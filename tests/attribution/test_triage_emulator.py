@@ -1,0 +1,138 @@
+"""Triage end to end in front of the emulator: the cause it attributes against the cause the
+emulator injected, over many incidents of each, and no cause claimed on a stable emulator."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from typing import Any
+
+from aiohttp.test_utils import TestClient
+from prometheus_client import CollectorRegistry
+
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers import metric
+
+MODEL = "emulator-model"
+FAST = {
+    "DETPROXY_AUDIT__SAMPLE_RATE": "1",
+    "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000",
+    "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+    "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": "1",
+    "DETPROXY_AUDIT__CACHE_SALT": "true",
+    "DETPROXY_AUDIT__QUIET_SETTLE_S": "0.01",
+    "DETPROXY_AUDIT__QUIET_POLL_S": "0.005",
+    "DETPROXY_AUDIT__TOKEN_ALLOWANCE": "100000000",
+    "DETPROXY_ATTRIBUTION__MAX_PER_MINUTE": "100000",
+    "DETPROXY_ATTRIBUTION__TOKEN_ALLOWANCE": "100000000",
+    "DETPROXY_ATTRIBUTION__QUEUE_SIZE": "1000",
+    "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.5",
+}
+
+
+def chat(prompt: str) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": prompt}],
+    }
+
+
+async def idle(client: TestClient[Any, Any], deadline_s: float = 60.0) -> dict[str, Any]:
+    """Wait until no shadow and no triage is queued or running; the status then."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        status = await (await client.get("/detproxy/status")).json()
+        shadow, triage = status["shadow"], status["triage"]
+        if (
+            shadow["queued"] == 0
+            and shadow["running"] == 0
+            and triage["queued"] == 0
+            and not triage["running"]
+        ):
+            return dict(status)
+        assert time.monotonic() < deadline, f"shadows or triage did not settle: {status}"
+        await asyncio.sleep(0.02)
+
+
+async def causes_of(client: TestClient[Any, Any]) -> list[dict[str, Any]]:
+    incidents = await (await client.get("/detproxy/incidents?limit=1000&kind=audit")).json()
+    return list(incidents)
+
+
+async def serial_traffic(client: TestClient[Any, Any], n: int, tag: str) -> None:
+    """One request at a time, each with its shadow and triage over before the next."""
+    for i in range(n):
+        resp = await client.post("/v1/chat/completions", json=chat(f"{tag} prompt {i}"))
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        await idle(client)
+
+
+def table(incidents: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(str(i.get("cause")) for i in incidents)
+
+
+async def test_intrinsic_flips_at_batch_1_are_attributed_to_intrinsic(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    async with EmulatorServer(EmulatorConfig(flip_probability=0.5, seed=11)) as emu:
+        client = await make_proxy(emu.url, env=FAST)
+        await serial_traffic(client, 80, "intrinsic")
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("intrinsic:", dict(got), "of", len(incidents))
+        assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
+        assert got["intrinsic"] / len(incidents) >= 0.95, got
+        assert all(i["cause_evidence"]["runs"][0]["name"] == "primary" for i in incidents)
+        counted = metric(
+            registry, "detproxy_divergence_causes_total", model=MODEL, cause="intrinsic"
+        )
+        assert counted == got["intrinsic"]
+        status = await (await client.get("/detproxy/status")).json()
+        assert status["causes"][MODEL]["intrinsic"] == got["intrinsic"]
+
+
+async def test_batch_effects_are_attributed_to_batch(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    config = EmulatorConfig(batch_divergence_slope=0.3, token_latency_s=0.004, seed=5)
+    async with EmulatorServer(config) as emu:
+        env = FAST | {"DETPROXY_AUDIT__SCHEDULE": "quiet"}
+        client = await make_proxy(emu.url, env=env)
+        for wave in range(8):
+            answers = await asyncio.gather(
+                *(
+                    client.post("/v1/chat/completions", json=chat(f"batch {wave}-{i}"))
+                    for i in range(8)
+                )
+            )
+            for resp in answers:
+                assert resp.status == 200
+                await resp.read()
+            await idle(client)
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("batch:", dict(got), "of", len(incidents))
+        assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
+        assert got["batch"] / len(incidents) >= 0.95, got
+
+
+async def test_a_stable_emulator_gets_no_cause(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    async with EmulatorServer(EmulatorConfig(token_latency_s=0.002)) as emu:
+        client = await make_proxy(emu.url, env=FAST | {"DETPROXY_AUDIT__SCHEDULE": "quiet"})
+        for wave in range(4):
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=chat(f"s {wave}-{i}")) for i in range(6))
+            )
+            for resp in answers:
+                await resp.read()
+        status = await idle(client)
+        assert status["audit"]["verdicts"] == {"identical": 24}, status["audit"]
+        assert status["causes"] == {}
+        assert await causes_of(client) == []
+        assert status["triage"]["offered"] == 0
