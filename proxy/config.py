@@ -454,7 +454,10 @@ class LoopConfig(_Section):
     # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
     enabled: bool = True
-    stream_mode: Literal["restart", "hold_reasoning"] = "restart"
+    # continue: a streamed loop goes on from exactly what the client was shown (restarts only
+    # while nothing was shown), so a delta-reading client gets one answer; restart: the answer
+    # starts again after an SSE comment; hold_reasoning: reasoning held back until it ends.
+    stream_mode: Literal["continue", "restart", "hold_reasoning"] = "continue"
     hold_max_bytes: int = Field(default=256 * 1024, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     # The recovery budget (policies/budget.py): per model, the extra tokens recoveries make the

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+import orjson
+
 from policies.base import Abort, Decision, Retry, Trigger
 from proxy.attempts import AttemptEnd, Stages, run_attempts
 from proxy.audit.outcome import StreamAccumulator
@@ -20,8 +22,8 @@ from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
 from proxy.http.headers import headers_for_client, is_event_stream_response
 from proxy.http.upstream import UpstreamResponse
-from proxy.loops.continuation import Continued, reasoning_event
-from proxy.loops.recovery import abort_chunk, retry_comment
+from proxy.loops.continuation import Continued, continuation_body, reasoning_event
+from proxy.loops.recovery import abort_chunk, recovery_chunk, recovery_info, retry_comment
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
 from proxy.relay.result import StreamResult
@@ -62,10 +64,16 @@ class StreamedAnswer:
                     and result is not None
                     and result.trigger is not None
                 ):
-                    assert ex.view is not None
+                    assert ex.view is not None and ex.attempts is not None
+                    attempts = ex.attempts
+                    strategy = attempts.strategy if attempts.count > 1 else "abort"
                     await client.write(
                         abort_chunk(
-                            ex.endpoint, self._first_id, ex.view.model, result.trigger.choice
+                            ex.endpoint,
+                            self._first_id,
+                            ex.view.model,
+                            result.trigger.choice,
+                            recovery_info(False, attempts.count, strategy),
                         )
                     )
                 await client.end()
@@ -126,6 +134,8 @@ class StreamedAnswer:
             hold_max_bytes=recovery.hold_max_bytes,
             on_trigger=self._on_trigger if inspected else None,
             reasoning_as_content=self._closes_reasoning,
+            # A retry's attempt: its end says what the recovery came to (SPEC 5).
+            trailer=self._trailer if ex.attempts.count > 1 else None,
         )
         relay = StreamRelay(
             ex.endpoint,
@@ -156,6 +166,15 @@ class StreamedAnswer:
             decide=result.trigger is None and result.complete,
         )
 
+    def _trailer(self, result: StreamResult) -> bytes:
+        ex = self.exchange
+        assert ex.view is not None and ex.attempts is not None
+        attempts = ex.attempts
+        # A fallback (the client's own request, the retry refused) recovered nothing.
+        recovered = result.trigger is None and not attempts.fell_back
+        info = recovery_info(recovered, attempts.count, attempts.strategy)
+        return recovery_chunk(ex.endpoint, self._first_id, ex.view.model, info)
+
     def _on_trigger(self, trigger: Trigger) -> Decision:
         attempts = self.exchange.attempts
         assert attempts is not None
@@ -165,7 +184,11 @@ class StreamedAnswer:
         result, watch = self._result, self._watch
         if watch is None or result is None or result.trigger is None:
             return None
-        return watch.kept(result.trigger.choice, result.trigger.channel)
+        trigger = result.trigger
+        if self._stages.recovery.stream_continues:
+            # What the client was shown: the next attempt goes on from exactly that.
+            return watch.shown(trigger.choice, trigger.channel)
+        return watch.kept(trigger.choice, trigger.channel)
 
     # -- the next attempt ----------------------------------------------------------------------
 
@@ -192,14 +215,32 @@ class StreamedAnswer:
             self._stages.recovery.retry_failed(attempts)
             attempts.fell_back = True
             self._closes_reasoning = False
-            upstream = await self._open(ex.original)
-            if upstream is not None and continued is not None:
-                await self._client.write(marker)  # the client's own request, from its start
+            own = self._own_continued(continued)
+            if own is not None:
+                # Shown a part already: the client's own request, going on from that part
+                # (its own sampling), so that it still reads one answer.
+                upstream = await self._open(own)
+            if upstream is None:
+                upstream = await self._open(ex.original)
+                if upstream is not None and continued is not None:
+                    await self._client.write(marker)  # the client's own request, from its start
         if upstream is None:
             await self._client.write(inband_error_event(502, "retry after a loop failed"))
             return False
         self._upstream = upstream
         return True
+
+    def _own_continued(self, continued: Continued | None) -> bytes | None:
+        """The client's own request going on from a continued content's shown text (None:
+        nothing continued, or closed reasoning, which its own request would not do)."""
+        ex = self.exchange
+        if continued is None or continued.closes_reasoning or ex.retry_base is None:
+            return None
+        assert ex.attempts is not None
+        body = continuation_body(
+            ex.endpoint, ex.retry_base, {}, continued.message, ex.attempts.kept_tokens
+        )
+        return None if body is None else orjson.dumps(body)
 
     async def _open(self, body: bytes) -> UpstreamResponse | None:
         ex, stages = self.exchange, self._stages

@@ -376,12 +376,40 @@ async def test_a_refused_retry_gives_the_client_the_answer_it_had(
     )
 
 
+async def test_a_refused_streamed_retry_goes_on_with_the_clients_own_request(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    # stream_mode continue (the default): the client was shown part of the answer; its own
+    # request (no overrides) goes on from exactly that part, so it still reads one answer.
+    scripted = Looping("no_overrides")
+    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    proxy = await make_proxy(url, env=LOOP_RETRY)
+    resp = await proxy.post(CHAT, json=request_body(CHAT, stream=True))
+    assert resp.status == 200
+    got = await resp.read()
+    assert b'"error"' not in got and b": detproxy retry" not in got, got[-300:]
+    assert [b.get("presence_penalty") for b in scripted.bodies] == [None, 1.5, None]
+    own = scripted.bodies[2]
+    assert own["continue_final_message"] is True, "the fallback did not go on from the shown part"
+    shown = own["messages"][-1]["content"]
+    chunks = [orjson.loads(e[6:]) for e in got.split(b"\n\n") if e.startswith(b"data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text.startswith(shown), "the client was not shown the continued part"
+    assert b'"detproxy":{"recovered":false,"attempts":2' in got
+    assert (
+        metric(
+            registry, "detproxy_policy_actions_total", model="m", action="retry", outcome="error"
+        )
+        == 1
+    )
+
+
 async def test_a_refused_streamed_retry_relays_the_clients_own_request(
     aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     scripted = Looping("no_overrides")
     url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY)
+    proxy = await make_proxy(url, env=LOOP_RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "restart"})
     body = request_body(CHAT, stream=True)
     _, expected = await direct(url, CHAT, body)
     scripted.bodies.clear()
@@ -392,7 +420,12 @@ async def test_a_refused_streamed_retry_relays_the_clients_own_request(
     # The looping attempt, the restart marker, then the client's own request relayed whole.
     marker = b": detproxy retry attempt=2 reason=loop (proxy, content)\n\n"
     assert marker in got
-    assert got.split(marker, 1)[1] == expected
+    relayed = got.split(marker, 1)[1]
+    # As the engine sent it, but the last chunk saying what the recovery came to (SPEC 5).
+    body_part = relayed.rpartition(b"data: {")[0]
+    trailer, _, done = relayed[len(body_part) :].partition(b"\n\n")
+    assert body_part + done == expected, "the client's own request was not relayed whole"
+    assert b'"detproxy":{"recovered":false,"attempts":2' in trailer, trailer
     assert [b.get("presence_penalty") for b in scripted.bodies] == [None, 1.5, None]
     assert (
         metric(

@@ -87,6 +87,16 @@ def can_continue(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bo
     return isinstance(body.get("prompt"), str)
 
 
+def can_continue_shown(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bool:
+    """Whether a stream can go on from what its client was shown in the trigger's channel
+    (any source: the shown text is known; logprobs too: the shown tokens had theirs)."""
+    if trigger.choice != 0 or body.get("n") not in (None, 1) or body.get("echo"):
+        return False
+    if endpoint == "chat":
+        return isinstance(body.get("messages"), list)
+    return trigger.channel == "content" and isinstance(body.get("prompt"), str)
+
+
 def can_close_reasoning(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bool:
     if endpoint != "chat" or trigger.source != "proxy" or trigger.channel != "reasoning":
         return False

@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import orjson
+
 from policies.base import (
     CONTINUE,
     Abort,
@@ -32,6 +34,7 @@ from proxy.loops.continuation import (
     Continued,
     can_close_reasoning,
     can_continue,
+    can_continue_shown,
     closed_reasoning,
     continuation_body,
     estimate_tokens,
@@ -68,11 +71,13 @@ class Recovery:
         self._bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
         # Whether some ladder continues: then a stream's text is kept for its prefix.
-        self._continues = any(
+        self._continues = config.stream_mode == "continue" or any(
             attempt.get("strategy") in ("continue", "close_reasoning")
             for ladder in config.ladder_list()
             for attempt in ladder.attempts
         )
+        # A streamed retry goes on from what the client was shown (restarts while nothing was).
+        self._stream_continues = config.stream_mode == "continue"
 
     @property
     def enabled(self) -> bool:
@@ -87,6 +92,11 @@ class Recovery:
     @property
     def hold_reasoning(self) -> bool:
         return self._config.stream_mode == "hold_reasoning"
+
+    @property
+    def stream_continues(self) -> bool:
+        """Whether a streamed retry continues from exactly what the client was shown."""
+        return self._stream_continues
 
     @property
     def hold_max_bytes(self) -> int:
@@ -186,6 +196,8 @@ class Recovery:
         trigger = attempts.trigger
         strategy = decision.strategy
         endpoint = attempts.endpoint
+        if attempts.stream and self._stream_continues and trigger is not None:
+            return self._from_shown(attempts, decision, base, text)
         closes = strategy == "close_reasoning"
         if (
             strategy in ("continue", "close_reasoning")
@@ -207,6 +219,30 @@ class Recovery:
                 if body is not None:
                     attempts.strategy, attempts.kept_tokens = strategy, kept
                     return body, Continued(prefix, closes, message)
+        attempts.strategy, attempts.kept_tokens = "restart", 0
+        return {**base, **decision.overrides}, None
+
+    def _from_shown(
+        self, attempts: Attempts, decision: Retry, base: dict[str, Any], shown: str | None
+    ) -> tuple[dict[str, Any], Continued | None]:
+        """A streamed retry under ``stream_mode = "continue"``: ``shown`` is the text of the
+        trigger's channel the client was shown. Content goes on from exactly that text;
+        reasoning is closed there (what follows is the answer); nothing shown, a restart
+        (the client sees one answer either way)."""
+        trigger = attempts.trigger
+        assert trigger is not None
+        endpoint = attempts.endpoint
+        if shown and can_continue_shown(endpoint, base, trigger):
+            closes = trigger.channel == "reasoning"
+            generated = attempts.generated + attempts.kept_tokens
+            # The whole attempt was shown but the triggering chunk: nearly all its tokens.
+            kept = max(1, generated - 1) if generated > 0 else estimate_tokens(shown, shown, 0)
+            message = self._closed(attempts.model, shown) if closes else shown
+            body = continuation_body(endpoint, base, decision.overrides, message, kept)
+            if body is not None:
+                strategy = "close_reasoning" if closes else "continue"
+                attempts.strategy, attempts.kept_tokens = strategy, kept
+                return body, Continued(shown, closes, message)
         attempts.strategy, attempts.kept_tokens = "restart", 0
         return {**base, **decision.overrides}, None
 
@@ -252,15 +288,43 @@ class Recovery:
         )
 
 
-def abort_chunk(endpoint: str, chunk_id: str | None, model: str, choice: int) -> bytes:
+def recovery_info(recovered: bool, attempts: int, strategy: str) -> dict[str, Any]:
+    """The ``detproxy`` object on the last chunk of a stream a policy acted on (SPEC 5)."""
+    return {"recovered": recovered, "attempts": attempts, "strategy": strategy}
+
+
+def abort_chunk(
+    endpoint: str,
+    chunk_id: str | None,
+    model: str,
+    choice: int,
+    info: dict[str, Any] | None = None,
+) -> bytes:
     """The last event of a stream ended by a policy: finish_reason ``repetition`` (vLLM's own
-    for a loop it stopped), then ``[DONE]``."""
+    for a loop it stopped), carrying ``info`` as its ``detproxy`` object, then ``[DONE]``."""
     end: dict[str, Any] = {"index": choice, "logprobs": None, "finish_reason": "repetition"}
     if endpoint == "chat":
         end["delta"] = {}
     else:
         end["text"] = ""
-    return stream_event(endpoint, chunk_id, model, end) + b"data: [DONE]\n\n"
+    event = stream_event(endpoint, chunk_id, model, end)
+    if info is not None:
+        event = event[: -len(b"}\n\n")] + b',"detproxy":' + orjson.dumps(info) + b"}\n\n"
+    return event + b"data: [DONE]\n\n"
+
+
+def recovery_chunk(endpoint: str, chunk_id: str | None, model: str, info: dict[str, Any]) -> bytes:
+    """A chunk with no choice carrying ``info`` as its ``detproxy`` object: the last one before
+    ``[DONE]`` of a stream a retry answered (choices empty, as a usage chunk's)."""
+    chunk: dict[str, Any] = {
+        "id": chunk_id or ("chatcmpl-detproxy" if endpoint == "chat" else "cmpl-detproxy"),
+        "object": "chat.completion.chunk" if endpoint == "chat" else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [],
+        "detproxy": info,
+    }
+    return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 def retry_comment(attempt: int, reason: str) -> bytes:

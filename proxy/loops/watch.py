@@ -35,6 +35,7 @@ class _ChoiceWatch:
         "kept_reasoning",
         "saw_content",
         "saw_reasoning",
+        "unshown",
     )
 
     def __init__(self, config: DetectorConfig, keep: bool) -> None:
@@ -47,6 +48,9 @@ class _ChoiceWatch:
         self.kept: list[str] | None = [] if keep else None
         self.kept_reasoning: list[str] | None = [] if keep else None
         self.kept_chars = 0
+        # Chars at the end of the kept text of a trigger's channel that the client was not
+        # shown: the triggering chunk's (a decision stops the relay before it).
+        self.unshown = 0
 
     @property
     def reasoning(self) -> LoopDetector:
@@ -110,6 +114,15 @@ class LoopWatch:
         kept = watch.kept_reasoning if channel == "reasoning" else watch.kept
         return None if kept is None else "".join(kept)
 
+    def shown(self, index: int = 0, channel: str = "content") -> str | None:
+        """What choice ``index`` showed the client in ``channel`` before this watch's trigger
+        stopped the stream: the kept text but the triggering chunk's (None: not kept)."""
+        watch = self._choices.get(index)
+        kept = self.kept(index, channel)
+        if watch is None or kept is None:
+            return kept
+        return kept[: len(kept) - watch.unshown] if watch.unshown else kept
+
     def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
         """One parsed SSE chunk of a stream."""
         choices = chunk.get("choices")
@@ -170,6 +183,12 @@ class LoopWatch:
             if at >= check:
                 position = i
                 break
+        # The chunks after the triggering one are never relayed: not kept either.
+        excess = len(text) - sum(len(t) for t in texts[: position + 1])
+        kept = watch.kept_reasoning if channel == "reasoning" else watch.kept
+        if kept and excess:
+            kept[-1] = kept[-1][: len(kept[-1]) - excess]
+        watch.unshown = len(texts[position])
         return _trigger("proxy", channel, index, report), position
 
     def quiet_chars(self, index: int, channel: str) -> int:
@@ -224,6 +243,7 @@ class LoopWatch:
                 watch.keep(reasoning, reasoning=True)
             report = watch.reasoning.feed(reasoning)
             if report is not None:
+                watch.unshown = len(reasoning)
                 return _trigger("proxy", "reasoning", index, report)
         if isinstance(content, str) and content:
             watch.saw_content = True
@@ -231,6 +251,7 @@ class LoopWatch:
                 watch.keep(content)
             report = watch.content.feed(content)
             if report is not None:
+                watch.unshown = len(content)
                 return _trigger("proxy", "content", index, report)
         return None
 

@@ -63,6 +63,9 @@ class StreamPlan:
     on_trigger: Callable[[Trigger], Decision] | None = None
     # After a closed reasoning (close_reasoning): reasoning deltas are the answer's content.
     reasoning_as_content: bool = False
+    # The event written before the stream's ``[DONE]`` (a recovery's ``detproxy`` chunk),
+    # given the attempt's result; None: nothing added.
+    trailer: Callable[[StreamResult], bytes] | None = None
 
     def __init__(
         self,
@@ -72,6 +75,7 @@ class StreamPlan:
         hold_max_bytes: int = 256 * 1024,
         on_trigger: Callable[[Trigger], Decision] | None = None,
         reasoning_as_content: bool = False,
+        trailer: Callable[[StreamResult], bytes] | None = None,
     ) -> None:
         # Written out: mypyc compiles this one; the generated one runs interpreted (README
         # "The compiled build"). The fields above and these arguments are the same, in order.
@@ -81,6 +85,7 @@ class StreamPlan:
         object.__setattr__(self, "hold_max_bytes", hold_max_bytes)
         object.__setattr__(self, "on_trigger", on_trigger)
         object.__setattr__(self, "reasoning_as_content", reasoning_as_content)
+        object.__setattr__(self, "trailer", trailer)
 
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
@@ -366,6 +371,16 @@ class StreamRelay:
             # not in the cyclic collector's next pass, which pauses the loop (issue 16).
             self._simple.detach()
 
+    def _trailed(self, out: bytes) -> bytes:
+        """``out`` with the plan's trailer before its ``[DONE]``, where it ends with one."""
+        trailer = self.plan.trailer
+        if trailer is None or not ends_with_done(out):
+            return out
+        at = max(out.rfind(b"data: [DONE]"), out.rfind(b"data:[DONE]"))
+        if at < 0:
+            return out
+        return out[:at] + trailer(self.result) + out[at:]
+
     def _client_left(self, last: bytes) -> None:
         """The client left (or its handler was cancelled) while the relay waited. A stream
         whose ``[DONE]`` it already has is whole: the openai SDK, say, closes the connection
@@ -381,12 +396,15 @@ class StreamRelay:
 
         last = b""  # the bytes last handed to the client
         write = resp.write_nowait  # looked up once, not per event
+        trailed = self.plan.trailer is not None
 
         def relay(data: bytes) -> bool:
             nonlocal last
             out = tally.feed(data)
             if not out:
                 return True
+            if trailed:
+                out = self._trailed(out)
             more = write(out)
             last = out  # handed over: the write raised nothing
             return more
@@ -407,7 +425,7 @@ class StreamRelay:
             return result
         out = tally.finish()
         if out:
-            await resp.write(out)
+            await resp.write(self._trailed(out) if trailed else out)
         result.complete = True
         self.inspectors.on_end(True)
         return result
@@ -418,6 +436,7 @@ class StreamRelay:
 
         last = b""  # the bytes last handed to the client
         write = resp.write_nowait  # looked up once, not per event
+        trailed = self.plan.trailer is not None
 
         def relay(data: bytes) -> bool:
             # Called from the upstream read's callback: a decision stops the pump at once.
@@ -425,6 +444,8 @@ class StreamRelay:
             out = self._read(data)
             if not out:
                 return result.decision is None
+            if trailed:
+                out = self._trailed(out)
             more = write(out)
             last = out  # handed over: the write raised nothing
             return more and result.decision is None
@@ -459,7 +480,7 @@ class StreamRelay:
                 processed = self.rewrite_only(final.data, final.raw)
             out += (processed or b"") + self.flush_held(b"")
         if out:
-            await resp.write(out)
+            await resp.write(self._trailed(out) if trailed else out)
         result.complete = result.decision is None
         self.inspectors.on_end(result.complete)
         return result

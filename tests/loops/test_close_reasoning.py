@@ -174,7 +174,11 @@ async def test_a_streamed_reasoning_loop_is_closed_and_the_answer_follows(
     assert shown.startswith("r") and "c" in shown and "r" not in shown[shown.index("c") :]
     answer = "".join(d.get("content") or "" for d in deltas)
     assert answer and no_loop_in(answer)
-    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    finished = [e for e in events if e.get("choices")]
+    assert finished[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    # The last chunk before [DONE] says what the recovery came to (SPEC 5).
+    info = {"recovered": True, "attempts": 2, "strategy": "close_reasoning"}
+    assert events[-1].get("detproxy") == info, f"last chunk {events[-1]}"
     assert recoveries(registry, "close_reasoning", "recovered") == 1
 
 

@@ -173,7 +173,9 @@ ENV = {
 }
 
 
-def continued_prefix(scripted: Scripted) -> str:
+def continued_prefix(scripted: Scripted, onset: bool = True) -> str:
+    """The prefix the second attempt continued from (``onset``: cut at the loop's onset and
+    one unit, as a non-streamed continuation is)."""
     (second,) = scripted.bodies[1:]
     assert second["continue_final_message"] is True and second["add_generation_prompt"] is False
     assert second["presence_penalty"] == 1.5
@@ -184,6 +186,8 @@ def continued_prefix(scripted: Scripted) -> str:
     # Up to the loop's onset, and one unit: the detector's onset is where the text starts to
     # repeat, which can be a character or so before the first whole unit.
     assert LOOPING.startswith(prefix)
+    if not onset:
+        return prefix
     assert prefix.count("The waves roll in") == 1
     # Up to the unit's end, or a word end just before it (the detector's onset can be a few
     # characters early, and the cut then moves back to the end of a word).
@@ -224,15 +228,18 @@ async def test_a_streamed_loop_is_continued_after_what_the_client_has(
     assert b": detproxy retry" not in raw  # no restart: nothing to mark
     events = sse_chunks(raw)
     assert {e["id"] for e in events} == {"chatcmpl-1"}  # the first attempt's id throughout
-    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
-    prefix = continued_prefix(scripted)
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    prefix = continued_prefix(scripted, onset=False)
     # What the client had (the start, the loop until it was seen), then the continuation:
     # nothing shown twice.
     shown, _, rest = text.partition(" Then the storm came")
     assert rest == " and the night ended."
-    assert shown.startswith(prefix) and shown.count("The sea is calm tonight.") == 1
+    assert shown.count("The sea is calm tonight.") == 1
     assert LOOPING.startswith(shown)  # the first attempt's text, cut where the loop was seen
-    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    # The engine went on from exactly what the client was shown (stream_mode continue).
+    assert prefix == shown, f"continued from {prefix!r}, the client was shown {shown!r}"
+    assert [e for e in events if e.get("choices")][-1]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["detproxy"] == {"recovered": True, "attempts": 2, "strategy": "continue"}
     assert (
         metric(
             registry,
@@ -251,7 +258,10 @@ async def test_what_cannot_be_continued_restarts(
 ) -> None:
     scripted = Scripted()
     url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=ENV)
+    # Streamed, the default goes on from what the client was shown, logprobs or not (the shown
+    # tokens had theirs): the ladder's own continue strategy is what restart mode keeps.
+    env = ENV | ({"DETPROXY_LOOPS__STREAM_MODE": "restart"} if stream else {})
+    proxy = await make_proxy(url, env=env)
     resp = await proxy.post(CHAT, json=ask(stream) | {"logprobs": True})
     await resp.read()
     assert "continue_final_message" not in scripted.bodies[1]

@@ -15,6 +15,7 @@ from tests.helpers import knobs, metric, sse_chunks, sse_comments
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
 RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+RESTART = RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "restart"}  # not the default
 
 
 def chat(prompt: str = "tell me a story", **extra: Any) -> dict[str, Any]:
@@ -33,6 +34,12 @@ def chat(prompt: str = "tell me a story", **extra: Any) -> dict[str, Any]:
 ESCAPES = {"loop_escape_probability": 1.0}
 CONTENT_LOOP = knobs(loop_channel="content", loop_after_tokens=5, **ESCAPES)
 REASONING_LOOP = knobs(loop_channel="reasoning", loop_after_tokens=3, reasoning_tokens=6, **ESCAPES)
+
+
+def last_choice(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The last choice of a stream's chunks (the recovery's own chunk has none)."""
+    choice: dict[str, Any] = [c for c in chunks if c.get("choices")][-1]["choices"][0]
+    return choice
 
 
 def loops(registry: CollectorRegistry, channel: str, source: str) -> float:
@@ -68,14 +75,16 @@ async def test_non_streaming_content_loop_is_recovered(
 async def test_streaming_restart_continues_under_the_original_id(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
-    client = await make_proxy(emulator.url, env=RETRY)
+    client = await make_proxy(emulator.url, env=RESTART)
     slow_loop = knobs(loop_channel="content", loop_after_tokens=5, token_latency_s=0.005, **ESCAPES)
     resp = await client.post("/v1/chat/completions", json=chat(stream=True), headers=slow_loop)
     raw = await resp.read()
     chunks, comments = sse_chunks(raw), sse_comments(raw)
     assert comments == [b": detproxy retry attempt=2 reason=loop (proxy, content)"]
     assert len({c["id"] for c in chunks}) == 1  # one id across both attempts
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert last_choice(chunks)["finish_reason"] == "stop"
+    info = {"recovered": True, "attempts": 2, "strategy": "restart"}
+    assert chunks[-1]["detproxy"] == info, f"last chunk {chunks[-1]}"
     for _ in range(20):  # the looping attempt's connection was closed: the engine aborted it
         if emulator.stats()["aborted"] == 1:
             break
@@ -85,7 +94,7 @@ async def test_streaming_restart_continues_under_the_original_id(
 
 
 async def test_the_sdk_reads_a_restarted_stream(make_proxy: Any, emulator: EmulatorServer) -> None:
-    client = await make_proxy(emulator.url, env=RETRY)
+    client = await make_proxy(emulator.url, env=RESTART)
     sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
     try:
         stream = await sdk.chat.completions.create(**chat(stream=True), extra_headers=CONTENT_LOOP)
@@ -94,7 +103,12 @@ async def test_the_sdk_reads_a_restarted_stream(make_proxy: Any, emulator: Emula
         await sdk.close()
     text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
     assert "repeats itself" in text  # restart mode: what was shown stays shown
-    assert parts[-1].choices[0].finish_reason == "stop"
+    assert [c for c in parts if c.choices][-1].choices[0].finish_reason == "stop"
+    assert (parts[-1].model_extra or {}).get("detproxy") == {
+        "recovered": True,
+        "attempts": 2,
+        "strategy": "restart",
+    }
 
 
 async def test_a_retry_is_recovered_when_the_client_closes_on_done(
@@ -111,7 +125,8 @@ async def test_a_retry_is_recovered_when_the_client_closes_on_done(
             return list(sdk.chat.completions.create(**chat(stream=True), extra_headers=late_end))
 
     parts = await asyncio.to_thread(stream)
-    assert parts[-1].choices[0].finish_reason == "stop"
+    assert [c for c in parts if c.choices][-1].choices[0].finish_reason == "stop"
+    assert (parts[-1].model_extra or {}).get("detproxy", {}).get("recovered") is True
     for _ in range(100):  # detproxy sees the connection close after the SDK returned
         if metric(registry, "detproxy_inflight_requests") == 0:
             break
@@ -251,7 +266,8 @@ async def test_each_retry_settles_its_own_reservation(
         registry,
         "detproxy_recovery_tokens_total",
         model=MODEL,
-        strategy="restart",
+        # Streamed, each retry goes on from what the client was shown (stream_mode continue).
+        strategy="continue" if stream else "restart",
         kind="generated",
     )
     spent = metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="spent")
@@ -282,9 +298,12 @@ async def test_recovery_counts_follow_the_upstream(
         assert resp.status == 200
         if stream:
             raw = await resp.read()
-            chunks, comments = sse_chunks(raw), sse_comments(raw)
-            finish = chunks[-1]["choices"][0]["finish_reason"]
-            seen[rid] = (1 + len(comments), finish == "stop")
+            chunks = sse_chunks(raw)
+            assert not sse_comments(raw), "a streamed recovery continues: nothing to mark"
+            info = chunks[-1]["detproxy"]  # a policy acted on every one of these streams
+            finish = last_choice(chunks)["finish_reason"]
+            assert info["recovered"] == (finish == "stop"), chunks[-1]
+            seen[rid] = (info["attempts"], info["recovered"])
         else:
             await resp.read()
             seen[rid] = (
