@@ -81,7 +81,8 @@ def audit_incident(ev: AuditCompleted) -> dict[str, Any]:
 
 
 def cause_record(ev: CauseAttributed) -> dict[str, Any]:
-    """The file's follow-up line for an audit incident (see ``merge_causes``)."""
+    """The file's follow-up line for an audit incident: ``audit_ts`` (the incident's ``ts``),
+    ``request_id``, ``mode`` and ``choice`` name it (``detproxy report`` merges it in)."""
     return {
         "kind": "cause",
         "ts": ev.timestamp,
@@ -95,29 +96,6 @@ def cause_record(ev: CauseAttributed) -> dict[str, Any]:
         "cause_evidence": ev.evidence,
         "upstream_fingerprint": ev.upstream,
     }
-
-
-def cause_key(record: dict[str, Any]) -> tuple[Any, ...]:
-    ts = record.get("audit_ts") if record.get("kind") == "cause" else record.get("ts")
-    return (ts, record.get("request_id"), record.get("mode"), record.get("choice"))
-
-
-def merge_causes(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Records read back from the file with each ``kind: cause`` line merged into the audit
-    incident it names (``cause`` and ``cause_evidence`` added) and dropped; a cause whose
-    incident is not among them (rotated away) is kept as it is."""
-    out = list(records)
-    audits = {cause_key(r): r for r in out if r.get("kind") == "audit"}
-    kept: list[dict[str, Any]] = []
-    for record in out:
-        if record.get("kind") == "cause":
-            target = audits.get(cause_key(record))
-            if target is not None:
-                target["cause"] = record.get("cause")
-                target["cause_evidence"] = record.get("cause_evidence")
-                continue
-        kept.append(record)
-    return kept
 
 
 def loop_incident(ev: LoopDetected, store_text: bool) -> dict[str, Any]:

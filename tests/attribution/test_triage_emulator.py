@@ -8,6 +8,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import aiohttp
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -136,3 +138,132 @@ async def test_a_stable_emulator_gets_no_cause(
         assert status["causes"] == {}
         assert await causes_of(client) == []
         assert status["triage"]["offered"] == 0
+
+
+LONG = " ".join(f"word{i}" for i in range(48))  # three full KV blocks: a prefix-cache hit
+
+
+async def test_warm_cache_answers_are_attributed_to_prefix_cache(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    async with EmulatorServer(EmulatorConfig(warm_cache_divergence=0.5, seed=3)) as emu:
+        client = await make_proxy(emu.url, env=FAST)
+        for i in range(80):
+            # The first time cold (nothing cached yet), the second time warm: its cold shadow
+            # (cache_salt) differs where the emulator makes warm answers differ.
+            body = chat(f"{i} {LONG}")
+            for _ in range(2):
+                resp = await client.post("/v1/chat/completions", json=body)
+                assert resp.status == 200
+                await resp.read()
+                await idle(client)
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("prefix_cache:", dict(got), "of", len(incidents))
+        assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
+        assert got["prefix_cache"] / len(incidents) >= 0.95, got
+
+
+async def test_speculative_against_a_plain_reference_is_attributed_to_speculative(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    recipe = EmulatorConfig(speculative=True, speculative_divergence=0.5, seed=4)
+    async with EmulatorServer(recipe) as emu, EmulatorServer(EmulatorConfig(seed=4)) as plain:
+        env = FAST | {"DETPROXY_AUDIT__REFERENCE_URL": plain.url}
+        client = await make_proxy(emu.url, env=env)
+        await wait_fingerprint(client)
+        await serial_traffic(client, 60, "speculative")
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("speculative:", dict(got), "of", len(incidents))
+        assert len(incidents) >= 20, f"too few divergences to measure: {len(incidents)}"
+        assert got["speculative"] / len(incidents) >= 0.95, got
+
+
+async def wait_fingerprint(client: TestClient[Any, Any], deadline_s: float = 10.0) -> None:
+    """Until detproxy has read what the upstream runs (speculative decoding among it)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        status = await (await client.get("/detproxy/status")).json()
+        if status["upstream_fingerprint"] is not None:
+            return
+        assert time.monotonic() < deadline, "the upstream's fingerprint was never read"
+        await asyncio.sleep(0.05)
+
+
+class Switch:
+    """An upstream that is emulator A or B, as the test says: a redeploy between a primary and
+    its shadow. ``/hold`` answers once released (a client request kept in flight)."""
+
+    def __init__(self, a: str, b: str) -> None:
+        self.urls = {"a": a, "b": b}
+        self.now = "a"
+        self.release = asyncio.Event()
+        self.session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if request.path == "/hold":
+            await self.release.wait()
+            return web.Response(text="released")
+        assert self.session is not None
+        async with self.session.request(
+            request.method,
+            self.urls[self.now] + request.path_qs,
+            data=await request.read(),
+            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+        ) as resp:
+            body = await resp.read()
+            return web.Response(
+                body=body, status=resp.status, content_type=resp.content_type or None
+            )
+
+
+async def fingerprint_of(client: TestClient[Any, Any]) -> str | None:
+    status = await (await client.get("/detproxy/status")).json()
+    fp = status["upstream_fingerprint"]
+    return None if fp is None else str(fp["fingerprint"])
+
+
+async def wait_fingerprint_not(client: TestClient[Any, Any], old: str | None) -> str:
+    deadline = time.monotonic() + 10.0
+    while True:
+        now = await fingerprint_of(client)
+        if now is not None and now != old:
+            return now
+        assert time.monotonic() < deadline, f"detproxy never read a new fingerprint (still {old})"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(
+    make_proxy: Any, aiohttp_server: Any
+) -> None:
+    new = EmulatorConfig(version="0.24.0", flip_probability=1.0, flip_position=2)
+    async with EmulatorServer(EmulatorConfig()) as a, EmulatorServer(new) as b:
+        switch = Switch(a.url, b.url)
+        router = web.Application()
+        router.router.add_route("*", "/{tail:.*}", switch.handle)
+        async with aiohttp.ClientSession() as session:
+            switch.session = session
+            server = await aiohttp_server(router)
+            env = FAST | {
+                "DETPROXY_AUDIT__SCHEDULE": "quiet",
+                "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.2",
+            }
+            client = await make_proxy(str(server.make_url("")).rstrip("/"), env=env)
+            seen = await wait_fingerprint_not(client, None)
+            for i in range(12):
+                switch.release.clear()
+                hold = asyncio.ensure_future(client.get("/hold"))  # no shadow while it lasts
+                resp = await client.post("/v1/chat/completions", json=chat(f"redeploy {i}"))
+                assert resp.status == 200
+                await resp.read()
+                switch.now = "b" if switch.now == "a" else "a"  # the redeploy
+                seen = await wait_fingerprint_not(client, seen)
+                switch.release.set()
+                await (await hold).read()
+                await idle(client)
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("recipe_change:", dict(got), "of", len(incidents))
+        assert len(incidents) == 12, incidents
+        assert got == {"recipe_change": 12}, got
