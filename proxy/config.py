@@ -458,6 +458,9 @@ class LoopConfig(_Section):
     # while nothing was shown), so a delta-reading client gets one answer; restart: the answer
     # starts again after an SSE comment; hold_reasoning: reasoning held back until it ends.
     stream_mode: Literal["continue", "restart", "hold_reasoning"] = "continue"
+    # continue: the last chars of text a stream holds back from its client, so that a loop is
+    # caught before its repeats are shown (0: none; each chunk then goes out as it comes).
+    hold_back_chars: int = Field(default=0, ge=0)
     hold_max_bytes: int = Field(default=256 * 1024, gt=0)
     max_attempts: int = Field(default=3, ge=1)
     # The recovery budget (policies/budget.py): per model, the extra tokens recoveries make the

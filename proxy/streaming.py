@@ -22,7 +22,13 @@ from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
 from proxy.http.headers import headers_for_client, is_event_stream_response
 from proxy.http.upstream import UpstreamResponse
-from proxy.loops.continuation import Continued, continuation_body, reasoning_event
+from proxy.loops.continuation import (
+    Continued,
+    continuation_body,
+    prefix_of,
+    reasoning_event,
+    text_event,
+)
 from proxy.loops.recovery import abort_chunk, recovery_chunk, recovery_info, retry_comment
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
@@ -47,6 +53,10 @@ class StreamedAnswer:
         self._closes_reasoning = False
         # The client left after the whole answer: settled as answered, then raised again.
         self._gone: BaseException | None = None
+        self._relay: StreamRelay | None = None  # the current attempt's
+        # What a continuation goes on from that the client was not shown yet (held back):
+        # written before the continuation.
+        self._missing = ""
 
     async def respond(self) -> None:
         ex, stages = self.exchange, self._stages
@@ -136,6 +146,7 @@ class StreamedAnswer:
             reasoning_as_content=self._closes_reasoning,
             # A retry's attempt: its end says what the recovery came to (SPEC 5).
             trailer=self._trailer if ex.attempts.count > 1 else None,
+            hold_back_chars=recovery.hold_back_chars if inspected else 0,
         )
         relay = StreamRelay(
             ex.endpoint,
@@ -145,7 +156,10 @@ class StreamedAnswer:
             ex.t0,
             plan,
             stages.clock,
+            # A held-back tail is held event by event: every event parsed.
+            fast_paths=plan.hold_back_chars == 0,
         )
+        self._relay = relay
         result = self._result = relay.result
         try:
             await relay.run(self._upstream, self._client)
@@ -185,10 +199,31 @@ class StreamedAnswer:
         if watch is None or result is None or result.trigger is None:
             return None
         trigger = result.trigger
-        if self._stages.recovery.stream_continues:
-            # What the client was shown: the next attempt goes on from exactly that.
-            return watch.shown(trigger.choice, trigger.channel)
-        return watch.kept(trigger.choice, trigger.channel)
+        self._missing = ""
+        if not self._stages.recovery.stream_continues:
+            return watch.kept(trigger.choice, trigger.channel)
+        # What the client was shown: the next attempt goes on from exactly that; or, where the
+        # loop was caught while its repeats were held back, from its onset and one unit, as a
+        # non-streamed continuation does (the client gets the part it was not shown first).
+        shown = watch.shown(trigger.choice, trigger.channel)
+        relay = self._relay
+        if shown is None or relay is None:
+            return shown
+        content, reasoning = relay.unshown
+        held = reasoning if trigger.channel == "reasoning" else content
+        if held:
+            shown = shown[: max(0, len(shown) - held)]
+        kept = watch.kept(trigger.choice, trigger.channel)
+        onset = prefix_of(kept, trigger) if kept is not None else None
+        if (
+            trigger.channel == "content"
+            and onset is not None
+            and len(onset) > len(shown)
+            and onset.startswith(shown)
+        ):
+            self._missing = onset[len(shown) :]
+            return onset
+        return shown
 
     # -- the next attempt ----------------------------------------------------------------------
 
@@ -203,6 +238,13 @@ class StreamedAnswer:
             await self._client.write(marker)
         self._closes_reasoning = continued is not None and continued.closes_reasoning
         upstream = await self._open(body)
+        missing, self._missing = self._missing, ""
+        if upstream is not None and continued is not None and missing:
+            # Held back, never shown: the part of the prefix the continuation goes on from.
+            assert ex.view is not None
+            await self._client.write(
+                text_event(ex.endpoint, self._first_id, ex.view.model, missing)
+            )
         hidden = self._result.hidden_reasoning_keys if self._result is not None else ()
         if upstream is not None and continued is not None and continued.closes_reasoning and hidden:
             # The reasoning was held, never shown: the client gets the kept part of it.
@@ -220,6 +262,11 @@ class StreamedAnswer:
                 # Shown a part already: the client's own request, going on from that part
                 # (its own sampling), so that it still reads one answer.
                 upstream = await self._open(own)
+                if upstream is not None and missing:
+                    assert ex.view is not None
+                    await self._client.write(
+                        text_event(ex.endpoint, self._first_id, ex.view.model, missing)
+                    )
             if upstream is None:
                 upstream = await self._open(ex.original)
                 if upstream is not None and continued is not None:

@@ -251,6 +251,17 @@ def reasoning_event(chunk_id: str | None, model: str, text: str, keys: tuple[str
     return stream_event("chat", chunk_id, model, choice)
 
 
+def text_event(endpoint: str, chunk_id: str | None, model: str, text: str) -> bytes:
+    """One streamed chunk carrying ``text`` as the first choice's content: the part of a
+    continuation's prefix that was held back from the client."""
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": None}
+    if endpoint == "chat":
+        choice["delta"] = {"content": text}
+    else:
+        choice["text"] = text
+    return stream_event(endpoint, chunk_id, model, choice)
+
+
 def move_reasoning_to_content(chunk: dict[str, Any]) -> None:
     """A streamed chunk after closed reasoning: its reasoning delta is the answer's content."""
     choices = chunk.get("choices")

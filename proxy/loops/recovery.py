@@ -99,6 +99,11 @@ class Recovery:
         return self._stream_continues
 
     @property
+    def hold_back_chars(self) -> int:
+        """The tail a continuing stream holds back from its client (0: none)."""
+        return self._config.hold_back_chars if self._stream_continues else 0
+
+    @property
     def hold_max_bytes(self) -> int:
         return self._config.hold_max_bytes
 

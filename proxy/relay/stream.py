@@ -66,6 +66,9 @@ class StreamPlan:
     # The event written before the stream's ``[DONE]`` (a recovery's ``detproxy`` chunk),
     # given the attempt's result; None: nothing added.
     trailer: Callable[[StreamResult], bytes] | None = None
+    # The last chars of text deltas held back from the client (0: none), released as more
+    # come and at the stream's end; a loop found while they are held is never shown.
+    hold_back_chars: int = 0
 
     def __init__(
         self,
@@ -75,7 +78,9 @@ class StreamPlan:
         hold_max_bytes: int = 256 * 1024,
         on_trigger: Callable[[Trigger], Decision] | None = None,
         reasoning_as_content: bool = False,
+        *,
         trailer: Callable[[StreamResult], bytes] | None = None,
+        hold_back_chars: int = 0,
     ) -> None:
         # Written out: mypyc compiles this one; the generated one runs interpreted (README
         # "The compiled build"). The fields above and these arguments are the same, in order.
@@ -86,6 +91,7 @@ class StreamPlan:
         object.__setattr__(self, "on_trigger", on_trigger)
         object.__setattr__(self, "reasoning_as_content", reasoning_as_content)
         object.__setattr__(self, "trailer", trailer)
+        object.__setattr__(self, "hold_back_chars", hold_back_chars)
 
 
 def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
@@ -106,6 +112,32 @@ def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
             if reasoning_of(delta) is not None:
                 reasoning = True
     return False if reasoning else None
+
+
+def _texts(chunk: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The chars of a chunk that carries text deltas only (content, reasoning); None for any
+    other chunk (no choices, a finish, tool calls)."""
+    choices = chunk.get("choices")
+    if type(choices) is not list or not choices:
+        return None
+    content = reasoning = 0
+    for choice in choices:
+        if type(choice) is not dict or choice.get("finish_reason") is not None:
+            return None
+        text = choice.get("text")
+        if type(text) is str:
+            content += len(text)
+        delta = choice.get("delta")
+        if type(delta) is dict:
+            if delta.get("tool_calls"):
+                return None
+            own = delta.get("content")
+            if type(own) is str:
+                content += len(own)
+            thought = reasoning_of(delta)
+            if thought:
+                reasoning += len(thought)
+    return content, reasoning
 
 
 class StreamRelay:
@@ -142,6 +174,11 @@ class StreamRelay:
         )
         self.held: list[bytes] = []
         self.heldbytes_ = 0
+        # The held-back tail (plan.hold_back_chars): each chunk's bytes and its text's chars
+        # (content, reasoning); dropped by a decision, its chars then in ``unshown``.
+        self.tail: list[tuple[bytes, int, int]] = []
+        self.tail_chars = 0
+        self.unshown: tuple[int, int] = (0, 0)
         # Templates need chunks that reach the client unchanged and no inspector (they see
         # dicts); strip_logprobs changes them, a restarted attempt's id is checked on learning.
         self._simple = SimpleReads(
@@ -167,6 +204,7 @@ class StreamRelay:
             or plan.id_override is not None
             or plan.hold_reasoning
             or plan.reasoning_as_content
+            or plan.hold_back_chars > 0
         )
 
     def now(self) -> float:
@@ -242,6 +280,11 @@ class StreamRelay:
                     or REASONING_KEYS[:1]
                 )
                 self.held.clear()
+            if self.tail:  # the held-back tail is never shown either
+                content = sum(c for _, c, _ in self.tail)
+                self.unshown = (content, sum(r for _, _, r in self.tail))
+                self.tail.clear()
+                self.tail_chars = 0
             return True
         return False
 
@@ -250,7 +293,26 @@ class StreamRelay:
         raw = self.rewrite(chunk, raw)
         if self.holding:
             return self.hold(_releases_hold(chunk), raw)
+        if self.plan.hold_back_chars > 0:
+            return self.hold_back(chunk, raw)
         return raw
+
+    def hold_back(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
+        """Hold a text chunk in the tail; release what the tail holds past its bound. Any
+        other chunk (a finish, usage, tool calls) releases the whole tail before it."""
+        texts = _texts(chunk)
+        if texts is None:
+            return self.flush_held(raw)
+        content, reasoning = texts
+        self.tail.append((raw, content, reasoning))
+        self.tail_chars += content + reasoning
+        released: list[bytes] = []
+        bound = self.plan.hold_back_chars
+        while self.tail and self.tail_chars > bound:
+            out, c, r = self.tail.pop(0)
+            self.tail_chars -= c + r
+            released.append(out)
+        return b"".join(released) if released else None
 
     def rewrite(self, chunk: dict[str, Any], raw: bytes) -> bytes:
         """The bytes of one parsed chunk as the client gets them (``parse`` already moved its
@@ -300,6 +362,10 @@ class StreamRelay:
         return raw
 
     def flush_held(self, raw: bytes) -> bytes:
+        if self.tail:
+            raw = b"".join([t[0] for t in self.tail]) + raw
+            self.tail.clear()
+            self.tail_chars = 0
         if not self.held:
             return raw
         held = b"".join(self.held) + raw
