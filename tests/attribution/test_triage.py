@@ -1,0 +1,223 @@
+"""Triage's budgets, quiet waits, failures and shutdown, with a scripted upstream: what does not
+fit is dropped and counted, and its incident still gets a cause naming what was missing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+import orjson
+import pytest
+
+from proxy.attribution.case import Diverged, TriageCase
+from proxy.attribution.experiments import run_experiments
+from proxy.attribution.triage import Triage
+from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.config import AttributionConfig, AuditConfig
+from proxy.events import CauseAttributed, EventBus, TriageDropped
+from proxy.http.upstream import Upstream
+
+
+class Load:
+    def __init__(self, inflight: int = 0) -> None:
+        self.inflight = inflight
+        self.started = 0
+
+
+class Answer:
+    def __init__(self, body: bytes) -> None:
+        self.status = 200
+        self._body = body
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def close(self) -> None:
+        pass
+
+
+class Scripted:
+    """An upstream that answers each replay with the text ``texts(n)`` (n: replays so far)."""
+
+    def __init__(self, texts: Callable[[int], str]) -> None:
+        self.texts = texts
+        self.bodies: list[dict[str, Any]] = []
+
+    async def send(self, method: str, raw_path: str, headers: Any, body: bytes) -> Answer:
+        self.bodies.append(orjson.loads(body))
+        text = self.texts(len(self.bodies))
+        answer = {"choices": [{"index": 0, "message": {"content": text}, "finish_reason": "stop"}]}
+        return Answer(orjson.dumps(answer))
+
+    async def close(self) -> None:
+        pass
+
+
+def outcome(text: str) -> Outcome:
+    return Outcome((ChoiceOutcome(0, text, "", None, "stop"),))
+
+
+def case(i: int = 0, primary: str = "a", shadow: str = "b") -> TriageCase:
+    now = time.time()
+    return TriageCase(
+        request_id=f"r{i}",
+        model="m",
+        endpoint="chat",
+        raw_path="/v1/chat/completions",
+        body={"model": "m", "messages": [], "temperature": 0},
+        headers={},
+        mode="full",
+        target="same",
+        primary=outcome(primary),
+        shadow=outcome(shadow),
+        primary_inflight=1,
+        primary_inflight_end=1,
+        shadow_inflight=0,
+        shadow_cold=True,
+        shadow_alone=True,
+        primary_at=now,
+        shadow_at=now,
+        estimated_tokens=10,
+        diverged=(Diverged(0, "text_divergence", now),),
+    )
+
+
+def triage(
+    upstream: Scripted, load: Load | None = None, **config: Any
+) -> tuple[Triage, list[object]]:
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(CauseAttributed, seen.append)
+    bus.subscribe(TriageDropped, seen.append)
+    settings = {"cold_method": "cache_salt", "max_per_minute": 6000.0, **config}
+    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
+    t = Triage(AttributionConfig(**settings), audit, bus, cast(Upstream, upstream), load or Load())
+    return t, seen
+
+
+async def until(check: Callable[[], bool], what: str, deadline_s: float = 5.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        await asyncio.sleep(0.005)
+
+
+def causes(seen: list[object]) -> list[CauseAttributed]:
+    return [e for e in seen if isinstance(e, CauseAttributed)]
+
+
+def drops(seen: list[object]) -> list[str]:
+    return [e.reason for e in seen if isinstance(e, TriageDropped)]
+
+
+async def test_cold_replays_each_get_a_fresh_salt_and_warm_ones_none() -> None:
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream, cold_replays=3, warm_replays=2)
+    t.start()
+    t.offer(case())
+    await until(lambda: len(causes(seen)) == 1, "a cause")
+    await t.close()
+    salts = [b.get("cache_salt") for b in upstream.bodies]
+    assert len(salts) == 6, upstream.bodies  # 3 cold, the prime, 2 warm
+    assert len(set(salts[:3])) == 3 and None not in salts[:3]
+    assert salts[3:] == [None, None, None]
+    evidence = causes(seen)[0].evidence
+    assert [r["name"] for r in evidence["runs"]] == [
+        "primary",
+        "shadow",
+        "cold-1",
+        "cold-2",
+        "cold-3",
+        "prime",
+        "warm-1",
+        "warm-2",
+    ]
+
+
+async def test_cold_replays_stop_once_they_disagree() -> None:
+    upstream = Scripted(lambda n: "x" if n == 2 else "b")
+    t, seen = triage(upstream, cold_replays=4)
+    t.start()
+    t.offer(case())
+    await until(lambda: len(causes(seen)) == 1, "a cause")
+    await t.close()
+    assert len(upstream.bodies) == 2
+    found = causes(seen)[0]
+    assert found.cause == "intrinsic"
+    assert found.evidence["parted"] and found.evidence["groups"] == 3
+
+
+async def test_over_the_rate_it_is_dropped_counted_and_unknown_with_the_budget_named() -> None:
+    t, seen = triage(Scripted(lambda n: "b"), max_per_minute=0.001)  # one, then none
+    t.offer(case(1))
+    t.offer(case(2))
+    assert drops(seen) == ["rate_limit"]
+    dropped = causes(seen)
+    assert [c.request_id for c in dropped] == ["r2"]
+    assert dropped[0].cause == "unknown"
+    assert dropped[0].evidence["missing"][0] == "triage budget: rate_limit"
+    assert t.queued == 1
+    await t.close()
+    assert drops(seen) == ["rate_limit", "shutdown"]
+
+
+async def test_the_token_budget_and_the_queue_bound_what_waits() -> None:
+    t, seen = triage(Scripted(lambda n: "b"), token_allowance=100, max_token_share=0.0)
+    t.offer(case(1))  # 10 tokens x 7 runs fits 100; the next does not
+    t.offer(case(2))
+    assert drops(seen) == ["token_budget"]
+    t2, seen2 = triage(Scripted(lambda n: "b"), queue_size=1)
+    t2.offer(case(1))
+    t2.offer(case(2))
+    assert drops(seen2) == ["queue_full"]
+    await t.close()
+    await t2.close()
+
+
+async def test_no_quiet_moment_gives_up_after_its_deadline() -> None:
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream, Load(inflight=3), quiet_deadline_s=0.05)
+    t.start()
+    t.offer(case())
+    await until(lambda: len(causes(seen)) == 1, "a cause")
+    await t.close()
+    assert upstream.bodies == []  # nothing was sent beside the client requests
+    assert drops(seen) == ["quiet_deadline"]
+    assert causes(seen)[0].cause == "unknown"
+    assert "no quiet moment: quiet_deadline" in causes(seen)[0].evidence["missing"]
+
+
+async def test_a_failing_triage_is_counted_and_the_next_one_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = 0
+
+    async def flaky(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("boom")
+        return await run_experiments(*args)
+
+    monkeypatch.setattr("proxy.attribution.triage.run_experiments", flaky)
+    t, seen = triage(Scripted(lambda n: "b"))
+    t.start()
+    t.offer(case(1))
+    t.offer(case(2))
+    await until(lambda: len(causes(seen)) == 2, "two causes")
+    await t.close()
+    assert drops(seen) == ["error"]
+    first, second = causes(seen)
+    assert first.evidence["missing"][0] == "triage failed: RuntimeError"
+    assert second.evidence["runs"][2]["name"] == "cold-1"
+
+
+async def test_shutdown_cancels_the_running_triage() -> None:
+    t, _ = triage(Scripted(lambda n: "b"), Load(inflight=3), quiet_deadline_s=600)
+    t.start()
+    t.offer(case())
+    await until(lambda: t.running, "the triage started")
+    await asyncio.wait_for(t.close(), 5)
+    assert not [task for task in asyncio.all_tasks() if task.get_name().startswith("triage:")]
