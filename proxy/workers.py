@@ -85,6 +85,9 @@ def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
         ),
         "DETPROXY_AUDIT__TOKEN_ALLOWANCE": str(audit.token_allowance // count),
         "DETPROXY_AUDIT__AT_LEAST_EVERY_S": repr(audit.at_least_every_s * count),
+        # Triage: each worker runs its own, one at a time; the rate and allowance are split.
+        "DETPROXY_ATTRIBUTION__MAX_PER_MINUTE": repr(settings.attribution.max_per_minute / count),
+        "DETPROXY_ATTRIBUTION__TOKEN_ALLOWANCE": str(settings.attribution.token_allowance // count),
     }
     # A budget shared through Redis is one account for every worker already.
     if loops.recovery_budget_store == "memory":

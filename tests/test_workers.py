@@ -226,3 +226,12 @@ def test_the_workers_split_the_audit_allowance_and_stretch_its_floor() -> None:
     # And the overrides are values the workers' own configuration accepts.
     worker = load_settings(None, split)
     assert worker.audit.token_allowance == 3000 and worker.audit.at_least_every_s == 180.0
+
+
+def test_the_workers_split_the_triage_rate_and_allowance() -> None:
+    settings = Settings.model_validate(
+        {"attribution": {"max_per_minute": 6.0, "token_allowance": 9000}}
+    )
+    split = worker_budgets(settings, 3)
+    assert float(split["DETPROXY_ATTRIBUTION__MAX_PER_MINUTE"]) == 2.0
+    assert split["DETPROXY_ATTRIBUTION__TOKEN_ALLOWANCE"] == "3000"

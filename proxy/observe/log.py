@@ -24,6 +24,7 @@ from yarl import URL
 from proxy.config import LogConfig, Settings
 from proxy.events import (
     AuditCompleted,
+    CauseAttributed,
     ClientDisconnected,
     EngineFactsRead,
     EventBus,
@@ -37,6 +38,7 @@ from proxy.events import (
     RequestFinished,
     ShadowDropped,
     SharedStoreFailed,
+    TriageDropped,
     UpstreamFailed,
     UpstreamFingerprinted,
 )
@@ -269,6 +271,27 @@ SHADOW_DROPS = {
     "injection_failed": "the upstream refused the logprobs a replay needs",
     "internal_error": "detproxy failed to replay it (a bug: please report it)",
 }
+# What each cause means for the operator (SPEC 1.14), said with the cause.
+CAUSE_ADVICE = {
+    "intrinsic": "serial cold replays at batch 1 differ: a nondeterministic kernel in the engine"
+    " (a bug to report)",
+    "batch": "replays alone agree, runs beside other requests differ: batch composition (a"
+    " batch-invariant mode removes it, at a throughput cost)",
+    "prefix_cache": "a prefix-cache hit is not bit-identical to a cold prefill (cache_salt per"
+    " tenant, or no prefix caching for audited traffic)",
+    "speculative": "speculative decoding is not output-equivalent to greedy here (turn it off"
+    " or accept it)",
+    "recipe_change": "the upstream changed between the primary and its replay",
+    "unknown": "the evidence does not decide",
+}
+TRIAGE_DROPS = {
+    "queue_full": "the triage queue is full (attribution.queue_size)",
+    "rate_limit": "attribution.max_per_minute reached",
+    "token_budget": "attribution.max_token_share reached",
+    "quiet_deadline": "no quiet moment within attribution.quiet_deadline_s",
+    "error": "triage failed (a bug: please report it)",
+    "shutdown": "detproxy stopped first",
+}
 UPSTREAM_FAILURES = {
     "refused": "refused the connection",
     "reset": "closed the connection",
@@ -311,6 +334,8 @@ class EventLog:
         bus.subscribe(SharedStoreFailed, self._shared_store)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
         bus.subscribe(AuditCompleted, self._audited)
+        bus.subscribe(CauseAttributed, self._cause)
+        bus.subscribe(TriageDropped, self._triage_dropped)
         # Per request: only when asked for (an access log, or DEBUG).
         debug = self._log.isEnabledFor(logging.DEBUG)
         if self._access_on or debug:
@@ -568,6 +593,36 @@ class EventLog:
             mode=ev.mode,
             verdict=verdict.verdict,
             choice=ev.choice,
+        )
+
+    def _cause(self, ev: CauseAttributed) -> None:
+        model, rid = clean(ev.model), clean(ev.request_id)
+        why = CAUSE_ADVICE.get(ev.cause, ev.cause)
+        missing = ev.evidence.get("missing") if ev.cause == "unknown" else None
+        if isinstance(missing, list) and missing:
+            why += "; missing: " + "; ".join(str(m) for m in missing)
+        self._emit(
+            logging.WARNING if ev.cause == "intrinsic" else logging.INFO,
+            ("cause", model, ev.cause),
+            f"cause of model {model}'s {ev.verdict} ({ev.mode}), request {rid}: {ev.cause}: {why}",
+            event="cause",
+            request_id=rid,
+            model=model,
+            mode=ev.mode,
+            choice=ev.choice,
+            verdict=ev.verdict,
+            cause=ev.cause,
+        )
+
+    def _triage_dropped(self, ev: TriageDropped) -> None:
+        level = logging.DEBUG if ev.reason == "shutdown" else logging.INFO
+        self._emit(
+            level,
+            ("triage_dropped", ev.reason),
+            f"triage of a divergent audit dropped: {TRIAGE_DROPS.get(ev.reason, ev.reason)}",
+            event="triage_dropped",
+            model=clean(ev.model),
+            reason=ev.reason,
         )
 
     def _finished(self, ev: RequestFinished) -> None:
