@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from proxy.audit.verdict import VERDICTS
 from proxy.observe.ui.incident import IncidentRow
 
-VERDICT_CHOICES = (*VERDICTS, "loop", "upstream_change")
+VERDICT_CHOICES = (*VERDICTS, "loop", "upstream_change", "engine_mismatch", "upstream_restart")
 MODES = ("full", "prefill", "n_choices", "duplicate")
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 10_000

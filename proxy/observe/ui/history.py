@@ -1,13 +1,16 @@
 """What the live page needs that neither the ring nor the tally keeps: audits by time (the
-identical ones too, so rates over time have denominators) and the upstream's fingerprint
-readings. A bus subscriber; bounded in buckets, keys and readings."""
+identical ones too, so rates over time have denominators), the upstream's fingerprint
+readings and what the engine says it loaded (the ``engine`` object of ``/detproxy/status``,
+from the same ``EngineFactsRead``). A bus subscriber; bounded in buckets, keys and readings."""
 
 from __future__ import annotations
 
 from collections import Counter, deque
+from typing import Any
 
 from proxy.events import (
     AuditCompleted,
+    EngineFactsRead,
     EventBus,
     UpstreamFingerprinted,
     UpstreamRestarted,
@@ -37,12 +40,30 @@ class LiveHistory:
         self._down: UpstreamUnreachable | None = None  # the outage going on, if any
         self._restarts = 0
         self._restarted_at: float | None = None
+        self._engine: dict[str, Any] | None = None  # as /detproxy/status's ``engine``
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._audited)
         bus.subscribe(UpstreamFingerprinted, self._fingerprinted)
         bus.subscribe(UpstreamUnreachable, self._unreachable)
         bus.subscribe(UpstreamRestarted, self._restarted)
+        bus.subscribe(EngineFactsRead, self._engine_read)
+
+    def _engine_read(self, ev: EngineFactsRead) -> None:
+        facts = ev.facts
+        self._engine = {
+            "loaded": facts.as_dict(),
+            "recipe": facts.digest(),
+            "mismatches": [
+                {"field": m.field, "expected": m.expected, "loaded": m.loaded}
+                for m in ev.mismatches
+            ],
+            "unknown": list(ev.unknown_fields),
+        }
+
+    def engine(self) -> dict[str, Any] | None:
+        """What the engine loaded as last read (None: nothing read yet)."""
+        return self._engine
 
     def _unreachable(self, ev: UpstreamUnreachable) -> None:
         self._down = ev

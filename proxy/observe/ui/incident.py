@@ -1,4 +1,5 @@
-"""One incident record (an audit, a loop, an upstream change) as view models: a list row and
+"""One incident record (an audit, a loop, an upstream change or restart, an engine that does
+not run what was declared) as view models: a list row and
 a detail page's figures. Pure functions over the dicts of the ring or of a log file."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import xxhash
 from proxy.observe.ui.fields import flag, integer, mapping, number, text
 from proxy.tools.report.stats import NEAR_TIE_NATS
 
-KINDS = ("audit", "loop", "upstream_change")
+KINDS = ("audit", "loop", "upstream_change", "engine_mismatch", "upstream_restart")
 MINUS_INF = -9999.0  # vLLM's stand-in for minus infinity in logprobs
 CONTEXT_CHARS = 400  # of the common prefix, shown before the sides part
 TAIL_CHARS = 4000  # of each side after the divergence
@@ -43,14 +44,16 @@ def fingerprint_of(record: dict[str, Any]) -> str:
 @dataclass(frozen=True, slots=True)
 class IncidentRow:
     id: str
-    kind: str  # audit | loop | upstream_change
+    kind: str  # one of KINDS
     ts: float | None
     model: str
-    verdict: str  # an audit's verdict, or "loop", or "upstream_change"
+    verdict: str  # an audit's verdict, else the kind (loop, upstream_change, ...)
     mode: str  # an audit's mode; "" for the other kinds
     fingerprint: str
     request_id: str
     summary: str  # one line: where it diverged, what looped, what changed
+    cause: str = ""  # an audit's cause as triage attributed it; "" not (yet) triaged
+    recipe: str = ""  # the digest of what the engine loaded when it was recorded; "" unknown
 
 
 def _token(value: str | None) -> str:
@@ -90,6 +93,51 @@ def _change_summary(record: dict[str, Any]) -> str:
     return f"upstream {old} → {new}{moved}"
 
 
+def _json(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return repr(value)
+
+
+def mismatches_of(record: dict[str, Any]) -> tuple[tuple[str, str, str], ...]:
+    """An engine_mismatch's (field, declared, loaded), values as JSON text but for strings."""
+    raw = record.get("mismatches")
+    if not isinstance(raw, list):
+        return ()
+    return tuple(
+        (str(m.get("field")), _json(m.get("expected")), _json(m.get("loaded")))
+        for m in raw
+        if isinstance(m, dict)
+    )
+
+
+def _mismatch_summary(record: dict[str, Any]) -> str:
+    found = mismatches_of(record)
+    if not found:
+        return "the engine does not run what [upstream.expect] declares"
+    shown = "; ".join(f"{f}: declared {d}, loaded {ld}" for f, d, ld in found[:3])
+    more = f" (+{len(found) - 3} more)" if len(found) > 3 else ""
+    return f"engine runs another recipe: {shown}{more}"
+
+
+def _restart_summary(record: dict[str, Any]) -> str:
+    down = number(record, "down_s")
+    after = "" if down is None else f" after {down:.3g} s down"
+    return f"upstream restarted{after}: the same identity back, not a change"
+
+
+def recipe_of(record: dict[str, Any]) -> str:
+    """The digest of what the engine loaded when the incident was recorded ("" unknown)."""
+    if record.get("kind") == "engine_mismatch":
+        return text(record, "recipe") or ""
+    if record.get("kind") == "upstream_change":
+        return text(mapping(mapping(record, "after"), "identity"), "recipe") or ""
+    return text(mapping(record, "upstream"), "recipe") or ""
+
+
 def row_of(record: dict[str, Any]) -> IncidentRow | None:
     """None for a record of no known kind."""
     kind = text(record, "kind")
@@ -100,6 +148,10 @@ def row_of(record: dict[str, Any]) -> IncidentRow | None:
         summary = _audit_summary(record)
     elif kind == "loop":
         verdict, mode, summary = "loop", "", _loop_summary(record)
+    elif kind == "engine_mismatch":
+        verdict, mode, summary = kind, "", _mismatch_summary(record)
+    elif kind == "upstream_restart":
+        verdict, mode, summary = kind, "", _restart_summary(record)
     else:
         verdict, mode, summary = "upstream_change", "", _change_summary(record)
     return IncidentRow(
@@ -112,6 +164,8 @@ def row_of(record: dict[str, Any]) -> IncidentRow | None:
         fingerprint=fingerprint_of(record),
         request_id=text(record, "request_id") or "",
         summary=summary,
+        cause=(text(record, "cause") or "") if kind == "audit" else "",
+        recipe=recipe_of(record),
     )
 
 
@@ -181,6 +235,7 @@ class AuditDetail:
     text_stored: bool
     prompt: str | None
     side_by_side: SideBySide | None
+    cause_evidence: dict[str, Any] | None = None  # triage's evidence, with the row's cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +261,26 @@ class ChangeDetail:
     changed_fields: tuple[tuple[str, str, str], ...]  # (identity field, before, after)
 
 
-Detail = AuditDetail | LoopDetail | ChangeDetail
+@dataclass(frozen=True, slots=True)
+class EngineMismatchDetail:
+    row: IncidentRow
+    mismatches: tuple[tuple[str, str, str], ...]  # (field, declared, loaded)
+    loaded: tuple[tuple[str, str], ...]  # the facts that loaded, in display order
+    sources: dict[str, str]  # fact -> where it was read (log, server_info, ...)
+    unknown_env: tuple[str, ...]
+    deprecated: tuple[str, ...]
+    fallbacks: tuple[str, ...]
+    start_failed: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RestartDetail:
+    row: IncidentRow
+    down_s: float | None
+    evidence: str  # what showed the restart (a new process start time, an outage)
+
+
+Detail = AuditDetail | LoopDetail | ChangeDetail | EngineMismatchDetail | RestartDetail
 
 
 def _top(raw: Any, chosen: str | None) -> tuple[TopEntry, ...]:
@@ -334,6 +408,7 @@ def audit_detail(record: dict[str, Any], row: IncidentRow) -> AuditDetail:
         text_stored=primary_text is not None or text(record, "prompt") is not None,
         prompt=text(record, "prompt"),
         side_by_side=pair,
+        cause_evidence=mapping(record, "cause_evidence"),
     )
 
 
@@ -368,6 +443,32 @@ def change_detail(record: dict[str, Any], row: IncidentRow) -> ChangeDetail:
     return ChangeDetail(row, before, after, changed)
 
 
+def _strings(value: Any) -> tuple[str, ...]:
+    return tuple(str(v) for v in value) if isinstance(value, list | tuple) else ()
+
+
+def engine_detail(record: dict[str, Any], row: IncidentRow) -> EngineMismatchDetail:
+    loaded = mapping(record, "loaded") or {}
+    facts = mapping(loaded, "facts") or {}
+    sources = mapping(loaded, "sources") or {}
+    return EngineMismatchDetail(
+        row=row,
+        mismatches=mismatches_of(record),
+        loaded=tuple((str(k), _json(v)) for k, v in facts.items()),
+        sources={str(k): _json(v) for k, v in sources.items()},
+        unknown_env=_strings(loaded.get("unknown_env")),
+        deprecated=_strings(loaded.get("deprecated")),
+        fallbacks=_strings(loaded.get("fallbacks")),
+        start_failed=flag(loaded, "start_failed") is True,
+    )
+
+
+def restart_detail(record: dict[str, Any], row: IncidentRow) -> RestartDetail:
+    evidence = record.get("evidence")
+    shown = "" if evidence is None else _json(evidence)
+    return RestartDetail(row, number(record, "down_s"), shown)
+
+
 def detail_of(record: dict[str, Any]) -> Detail | None:
     row = row_of(record)
     if row is None:
@@ -376,4 +477,8 @@ def detail_of(record: dict[str, Any]) -> Detail | None:
         return audit_detail(record, row)
     if row.kind == "loop":
         return loop_detail(record, row)
+    if row.kind == "engine_mismatch":
+        return engine_detail(record, row)
+    if row.kind == "upstream_restart":
+        return restart_detail(record, row)
     return change_detail(record, row)

@@ -10,12 +10,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from proxy.audit.verdict import VERDICTS
 from proxy.observe.status import INFLIGHT_CAP
 from proxy.observe.ui.fields import integer, mapping, number, text
 from proxy.observe.ui.filters import MODES, VERDICT_CHOICES, IncidentFilter
-from proxy.observe.ui.incident import IncidentRow, row_of
+from proxy.observe.ui.incident import IncidentRow, mismatches_of, row_of
 from proxy.observe.ui.timeline import Column, Observation, Point, Span, columns, spans
+from proxy.tools.report.causes import TRIAGED, UNTRIAGED, cause_order
 
 Key3 = tuple[str, str, str]  # (model, x, y): the keys of the tally's counters
 MAX_MODELS = 12  # model sections drawn; the rest are named in a note
@@ -34,6 +37,8 @@ class Inputs:
     now: float | None  # the live page's clock; None: the data's last time
     source: str  # "live", or the files read
     upstream: Sequence[str] = ()  # the live upstream's state in words (down, restarts)
+    # What the engine loaded: /detproxy/status's ``engine`` object (live), or None
+    engine: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,19 @@ class ModelView:
     loops: tuple[tuple[str, str, int], ...]  # (channel, source, count)
     strategies: tuple[StrategyRow, ...] | None  # None: unknown without a tally
     incidents: int
+    causes: tuple[tuple[str, int], ...] = ()  # triage's causes of its audit incidents
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the engine loaded and what it does not meet of [upstream.expect]."""
+
+    origin: str  # "live" (the engine as read now) or "the last engine_mismatch incident"
+    recipe: str  # its digest ("" unknown)
+    loaded: tuple[tuple[str, str], ...]  # (fact, value as text)
+    mismatches: tuple[tuple[str, str, str], ...]  # (field, declared, loaded)
+    unknown_env: tuple[str, ...]
+    fallbacks: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +109,9 @@ class Overview:
     filter: IncidentFilter
     options: Mapping[str, tuple[str, ...]]  # the values each filter can take here
     notes: tuple[str, ...]
+    # per upstream fingerprint (newest first): triage's causes of the audits measured on it
+    causes_by_fingerprint: tuple[tuple[str, tuple[tuple[str, int], ...]], ...] = ()
+    engine: EngineView | None = None
 
 
 def _observations(records: Sequence[dict[str, Any]]) -> list[Observation]:
@@ -110,6 +131,67 @@ def _observations(records: Sequence[dict[str, Any]]) -> list[Observation]:
                     Observation(ts - 1e-6 * (1 - i), fp, text(side, "kind"), text(side, "version"))
                 )
     return out
+
+
+def _cause(record: dict[str, Any]) -> str | None:
+    """An audit incident's cause; ``untriaged`` for one triage could take and has not."""
+    cause = text(record, "cause")
+    if cause:
+        return cause
+    return UNTRIAGED if text(record, "verdict") in TRIAGED else None
+
+
+def cause_counts(audits: Sequence[dict[str, Any]]) -> tuple[tuple[str, int], ...]:
+    counts = Counter(c for r in audits if (c := _cause(r)) is not None)
+    return tuple((c, counts[c]) for c in sorted(counts, key=cause_order))
+
+
+def _by_fingerprint(
+    records: Sequence[dict[str, Any]], rows: Sequence[IncidentRow]
+) -> tuple[tuple[str, tuple[tuple[str, int], ...]], ...]:
+    """Causes per upstream fingerprint, the newest fingerprint first; only triaged audits."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for record, row in zip(records, rows, strict=True):
+        if row.kind == "audit" and row.cause:
+            groups.setdefault(row.fingerprint or "(unknown)", []).append(record)
+    return tuple((fp, cause_counts(audits)) for fp, audits in groups.items())
+
+
+def _text(value: Any) -> str:
+    """A fact's value as text: strings as they are, anything else as JSON."""
+    if isinstance(value, str):
+        return value
+    try:
+        return orjson.dumps(value).decode()
+    except TypeError:
+        return repr(value)
+
+
+def engine_view(inputs: Inputs) -> EngineView | None:
+    """Live: the engine as read now; from files: the last engine_mismatch incident."""
+    if inputs.engine is not None:
+        origin, state = "live", inputs.engine
+        mismatches = mismatches_of(dict(state))
+        recipe = text(state, "recipe") or ""
+    else:
+        last = next((r for r in inputs.records if r.get("kind") == "engine_mismatch"), None)
+        if last is None:
+            return None
+        origin, state = "the last engine_mismatch incident", last
+        mismatches, recipe = mismatches_of(last), text(last, "recipe") or ""
+    loaded = mapping(state, "loaded") or {}
+    facts = mapping(loaded, "facts") or {}
+    if not facts and not mismatches and not recipe:
+        return None
+    unknown, fallbacks = loaded.get("unknown_env"), loaded.get("fallbacks")
+    return EngineView(
+        origin=origin,
+        recipe=recipe,
+        loaded=tuple((str(k), _text(v)) for k, v in facts.items()),
+        mismatches=mismatches,
+        unknown_env=tuple(map(str, unknown)) if isinstance(unknown, list) else (),
+        fallbacks=tuple(map(str, fallbacks)) if isinstance(fallbacks, list) else (),
+    )
 
 
 def _verdicts(counts: Counter[str]) -> tuple[tuple[str, int], ...]:
@@ -202,11 +284,13 @@ def _model_view(
         loops=tuple((ch, src, n) for (ch, src), n in sorted(loops.items())),
         strategies=strategies,
         incidents=sum(1 for r in rows if r.model == model),
+        causes=cause_counts(audit_records),
     )
 
 
 def build_overview(inputs: Inputs, wanted: IncidentFilter) -> Overview:
-    all_rows = [row for r in inputs.records if (row := row_of(r)) is not None]
+    known = [(r, row) for r in inputs.records if (row := row_of(r)) is not None]
+    all_rows = [row for _, row in known]
     matching = [row for row in all_rows if wanted.matches(row)]
     observations = [*inputs.readings, *_observations(inputs.records)]
     stamps = [p.ts for p in inputs.points] + [o.ts for o in observations]
@@ -250,4 +334,6 @@ def build_overview(inputs: Inputs, wanted: IncidentFilter) -> Overview:
         filter=wanted,
         options=options,
         notes=tuple(notes),
+        causes_by_fingerprint=_by_fingerprint([r for r, _ in known], all_rows),
+        engine=engine_view(inputs),
     )

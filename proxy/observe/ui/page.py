@@ -37,6 +37,10 @@ font-weight:600;background:var(--incomparable)}
 .b-text_divergence{background:var(--text_divergence)}
 .b-answer_divergence{background:var(--answer_divergence)}
 .b-loop{background:var(--loop)}.b-upstream_change{background:var(--upstream_change)}
+.b-engine_mismatch{background:#c92a2a}.b-upstream_restart{background:#4dabf7}
+.cause{background:#495057}.c-intrinsic{background:#c92a2a}.c-batch{background:#d99a00}
+.c-prefix_cache{background:#1098ad}.c-speculative{background:#7048e8}
+.c-recipe_change{background:#1c7ed6}.c-untriaged{background:#adb5bd}
 .model{border:1px solid var(--line);border-radius:6px;padding:6px 12px 10px;margin:12px 0}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(340px,1fr));gap:12px}
 table{border-collapse:collapse;margin:4px 0}

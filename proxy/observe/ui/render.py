@@ -14,13 +14,16 @@ from proxy.observe.ui.incident import (
     AuditDetail,
     ChangeDetail,
     Detail,
+    EngineMismatchDetail,
     IncidentRow,
     LoopDetail,
+    RestartDetail,
     SideBySide,
 )
-from proxy.observe.ui.overview import ModelView, Overview
+from proxy.observe.ui.overview import EngineView, ModelView, Overview
 from proxy.observe.ui.page import Links, document, esc
 from proxy.observe.ui.svg import inflight_curve, loop_strip, pct, timeline, topk_bars
+from proxy.tools.report.causes import ACTION, MEANING, TRIAGED, UNTRIAGED, missing_evidence
 from proxy.tools.report.summary import iso
 
 SHOWN_REPEATS = 3  # a loop's unit is written out this many times, marked
@@ -67,6 +70,33 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]], numeric: Sequence
         for r in rows
     )
     return f"<table><thead><tr>{ths}</tr></thead><tbody>{trs}</tbody></table>"
+
+
+def cause_badge(cause: str) -> str:
+    """An audit's cause as triage attributed it (``untriaged`` where it has not)."""
+    shown = cause or UNTRIAGED
+    title = esc(MEANING.get(shown, ""))
+    return (
+        f'<span class="badge cause c-{esc(shown)}" title="{title}">'
+        f"{esc(shown.replace('_', ' '))}</span>"
+    )
+
+
+def _triageable(row: IncidentRow) -> bool:
+    """An audit with a cause, or one that triage could take (not incomparable)."""
+    return row.kind == "audit" and (bool(row.cause) or row.verdict in TRIAGED)
+
+
+def causes_table(causes: Sequence[tuple[str, int]]) -> str:
+    """Causes with their counts, what each means and what to do about it."""
+    return _table(
+        ("cause", "incidents", "what it means", "what to do"),
+        [
+            (cause_badge(c), str(n), esc(MEANING.get(c, "")), esc(ACTION.get(c, "")))
+            for c, n in causes
+        ],
+        (False, True, False, False),
+    )
 
 
 # ---------------------------------------------------------------------------------- overview
@@ -119,8 +149,14 @@ def _model_section(view: ModelView, ov: Overview, links: Links) -> str:
             ],
             (False, True, True, True, True),
         )
+    causes = ""
+    if view.causes:
+        causes = (
+            "<h3>Causes</h3><p class=\"small muted\">triage's verdicts on this model's audit"
+            f" incidents (untriaged: not reached yet)</p>{causes_table(view.causes)}"
+        )
     return (
-        f'<section class="model" data-model="{esc(view.model)}">{head}{summary}'
+        f'<section class="model" data-model="{esc(view.model)}">{head}{summary}{causes}'
         f'<h3>Verdicts over time</h3><p class="small muted">{rate_note}</p>{chart}'
         '<div class="grid"><div><h3>Divergence by requests in flight</h3>'
         '<p class="small muted">a rate that grows with the load is a batch effect</p>'
@@ -156,13 +192,14 @@ def _row(row: IncidentRow, links: Links) -> str:
     attrs = (
         f' data-id="{esc(row.id)}" data-model="{esc(row.model)}" data-verdict="{esc(row.verdict)}"'
         f' data-mode="{esc(row.mode)}" data-fingerprint="{esc(row.fingerprint)}"'
-        f' data-request="{esc(row.request_id)}"'
+        f' data-request="{esc(row.request_id)}" data-cause="{esc(row.cause)}"'
     )
     href = esc(links.incident(row.id))
+    cause = cause_badge(row.cause) if _triageable(row) else ""
     return (
         f"<tr{attrs}><td>{_time(row.ts)}</td><td>{esc(row.model)}</td><td>{badge(row.verdict)}</td>"
-        f'<td>{esc(row.mode)}</td><td class="sum"><a class="incident-link" href="{href}">'
-        f'{esc(row.summary)}</a></td><td class="small">{esc(row.request_id)}</td>'
+        f'<td>{esc(row.mode)}</td><td>{cause}</td><td class="sum"><a class="incident-link"'
+        f' href="{href}">{esc(row.summary)}</a></td><td class="small">{esc(row.request_id)}</td>'
         f'<td class="small">{esc(row.fingerprint[:8])}</td></tr>'
     )
 
@@ -171,7 +208,7 @@ def incident_list(ov: Overview, links: Links) -> str:
     shown = f"{len(ov.rows)} shown of {ov.matching} matching ({ov.recorded} recorded)"
     head = "".join(
         f"<th>{h}</th>"
-        for h in ("time (UTC)", "model", "verdict", "mode", "what", "request", "upstream")
+        for h in ("time (UTC)", "model", "verdict", "mode", "cause", "what", "request", "upstream")
     )
     rows = "".join(_row(r, links) for r in ov.rows)
     empty = "" if ov.rows else '<p class="muted" id="none">No incidents match.</p>'
@@ -179,6 +216,61 @@ def incident_list(ov: Overview, links: Links) -> str:
         f'<h2 id="list">Incidents, newest first</h2>{_filters(ov, links)}'
         f'<p class="small muted" id="shown">{shown}</p>'
         f'<table id="incidents"><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>{empty}'
+    )
+
+
+def engine_section(engine: EngineView | None) -> str:
+    """What the engine loaded (live, or at the last mismatch) and what it does not meet."""
+    if engine is None:
+        return ""
+    parts = [
+        '<section id="engine"><h2>Engine: what loaded</h2>'
+        f'<p class="small muted">from {esc(engine.origin)}; recipe'
+        f" <code>{esc(engine.recipe or 'unknown')}</code>; a fact not listed is unknown</p>"
+    ]
+    if engine.mismatches:
+        parts.append(
+            '<p class="note" id="engine-mismatch">The engine does not run what'
+            " [upstream.expect] declares:</p>"
+            + _table(
+                ("field", "declared", "loaded"),
+                [
+                    (esc(f), f"<code>{esc(d)}</code>", f"<code>{esc(ld)}</code>")
+                    for f, d, ld in engine.mismatches
+                ],
+                (False, False, False),
+            )
+        )
+    if engine.loaded:
+        parts.append(
+            _table(
+                ("fact", "loaded"),
+                [(esc(k), f"<code>{esc(v)}</code>") for k, v in engine.loaded],
+                (False, False),
+            )
+        )
+    if engine.unknown_env:
+        parts.append(
+            f"<p>Ignored as unknown by the engine: <code>{esc(', '.join(engine.unknown_env))}"
+            "</code></p>"
+        )
+    if engine.fallbacks:
+        parts.append(f"<p>Fallbacks: {esc('; '.join(engine.fallbacks))}</p>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def fingerprint_causes(ov: Overview) -> str:
+    if not ov.causes_by_fingerprint:
+        return ""
+    rows = [
+        (f"<code>{esc(fp)}</code>", ", ".join(f"{cause_badge(c)} {n}" for c, n in causes))
+        for fp, causes in ov.causes_by_fingerprint
+    ]
+    return (
+        '<h2 id="causes-by-upstream">Causes per upstream fingerprint</h2>'
+        '<p class="small muted">the triaged audit incidents measured on each upstream</p>'
+        + _table(("fingerprint", "causes"), rows, (False, False))
     )
 
 
@@ -204,8 +296,8 @@ def overview_body(ov: Overview, links: Links) -> str:
             (False, False, False, False, False),
         )
     return (
-        f'<div id="overview"><h1>Determinism audit</h1>{notes}{incident_list(ov, links)}'
-        f"{models}{spans}</div>"
+        f'<div id="overview"><h1>Determinism audit</h1>{notes}{engine_section(ov.engine)}'
+        f"{incident_list(ov, links)}{models}{spans}{fingerprint_causes(ov)}</div>"
     )
 
 
@@ -284,7 +376,10 @@ def audit_body(d: AuditDetail) -> str:
             f"<code>{esc(row.fingerprint)}</code> {esc(d.upstream_kind or '')}"
             f" {esc(d.upstream_version or '')}",
         ),
+        ("measured on recipe", f"<code>{esc(row.recipe or 'unknown')}</code>"),
     ]
+    if _triageable(row):
+        facts.append(("cause", _cause_cell(row.cause, d.cause_evidence)))
     if d.primary_answer is not None or d.shadow_answer is not None:
         facts.append(
             ("answers primary / shadow", f"{_token(d.primary_answer)} / {_token(d.shadow_answer)}")
@@ -299,6 +394,12 @@ def audit_body(d: AuditDetail) -> str:
             f"<div><h3>primary</h3>{topk_bars(div.primary_top, 'primary')}</div>"
             f"<div><h3>shadow</h3>{topk_bars(div.shadow_top, 'shadow')}</div></div>"
         )
+    if d.cause_evidence:
+        evidence = orjson.dumps(d.cause_evidence, option=orjson.OPT_INDENT_2).decode()
+        parts.append(
+            '<details id="cause-evidence"><summary>cause evidence (triage\'s runs)</summary>'
+            f'<pre class="text">{esc(evidence)}</pre></details>'
+        )
     if d.side_by_side is not None:
         parts.append(_sides(d.side_by_side))
     elif not d.text_stored:
@@ -311,6 +412,15 @@ def audit_body(d: AuditDetail) -> str:
             f'<details><summary>prompt</summary><pre class="text">{esc(d.prompt)}</pre></details>'
         )
     return "".join(parts)
+
+
+def _cause_cell(cause: str, evidence: dict[str, Any] | None) -> str:
+    shown = cause or UNTRIAGED
+    cell = f"{cause_badge(cause)} {esc(ACTION.get(shown, ''))}"
+    missing = missing_evidence(evidence) if shown == "unknown" else None
+    if missing:
+        cell += f" <b>Missing:</b> {esc(missing)}"
+    return cell
 
 
 def loop_body(d: LoopDetail) -> str:
@@ -381,11 +491,71 @@ def change_body(d: ChangeDetail) -> str:
     return f"{head}{_facts(facts)}<h2>What changed</h2>{changed}"
 
 
+def engine_mismatch_body(d: EngineMismatchDetail) -> str:
+    row = d.row
+    facts = [
+        ("kind", badge("engine_mismatch")),
+        ("time (UTC)", _time(row.ts)),
+        ("recipe (what loaded)", f"<code>{esc(row.recipe or 'unknown')}</code>"),
+        ("upstream", f"<code>{esc(row.fingerprint)}</code>"),
+        ("failed start", "yes" if d.start_failed else "no"),
+    ]
+    if d.unknown_env:
+        facts.append(
+            ("unknown variables (ignored)", f"<code>{esc(', '.join(d.unknown_env))}</code>")
+        )
+    if d.deprecated:
+        facts.append(("deprecated", esc("; ".join(d.deprecated))))
+    if d.fallbacks:
+        facts.append(("fallbacks", esc("; ".join(d.fallbacks))))
+    mismatches = _table(
+        ("field", "declared", "loaded"),
+        [
+            (esc(f), f"<code>{esc(dc)}</code>", f"<code>{esc(ld)}</code>")
+            for f, dc, ld in d.mismatches
+        ],
+        (False, False, False),
+    )
+    loaded = '<p class="muted">Nothing read of what loaded.</p>'
+    if d.loaded:
+        loaded = _table(
+            ("fact", "loaded", "read from"),
+            [(esc(k), f"<code>{esc(v)}</code>", esc(d.sources.get(k, ""))) for k, v in d.loaded],
+            (False, False, False),
+        )
+    return (
+        f"<h1>{badge('engine_mismatch')} {esc(row.summary)}</h1>{_facts(facts)}"
+        f"<h2>Declared in [upstream.expect], not met</h2>{mismatches}"
+        f'<h2>What loaded</h2><p class="small muted">a fact not listed is unknown</p>{loaded}'
+    )
+
+
+def restart_body(d: RestartDetail) -> str:
+    row = d.row
+    facts = [
+        ("kind", badge("upstream_restart")),
+        ("time (UTC)", _time(row.ts)),
+        ("down for", _num(d.down_s, " s")),
+        ("evidence", esc(d.evidence) if d.evidence else _num(None)),
+        ("upstream (same identity)", f"<code>{esc(row.fingerprint)}</code>"),
+        ("recipe", f"<code>{esc(row.recipe or 'unknown')}</code>"),
+    ]
+    return (
+        f"<h1>{badge('upstream_restart')} {esc(row.summary)}</h1>{_facts(facts)}"
+        '<p class="small muted">The engine came back with the same identity: audits before and'
+        " after it measure the same recipe.</p>"
+    )
+
+
 def detail_body(d: Detail) -> str:
     if isinstance(d, AuditDetail):
         return audit_body(d)
     if isinstance(d, LoopDetail):
         return loop_body(d)
+    if isinstance(d, EngineMismatchDetail):
+        return engine_mismatch_body(d)
+    if isinstance(d, RestartDetail):
+        return restart_body(d)
     return change_body(d)
 
 

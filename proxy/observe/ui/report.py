@@ -22,6 +22,7 @@ from proxy.tools.report.load import Tally, iter_lines, parse_tally
 from proxy.tools.report.summary import latest_tallies
 
 MAX_INCIDENTS = 1000  # pages in one file, the newest
+UPSTREAM_KINDS = ("upstream_change", "upstream_restart", "engine_mismatch")  # of no model
 
 
 @dataclass(slots=True)
@@ -36,6 +37,7 @@ def read_records(paths: Sequence[str]) -> Records:
     Raises LogReadError for a file that cannot be read."""
     out = Records()
     seen: set[bytes] = set()
+    causes: list[dict[str, Any]] = []
     for path in paths:
         for raw in iter_lines(path):
             line = raw.strip()
@@ -58,9 +60,30 @@ def read_records(paths: Sequence[str]) -> Records:
                 if digest not in seen:
                     seen.add(digest)
                     out.incidents.append(obj)
+            elif kind == "cause":
+                causes.append(obj)
             else:
                 out.skipped += 1
+    merge_causes(out.incidents, causes)
     return out
+
+
+def merge_causes(incidents: list[dict[str, Any]], causes: list[dict[str, Any]]) -> None:
+    """Each ``kind: cause`` line's verdict onto the audit incident it names (by ``audit_ts``,
+    ``request_id``, ``mode`` and ``choice``; the latest line wins)."""
+    if not causes:
+        return
+    by_key = {
+        (c.get("audit_ts"), c.get("request_id"), c.get("mode"), c.get("choice")): c for c in causes
+    }
+    for record in incidents:
+        if record.get("kind") != "audit":
+            continue
+        key = (record.get("ts"), record.get("request_id"), record.get("mode"), record.get("choice"))
+        found = by_key.get(key)
+        if found is not None:
+            record["cause"] = found.get("cause")
+            record["cause_evidence"] = found.get("cause_evidence")
 
 
 def _summed(
@@ -86,7 +109,7 @@ def html_report(paths: Sequence[str], model_glob: str | None = None) -> str:
     incidents = [
         r
         for r in records.incidents
-        if r.get("kind") == "upstream_change" or keep(str(r.get("model", "")))
+        if r.get("kind") in UPSTREAM_KINDS or keep(str(r.get("model", "")))
     ]
     incidents.sort(key=_ts, reverse=True)
     latest = latest_tallies(records.tallies)

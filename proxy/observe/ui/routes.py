@@ -69,6 +69,7 @@ class Explorer:
             now=self._clock(),
             source="live",
             upstream=self._history.upstream_notes(),
+            engine=self._history.engine(),
         )
 
     def _links_for(self, request: web.Request) -> Links:
