@@ -23,7 +23,10 @@ tok/s = output tokens within the window / window. TTFT and ITL (the gap between 
 chunks) are pooled over the repeats. spread = (max - min) / mean of tok/s across repeats.
 
 The upstream fingerprint (/version, /v1/models, /props, /metrics) is read before the sweep
-and after every level; a change (a redeploy, a silent fallback) is reported.
+and after every level; a change (a redeploy, a silent fallback) is reported. So is the
+recipe, what the engine says it loaded (vLLM's /server_info in dev mode and
+vllm:cache_config_info, SGLang's /server_info, llama.cpp's /props, and with --engine-log its
+start-up log): its digest beside each run, its facts before and after.
 
 exit status:
   0  measured, nothing to warn about
@@ -138,6 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="/v1/chat/completions (default) or /v1/completions",
     )
     p.add_argument("--api-key", metavar="KEY", help="sent as a bearer token")
+    p.add_argument(
+        "--engine-log",
+        metavar="FILE",
+        help="the engine's log (vLLM, SGLang, llama.cpp's server): read for what loaded",
+    )
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="one JSON object (stable keys)")
     fmt.add_argument("--markdown", action="store_true", help="a GitHub markdown table")
@@ -218,7 +226,8 @@ async def amain(argv: list[str] | None = None) -> int:
         duration_s=args.duration,
         repeats=args.repeats,
         spread_warn=args.spread_warn,
-        extra={"prompts_file": args.prompts},
+        extra={"prompts_file": args.prompts, "engine_log": args.engine_log},
+        engine_log=args.engine_log,
     )
     show = not args.json and sys.stderr.isatty()
     progress = Progress(sys.stderr if show else None, args.repeats * len(args.concurrency))

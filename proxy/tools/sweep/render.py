@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from proxy.tools.sweep.recipe import describe_recipe
 from proxy.tools.sweep.stats import describe
 
 HEADERS = (
@@ -68,6 +69,15 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         lines.append(f"upstream after:  {describe(fp['after'])}  <-- CHANGED DURING THE SWEEP")
     else:
         lines.append("upstream after:  unchanged")
+    recipe = report.get("recipe")
+    if recipe is not None:  # what loaded, read from the engine (reports before it: none)
+        lines.append(f"recipe (what loaded, from {recipe['read_from']}):")
+        lines.append(f"  before: {describe_recipe(recipe['before'])}")
+        if recipe["moved"]:
+            moved = ", ".join(recipe["moved"])
+            lines.append(f"  after:  {describe_recipe(recipe['after'])}  <-- MOVED: {moved}")
+        elif recipe["after"] != recipe["before"]:
+            lines.append(f"  after:  {describe_recipe(recipe['after'])}")
     return lines
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,9 +12,11 @@ from typing import Any
 import aiohttp
 
 from proxy.engine.fingerprint import FingerprintPoller
+from proxy.engine.follow import moved
 from proxy.engine.identity import Fingerprint
 from proxy.events import EventBus
 from proxy.tools.sweep.load import Clock, RequestRecord, Target, Window, run_window, stream_request
+from proxy.tools.sweep.recipe import RecipeReader
 from proxy.tools.sweep.stats import SCHEMA, level_summary, warnings_for
 
 PREFLIGHT_MAX_TOKENS = 8
@@ -31,6 +34,7 @@ class SweepConfig:
     repeats: int = 3
     spread_warn: float = 0.10
     extra: dict[str, Any] = field(default_factory=dict)  # echoed into the report's config
+    engine_log: str | None = None  # the engine's log, read for what loaded beside each run
 
 
 def normalise_base(url: str) -> str:
@@ -83,20 +87,36 @@ async def _sweep(
 ) -> dict[str, Any]:
     target = config.target
     await preflight(session, target, clock)
-    poller = FingerprintPoller(session, target.base_url, EventBus(), interval_s=0.0)
-    before = current = await poller.poll()
-    changes: list[dict[str, Any]] = []
-    windows: list[Window] = []
-    for repeat in range(1, config.repeats + 1):
-        for c in config.concurrency:
-            window = Window(c, repeat, config.duration_s)
-            index = len(windows)
-            tick = None if on_tick is None else (lambda w, i=index: on_tick(w, i))
-            windows.append(await run_window(session, target, window, tick, clock))
-            fp = await poller.poll()
-            if fp.fingerprint != current.fingerprint:
-                changes.append(_change(repeat, c, current, fp))
-                current = fp
+    recipes = RecipeReader(config.engine_log)
+    try:
+        recipes.refresh()
+    except OSError as exc:
+        raise SweepError(f"cannot read the engine log {config.engine_log}: {exc}") from exc
+    poller = FingerprintPoller(
+        session, target.base_url, EventBus(), interval_s=0.0, truth=recipes.truth
+    )
+    try:
+        before = current = await poller.poll()
+        recipe_before = recipes.snapshot()
+        changes: list[dict[str, Any]] = []
+        windows: list[Window] = []
+        run_recipes: dict[tuple[int, int], str | None] = {}
+        for repeat in range(1, config.repeats + 1):
+            for c in config.concurrency:
+                window = Window(c, repeat, config.duration_s)
+                index = len(windows)
+                tick = None if on_tick is None else (lambda w, i=index: on_tick(w, i))
+                windows.append(await run_window(session, target, window, tick, clock))
+                with contextlib.suppress(OSError):  # a log gone mid-sweep: endpoints still say
+                    recipes.refresh()
+                fp = await poller.poll()
+                run_recipes[(repeat, c)] = recipes.truth.digest()
+                if fp.fingerprint != current.fingerprint:
+                    changes.append(_change(repeat, c, current, fp))
+                    current = fp
+        recipe_after = recipes.snapshot()
+    finally:
+        recipes.close()
     fingerprint = {
         "before": before.summary(),
         "after": current.summary(),
@@ -107,6 +127,19 @@ async def _sweep(
         level_summary(c, [w for w in windows if w.concurrency == c], config.spread_warn)
         for c in config.concurrency
     ]
+    for level in levels:  # what loaded, as read right after each run
+        for run in level["runs"]:
+            run["recipe"] = run_recipes.get((run["repeat"], run["concurrency"]))
+    recipe = {
+        "read_from": recipes.sources(),
+        "before": recipe_before,
+        "after": recipe_after,
+        # facts that went from one known value to another (a redeploy, a fallback): the
+        # fingerprint changes with them; a fact learnt later is no move
+        "moved": moved(
+            (recipe_before or {}).get("facts") or {}, (recipe_after or {}).get("facts") or {}
+        ),
+    }
     warnings = warnings_for(levels, fingerprint, config.spread_warn)
     return {
         "schema": SCHEMA,
@@ -127,6 +160,7 @@ async def _sweep(
             **config.extra,
         },
         "fingerprint": fingerprint,
+        "recipe": recipe,
         "levels": levels,
         "warnings": warnings,
         "ok": not warnings,
