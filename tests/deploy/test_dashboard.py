@@ -87,6 +87,7 @@ def test_dashboard_covers_the_requested_views(dashboard: dict[str, Any]) -> None
         "detproxy_time_to_first_byte_seconds_bucket",
         "detproxy_upstream_errors_total",
         "detproxy_inflight_requests",
+        "detproxy_divergence_causes_total",  # triage's causes by model (SPEC 1.14)
         'model=~"$model"',
     ):
         assert needle in exprs, needle
