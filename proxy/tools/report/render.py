@@ -436,6 +436,18 @@ def blocks(report: dict[str, Any]) -> list[Block]:
         out += section_blocks(f"Model {model}", sec)
     if len(models) > 1:
         out += section_blocks(f"All models ({len(models)})", report["all_models"])
+    by_upstream = report.get("causes_by_upstream") or []
+    if by_upstream:
+        out.append(Heading("Causes per upstream", 2))
+        up_rows = tuple(
+            (
+                u["fingerprint"] or "unknown",
+                u["recipe"] or "unknown",
+                ", ".join(f"{words(c)} {n}" for c, n in u["causes"].items()),
+            )
+            for u in by_upstream
+        )
+        out.append(Table(("fingerprint", "recipe", "causes"), up_rows, (False, False, False)))
     out += engine_blocks(report.get("engine"))
     out.append(Heading("Shadow replays dropped", 2))
     dropped = report["shadows_dropped"]

@@ -23,10 +23,12 @@ recovery P, generated_tokens, generated_per_retry, kept_tokens}}`` (null without
 ``policy_actions {by_action, retried, recovered, recovery P, aborts,
 observed} | null``, ``causes {cause: {count, meaning, action}}`` (triage's verdicts on the audit
 lines, SPEC 1.14; ``untriaged`` for those it has not decided) and ``unknown_missing {what: n}``.
-Worst items carry ``cause`` (null: untriaged). ``engine {recipes [digest], mismatches [{ts, time,
-recipe, fields [{field, declared, loaded}]}], loaded {fact: value} | null, restarts {count,
-last, longest_down_s}}``: what the engine loaded (SPEC 1.15), from the ``engine_mismatch`` and
-``upstream_restart`` lines and the recipe digests the audit lines were measured on.
+Worst items carry ``cause`` (null: untriaged). ``causes_by_upstream [{fingerprint, recipe,
+causes {cause: n}}]``: the same per upstream the audits were measured on.
+``engine {recipes [digest], mismatches [{ts, time, recipe, fields [{field, declared,
+loaded}]}], loaded {fact: value} | null, restarts {count, last, longest_down_s}}``: what the
+engine loaded (SPEC 1.15), from the ``engine_mismatch`` and ``upstream_restart`` lines and the
+recipe digests the audit lines were measured on.
 """
 
 from __future__ import annotations
@@ -244,6 +246,22 @@ def cause_section(audits: list[AuditLine]) -> dict[str, Any]:
     }
 
 
+def causes_by_upstream(audits: list[AuditLine]) -> list[dict[str, Any]]:
+    """Triage's causes per upstream the audits were measured on (fingerprint and recipe)."""
+    groups: dict[tuple[str, str], Counter[str]] = {}
+    for a in audits:
+        if a.cause is not None:
+            groups.setdefault((a.fingerprint, a.recipe), Counter())[a.cause] += 1
+    return [
+        {
+            "fingerprint": fp or None,
+            "recipe": recipe or None,
+            "causes": {c: counts[c] for c in sorted(counts, key=cause_order)},
+        }
+        for (fp, recipe), counts in sorted(groups.items())
+    ]
+
+
 def engine_section(data: LogData) -> dict[str, Any]:
     """What the engine loaded: declared fields not met, restarts, the recipes measured on."""
     mismatches = sorted(data.engine_mismatches, key=lambda m: m.ts)
@@ -386,5 +404,6 @@ def build_report(
         "shadows_dropped": dict(sorted(dropped.items())) if tallies else None,
         "worst": worst(audits, top),
         "engine": engine_section(data),
+        "causes_by_upstream": causes_by_upstream(audits),
         "notes": _notes(data, tallies, sections),
     }

@@ -104,6 +104,14 @@ def test_causes_per_model_from_follow_up_and_inline(
         "r5": "intrinsic",
     }
     assert report["engine"]["recipes"] == ["r" * 16]
+    assert report["causes_by_upstream"] == [
+        {
+            "fingerprint": None,
+            "recipe": None,
+            "causes": {"intrinsic": 1, "prefix_cache": 1, "unknown": 1},
+        },
+        {"fingerprint": "fp1", "recipe": "r" * 16, "causes": {"intrinsic": 1}},
+    ]
 
 
 def test_causes_table_in_text_and_markdown(
@@ -115,6 +123,9 @@ def test_causes_table_in_text_and_markdown(
     assert "cache_salt per tenant" in flat and "kernel" in flat
     assert "the evidence missing: no quiet time within 60 s (1)" in flat
     assert "untriaged" in text
+    assert "Causes per upstream" in text
+    row = next(line for line in text.splitlines() if line.strip().startswith("fp1"))
+    assert "r" * 16 in row and "intrinsic 1" in row, f"per-upstream row wrong: {row!r}"
     markdown = run(capsys, "--markdown", str(caused))
     assert "| prefix cache | 1 |" in markdown, "no prefix cache row in the markdown table"
 
