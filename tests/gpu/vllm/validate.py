@@ -1105,6 +1105,114 @@ async def step_engine_truth(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+TRIAGE_N = 48  # requests per instance (24 in flight), each audited with a quiet cold shadow
+
+
+async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
+    """Every greedy request audited (quiet cold shadows, as the 2026-12-01 run that found 16
+    logprob_drift on the batch-invariant instance), live triage on: what cause detproxy
+    attributes to each non-identical audit, and on what evidence."""
+    http = ctx.http
+    cfg = audit_config(1.0)
+    cfg["attribution"] = {
+        "triage_rate": 1.0,
+        "max_per_minute": 1000.0,
+        "max_token_share": 100.0,
+        "queue_size": 200,
+        "quiet_deadline_s": 600.0,
+    }
+    proxy = Detproxy(ctx.url[name], cfg, ctx.work, f"triage-{name}")
+    rng = random.Random(name)
+    jobs = [(f"triage-{name}-{i}", i % len(PROMPTS)) for i in range(n)]
+    rng.shuffle(jobs)
+    received: dict[str, dict[str, Any]] = {}
+    try:
+        await proxy.ready(http)
+        sem = asyncio.Semaphore(conc)
+
+        async def one(rid: str, p: int) -> None:
+            async with sem:
+                received[rid] = await chat(
+                    http, proxy.base, PROMPTS[p], stream=bool(p % 2), cache_salt=salt(), rid=rid
+                )
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(one(rid, p) for rid, p in jobs))
+        traffic_s = time.monotonic() - t0
+        status = await proxy.settle(http, n)
+        t1 = time.monotonic()
+        incidents: list[dict[str, Any]] = []
+        while time.monotonic() - t1 < max(10.0, ctx.left() - 15):
+            incidents = [i for i in await proxy.incidents(http) if i.get("kind") == "audit"]
+            if all("cause" in i for i in incidents):
+                break
+            await asyncio.sleep(1.0)
+        triage_s = time.monotonic() - t1
+        status = await proxy.status(http)
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    prompt_of = dict(jobs)
+    table: dict[str, dict[str, int]] = {}
+    by_prompt: dict[str, dict[str, int]] = {}
+    for i in incidents:
+        cause = str(i.get("cause", "undecided"))
+        row = table.setdefault(str(i.get("verdict")), {})
+        row[cause] = row.get(cause, 0) + 1
+        p = str(prompt_of.get(i.get("request_id", ""), "?"))
+        by_prompt.setdefault(p, {})[cause] = by_prompt.setdefault(p, {}).get(cause, 0) + 1
+    return {
+        "requests": n,
+        "concurrency": conc,
+        "client_errors": sum(1 for r in received.values() if r["status"] != 200),
+        "traffic_s": round(traffic_s, 1),
+        "triage_s": round(triage_s, 1),
+        "verdicts": status["audit"]["verdicts"],
+        "verdict_x_cause": table,
+        "causes_by_prompt": by_prompt,
+        "status_causes": status.get("causes"),
+        "causes_metric": series(m, "detproxy_divergence_causes_total"),
+        "triage_dropped": series(m, "detproxy_triage_dropped_total"),
+        "evidence_examples": [
+            {k: i.get(k) for k in ("request_id", "verdict", "cause", "cause_evidence")}
+            for i in incidents[:6]
+        ],
+    }
+
+
+async def step_triage(ctx: Ctx) -> dict[str, Any]:
+    got = await asyncio.gather(
+        triage_load(ctx, "bi", 24, TRIAGE_N), triage_load(ctx, "stock", 24, TRIAGE_N)
+    )
+    return {"bi": got[0], "stock": got[1]}
+
+
+async def step_diagnose(ctx: Ctx) -> dict[str, Any]:
+    """``detproxy diagnose`` on the stock, batch-invariant and n-gram recipes (the n-gram one
+    against the stock one as its --reference), side by side."""
+    prompts = ctx.work / "diagnose-prompts.txt"
+    prompts.write_text("\n".join([PROMPTS[0], PROMPTS[3], PROMPTS[9]]) + "\n")
+
+    async def one(name: str, reference: str | None) -> dict[str, Any]:
+        args = ["diagnose", "--upstream", ctx.url[name], "--model", MODEL, "--prompts",
+                str(prompts), "--json"]  # fmt: skip
+        if reference:
+            args += ["--reference", ctx.url[reference]]
+        t0 = time.monotonic()
+        code, out, err = await run_cli(args, max(30, ctx.left() - 10))
+        try:
+            rep: dict[str, Any] = orjson.loads(out)
+        except orjson.JSONDecodeError:
+            rep = {"stdout": out[-2000:]}
+        rep["exit_code"] = code
+        rep["wall_s"] = round(time.monotonic() - t0, 1)
+        rep["stderr_tail"] = err[-1500:]
+        return rep
+
+    got = await asyncio.gather(one("stock", None), one("bi", None), one("spec", "stock"))
+    return {"stock": got[0], "bi": got[1], "spec_vs_stock": got[2]}
+
+
 async def step_graphs(ctx: Ctx) -> dict[str, Any]:
     """vLLM's production default (torch.compile, CUDA graphs) instead of --enforce-eager: its
     own serial reference against the eager one, and the audit at 16 and 32 in flight."""
@@ -1751,6 +1859,8 @@ def est_audit(ctx: Ctx, conc: int, n: int = N_LOAD, share: float = 1.0) -> float
 STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx], float]]] = [
     ("spec_fresh", step_spec_fresh, lambda c: 30),
     ("engine_truth", step_engine_truth, lambda c: 40),
+    ("triage", step_triage, lambda c: 200),
+    ("diagnose", step_diagnose, lambda c: 180),
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
