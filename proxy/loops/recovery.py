@@ -45,6 +45,9 @@ from proxy.loops.watch import LoopWatch
 from proxy.openai import REASONING_KEYS, stream_event
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
+# The source of the trigger a retry's empty answer makes: the ladder is asked again, as after
+# a loop (no loop is counted).
+EMPTY = "empty"
 
 
 class Recovery:
@@ -130,10 +133,15 @@ class Recovery:
         body: Mapping[str, Any] | None = None,
     ) -> Decision:
         """Ask the policies about an attempt that ended (or stopped) with ``trigger``."""
-        attempts.trigger = trigger
         if attempts.pending_retry:
             attempts.pending_retry = False
-            self._acted(attempts, "retry", "looped_again" if trigger else "recovered")
+            empty = trigger is None and status == 200 and is_empty(attempts.endpoint, body)
+            outcome = "looped_again" if trigger else "empty" if empty else "recovered"
+            self._acted(attempts, "retry", outcome)
+            if empty:
+                # Recovered means an answer: the ladder goes on from an empty one.
+                trigger = Trigger(EMPTY, "content", 0)
+        attempts.trigger = trigger
         if trigger is None and (attempts.stream or not self._chain.reads_clean_answers):
             return CONTINUE
         ctx = PolicyContext(
@@ -151,17 +159,18 @@ class Recovery:
             return self._chain.decide(ctx)
         decision = self._chain.decide(ctx)
         attempts.looped = True
-        self._bus.publish(
-            LoopDetected(
-                attempts.request_id,
-                attempts.model,
-                attempts.endpoint,
-                attempts.stream,
-                attempts.count,
-                trigger,
-                time.time(),
+        if trigger.source != EMPTY:  # an empty answer is no loop: the retry's outcome says it
+            self._bus.publish(
+                LoopDetected(
+                    attempts.request_id,
+                    attempts.model,
+                    attempts.endpoint,
+                    attempts.stream,
+                    attempts.count,
+                    trigger,
+                    time.time(),
+                )
             )
-        )
         if isinstance(decision, Retry):
             attempts.pending_retry = True
             if decision.reserved_tokens:
@@ -293,6 +302,24 @@ class Recovery:
         )
 
 
+def is_empty(endpoint: str, body: Mapping[str, Any] | None) -> bool:
+    """Whether a non-streamed answer ended ``stop`` with nothing in it: no content (chat: no
+    tool calls either) in its first choice."""
+    choices = body.get("choices") if body is not None else None
+    if type(choices) is not list or not choices or type(choices[0]) is not dict:
+        return False
+    choice = choices[0]
+    if choice.get("finish_reason") != "stop":
+        return False
+    if endpoint != "chat":
+        return not choice.get("text")
+    message = choice.get("message")
+    if type(message) is not dict:
+        return False
+    content = message.get("content")
+    return not (isinstance(content, str) and content.strip()) and not message.get("tool_calls")
+
+
 def recovery_info(recovered: bool, attempts: int, strategy: str) -> dict[str, Any]:
     """The ``detproxy`` object on the last chunk of a stream a policy acted on (SPEC 5)."""
     return {"recovered": recovered, "attempts": attempts, "strategy": strategy}
@@ -340,6 +367,8 @@ def retry_comment(attempt: int, reason: str) -> bytes:
 
 def cut_answer(answer: dict[str, Any], endpoint: str, trigger: Trigger) -> None:
     """End a non-streamed answer at the loop: one unit kept, finish_reason ``repetition``."""
+    if trigger.source == EMPTY:
+        return  # an empty answer, no loop: it stays as it came
     for choice in answer.get("choices") or []:
         if not isinstance(choice, dict) or choice.get("index", 0) != trigger.choice:
             continue

@@ -7,6 +7,7 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
@@ -339,3 +340,67 @@ async def test_recovery_counts_follow_the_upstream(
     assert actions(registry, "abort", "attempts_exhausted") == len(exhausted)
     assert loops(registry, "content", "proxy") == sum(looped.values())
     assert emulator.stats()["requests"] == sum(looped.values()) + len(recovered)
+
+
+class EmptyFirstRetry:
+    """Loops at temperature 0; a retry with a presence penalty (the default ladder's first)
+    stops at once with no content; any other retry answers."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if body.get("presence_penalty"):
+            content = ""
+        elif body.get("frequency_penalty"):
+            content = "A calm answer, at last."
+        else:
+            content = "Once upon a time" + " and then the model repeats itself." * 40
+        finish = "stop" if len(content) < 100 else "length"
+        message = {"role": "assistant", "content": content}
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+        return web.json_response({"id": "chatcmpl-e", "choices": [choice]})
+
+
+async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    engine = EmptyFirstRetry()
+    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
+    resp = await client.post("/v1/chat/completions", json=chat())
+    answer = await resp.json()
+    assert answer["choices"][0]["message"]["content"] == "A calm answer, at last.", answer
+    assert resp.headers["X-Detproxy-Attempts"] == "3"
+    assert resp.headers["X-Detproxy-Recovered"] == "true"
+    assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
+    assert actions(registry, "retry", "recovered") == 1
+    assert loops(registry, "content", "proxy") == 1  # the empty answer is no loop
+    assert [b.get("frequency_penalty") for b in engine.bodies] == [None, None, 1.0]
+
+
+async def test_an_empty_answer_at_the_end_of_the_ladder_is_not_recovered(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    engine = EmptyFirstRetry()
+    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    ladder = '[{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]'
+    env = RETRY | {
+        "DETPROXY_LOOPS__LADDERS": ladder,
+        "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
+    }
+    client = await make_proxy(url, env=env)
+    resp = await client.post("/v1/chat/completions", json=chat())
+    answer = await resp.json()
+    assert resp.headers["X-Detproxy-Recovered"] == "false", "an empty answer counted as recovered"
+    assert answer["choices"][0]["message"]["content"] == ""
+    assert answer["choices"][0]["finish_reason"] == "stop"  # as it came: it is no loop
+    assert actions(registry, "retry", "empty") == 1
+    assert actions(registry, "retry", "recovered") == 0
