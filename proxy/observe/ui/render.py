@@ -439,6 +439,7 @@ def loop_body(d: LoopDetail) -> str:
         ("loop starts at", _num(d.start_offset, " chars")),
         ("characters covered", _num(covered)),
         ("upstream", f"<code>{esc(row.fingerprint)}</code>"),
+        ("measured on recipe", f"<code>{esc(row.recipe or 'unknown')}</code>"),
     ]
     parts = [f"<h1>{badge('loop')} {esc(row.summary)}</h1>", _facts(facts)]
     if d.period is not None and d.repeats is not None and d.period > 0 and d.repeats > 0:
