@@ -249,8 +249,15 @@ class Recovery:
         if shown and can_continue_shown(endpoint, base, trigger):
             closes = trigger.channel == "reasoning"
             generated = attempts.generated + attempts.kept_tokens
-            # The whole attempt was shown but the triggering chunk: nearly all its tokens.
-            kept = max(1, generated - 1) if generated > 0 else estimate_tokens(shown, shown, 0)
+            # The text the attempt generated until the loop was seen: at least what the loop
+            # covered (the base is shorter where the loop's repeats were held back).
+            full = len(shown)
+            if trigger.start_offset is not None and trigger.period and trigger.repeats:
+                full = max(full, trigger.start_offset + trigger.period * trigger.repeats)
+            if generated > 0:
+                kept = max(1, round(generated * len(shown) / full))
+            else:
+                kept = estimate_tokens(shown, shown, 0)
             message = self._closed(attempts.model, shown) if closes else shown
             body = continuation_body(endpoint, base, decision.overrides, message, kept)
             if body is not None:

@@ -235,3 +235,40 @@ def test_a_continued_answer_is_what_the_engine_generates_from_the_prefix(
         direct = orjson.loads(resp.read())["choices"][0]["message"]["content"]
     # llama-server answers a non-streamed continuation with the prefix in front.
     assert content == direct
+
+
+def test_the_sdk_reads_a_streamed_recovery_as_the_non_streamed_one(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """SPEC 1.17 on the real engine: with the loop's repeats held back (hold_back_chars past
+    what the detector needs for this loop), the text the openai SDK assembles from a streamed
+    recovery is the non-streamed recovery's, and the SDK reads the recovery from model_extra.
+    Both go on from the loop's onset with the same seeded overrides."""
+    prompt = LOOPING[0]
+    found = next(p for p in CORPUS if p["prompt"] == prompt)
+    # What the detector needs to see before it fires: the loop's covered chars past its unit.
+    hold = found["detected_at"] - found["start_offset"] + 64
+    config = (
+        f'[loops]\npolicy = "retry"\nstream_mode = "continue"\nhold_back_chars = {hold}\n'
+        '[[loops.ladders]]\nmodels = "*"\n'
+        'attempts = [{ strategy = "continue", temperature = 0.7, presence_penalty = 1.5,'
+        " seed = 1 }]\n"
+    )
+    kwargs: dict[str, Any] = {
+        "model": engine.model,
+        "temperature": 0,
+        "max_tokens": MAX_TOKENS,
+        "messages": [{"role": "user", "content": prompt}],
+        "extra_body": COLD,
+    }
+    with run_detproxy(tmp_path, engine.url, config) as proxy:
+        client = openai.OpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0, timeout=900)
+        raw = client.chat.completions.with_raw_response.create(**kwargs)
+        whole = raw.parse().choices[0].message.content or ""
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert raw.headers["X-Detproxy-Recovered"] == "true", "the non-streamed loop was not recovered"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole, f"streamed {text[-300:]!r}\n!= non-streamed {whole[-300:]!r}"
+    info = (chunks[-1].model_extra or {}).get("detproxy")
+    assert info == {"recovered": True, "attempts": 2, "strategy": "continue"}, chunks[-1]
+    assert loop_in(text) is None, "the assembled answer still loops"
