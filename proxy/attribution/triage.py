@@ -130,7 +130,15 @@ class Triage:
         return plan.cold_replays + warm + (plan.reference_replays if plan.reference else 0)
 
     def offer(self, case: TriageCase) -> None:
-        """From the auditor, on the request's task: take it or drop it, never wait."""
+        """From the auditor (a shadow worker, off the request path): take it or drop it,
+        never wait, never raise into the audit."""
+        try:
+            self._offer(case)
+        except Exception:
+            log.exception("triage of %s could not be queued", case.request_id)
+            self._bus.publish(TriageDropped(case.model, "error"))
+
+    def _offer(self, case: TriageCase) -> None:
         if self._config.triage_rate < 1.0 and self._rng.random() >= self._config.triage_rate:
             return  # not sampled: the incident has no cause
         self.offered += 1
