@@ -1105,7 +1105,8 @@ async def step_engine_truth(ctx: Ctx) -> dict[str, Any]:
     }
 
 
-TRIAGE_N = 48  # requests per instance (24 in flight), each audited with a quiet cold shadow
+TRIAGE_N = 24  # requests per instance (all in flight), each audited with a quiet cold shadow
+TRIAGE_LONG = 8  # of them the longest prompt (PROMPTS[5]: where the 16 drifts of 2026-12-01 were)
 
 
 async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
@@ -1116,6 +1117,7 @@ async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
     cfg = audit_config(1.0)
     cfg["attribution"] = {
         "triage_rate": 1.0,
+        "cold_replays": 3,
         "max_per_minute": 1000.0,
         "max_token_share": 100.0,
         "queue_size": 200,
@@ -1123,7 +1125,10 @@ async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
     }
     proxy = Detproxy(ctx.url[name], cfg, ctx.work, f"triage-{name}")
     rng = random.Random(name)
-    jobs = [(f"triage-{name}-{i}", i % len(PROMPTS)) for i in range(n)]
+    long = min(5, len(PROMPTS) - 1)  # --quick keeps 4 prompts
+    others = [p for p in range(len(PROMPTS)) if p != long]
+    picks = [long] * TRIAGE_LONG + [others[i % len(others)] for i in range(n - TRIAGE_LONG)]
+    jobs = [(f"triage-{name}-{i}", p) for i, p in enumerate(picks)]
     rng.shuffle(jobs)
     received: dict[str, dict[str, Any]] = {}
     try:
@@ -1191,7 +1196,7 @@ async def step_diagnose(ctx: Ctx) -> dict[str, Any]:
     """``detproxy diagnose`` on the stock, batch-invariant and n-gram recipes (the n-gram one
     against the stock one as its --reference), side by side."""
     prompts = ctx.work / "diagnose-prompts.txt"
-    prompts.write_text("\n".join([PROMPTS[0], PROMPTS[3], PROMPTS[9]]) + "\n")
+    prompts.write_text("\n".join(PROMPTS[i % len(PROMPTS)] for i in (0, 3, 9)) + "\n")
 
     async def one(name: str, reference: str | None) -> dict[str, Any]:
         args = ["diagnose", "--upstream", ctx.url[name], "--model", MODEL, "--prompts",
