@@ -221,6 +221,12 @@ async def chat(
             finish = choice.get("finish_reason") or finish
     out |= {"text": text, "lp": lp_entries(entries) if seen_lp else None, "finish": finish}
     out["reasoning"] = reasoning
+    marks = [e["detproxy"] for e in events if isinstance(e.get("detproxy"), dict)]
+    if marks:  # a recovered stream says so on its last chunk (SPEC section 5)
+        out["detproxy"] = marks[-1]
+        out["attempts"] = marks[-1].get("attempts")
+        out["recovered"] = marks[-1].get("recovered")
+        out["strategy"] = marks[-1].get("strategy")
     out["restart_marks"] = raw.count(b"\n: detproxy retry") + raw.startswith(b": detproxy retry")
     out["ids"] = len({e.get("id") for e in events if isinstance(e, dict)})
     if errors:
@@ -1218,6 +1224,77 @@ async def step_diagnose(ctx: Ctx) -> dict[str, Any]:
     return {"stock": got[0], "bi": got[1], "spec_vs_stock": got[2]}
 
 
+async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
+    """Issue 40's measure: detproxy with its defaults and --loop-policy retry in front of the
+    stock instance, the looping prompts and four that do not loop, 1024 tokens, 8 in flight,
+    streamed and not: how many loops end with stop and content, and whether any request was
+    retried whose attempt did not loop (each loop incident's evidence is kept)."""
+    http, base = ctx.http, ctx.url["stock"]
+    plain = PROMPTS[:4] if len(PROMPTS) > 4 else PROMPTS[:1]
+    prompts = LOOPING + plain
+    direct: dict[int, dict[str, Any]] = {}
+    for i, prompt in enumerate(prompts):
+        r = await chat(http, base, prompt, max_tokens=1024, cache_salt=salt())
+        direct[i] = {"finish": r.get("finish"), "looped": looped(r.get("text") or "")}
+    cfg = {"loops": {"policy": "retry"}}
+    proxy = Detproxy(base, cfg, ctx.work, "loops-default")
+    got: list[dict[str, Any]] = []
+    try:
+        await proxy.ready(http)
+        sem = asyncio.Semaphore(8)
+
+        async def one(i: int, stream: bool) -> None:
+            async with sem:
+                t0 = time.monotonic()
+                r = await chat(http, proxy.base, prompts[i], stream=stream, max_tokens=1024,
+                               rid=f"ld-{i}-{int(stream)}")  # fmt: skip
+            got.append(
+                {
+                    "prompt": i,
+                    "stream": stream,
+                    "status": r["status"],
+                    "finish": r.get("finish"),
+                    "content_chars": len(r.get("text") or ""),
+                    "still_looping": looped(r.get("text") or ""),
+                    "attempts": r.get("attempts"),
+                    "recovered": r.get("recovered"),
+                    "strategy": r.get("strategy"),
+                    "restart_marks": r.get("restart_marks"),
+                    "wall_s": round(time.monotonic() - t0, 2),
+                }
+            )
+
+        await asyncio.gather(*(one(i, s) for i in range(len(prompts)) for s in (False, True)))
+        incidents = [i for i in await proxy.incidents(http) if i.get("kind") == "loop"]
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    acted = [g for g in got if g["attempts"] not in (None, "1", 1)]
+    ended = [g for g in acted if g["finish"] == "stop" and g["content_chars"] > 0]
+    looped_ids = {str(i.get("request_id")) for i in incidents}
+    return {
+        "prompts": len(prompts),
+        "direct_looped": [i for i, d in direct.items() if d["looped"]],
+        "direct_finish": [d["finish"] for d in direct.values()],
+        "requests": sorted(got, key=lambda g: (g["prompt"], g["stream"])),
+        "client_errors": sum(1 for g in got if g["status"] != 200),
+        "acted": len(acted),
+        "ended_stop_with_content": len(ended),
+        "acted_by_stream": {
+            "streamed": sum(1 for g in acted if g["stream"]),
+            "not": sum(1 for g in acted if not g["stream"]),
+        },
+        "acted_on_plain_prompts": [
+            (g["prompt"], g["stream"]) for g in acted if g["prompt"] >= len(LOOPING)
+        ],
+        "loop_incidents": len(incidents),
+        "loop_incident_examples": incidents[:6],
+        "loop_incident_request_ids": sorted(looped_ids)[:40],
+        "loops_total": series(m, "detproxy_loops_total"),
+        "policy_actions": series(m, "detproxy_policy_actions_total"),
+    }
+
+
 async def step_graphs(ctx: Ctx) -> dict[str, Any]:
     """vLLM's production default (torch.compile, CUDA graphs) instead of --enforce-eager: its
     own serial reference against the eager one, and the audit at 16 and 32 in flight."""
@@ -1866,6 +1943,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("engine_truth", step_engine_truth, lambda c: 40),
     ("triage", step_triage, lambda c: 200),
     ("diagnose", step_diagnose, lambda c: 180),
+    ("loops_default", step_loops_default, lambda c: 150),
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
