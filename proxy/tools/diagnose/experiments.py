@@ -22,7 +22,7 @@ from proxy.audit.outcome import ChoiceOutcome, outcome_from_response
 from proxy.engine import fingerprint
 from proxy.tasks import TaskOwner
 from proxy.tools.diagnose.engine import Engine, identify
-from proxy.tools.probe import API_KEY_ENV, ProbeError, Vector
+from proxy.tools.probe import API_KEY_ENV, BACKGROUND_TOKENS, ProbeError, Vector
 
 FILLER_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -198,7 +198,9 @@ class Upstream:
     async def filler(self, prompt: str, stop: asyncio.Event, cold: Callable[[], Any]) -> None:
         """Keep one request in flight until told to stop."""
         while not stop.is_set():
-            body = self._body(prompt, self._s.max_tokens, cold())
+            # Short, as probe's: frequent prefills share a batch with the probed request's
+            # (decode-only company leaves some engines' logits unchanged).
+            body = self._body(prompt, BACKGROUND_TOKENS, cold())
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with self._http.post(self._url, json=body) as resp:
                     await resp.read()
@@ -326,7 +328,10 @@ class Experiments:
         evidence = [PromptEvidence(p) for p in prompts]
         await self.prefill(evidence)
         await self.serial(evidence)
-        await self.concurrent(evidence)
+        # Warm before the fillers ever ran: a prefix cached while other requests shared the
+        # batch would carry the batch's numerics into the warm replays (llama-server's slots
+        # keep the KV of the last request, computed beside the fillers).
         await self.warm(evidence)
+        await self.concurrent(evidence)
         await self.against_reference(evidence)
         return evidence
