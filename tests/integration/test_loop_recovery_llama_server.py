@@ -244,7 +244,10 @@ def test_the_sdk_reads_a_streamed_recovery_as_the_non_streamed_one(
     what the detector needs for this loop), the text the openai SDK assembles from a streamed
     recovery is the non-streamed recovery's, and the SDK reads the recovery from model_extra.
     Both go on from the loop's onset with the same seeded overrides."""
-    prompt = LOOPING[0]
+    # A loop that a continuation with these overrides ends (tests/bench/results/
+    # recovery-corpus-2026-12-01.json: continue t0.7+pp1.5 stopped after 15 tokens); the
+    # first of LOOPING loops again when continued so.
+    prompt = "Write a haiku sequence about winter."
     found = next(p for p in CORPUS if p["prompt"] == prompt)
     # What the detector needs to see before it fires: the loop's covered chars past its unit.
     hold = found["detected_at"] - found["start_offset"] + 64
