@@ -7,12 +7,12 @@ In order, the first that the evidence shows:
   shadow, not with the primary (the change was read only after the shadow);
 - ``intrinsic``: two runs in the same condition (alone; the same cache state, or any once cold
   and warm runs agree) differ: serial batch-1 replays of one request disagree;
-- ``prefix_cache``: cold runs agree with each other, warm runs agree with each other, and
-  cold differs from warm (at least two of each);
+- ``prefix_cache``: cold runs agree with each other, warm runs agree with each other, cold
+  differs from warm (at least two of each), and the primary and the shadow are one of each;
 - ``speculative``: the upstream says it runs speculative decoding, its runs alone agree, the
   reference's agree, and the two differ;
-- ``batch``: the runs alone agree (at least two) and a run beside other requests (the primary
-  or the shadow with others in flight) differs from them;
+- ``batch``: the runs alone agree (at least two; the cold ones where warm differs) and a run
+  beside other requests (the primary or the shadow with others in flight) differs from them;
 - ``unknown`` otherwise, naming the evidence that was missing.
 """
 
@@ -111,9 +111,21 @@ def _intrinsic(ev: Evidence) -> Attribution | None:
     return None
 
 
+def _audited(ev: Evidence) -> list[Run]:
+    """The primary and the shadow that answered: the divergence being explained."""
+    return [
+        r for r in (ev.run("primary"), ev.run("shadow")) if r is not None and r.group is not None
+    ]
+
+
 def _prefix_cache(ev: Evidence) -> Attribution | None:
     cold, warm, n_cold, n_warm = _cache_split(_alone_same(ev))
     if n_cold >= 2 and n_warm >= 2 and len(cold) == 1 and len(warm) == 1 and cold != warm:
+        # Cold differing from warm explains this audit only when its two sides are one cold
+        # and one warm output: a primary that matches neither (e.g. cold, beside a batch: real
+        # vLLM on the H200, 2026-12-04) diverged for another reason.
+        if any(r.group not in cold | warm for r in _audited(ev)):
+            return None
         return Attribution(
             "prefix_cache",
             f"{n_cold} cold runs agree, {n_warm} warm runs agree, and cold differs from warm",
@@ -140,6 +152,9 @@ def _speculative(ev: Evidence) -> Attribution | None:
 
 def _batch(ev: Evidence) -> Attribution | None:
     alone = _alone_same(ev)
+    cold = [r for r in alone if r.cache == "cold"]
+    if len(_groups(alone)) > 1 and len(cold) >= 2:
+        alone = cold  # warm differs from cold: the crowded runs are held against the cold ones
     groups = _groups(alone)
     if len(alone) < 2 or len(groups) != 1:
         return None

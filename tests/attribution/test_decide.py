@@ -155,3 +155,37 @@ def test_no_replays_and_no_cold_names_what_is_missing() -> None:
 def test_failed_runs_prove_nothing() -> None:
     got = decide(evidence(PRIMARY_CROWDED, SHADOW, run("cold-1", None), run("cold-2", None)))
     assert got.cause == "unknown", got
+
+
+def test_a_crowded_primary_matching_neither_cold_nor_warm_is_batch_not_prefix_cache() -> None:
+    """Real vLLM 0.23 on the H200 (2026-12-04): a cold primary beside 17 others differed from
+    the cold shadow; cold replays agreed with the shadow, warm ones with each other but not with
+    cold. The cache effect is real, but it is not what parted this audit's two sides."""
+    got = decide(
+        evidence(
+            run("primary", 0, cache="unknown", alone=False, inflight=17),
+            run("shadow", 1),
+            run("cold-1", 1),
+            run("cold-2", 1),
+            run("cold-3", 1),
+            run("prime", 2, cache="unknown"),
+            run("warm-1", 2, cache="warm"),
+            run("warm-2", 2, cache="warm"),
+        )
+    )
+    assert got.cause == "batch", got
+    assert "17 in flight" in got.reason, got.reason
+
+
+def test_a_primary_matching_the_warm_runs_is_still_prefix_cache() -> None:
+    got = decide(
+        evidence(
+            run("primary", 2, cache="unknown", alone=False, inflight=4),
+            run("shadow", 1),
+            run("cold-1", 1),
+            run("cold-2", 1),
+            run("warm-1", 2, cache="warm"),
+            run("warm-2", 2, cache="warm"),
+        )
+    )
+    assert got.cause == "prefix_cache", got
