@@ -1186,7 +1186,7 @@ async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
         "triage_dropped": series(m, "detproxy_triage_dropped_total"),
         "evidence_examples": [
             {k: i.get(k) for k in ("request_id", "verdict", "cause", "cause_evidence")}
-            for i in incidents[:6]
+            for i in incidents[:60]  # all of them: decide() can be re-read offline
         ],
     }
 
