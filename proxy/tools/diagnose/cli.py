@@ -22,10 +22,13 @@ from typing import Any, TextIO
 import aiohttp
 import orjson
 
+from proxy.engine.fingerprint import FingerprintPoller
+from proxy.events import EventBus
 from proxy.tools.diagnose import render
 from proxy.tools.diagnose.experiments import DiagnoseError, Experiments, Settings, Upstream
 from proxy.tools.diagnose.verdicts import decide
 from proxy.tools.probe import API_KEY_ENV
+from proxy.tools.sweep.recipe import RecipeReader, describe_recipe
 
 _STORY = (
     "The harbour town woke slowly. Fishing boats came in with the tide, gulls argued over the"
@@ -171,6 +174,8 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
         primary = Upstream(http, args.upstream, settings, args.api_key)
         engine = await primary.identify()
+        recipe = await read_recipe(http, args.upstream)
+        say(f"what loaded: {describe_recipe(recipe)}")
         await primary.negotiate(prompts[0])
         reference = None
         if args.reference:
@@ -199,10 +204,18 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "reference": args.reference,
     }
     if args.json:
-        out.write(render.as_json(diagnosis, engine, shown) + "\n")
+        out.write(render.as_json(diagnosis, engine, shown, recipe) + "\n")
     else:
-        out.write(render.text(diagnosis, engine, shown) + "\n")
+        out.write(render.text(diagnosis, engine, shown, recipe) + "\n")
     return 0 if diagnosis.stable else 1
+
+
+async def read_recipe(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+    """What the engine says it loaded, read from its endpoints as the fingerprint reads them
+    (a verdict says what it measured); None where they say nothing."""
+    recipes = RecipeReader(None)
+    await FingerprintPoller(http, url, EventBus(), interval_s=0.0, truth=recipes.truth).poll()
+    return recipes.snapshot()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import orjson
 
 from proxy.tools.diagnose.engine import Engine
 from proxy.tools.diagnose.verdicts import FOUND, CauseVerdict, Diagnosis
+from proxy.tools.sweep.recipe import describe_recipe
 
 _STATUS = {
     "found": "FOUND",
@@ -32,10 +33,16 @@ def _numbers(v: CauseVerdict) -> str:
     return ", ".join(parts)
 
 
-def text(diagnosis: Diagnosis, engine: Engine, settings: dict[str, Any]) -> str:
+def text(
+    diagnosis: Diagnosis,
+    engine: Engine,
+    settings: dict[str, Any],
+    recipe: dict[str, Any] | None = None,
+) -> str:
     lines = [
         f"upstream: {engine.kind} {engine.version or ''}".rstrip()
         + f", cold prefills by {engine.how_cold}",
+        f"what loaded: {describe_recipe(recipe)}",
         f"{diagnosis.prompts} prompt(s), {settings['runs']} runs each, max_tokens"
         f" {settings['max_tokens']}, top-{settings['top_logprobs']} logprobs, concurrency"
         f" {','.join(map(str, settings['concurrency']))}",
@@ -71,8 +78,14 @@ def text(diagnosis: Diagnosis, engine: Engine, settings: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def as_json(diagnosis: Diagnosis, engine: Engine, settings: dict[str, Any]) -> str:
+def as_json(
+    diagnosis: Diagnosis,
+    engine: Engine,
+    settings: dict[str, Any],
+    recipe: dict[str, Any] | None = None,
+) -> str:
     doc = {
+        "recipe": recipe,  # what the engine says it loaded; None where it says nothing
         "stable": diagnosis.stable,
         "causes": [v.to_dict() for v in diagnosis.causes],
         "checks": [v.to_dict() for v in diagnosis.verdicts],

@@ -164,3 +164,13 @@ def test_missing_prompts_file_exits_2_in_one_line(tmp_path: Path) -> None:
     )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "cannot read" in done.stderr
+
+
+async def test_the_report_says_what_the_engine_loaded(emulator: StartEmulator) -> None:
+    url = await emulator(enable_prefix_caching=False, **LATENCY)
+    code, out, err = await diagnose("--upstream", url, "--json")
+    report = orjson.loads(out)
+    recipe = report["recipe"]
+    assert recipe is not None and recipe["digest"], f"no recipe in the report: {report.keys()}"
+    assert recipe["facts"]["prefix_caching"] is False, recipe
+    assert "what loaded:" in err and "prefix_caching=off" in err, err
