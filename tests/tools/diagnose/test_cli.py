@@ -170,6 +170,7 @@ async def test_the_report_says_what_the_engine_loaded(emulator: StartEmulator) -
     url = await emulator(enable_prefix_caching=False, **LATENCY)
     code, out, err = await diagnose("--upstream", url, "--json")
     report = orjson.loads(out)
+    assert code == 0, report["causes"]
     recipe = report["recipe"]
     assert recipe is not None and recipe["digest"], f"no recipe in the report: {report.keys()}"
     assert recipe["facts"]["prefix_caching"] is False, recipe
