@@ -1220,8 +1220,31 @@ async def step_diagnose(ctx: Ctx) -> dict[str, Any]:
         rep["stderr_tail"] = err[-1500:]
         return rep
 
-    got = await asyncio.gather(one("stock", None), one("bi", None), one("spec", "stock"))
-    return {"stock": got[0], "bi": got[1], "spec_vs_stock": got[2]}
+    # One after another: the n-gram recipe's reference is the stock instance, which must not
+    # carry another diagnose's fillers (2026-12-04: run at once, the reference disagreed with
+    # itself).
+    return {
+        "stock": await one("stock", None),
+        "bi": await one("bi", None),
+        "spec_vs_stock": await one("spec", "stock"),
+    }
+
+
+async def step_diagnose_spec(ctx: Ctx) -> dict[str, Any]:
+    """Only the n-gram recipe against the stock one, nothing else running."""
+    prompts = ctx.work / "diagnose-prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[i % len(PROMPTS)] for i in (0, 3, 9)) + "\n")
+    args = ["diagnose", "--upstream", ctx.url["spec"], "--model", MODEL, "--prompts",
+            str(prompts), "--json", "--reference", ctx.url["stock"]]  # fmt: skip
+    t0 = time.monotonic()
+    code, out, err = await run_cli(args, max(30, ctx.left() - 10))
+    try:
+        rep: dict[str, Any] = orjson.loads(out)
+    except orjson.JSONDecodeError:
+        rep = {"stdout": out[-2000:]}
+    rep |= {"exit_code": code, "wall_s": round(time.monotonic() - t0, 1)}
+    rep["stderr_tail"] = err[-1500:]
+    return rep
 
 
 async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
@@ -1942,6 +1965,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("spec_fresh", step_spec_fresh, lambda c: 30),
     ("engine_truth", step_engine_truth, lambda c: 40),
     ("triage", step_triage, lambda c: 200),
+    ("diagnose_spec", step_diagnose_spec, lambda c: 60),
     ("diagnose", step_diagnose, lambda c: 180),
     ("loops_default", step_loops_default, lambda c: 150),
     ("passthrough", step_passthrough, lambda c: 30),
