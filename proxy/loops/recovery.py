@@ -248,6 +248,11 @@ class Recovery:
         endpoint = attempts.endpoint
         if shown and can_continue_shown(endpoint, base, trigger):
             closes = trigger.channel == "reasoning"
+            # Reasoning is not the answer: it is closed where the non-streamed recovery closes
+            # it (the loop's onset and one unit), so the answer that follows is that recovery's;
+            # reasoning conditioned on its own repeats answered nothing on llama-server
+            # (tests/integration/test_close_reasoning_llama_server.py, 2026-12-04).
+            base_text = (prefix_of(shown, trigger) or shown) if closes else shown
             generated = attempts.generated + attempts.kept_tokens
             # The text the attempt generated until the loop was seen: at least what the loop
             # covered (the base is shorter where the loop's repeats were held back).
@@ -255,10 +260,10 @@ class Recovery:
             if trigger.start_offset is not None and trigger.period and trigger.repeats:
                 full = max(full, trigger.start_offset + trigger.period * trigger.repeats)
             if generated > 0:
-                kept = max(1, round(generated * len(shown) / full))
+                kept = max(1, round(generated * len(base_text) / full))
             else:
-                kept = estimate_tokens(shown, shown, 0)
-            message = self._closed(attempts.model, shown) if closes else shown
+                kept = estimate_tokens(base_text, base_text, 0)
+            message = self._closed(attempts.model, base_text) if closes else shown
             body = continuation_body(endpoint, base, decision.overrides, message, kept)
             if body is not None:
                 strategy = "close_reasoning" if closes else "continue"
