@@ -78,7 +78,11 @@ def test_loops_are_detected_and_recovered(engine: Engine, tmp_path: Path) -> Non
             chunks = list(stream)
             assert len({c.id for c in chunks}) == 1
             # Recovered: the last attempt ended without a loop (not cut by detproxy).
-            assert chunks[-1].choices[0].finish_reason in ("stop", "length"), prompt
+            finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+            assert finishes[-1] in ("stop", "length"), prompt
+            # A stream a policy acted on says so on its last chunk (SPEC section 5).
+            info = (chunks[-1].model_extra or {}).get("detproxy")
+            assert info is None or (info["recovered"], info["strategy"]) == (True, "restart"), info
         # A retry's outcome is counted when the upstream's response has ended, which can be
         # a moment after the client read data: [DONE]: wait for the counts to settle.
         deadline = time.monotonic() + 5
