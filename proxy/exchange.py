@@ -65,6 +65,9 @@ class Attempts:
         self.strategy = "restart"  # how the pending (or last) retry recovers
         self.kept_tokens = 0  # the tokens a continuation kept
         self.generated = 0  # what the last attempt generated (set when it ended)
+        # The chars of the trigger's channel the last streamed attempt generated (shown or
+        # not): the share of ``generated`` a continuation keeps is read against it.
+        self.generated_chars = 0
         self.history: list[str] = []
 
     @property

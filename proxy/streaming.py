@@ -53,7 +53,8 @@ class StreamedAnswer:
         self._closes_reasoning = False
         # The client left after the whole answer: settled as answered, then raised again.
         self._gone: BaseException | None = None
-        self._relay: StreamRelay | None = None  # the current attempt's
+        # The current attempt's text chars (content, reasoning) held back and never shown.
+        self._unshown: tuple[int, int] = (0, 0)
         # What a continuation goes on from that the client was not shown yet (held back):
         # written before the continuation.
         self._missing = ""
@@ -159,7 +160,6 @@ class StreamedAnswer:
             # A held-back tail is held event by event: every event parsed.
             fast_paths=plan.hold_back_chars == 0,
         )
-        self._relay = relay
         result = self._result = relay.result
         try:
             await relay.run(self._upstream, self._client)
@@ -169,6 +169,9 @@ class StreamedAnswer:
             # The client has the whole stream: this attempt is decided and accounted as any
             # clean end (a pending retry recovered), with no await before ``respond`` re-raises.
             self._gone = exc
+        finally:
+            # Kept, not the relay: its plan holds this answer's bound methods (a cycle).
+            self._unshown = relay.unshown
         self._upstream.close()  # an abandoned attempt's connection closes at once
         self._first_id = self._first_id or result.first_id
         if ex.first_byte_s is None:
@@ -206,14 +209,15 @@ class StreamedAnswer:
         # loop was caught while its repeats were held back, from its onset and one unit, as a
         # non-streamed continuation does (the client gets the part it was not shown first).
         shown = watch.shown(trigger.choice, trigger.channel)
-        relay = self._relay
-        if shown is None or relay is None:
+        kept = watch.kept(trigger.choice, trigger.channel)
+        assert self.exchange.attempts is not None
+        self.exchange.attempts.generated_chars = len(kept) if kept is not None else 0
+        if shown is None:
             return shown
-        content, reasoning = relay.unshown
+        content, reasoning = self._unshown
         held = reasoning if trigger.channel == "reasoning" else content
         if held:
             shown = shown[: max(0, len(shown) - held)]
-        kept = watch.kept(trigger.choice, trigger.channel)
         onset = prefix_of(kept, trigger) if kept is not None else None
         if (
             trigger.channel == "content"

@@ -376,12 +376,6 @@ async def test_a_refused_retry_gives_the_client_the_answer_it_had(
     )
 
 
-@pytest.mark.xfail(
-    reason="regression found at the stop (2026-12-04): since fe8ccef (hold_back_chars) a refused"
-    " streamed retry restarts after an SSE comment instead of going on from the shown part;"
-    " passes at 696d1d4; to fix next session",
-    strict=False,
-)
 async def test_a_refused_streamed_retry_goes_on_with_the_clients_own_request(
     aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:

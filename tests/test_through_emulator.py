@@ -183,12 +183,6 @@ async def test_engine_faults(
     assert emulator.stats()["running"] == 0
 
 
-@pytest.mark.xfail(
-    reason="regression found at the stop (2026-12-04): after 696d1d4 an answered request leaves"
-    " Attempts/Exchange objects in a reference cycle (freed by the GC, not at once); passes at"
-    " 696d1d4; to fix next session",
-    strict=False,
-)
 async def test_answered_requests_leave_no_reference_cycle_of_detproxy_objects(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:

@@ -254,9 +254,10 @@ class Recovery:
             # (tests/integration/test_close_reasoning_llama_server.py, 2026-12-04).
             base_text = (prefix_of(shown, trigger) or shown) if closes else shown
             generated = attempts.generated + attempts.kept_tokens
-            # The text the attempt generated until the loop was seen: at least what the loop
-            # covered (the base is shorter where the loop's repeats were held back).
-            full = len(shown)
+            # The text the attempt generated until the loop was seen, the triggering chunk
+            # included: at least what the loop covered (the base is shorter where the loop's
+            # repeats were held back).
+            full = max(len(shown), attempts.generated_chars)
             if trigger.start_offset is not None and trigger.period and trigger.repeats:
                 full = max(full, trigger.start_offset + trigger.period * trigger.repeats)
             if generated > 0:
