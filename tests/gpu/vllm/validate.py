@@ -1152,8 +1152,9 @@ async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
         traffic_s = time.monotonic() - t0
         status = await proxy.settle(http, n)
         t1 = time.monotonic()
+        until = t1 + max(10.0, ctx.left() - 15)  # fixed once: the time left shrinks as it waits
         incidents: list[dict[str, Any]] = []
-        while time.monotonic() - t1 < max(10.0, ctx.left() - 15):
+        while time.monotonic() < until:
             incidents = [i for i in await proxy.incidents(http) if i.get("kind") == "audit"]
             if all("cause" in i for i in incidents):
                 break
@@ -1247,6 +1248,9 @@ async def step_diagnose_spec(ctx: Ctx) -> dict[str, Any]:
     return rep
 
 
+LOOP_ROUNDS = 2  # loops_default: rounds of every prompt, streamed and not
+
+
 async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
     """Issue 40's measure: detproxy with its defaults and --loop-policy retry in front of the
     stock instance, the looping prompts and four that do not loop, 1024 tokens, 8 in flight,
@@ -1266,15 +1270,16 @@ async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
         await proxy.ready(http)
         sem = asyncio.Semaphore(8)
 
-        async def one(i: int, stream: bool) -> None:
+        async def one(i: int, stream: bool, round_: int) -> None:
             async with sem:
                 t0 = time.monotonic()
                 r = await chat(http, proxy.base, prompts[i], stream=stream, max_tokens=1024,
-                               rid=f"ld-{i}-{int(stream)}")  # fmt: skip
+                               rid=f"ld-{i}-{int(stream)}-{round_}")  # fmt: skip
             got.append(
                 {
                     "prompt": i,
                     "stream": stream,
+                    "round": round_,
                     "status": r["status"],
                     "finish": r.get("finish"),
                     "content_chars": len(r.get("text") or ""),
@@ -1287,7 +1292,16 @@ async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
                 }
             )
 
-        await asyncio.gather(*(one(i, s) for i in range(len(prompts)) for s in (False, True)))
+        # LOOP_ROUNDS rounds of every prompt, streamed and not: the batch each request meets
+        # differs from round to round, so whether it loops does too.
+        await asyncio.gather(
+            *(
+                one(i, s, r)
+                for r in range(LOOP_ROUNDS)
+                for i in range(len(prompts))
+                for s in (False, True)
+            )
+        )
         incidents = [i for i in await proxy.incidents(http) if i.get("kind") == "loop"]
         m = await proxy.metrics(http)
     finally:
@@ -1299,7 +1313,7 @@ async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
         "prompts": len(prompts),
         "direct_looped": [i for i, d in direct.items() if d["looped"]],
         "direct_finish": [d["finish"] for d in direct.values()],
-        "requests": sorted(got, key=lambda g: (g["prompt"], g["stream"])),
+        "requests": sorted(got, key=lambda g: (g["prompt"], g["stream"], g["round"])),
         "client_errors": sum(1 for g in got if g["status"] != 200),
         "acted": len(acted),
         "ended_stop_with_content": len(ended),
@@ -1312,6 +1326,24 @@ async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
         ],
         "loop_incidents": len(incidents),
         "loop_incident_examples": incidents[:6],
+        # Every loop's evidence, compactly: a retried prompt that looped under load is read
+        # from here (what repeated, how often, from where), not taken on trust.
+        "loop_evidence": [
+            {
+                k: i.get(k)
+                for k in (
+                    "request_id",
+                    "channel",
+                    "source",
+                    "period",
+                    "repeats",
+                    "start_offset",
+                    "attempt",
+                    "preview",
+                )
+            }
+            for i in incidents
+        ],
         "loop_incident_request_ids": sorted(looped_ids)[:40],
         "loops_total": series(m, "detproxy_loops_total"),
         "policy_actions": series(m, "detproxy_policy_actions_total"),
@@ -1967,7 +1999,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("triage", step_triage, lambda c: 200),
     ("diagnose_spec", step_diagnose_spec, lambda c: 60),
     ("diagnose", step_diagnose, lambda c: 180),
-    ("loops_default", step_loops_default, lambda c: 150),
+    ("loops_default", step_loops_default, lambda c: 300),
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
