@@ -1263,7 +1263,8 @@ async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
     for i, prompt in enumerate(prompts):
         r = await chat(http, base, prompt, max_tokens=1024, cache_salt=salt())
         direct[i] = {"finish": r.get("finish"), "looped": looped(r.get("text") or "")}
-    cfg = {"loops": {"policy": "retry"}}
+    # The defaults and the retry policy; the loops' units kept so that the evidence can be read.
+    cfg = {"loops": {"policy": "retry"}, "incidents": {"store_text": True}}
     proxy = Detproxy(base, cfg, ctx.work, "loops-default")
     got: list[dict[str, Any]] = []
     try:
