@@ -1351,6 +1351,164 @@ async def step_loops_default(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+STREAM_CANDIDATES: dict[str, dict[str, Any]] = {
+    "restart": {"stream_mode": "restart"},
+    "continue": {"stream_mode": "continue", "hold_back_chars": 0},
+    "continue+hold256": {"stream_mode": "continue", "hold_back_chars": 256},
+}
+
+
+async def stream_as_sdk(
+    http: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int, rid: str
+) -> dict[str, Any]:
+    """One greedy streamed chat request read as the openai SDK reads it: comments dropped,
+    content deltas joined; with the first token's time and the time per content chunk."""
+    body = {
+        "model": MODEL,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }
+    t0 = time.monotonic()
+    first: float | None = None
+    last = t0
+    chunks = comments = 0
+    text: list[str] = []
+    info: dict[str, Any] | None = None
+    finish = None
+    async with http.post(
+        base + "/v1/chat/completions", json=body, headers={"X-Request-Id": rid}
+    ) as resp:
+        status = resp.status
+        buf = b""
+        async for piece in resp.content.iter_any():
+            buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if event.startswith(b":"):
+                    comments += 1
+                    continue
+                if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                    continue
+                chunk = orjson.loads(event[6:])
+                if isinstance(chunk.get("detproxy"), dict):
+                    info = chunk["detproxy"]
+                for choice in chunk.get("choices") or []:
+                    finish = choice.get("finish_reason") or finish
+                    delta = (choice.get("delta") or {}).get("content")
+                    if delta:
+                        now = time.monotonic()
+                        first = first if first is not None else now - t0
+                        last = now
+                        chunks += 1
+                        text.append(delta)
+    per_chunk = (last - t0 - first) / (chunks - 1) if first is not None and chunks > 1 else None
+    return {
+        "status": status,
+        "text": "".join(text),
+        "finish": finish,
+        "ttft": first,
+        "per_chunk": per_chunk,
+        "detproxy": info,
+        "comments": comments,
+    }
+
+
+def loop_onset(text: str) -> int | None:
+    """Where detproxy's own detector sees the greedy answer's loop end its first unit
+    (start_offset + period), fed as a stream would feed it; None: no loop."""
+    from proxy.loops.detector import DetectorConfig, LoopDetector
+
+    detector = LoopDetector(DetectorConfig())
+    for at in range(0, len(text), 16):
+        report = detector.feed(text[at : at + 16])
+        if report is not None:
+            return int(report.start_offset + report.period)
+    return None
+
+
+async def step_stream_candidates(ctx: Ctx) -> dict[str, Any]:
+    """Issue 40's choice of the streamed recovery, on the real engine: each candidate
+    (restart; continue; continue with a 256-char hold-back) with the defaults and the retry
+    policy in front of the stock instance; the looping prompts streamed at 8 in flight, then
+    four calm ones, read as the openai SDK reads them. Per candidate: loops ended with stop
+    and content, answers spliced (a restart after shown text), repeats the client was shown
+    past the greedy answer's first unit, first token on looping and calm prompts, time per
+    chunk, and the tokens recoveries cost."""
+    http, base = ctx.http, ctx.url["stock"]
+    max_tokens = 512
+    greedy: dict[int, tuple[str, int | None]] = {}
+    for i, prompt in enumerate(LOOPING):
+        r = await chat(http, base, prompt, max_tokens=max_tokens, cache_salt=salt())
+        text = r.get("text") or ""
+        greedy[i] = (text, loop_onset(text))
+    calm = PROMPTS[:4] if len(PROMPTS) > 4 else PROMPTS[:1]
+    out: dict[str, Any] = {
+        "greedy_looping": [i for i, (_, onset) in greedy.items() if onset is not None]
+    }
+    for name, loops in STREAM_CANDIDATES.items():
+        cfg = {"loops": {"policy": "retry"} | loops}
+        proxy = Detproxy(base, cfg, ctx.work, f"stream-{name}")
+        try:
+            await proxy.ready(http)
+            looping = await asyncio.gather(
+                *(
+                    stream_as_sdk(http, proxy.base, p, max_tokens, f"sc-{name}-{i}")
+                    for i, p in enumerate(LOOPING)
+                )
+            )
+            calm_rows = await asyncio.gather(
+                *(
+                    stream_as_sdk(http, proxy.base, p, 256, f"sc-{name}-c{i}")
+                    for i, p in enumerate(calm)
+                )
+            )
+            m = await proxy.metrics(http)
+        finally:
+            proxy.stop()
+        rows = []
+        for i, got in enumerate(looping):
+            text, onset = greedy[i]
+            info = got["detproxy"]
+            rows.append(
+                {
+                    "prompt": i,
+                    "greedy_looped": onset is not None,
+                    "acted": info is not None,
+                    "recovered": bool(info and info.get("recovered")),
+                    "stop_with_content": got["finish"] == "stop" and bool(got["text"].strip()),
+                    "finish": got["finish"],
+                    "spliced": got["comments"] > 0,
+                    "repeats_shown": (
+                        max(0, common_prefix(text, got["text"]) - onset) if onset is not None else 0
+                    ),
+                    "ttft": got["ttft"],
+                    "per_chunk": got["per_chunk"],
+                    "status": got["status"],
+                }
+            )
+        acted = [r for r in rows if r["acted"]]
+        out[name] = {
+            "acted": len(acted),
+            "ended_stop_with_content": sum(r["stop_with_content"] for r in acted),
+            "spliced": sum(r["spliced"] for r in acted),
+            "repeats_shown_chars": spread(
+                [float(r["repeats_shown"]) for r in rows if r["greedy_looped"]]
+            ),
+            "ttft_looping_s": spread([r["ttft"] for r in rows if r["ttft"] is not None]),
+            "ttft_calm_s": spread([c["ttft"] for c in calm_rows if c["ttft"] is not None]),
+            "per_chunk_s": spread(
+                [r["per_chunk"] for r in rows + list(calm_rows) if r["per_chunk"] is not None]
+            ),
+            "recovery_tokens": series(m, "detproxy_recovery_tokens_total"),
+            "client_errors": sum(1 for r in rows if r["status"] != 200)
+            + sum(1 for c in calm_rows if c["status"] != 200),
+            "rows": rows,
+        }
+    return out
+
+
 async def step_graphs(ctx: Ctx) -> dict[str, Any]:
     """vLLM's production default (torch.compile, CUDA graphs) instead of --enforce-eager: its
     own serial reference against the eager one, and the audit at 16 and 32 in flight."""
@@ -2001,6 +2159,7 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
     ("diagnose_spec", step_diagnose_spec, lambda c: 60),
     ("diagnose", step_diagnose, lambda c: 180),
     ("loops_default", step_loops_default, lambda c: 300),
+    ("stream_candidates", step_stream_candidates, lambda c: 150),
     ("passthrough", step_passthrough, lambda c: 30),
     ("reference", step_reference, lambda c: len(PROMPTS) * REPS * c.t1 * 1.2 + 10),
     *[
