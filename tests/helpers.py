@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import shutil
 import socket
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import aiohttp
 import orjson
@@ -50,6 +51,119 @@ TESTS = Path(__file__).resolve().parent
 # No shadow replays (detproxy audits 5% and one a minute per model by default): for tests that
 # count upstream requests or audits and are about something else. Passive checks stay on.
 NO_SHADOWS = {"DETPROXY_AUDIT__SAMPLE_RATE": "0", "DETPROXY_AUDIT__AT_LEAST_EVERY_S": "0"}
+
+# ---------------------------------------------------------------------------------------------
+# Polling: until something is so, by a deadline (never a count of tries: a busy machine is slow)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Unmet:
+    """A check's answer for "not yet" that still shows what it saw in the failure message."""
+
+    seen: Any
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return repr(self.seen)
+
+
+def _not_within(what: str, timeout_s: float, last: object) -> AssertionError:
+    seen = repr(last).replace("\n", "\\n")
+    if len(seen) > 500:
+        seen = seen[:500] + "..."
+    return AssertionError(f"{what}: not within {timeout_s} s (last: {seen})")
+
+
+@overload
+async def eventually(
+    check: Callable[[], Awaitable[T | Unmet]],
+    *,
+    timeout_s: float = ...,
+    interval_s: float = ...,
+    what: str,
+) -> T: ...
+
+
+@overload
+async def eventually(
+    check: Callable[[], T | Unmet],
+    *,
+    timeout_s: float = ...,
+    interval_s: float = ...,
+    what: str,
+) -> T: ...
+
+
+async def eventually(
+    check: Callable[[], Any],
+    *,
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    what: str,
+) -> Any:
+    """``check()``'s first truthy value (``check`` may be async), polled every ``interval_s``;
+    past ``timeout_s`` an AssertionError that says ``what`` was awaited and the last value."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise _not_within(what, timeout_s, value)
+        await asyncio.sleep(interval_s)
+
+
+def eventually_sync(
+    check: Callable[[], T | Unmet], *, timeout_s: float = 10.0, interval_s: float = 0.02, what: str
+) -> T:
+    """``eventually()`` for code that blocks (processes polled with blocking HTTP)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value and not isinstance(value, Unmet):  # (an Unmet is false: this is for mypy)
+            return value
+        if time.monotonic() >= deadline:
+            raise _not_within(what, timeout_s, value)
+        time.sleep(interval_s)
+
+
+def _settled(status: dict[str, Any], audits: int) -> dict[str, Any] | Unmet:
+    shadow, audit = status["shadow"], status["audit"]
+    ended = audit["audits"] + sum(audit["shadows_dropped"].values())
+    idle = shadow is None or shadow["queued"] == shadow["running"] == 0
+    return status if idle and ended >= audits else Unmet({"shadow": shadow, "ended": ended})
+
+
+async def settle(
+    client: Any, audits: int = 0, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """Until no shadow is queued or running and ``audits`` audits ended (a dropped shadow
+    ended too), read from ``client``'s (a TestClient's) /detproxy/status; the status then."""
+
+    async def status() -> dict[str, Any] | Unmet:
+        resp = await client.get("/detproxy/status", headers=headers)
+        return _settled(await resp.json(), audits)
+
+    what = f"shadows settled and {audits} audits ended"
+    return await eventually(status, timeout_s=timeout_s, what=what)
+
+
+def settle_sync(base: str, audits: int = 0, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    """``settle()`` for a detproxy process at ``base`` (its URL), polled with blocking HTTP."""
+
+    def status() -> dict[str, Any] | Unmet:
+        with urllib.request.urlopen(base + "/detproxy/status", timeout=10) as resp:
+            return _settled(orjson.loads(resp.read()), audits)
+
+    what = f"shadows settled and {audits} audits ended"
+    return eventually_sync(status, timeout_s=timeout_s, interval_s=0.5, what=what)
+
 
 # ---------------------------------------------------------------------------------------------
 # Ports and processes
@@ -84,30 +198,33 @@ def redis_server(folder: Path) -> Iterator[str]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        except OSError:
+            return False
+        return True
+
     try:
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                time.sleep(0.05)
+        eventually_sync(listening, timeout_s=10, interval_s=0.05, what="redis-server listening")
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         proc.terminate()
         proc.wait(timeout=10)
 
 
-async def wait_healthy(url: str, attempts: int = 200) -> None:
+async def wait_healthy(url: str, timeout_s: float = 15.0) -> None:
     async with aiohttp.ClientSession() as http:
-        for _ in range(attempts):
+
+        async def answered() -> int | Unmet:
             try:
                 async with http.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer 200")
+                    return resp.status if resp.status == 200 else Unmet(resp.status)
+            except aiohttp.ClientError as err:
+                return Unmet(err)
+
+        await eventually(answered, timeout_s=timeout_s, interval_s=0.05, what=f"{url} answers 200")
 
 
 @asynccontextmanager
@@ -185,18 +302,17 @@ def own_tasks() -> int:
 
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     """Block until ``url`` answers 200; fail at once if ``proc`` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def answered() -> int | Unmet:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
         try:
             with urllib.request.urlopen(url, timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
+                return int(resp.status) if resp.status == 200 else Unmet(resp.status)
+        except OSError as err:
+            return Unmet(err)
+
+    eventually_sync(answered, timeout_s=timeout, interval_s=0.2, what=f"{url} answers 200")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -250,11 +366,12 @@ def engine_busy(engine: Engine) -> float:
 
 def wait_engine_idle(engine: Engine, timeout_s: float = 120.0) -> None:
     """Until llama-server processes nothing: a request its client left may still generate."""
-    deadline = time.monotonic() + timeout_s
-    while engine_busy(engine) != 0:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"llama-server still busy after {timeout_s} s")
-        time.sleep(0.1)
+
+    def idle() -> bool | Unmet:
+        busy = engine_busy(engine)
+        return busy == 0 or Unmet(busy)
+
+    eventually_sync(idle, timeout_s=timeout_s, interval_s=0.1, what="llama-server idle")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import detproxy_serve, free_port, wait_healthy
+from tests.helpers import Unmet, detproxy_serve, eventually, free_port, wait_healthy
 
 pytestmark = [
     pytest.mark.integration,
@@ -83,7 +83,7 @@ scrape_configs:
         ]
         try:
             prom = f"http://127.0.0.1:{prom_port}"
-            await wait_healthy(prom + "/-/ready", attempts=400)
+            await wait_healthy(prom + "/-/ready", timeout_s=30)
             await wait_healthy(f"http://127.0.0.1:{lb_port}/detproxy/health")
             yield {"lb": f"http://127.0.0.1:{lb_port}", "prom": prom, "replicas": [one, two]}
         finally:
@@ -109,11 +109,11 @@ async def test_fleet_rate_through_prometheus(fleet: dict[str, Any]) -> None:
     async with aiohttp.ClientSession() as http:
         # Traffic starts once Prometheus scrapes both replicas: what a counter counted before
         # its first scrape is invisible to rate().
-        for _ in range(100):
+        async def both_up() -> list[dict[str, Any]] | Unmet:
             up = await query(http, fleet["prom"], 'up{job="detproxy"} == 1')
-            if len(up) == 2:
-                break
-            await asyncio.sleep(0.1)
+            return up if len(up) == 2 else Unmet(up)
+
+        await eventually(both_up, timeout_s=20, interval_s=0.1, what="Prometheus scrapes both")
         for i in range(120):  # ~6 s of traffic, spread over both replicas by haproxy
             headers = flip if i % FLIPPED_EVERY == 0 else {}
             async with http.post(
@@ -126,14 +126,16 @@ async def test_fleet_rate_through_prometheus(fleet: dict[str, Any]) -> None:
             status = await (await http.get(replica + "/detproxy/status")).json()
             per_replica.append(status["audit"]["audits"])
         assert all(n > 20 for n in per_replica)  # both replicas took traffic
-        rate = None
-        for _ in range(60):
-            await asyncio.sleep(0.5)
+
+        async def fleet_rate() -> float | Unmet:
             result = await query(http, fleet["prom"], "detproxy:nondeterminism_rate:5m")
-            if result:
-                rate = float(result[0]["value"][1])
-                if abs(rate - 1 / FLIPPED_EVERY) < 0.05:
-                    break
+            rate = float(result[0]["value"][1]) if result else None
+            return (
+                rate if rate is not None and abs(rate - 1 / FLIPPED_EVERY) < 0.05 else Unmet(rate)
+            )
+
+        await eventually(
+            fleet_rate, timeout_s=40, interval_s=0.5, what=f"a fleet rate of {1 / FLIPPED_EVERY}"
+        )
         targets = await query(http, fleet["prom"], 'up{job="detproxy"}')
     assert len(targets) == 2 and all(t["value"][1] == "1" for t in targets)
-    assert rate is not None and abs(rate - 1 / FLIPPED_EVERY) < 0.05, rate

@@ -1,0 +1,70 @@
+"""The pollers in tests/helpers.py: the value that ends the wait, and a failure that says what."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tests.helpers import Unmet, eventually, eventually_sync
+
+
+async def test_eventually_returns_the_first_truthy_value_of_a_sync_check() -> None:
+    calls: list[int] = []
+
+    def check() -> int:
+        calls.append(1)
+        return len(calls) if len(calls) >= 3 else 0
+
+    assert await eventually(check, interval_s=0.001, what="three calls") == 3
+    assert len(calls) == 3
+
+
+async def test_eventually_awaits_an_async_check() -> None:
+    calls: list[int] = []
+
+    async def check() -> dict[str, int] | None:
+        calls.append(1)
+        return {"calls": len(calls)} if len(calls) >= 2 else None
+
+    assert await eventually(check, interval_s=0.001, what="two calls") == {"calls": 2}
+
+
+async def test_eventually_fails_past_its_deadline_saying_what_and_the_last_value() -> None:
+    started = time.monotonic()
+    with pytest.raises(AssertionError) as err:
+        await eventually(lambda: [], timeout_s=0.1, interval_s=0.01, what="a non-empty list")
+    assert time.monotonic() - started >= 0.1  # the whole deadline, not a count of tries
+    first = str(err.value).splitlines()[0]
+    assert first == "a non-empty list: not within 0.1 s (last: [])"
+
+
+async def test_eventually_shows_what_an_unmet_check_saw_truncated() -> None:
+    seen = {"queued": 2, "text": "x" * 2000 + "\nmore"}
+    with pytest.raises(AssertionError) as err:
+        await eventually(lambda: Unmet(seen), timeout_s=0.05, what="an empty queue")
+    message = str(err.value)
+    assert message.startswith("an empty queue: not within 0.05 s (last: {'queued': 2, 'text': 'x")
+    assert "\n" not in message and len(message) < 600 and message.endswith("...)")
+
+
+async def test_eventually_lets_an_error_of_the_check_through() -> None:
+    def check() -> bool:
+        raise ConnectionError("refused")
+
+    with pytest.raises(ConnectionError):
+        await eventually(check, what="never reached")
+
+
+def test_eventually_sync_returns_the_value_and_fails_with_the_message() -> None:
+    calls: list[int] = []
+
+    def check() -> str:
+        calls.append(1)
+        return "ready" if len(calls) >= 3 else ""
+
+    assert eventually_sync(check, interval_s=0.001, what="ready") == "ready"
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"^the engine idle: not within 0.1 s \(last: 2\)"):
+        eventually_sync(lambda: Unmet(2), timeout_s=0.1, what="the engine idle")
+    assert time.monotonic() - started >= 0.1
