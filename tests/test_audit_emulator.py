@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import knobs, metric, sse_chunks
+from tests.helpers import knobs, metric, settle, sse_chunks
 
 MODEL = "emulator-model"
 FAST = {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000"}
@@ -26,17 +25,6 @@ def chat(prompt: str, **extra: Any) -> dict[str, Any]:
         "messages": [{"role": "user", "content": prompt}],
         **extra,
     }
-
-
-async def settle(client: Any) -> None:
-    """Wait until the shadow scheduler has nothing queued or running."""
-    for _ in range(200):
-        status = await (await client.get("/detproxy/status")).json()
-        shadow = status["shadow"]
-        if shadow is None or (shadow["queued"] == 0 and shadow["running"] == 0):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("shadows did not settle")
 
 
 async def read_answer(resp: Any) -> Any:

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric, own_tasks
+from tests.helpers import metric, own_tasks, settle
 
 FAULTS = [
     "reset_mid_stream",
@@ -58,12 +58,8 @@ async def test_faults_while_audits_and_retries_run(
         ]
         faulted = [call({"fault": f, "fault_after_tokens": 5}) for f in FAULTS]
         results = await asyncio.gather(*background, *faulted)
-        for _ in range(200):
-            status = await (await client.get("/detproxy/status")).json()
-            if status["shadow"]["queued"] == 0 and status["shadow"]["running"] == 0:
-                break
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.1)
+        await settle(client)
+        await asyncio.sleep(0.1)  # the handlers' last steps
         after = own_tasks()
         running = emu.stats()["running"]
 

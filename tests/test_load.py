@@ -9,11 +9,10 @@ from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric, own_tasks
+from tests.helpers import metric, own_tasks, settle
 
 STREAMS = 300
 
@@ -76,11 +75,7 @@ async def test_hundreds_of_streams_audited_with_a_loop_storm(
         results = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(STREAMS))), 90)
         done.set()
         await watcher
-        for _ in range(400):  # let the shadows drain
-            status = await (await client.get("/detproxy/status")).json()
-            if status["shadow"]["queued"] == 0 and status["shadow"]["running"] == 0:
-                break
-            await asyncio.sleep(0.05)
+        await settle(client, timeout_s=30)  # let the shadows drain
         await asyncio.sleep(0.1)
         tasks_after = own_tasks()
         stats = emu.stats()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
@@ -11,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import ConfigError, load_settings
-from tests.helpers import metric
+from tests.helpers import metric, settle
 
 ANSWERS = {
     # primary content, shadow content, expected verdict
@@ -59,16 +58,7 @@ async def test_json_path_extractor(
             json={"model": "m", "temperature": 0, "messages": [{"role": "user", "content": name}]},
         )
         assert resp.status == 200
-    for _ in range(100):
-        if (
-            sum(
-                metric(registry, "detproxy_audits_total", model="m", mode="full", verdict=v)
-                for _, _, v in ANSWERS.values()
-            )
-            == 3
-        ):
-            break
-        await asyncio.sleep(0.02)
+    await settle(client, audits=3)
     for _, _, verdict in ANSWERS.values():
         assert (
             metric(registry, "detproxy_audits_total", model="m", mode="full", verdict=verdict) == 1

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
 from proxy.audit.store import ChoiceDigest
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import NEEDS_REDIS, free_port, metric
+from tests.helpers import NEEDS_REDIS, Unmet, eventually, free_port, metric
 
 pytestmark = NEEDS_REDIS
 
@@ -58,11 +58,13 @@ async def test_two_replicas_share_duplicates_and_store_no_text(
         headers={"X-Emulator-Knobs": '{"flip_probability": 1, "flip_position": 2}'},
     )
     assert resp.status == 200
-    for _ in range(50):
-        status = await (await second.get("/detproxy/status")).json()
-        if status["passive_pending"] == 0 and status["audit"]["audits"]:
-            break
-        await asyncio.sleep(0.02)
+
+    async def checked() -> dict[str, Any] | Unmet:
+        status: dict[str, Any] = await (await second.get("/detproxy/status")).json()
+        done = status["passive_pending"] == 0 and status["audit"]["audits"]
+        return status if done else Unmet(status)
+
+    await eventually(checked, what="the second replica's passive check counted")
     assert (
         metric(
             second_registry,

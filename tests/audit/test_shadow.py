@@ -16,7 +16,7 @@ from proxy.audit.shadow import ShadowJob, ShadowScheduler, TokenBucket
 from proxy.config import AuditConfig
 from proxy.events import EventBus, ShadowDropped
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric
+from tests.helpers import eventually, metric, settle
 
 MODEL = "emulator-model"
 AUDIT_ALL = {
@@ -34,18 +34,6 @@ def chat(prompt: str, **extra: Any) -> dict[str, Any]:
         "messages": [{"role": "user", "content": prompt}],
         **extra,
     }
-
-
-async def settle(client: Any, wait_s: float = 5.0) -> dict[str, Any]:
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while True:
-        status: dict[str, Any] = await (await client.get("/detproxy/status")).json()
-        shadow = status["shadow"]
-        if shadow["queued"] == 0 and shadow["running"] == 0:
-            return status
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"shadows did not settle: {shadow}")
-        await asyncio.sleep(0.02)
 
 
 def dropped(registry: CollectorRegistry, reason: str) -> float:
@@ -259,9 +247,13 @@ async def test_quiet_waits_for_own_inflight_then_drops_at_deadline(
     long = asyncio.create_task(
         client.post("/v1/chat/completions", json=chat("long", max_tokens=100))
     )  # ~2 s
-    await asyncio.sleep(0.1)
+
+    async def inflight() -> int:
+        return int((await (await client.get("/detproxy/status")).json())["inflight"])
+
+    await eventually(inflight, what="the long request in flight")
     await client.post("/v1/chat/completions", json=chat("short", max_tokens=2))
-    await asyncio.sleep(0.5)
+    await eventually(lambda: dropped(registry, "quiet_deadline"), what="a quiet_deadline drop")
     assert dropped(registry, "quiet_deadline") == 1
     await long
     await settle(client)  # with nothing else in flight, the long one's shadow runs
@@ -295,7 +287,7 @@ async def test_quiet_reads_the_upstream_running_gauge(
         )
         await asyncio.sleep(0.1)
         await client.post("/v1/chat/completions", json=chat("mine", max_tokens=2))
-        await asyncio.sleep(0.5)
+        await eventually(lambda: dropped(registry, "quiet_deadline"), what="a quiet_deadline drop")
         assert dropped(registry, "quiet_deadline") == 1
         (await busy).release()
 

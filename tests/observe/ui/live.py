@@ -3,10 +3,11 @@ whose prompt holds markup, a logprob drift, a content loop that a retry recovers
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import orjson
+
+from tests.helpers import settle
 
 MODEL = "emulator-model"
 TOKEN = "t" * 24
@@ -56,10 +57,4 @@ async def make_incidents(client: Any) -> None:
         )
         assert resp.status == 200, await resp.text()
         await resp.read()
-    for _ in range(200):
-        status = await (await client.get("/detproxy/status", headers=AUTH)).json()
-        shadow = status["shadow"]
-        if shadow["queued"] == 0 and shadow["running"] == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("shadows did not settle")
+    await settle(client, headers=AUTH)
