@@ -18,6 +18,7 @@ from proxy.audit.outcome import ChoiceOutcome, Outcome
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.events import CauseAttributed, EventBus, TriageDropped
 from proxy.http.upstream import Upstream
+from tests.helpers import eventually
 
 
 class Load:
@@ -97,13 +98,6 @@ def triage(
     return t, seen
 
 
-async def until(check: Callable[[], bool], what: str, deadline_s: float = 5.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not check():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        await asyncio.sleep(0.005)
-
-
 def causes(seen: list[object]) -> list[CauseAttributed]:
     return [e for e in seen if isinstance(e, CauseAttributed)]
 
@@ -117,7 +111,7 @@ async def test_cold_replays_each_get_a_fresh_salt_and_warm_ones_none() -> None:
     t, seen = triage(upstream, cold_replays=3, warm_replays=2)
     t.start()
     t.offer(case())
-    await until(lambda: len(causes(seen)) == 1, "a cause")
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
     await t.close()
     salts = [b.get("cache_salt") for b in upstream.bodies]
     assert len(salts) == 6, upstream.bodies  # 3 cold, the prime, 2 warm
@@ -141,7 +135,7 @@ async def test_cold_replays_stop_once_they_disagree() -> None:
     t, seen = triage(upstream, cold_replays=4)
     t.start()
     t.offer(case())
-    await until(lambda: len(causes(seen)) == 1, "a cause")
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
     await t.close()
     assert len(upstream.bodies) == 2
     found = causes(seen)[0]
@@ -181,7 +175,7 @@ async def test_no_quiet_moment_gives_up_after_its_deadline() -> None:
     t, seen = triage(upstream, Load(inflight=3), quiet_deadline_s=0.05)
     t.start()
     t.offer(case())
-    await until(lambda: len(causes(seen)) == 1, "a cause")
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
     await t.close()
     assert upstream.bodies == []  # nothing was sent beside the client requests
     assert drops(seen) == ["quiet_deadline"]
@@ -206,7 +200,7 @@ async def test_a_failing_triage_is_counted_and_the_next_one_runs(
     t.start()
     t.offer(case(1))
     t.offer(case(2))
-    await until(lambda: len(causes(seen)) == 2, "two causes")
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="two causes")
     await t.close()
     assert drops(seen) == ["error"]
     first, second = causes(seen)
@@ -218,6 +212,6 @@ async def test_shutdown_cancels_the_running_triage() -> None:
     t, _ = triage(Scripted(lambda n: "b"), Load(inflight=3), quiet_deadline_s=600)
     t.start()
     t.offer(case())
-    await until(lambda: t.running, "the triage started")
+    await eventually(lambda: t.running, interval_s=0.005, what="the triage started")
     await asyncio.wait_for(t.close(), 5)
     assert not [task for task in asyncio.all_tasks() if task.get_name().startswith("triage:")]

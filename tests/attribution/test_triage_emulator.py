@@ -4,7 +4,6 @@ emulator injected, over many incidents of each, and no cause claimed on a stable
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from typing import Any
 
@@ -14,7 +13,7 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric
+from tests.helpers import Unmet, eventually, metric
 
 MODEL = "emulator-model"
 FAST = {
@@ -42,21 +41,21 @@ def chat(prompt: str) -> dict[str, Any]:
     }
 
 
-async def idle(client: TestClient[Any, Any], deadline_s: float = 60.0) -> dict[str, Any]:
+async def idle(client: TestClient[Any, Any], timeout_s: float = 60.0) -> dict[str, Any]:
     """Wait until no shadow and no triage is queued or running; the status then."""
-    deadline = time.monotonic() + deadline_s
-    while True:
+
+    async def status() -> dict[str, Any] | Unmet:
         status = await (await client.get("/detproxy/status")).json()
         shadow, triage = status["shadow"], status["triage"]
-        if (
+        done = (
             shadow["queued"] == 0
             and shadow["running"] == 0
             and triage["queued"] == 0
             and not triage["running"]
-        ):
-            return dict(status)
-        assert time.monotonic() < deadline, f"shadows or triage did not settle: {status}"
-        await asyncio.sleep(0.02)
+        )
+        return dict(status) if done else Unmet({"shadow": shadow, "triage": triage})
+
+    return await eventually(status, timeout_s=timeout_s, what="shadows and triage settled")
 
 
 async def causes_of(client: TestClient[Any, Any]) -> list[dict[str, Any]]:
@@ -171,24 +170,14 @@ async def test_speculative_against_a_plain_reference_is_attributed_to_speculativ
     async with EmulatorServer(recipe) as emu, EmulatorServer(EmulatorConfig(seed=4)) as plain:
         env = FAST | {"DETPROXY_AUDIT__REFERENCE_URL": plain.url}
         client = await make_proxy(emu.url, env=env)
-        await wait_fingerprint(client)
+        # Once detproxy has read what the upstream runs (speculative decoding among it).
+        await eventually(lambda: fingerprint_of(client), what="the upstream's fingerprint read")
         await serial_traffic(client, 60, "speculative")
         incidents = await causes_of(client)
         got = table(incidents)
         print("speculative:", dict(got), "of", len(incidents))
         assert len(incidents) >= 20, f"too few divergences to measure: {len(incidents)}"
         assert got["speculative"] / len(incidents) >= 0.95, got
-
-
-async def wait_fingerprint(client: TestClient[Any, Any], deadline_s: float = 10.0) -> None:
-    """Until detproxy has read what the upstream runs (speculative decoding among it)."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        status = await (await client.get("/detproxy/status")).json()
-        if status["upstream_fingerprint"] is not None:
-            return
-        assert time.monotonic() < deadline, "the upstream's fingerprint was never read"
-        await asyncio.sleep(0.05)
 
 
 class Switch:
@@ -225,13 +214,11 @@ async def fingerprint_of(client: TestClient[Any, Any]) -> str | None:
 
 
 async def wait_fingerprint_not(client: TestClient[Any, Any], old: str | None) -> str:
-    deadline = time.monotonic() + 10.0
-    while True:
+    async def new() -> str | Unmet:
         now = await fingerprint_of(client)
-        if now is not None and now != old:
-            return now
-        assert time.monotonic() < deadline, f"detproxy never read a new fingerprint (still {old})"
-        await asyncio.sleep(0.05)
+        return now if now is not None and now != old else Unmet(now)
+
+    return await eventually(new, interval_s=0.05, what=f"a fingerprint other than {old}")
 
 
 async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(

@@ -12,7 +12,7 @@ from policies.budget import RecoveryBudget
 from proxy.events import EventBus, SharedStoreFailed
 from proxy.loops.budget_sync import MODELS, PREFIX, RedisBudgetSync
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import NEEDS_REDIS, chat, free_port, knobs, metric
+from tests.helpers import NEEDS_REDIS, Unmet, chat, eventually, free_port, knobs, metric
 
 pytestmark = NEEDS_REDIS
 
@@ -104,10 +104,7 @@ async def test_a_missing_redis_leaves_each_replica_its_own_budget() -> None:
     sync._budget.set_others({MODEL: (0, 90)})  # what the others had spent, long ago
     task = asyncio.get_running_loop().create_task(sync.run())
     try:
-        for _ in range(100):
-            if sync.errors >= 2:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: sync.errors >= 2 or Unmet(sync.errors), what="two failed syncs")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -135,11 +132,13 @@ async def test_two_detproxies_hold_one_recovery_budget(
     second = await make_proxy(emulator.url, env=env, registry=second_registry)
     resp = await first.post("/v1/chat/completions", json=ASK, headers=CONTENT_LOOP)
     assert resp.headers["X-Detproxy-Recovered"] == "true"
-    for _ in range(100):  # until the second replica has seen the first one's spending
-        status = await (await second.get("/detproxy/status")).json()
-        if status["recovery_budget"].get(MODEL, {}).get("spent"):
-            break
-        await asyncio.sleep(0.02)
+
+    async def synced() -> dict[str, Any] | Unmet:
+        status: dict[str, Any] = await (await second.get("/detproxy/status")).json()
+        spent = status["recovery_budget"].get(MODEL, {}).get("spent")
+        return status if spent else Unmet(status["recovery_budget"])
+
+    status = await eventually(synced, what="the second replica sees the first one's spending")
     assert status["recovery_budget_store"]["store"] == "redis"
     assert status["recovery_budget_store"]["replicas"] == 2
     resp = await second.post("/v1/chat/completions", json=ASK, headers=CONTENT_LOOP)

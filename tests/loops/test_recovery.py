@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import knobs, metric, sse_chunks, sse_comments
+from tests.helpers import eventually, knobs, metric, sse_chunks, sse_comments
 
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
@@ -86,10 +86,8 @@ async def test_streaming_restart_continues_under_the_original_id(
     assert last_choice(chunks)["finish_reason"] == "stop"
     info = {"recovered": True, "attempts": 2, "strategy": "restart"}
     assert chunks[-1]["detproxy"] == info, f"last chunk {chunks[-1]}"
-    for _ in range(20):  # the looping attempt's connection was closed: the engine aborted it
-        if emulator.stats()["aborted"] == 1:
-            break
-        await asyncio.sleep(0.05)
+    # The looping attempt's connection was closed: the engine aborted it.
+    await eventually(lambda: emulator.stats()["aborted"], what="an aborted engine request")
     assert emulator.stats()["aborted"] == 1
     assert actions(registry, "retry", "recovered") == 1
 
@@ -128,10 +126,9 @@ async def test_a_retry_is_recovered_when_the_client_closes_on_done(
     parts = await asyncio.to_thread(stream)
     assert [c for c in parts if c.choices][-1].choices[0].finish_reason == "stop"
     assert (parts[-1].model_extra or {}).get("detproxy", {}).get("recovered") is True
-    for _ in range(100):  # detproxy sees the connection close after the SDK returned
-        if metric(registry, "detproxy_inflight_requests") == 0:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(  # detproxy sees the connection close after the SDK returned
+        lambda: metric(registry, "detproxy_inflight_requests") == 0, what="no request in flight"
+    )
     assert metric(registry, "detproxy_inflight_requests") == 0
     assert actions(registry, "retry", "recovered") == 1
     assert (
@@ -331,10 +328,10 @@ async def test_recovery_counts_follow_the_upstream(
         assert was_recovered == bool(escaped[rid]), rid
         if not escaped[rid]:
             assert attempts == 3  # the ladder ran out
-    for _ in range(100):  # outcomes are counted when the upstream response has ended
-        if actions(registry, "abort", "attempts_exhausted") == len(exhausted):
-            break
-        await asyncio.sleep(0.05)
+    await eventually(  # outcomes are counted when the upstream response has ended
+        lambda: actions(registry, "abort", "attempts_exhausted") == len(exhausted),
+        what=f"{len(exhausted)} attempts_exhausted aborts counted",
+    )
     assert actions(registry, "retry", "recovered") == len(recovered)
     assert actions(registry, "retry", "looped_again") == retries_looped
     assert actions(registry, "abort", "attempts_exhausted") == len(exhausted)
