@@ -80,7 +80,7 @@ def _not_within(what: str, timeout_s: float, last: object) -> AssertionError:
 
 @overload
 async def eventually(
-    check: Callable[[], Awaitable[T | Unmet]],
+    check: Callable[[], Awaitable[T | Unmet | None]],
     *,
     timeout_s: float = ...,
     interval_s: float = ...,
@@ -90,7 +90,7 @@ async def eventually(
 
 @overload
 async def eventually(
-    check: Callable[[], T | Unmet],
+    check: Callable[[], T | Unmet | None],
     *,
     timeout_s: float = ...,
     interval_s: float = ...,
@@ -120,13 +120,17 @@ async def eventually(
 
 
 def eventually_sync(
-    check: Callable[[], T | Unmet], *, timeout_s: float = 10.0, interval_s: float = 0.02, what: str
+    check: Callable[[], T | Unmet | None],
+    *,
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    what: str,
 ) -> T:
     """``eventually()`` for code that blocks (processes polled with blocking HTTP)."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = check()
-        if value and not isinstance(value, Unmet):  # (an Unmet is false: this is for mypy)
+        if value is not None and value and not isinstance(value, Unmet):  # (narrowed for mypy)
             return value
         if time.monotonic() >= deadline:
             raise _not_within(what, timeout_s, value)

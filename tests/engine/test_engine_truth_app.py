@@ -9,7 +9,7 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +18,11 @@ from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.engine.test_follow import engine_log
-from tests.helpers import EXE, bare_env, free_port, wait_http
+from tests.helpers import EXE, Unmet, bare_env, eventually, eventually_sync, free_port, wait_http
 
 FAST = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
 UNKNOWN_ENV_LOG = "vllm-0.23.0-eager-unknown-env.log"
 TRITON_LOG = "vllm-0.23.0-eager-triton-noprefix.log"
-
-
-async def until(what: str, check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
 async def status(client: TestClient[Any, Any]) -> dict[str, Any]:
@@ -46,7 +35,7 @@ async def engine_once(client: TestClient[Any, Any], what: str, test: Callable[[A
         engine = (await status(client))["engine"]
         return engine if test(engine) else None
 
-    return await until(what, check)
+    return await eventually(check, what=what)
 
 
 async def incidents(client: TestClient[Any, Any], kind: str) -> list[dict[str, Any]]:
@@ -92,7 +81,7 @@ async def test_a_fallback_and_an_unknown_variable_raise_within_one_reading(
         async def recorded() -> list[dict[str, Any]]:
             return await incidents(client, "engine_mismatch")
 
-        (incident,) = await until("an engine_mismatch incident", recorded)
+        (incident,) = await eventually(recorded, what="an engine_mismatch incident")
         assert {m["field"] for m in incident["mismatches"]} == set(fields)
         await asyncio.sleep(0.2)  # several more readings (0.05 s apart): no second incident
         assert len(await recorded()) == 1, "one incident per new mismatch set"
@@ -131,7 +120,7 @@ async def test_a_sidecar_start_learns_the_recipe_over_time_without_a_change(
         async def identified() -> Any:
             return (await status(client))["upstream_fingerprint"]
 
-        first = await until("an identity", identified)
+        first = await eventually(identified, what="an identity")
         written(path, engine_log(UNKNOWN_ENV_LOG))
 
         async def with_recipe() -> Any:
@@ -140,7 +129,7 @@ async def test_a_sidecar_start_learns_the_recipe_over_time_without_a_change(
             read = engine["loaded"]["facts"].get("attention_backend") == "FLASH_ATTN"
             return fp if read and fp["identity"]["recipe"] == engine["recipe"] else None
 
-        later = await until("the recipe in the identity", with_recipe)
+        later = await eventually(with_recipe, what="the recipe in the identity")
         state = (await status(client))["upstream_state"]
         assert state["changes"] == 0, f"facts learnt later are no change: {state}"
         assert later["fingerprint"] == first["fingerprint"], (first, later)
@@ -154,7 +143,7 @@ async def test_a_sidecar_start_learns_the_recipe_over_time_without_a_change(
             state = (await status(client))["upstream_state"]
             return state if state["changes"] else None
 
-        state = await until("the new backend is a change", changed)
+        state = await eventually(changed, what="the new backend is a change")
         assert state["changes"] == 1, state
         (change,) = await incidents(client, "upstream_change")
         assert change["before"]["identity"]["recipe"] != change["after"]["identity"]["recipe"]
@@ -181,12 +170,13 @@ def test_the_engine_piped_into_detproxy_is_read_and_detproxy_stops_while_it_writ
             wait_http(url + "/detproxy/health", proc, timeout=30)
             proc.stdin.write(engine_log(UNKNOWN_ENV_LOG).read_bytes())
             proc.stdin.flush()  # and left open: the engine still runs
-            deadline = time.monotonic() + 10
-            engine: dict[str, Any] = {}
-            while time.monotonic() < deadline and not engine.get("mismatches"):
+
+            def mismatched() -> dict[str, Any] | Unmet:
                 with urllib.request.urlopen(url + "/detproxy/status", timeout=5) as resp:
-                    engine = json.load(resp)["engine"]
-                time.sleep(0.05)
+                    engine: dict[str, Any] = json.load(resp)["engine"]
+                return engine if engine.get("mismatches") else Unmet(engine)
+
+            engine = eventually_sync(mismatched, interval_s=0.05, what="a mismatch from stdin")
             assert [m["field"] for m in engine["mismatches"]] == ["unknown_env"], engine
             started = time.monotonic()
             proc.terminate()
@@ -220,7 +210,7 @@ async def test_an_audit_incident_carries_the_recipe_it_was_measured_on(
             fp = now["upstream_fingerprint"] or {}
             return recipe if recipe and fp.get("identity", {}).get("recipe") == recipe else None
 
-        recipe = await until("the recipe in the upstream's identity", recipe_in_identity)
+        recipe = await eventually(recipe_in_identity, what="the recipe in the upstream's identity")
         resp = await client.post(
             "/v1/chat/completions",
             json=chat(),
@@ -231,5 +221,5 @@ async def test_an_audit_incident_carries_the_recipe_it_was_measured_on(
         async def audited() -> list[dict[str, Any]]:
             return await incidents(client, "audit")
 
-        (incident,) = await until("an audit incident", audited)
+        (incident,) = await eventually(audited, what="an audit incident")
         assert incident["upstream"]["recipe"] == recipe, incident.get("upstream")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,7 +28,7 @@ from proxy.engine.fingerprint import (
 )
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import free_port, metric
+from tests.helpers import eventually, free_port, metric
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
 vllm:num_requests_running{engine="0",model_name="m"} 3.0
@@ -202,7 +202,7 @@ async def test_exported_stamped_and_changes_counted(
     client = await make_proxy(
         await upstream(), env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
     )
-    await asyncio.sleep(0.2)
+    await eventually(lambda: fingerprint(client), what="the upstream's fingerprint read")
     labels = {"kind": "vllm", "version": "0.16.0", "model": "m"}
     text = await (await client.get("/detproxy/metrics")).text()
     assert 'detproxy_upstream_info{fingerprint="' in text and 'version="0.16.0"' in text
@@ -210,7 +210,9 @@ async def test_exported_stamped_and_changes_counted(
     body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "q"}]}
     await client.post("/v1/chat/completions", json=body)
     state["version"] = "0.17.1"  # a redeploy under traffic
-    await asyncio.sleep(0.2)
+    await eventually(
+        lambda: metric(registry, "detproxy_upstream_changes_total"), what="the redeploy read"
+    )
     await client.post("/v1/chat/completions", json=body | {"temperature": 0.0, "n": 1})
     assert metric(registry, "detproxy_upstream_changes_total") == 1
     text = await (await client.get("/detproxy/metrics")).text()
@@ -223,15 +225,15 @@ async def test_exported_stamped_and_changes_counted(
     assert labels["model"] in status["upstream_fingerprint"]["models"]
 
 
+async def fingerprint(client: TestClient[Any, Any]) -> dict[str, Any] | None:
+    status = await (await client.get("/detproxy/status")).json()
+    return status["upstream_fingerprint"]  # type: ignore[no-any-return]
+
+
 async def test_the_emulator_reads_as_vllm(make_proxy: Any, registry: CollectorRegistry) -> None:
     async with EmulatorServer(EmulatorConfig(version="0.15.1")) as emu:
         client = await make_proxy(emu.url)
-        for _ in range(50):
-            status = await (await client.get("/detproxy/status")).json()
-            if status["upstream_fingerprint"]:
-                break
-            await asyncio.sleep(0.02)
-        fp = status["upstream_fingerprint"]
+        fp = await eventually(lambda: fingerprint(client), what="the upstream's fingerprint read")
         assert (fp["kind"], fp["version"], fp["models"]) == ("vllm", "0.15.1", ["emulator-model"])
         assert fp["load"]["running"] == 0.0
         # Incidents carry the configuration that produced them.
@@ -253,26 +255,17 @@ async def test_the_emulator_reads_as_vllm(make_proxy: Any, registry: CollectorRe
             headers={"X-Emulator-Knobs": '{"flip_probability": 1}'},
         )
         await client.post("/v1/chat/completions", json=body | {"logprobs": True})
-        await asyncio.sleep(0.05)
-        incidents = await (await client.get("/detproxy/incidents")).json()
-        assert incidents and all(i["upstream"]["version"] == "0.15.1" for i in incidents)
+
+        async def recorded() -> list[dict[str, Any]]:
+            return list(await (await client.get("/detproxy/incidents")).json())
+
+        incidents = await eventually(recorded, what="incidents recorded")
+        assert all(i["upstream"]["version"] == "0.15.1" for i in incidents)
 
 
 # --------------------------------------------------------------------- outages and restarts
 
 FAST = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
-
-
-async def until(what: str, check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> Any:
-    """``check()``'s first truthy value, polled until a deadline."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
 async def upstream_state(client: TestClient[Any, Any]) -> dict[str, Any]:
@@ -285,7 +278,7 @@ async def reach(client: TestClient[Any, Any], state: str, restarts: int = 0) -> 
         now = await upstream_state(client)
         return now if now["state"] == state and now["restarts"] >= restarts else None
 
-    reached: dict[str, Any] = await until(f"upstream state {state!r}", check)
+    reached: dict[str, Any] = await eventually(check, what=f"upstream state {state!r}")
     return reached
 
 
@@ -298,7 +291,7 @@ async def more_readings(client: TestClient[Any, Any], state: dict[str, Any], n: 
             at = (await upstream_state(client))["last_reading_at"]
             return at if at > after else None
 
-        seen = await until("another reading", later)
+        seen = await eventually(later, what="another reading")
 
 
 def counts(registry: CollectorRegistry) -> tuple[float, float, float | None]:
@@ -395,7 +388,7 @@ async def test_another_engine_after_an_outage_is_a_change(
             state = await upstream_state(client)
             return state if state["changes"] else None
 
-        state = await until("a change", changed)
+        state = await eventually(changed, what="a change")
         assert state["state"] == "up" and state["restarts"] == 0, state
         assert counts(registry) == (1, 0, 1)
         incidents = await (await client.get("/detproxy/incidents")).json()
@@ -567,7 +560,7 @@ async def test_a_prefixed_url_is_named_in_the_status(
         said: str | None = (await upstream_state(client))["hint"]
         return said
 
-    said = await until("a hint in the status", hint)
+    said = await eventually(hint, what="a hint in the status")
     assert "detproxy adds /v1/... itself: use http://127.0.0.1:" in said, said
     assert not said.rstrip("0123456789").endswith("/api"), said
 
@@ -591,9 +584,10 @@ async def test_an_upstream_not_up_yet_is_read_again_within_seconds() -> None:
             async def read(state: str) -> bool:
                 return bool(poller.state()["state"] == state)
 
-            await until("the first reading", lambda: read("waiting"))
+            await eventually(lambda: read("waiting"), what="the first reading")
             async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
-                await until("up within seconds", lambda: read("up"), timeout_s=DOWN_INTERVAL_S + 3)
+                up_within = DOWN_INTERVAL_S + 3
+                await eventually(lambda: read("up"), timeout_s=up_within, what="up within seconds")
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)

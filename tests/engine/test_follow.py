@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +15,7 @@ import pytest
 from proxy.engine.facts import EngineFacts
 from proxy.engine.follow import EngineLogFollower, EngineTruth, merge, moved
 from proxy.events import EngineFactsRead, EventBus
+from tests.helpers import eventually
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = Path("/work/shared/reference/engine-logs")
@@ -48,16 +47,6 @@ class Lines:
         return EngineFacts({"lines": len(self.lines)}, {}, (), (), (), False)
 
 
-async def until(what: str, check: Callable[[], Any], timeout_s: float = 5.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within {timeout_s} s: {what}")
-
-
 def follower(path: Path, **kw: Any) -> tuple[EngineLogFollower, Lines, EngineTruth]:
     truth = EngineTruth(EventBus(), {}, str(path))
     lines = Lines()
@@ -82,14 +71,14 @@ async def test_a_file_that_appears_late_is_read_from_its_start_line_by_line(
     f, lines, _ = follower(path)
     task = await running(f)
     try:
-        await until("the follower waits", lambda: "waiting for engine log" in caplog.text)
+        await eventually(lambda: "waiting for engine log" in caplog.text, what="the follower waits")
         with path.open("w") as out:
             out.write("one\ntw")
             out.flush()
-            await until("the first line read", lambda: lines.lines == ["one"])
+            await eventually(lambda: lines.lines == ["one"], what="the first line read")
             out.write("o\nthree\n")
             out.flush()
-            await until("three lines", lambda: lines.lines == ["one", "two", "three"])
+            await eventually(lambda: lines.lines == ["one", "two", "three"], what="three lines")
     finally:
         await stop(task)
     assert caplog.text.count("waiting for engine log") == 1, caplog.text
@@ -101,18 +90,18 @@ async def test_rotation_by_rename_and_truncation_are_followed(tmp_path: Path) ->
     f, lines, _ = follower(path)
     task = await running(f)
     try:
-        await until("the first file", lambda: lines.lines == ["a", "b"])
+        await eventually(lambda: lines.lines == ["a", "b"], what="the first file")
         with path.open("a") as out:  # written just before the rotation: still read
             out.write("c\n")
         os.rename(path, tmp_path / "vllm.log.1")
         path.write_text("d\n")
-        await until("the rotated file", lambda: lines.lines == ["a", "b", "c", "d"])
+        await eventually(lambda: lines.lines == ["a", "b", "c", "d"], what="the rotated file")
         assert f.reopened == 1
         path.write_text("")  # truncated in place (copytruncate)
-        await until("the truncation seen", lambda: f.reopened == 2)
+        await eventually(lambda: f.reopened == 2, what="the truncation seen")
         with path.open("a") as out:
             out.write("e\n")
-        await until("the truncated file read", lambda: lines.lines[-1:] == ["e"])
+        await eventually(lambda: lines.lines[-1:] == ["e"], what="the truncated file read")
     finally:
         await stop(task)
     assert lines.lines == ["a", "b", "c", "d", "e"], "each line once"
@@ -124,8 +113,8 @@ async def test_a_huge_line_is_cut_and_counted_and_memory_stays_bounded(tmp_path:
     path.write_text("before\n" + "x" * 10_000 + "\nafter\n" + "y" * 500)
     task = await running(f)
     try:
-        await until("the line after the huge one", lambda: "after" in lines.lines)
-        await until("the unfinished long line cut", lambda: f.cut_lines == 2)
+        await eventually(lambda: "after" in lines.lines, what="the line after the huge one")
+        await eventually(lambda: f.cut_lines == 2, what="the unfinished long line cut")
     finally:
         await stop(task)
     assert lines.lines == ["before", "x" * 100, "after", "y" * 100], [len(x) for x in lines.lines]
@@ -140,7 +129,7 @@ async def test_an_unreadable_file_is_said_once(
     f, _, _ = follower(path)
     task = await running(f)
     try:
-        await until("said", lambda: "cannot be read" in caplog.text)
+        await eventually(lambda: "cannot be read" in caplog.text, what="said")
         await asyncio.sleep(0.1)  # a few more polls (0.01 s apart) that must not say it again
     finally:
         await stop(task)
