@@ -16,6 +16,7 @@ from proxy.http.body import BadRequest
 from proxy.http.front import FrontRequest, FrontServer
 from proxy.http.h1 import H1Upstream
 from proxy.http.headers import decode_field
+from tests.helpers import eventually
 
 Handler = Callable[[FrontRequest], Awaitable[None]]
 
@@ -193,10 +194,7 @@ async def test_a_client_that_leaves_cancels_its_handler(front: Front) -> None:
     writer.write(post("/hang", b""))
     await asyncio.wait_for(reader.readuntil(b"data: first"), 5)
     writer.close()
-    for _ in range(100):
-        if front.cancelled:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: front.cancelled, what="the handler cancelled")
     assert front.cancelled == ["/hang"]
     assert front.server.busy() == 0
 

@@ -15,7 +15,14 @@ from proxy.http.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
 from proxy.http.h1conn import Conn
 from proxy.http.headers import EncodedFields, decode_field, is_event_stream_response
 from proxy.http.upstream import READ_ERRORS
-from tests.helpers import JSON_REPLY, ScriptedReply, ScriptedRequest, ScriptedServer, replies_with
+from tests.helpers import (
+    JSON_REPLY,
+    ScriptedReply,
+    ScriptedRequest,
+    ScriptedServer,
+    eventually,
+    replies_with,
+)
 
 
 @pytest.fixture
@@ -60,7 +67,7 @@ async def test_content_length_answers_reuse_one_connection(scripted: Any) -> Non
     assert req.header(b"x-request-id") == b"r1"
     assert req.header(b"content-length") == b"2" and req.body == b"{}"
     await up.close()
-    await asyncio.sleep(0.05)
+    await eventually(lambda: srv.eofs, what="the idle connection closed")
     assert srv.eofs == 1  # closing the client closes its idle connections
 
 
@@ -283,10 +290,7 @@ async def test_closing_an_unfinished_response_closes_the_connection(scripted: An
         assert chunk == b"first"
         break
     resp.close()
-    for _ in range(50):
-        if srv.eofs:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: srv.eofs, what="the upstream saw the client go")
     assert srv.eofs == 1  # the upstream saw the client go: it can abort the generation
     assert up.idle_connections == 0
 
@@ -302,7 +306,7 @@ async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await asyncio.sleep(0.1)
+    await eventually(lambda: srv.eofs, what="the cancelled request's connection closed")
     assert srv.eofs == 1
     # The one connection slot was given back: a new request is not stuck behind it.
     srv.reply = replies_with(JSON_REPLY)
@@ -432,7 +436,7 @@ async def test_expired_idle_connections_are_closed_on_a_release(scripted: Any) -
     await (await up.send("GET", "/", {}, None)).read()  # the newest is used again
     await asyncio.sleep(0.3)  # the other one is now past the keep-alive time
     await (await up.send("GET", "/", {}, None)).read()
-    await asyncio.sleep(0.05)
+    await eventually(lambda: srv.eofs, what="the expired connection closed")
     assert (srv.connections, srv.eofs, up.idle_connections) == (2, 1, 1)
 
 
