@@ -16,7 +16,7 @@ import pytest
 from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
-from tests.helpers import NO_SHADOWS, metric, sse_event
+from tests.helpers import NO_SHADOWS, eventually, metric, sse_event
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -175,10 +175,14 @@ async def test_streamed_nan_logprobs_are_relayed_and_refused_shadows_suspend_the
         assert resp.status == 200
         assert await resp.read() == expected
         # One at a time: each shadow is answered before the next request is planned.
-        await _wait_for(lambda: any(not b.get("stream") for b in scripted.bodies[-1:]))
+        await eventually(
+            lambda: any(not b.get("stream") for b in scripted.bodies[-1:]),
+            what="the shadow sent upstream",
+        )
     endpoint = "chat" if path == CHAT else "completions"
-    await _wait_for(
-        lambda: metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs") == 1
+    await eventually(
+        lambda: metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs") == 1,
+        what="logprobs injection suspended",
     )
     labels = {"model": "m", "endpoint": endpoint, "kind": "logprobs", "status": "400"}
     assert metric(registry, "detproxy_injection_failures_total", **labels) == 3
@@ -230,7 +234,7 @@ async def test_a_client_that_asks_logprobs_itself_is_still_audited_while_suspend
     assert resp.status == 200
     await resp.read()
     # Its own logprobs need no injection: the primary and its shadow both went upstream.
-    await _wait_for(lambda: len(scripted.bodies) == 2)
+    await eventually(lambda: len(scripted.bodies) == 2, what="the primary and its shadow upstream")
 
 
 async def test_an_error_the_clients_own_request_gets_too_is_relayed_and_not_blamed(
@@ -298,16 +302,6 @@ async def test_a_rejected_repetition_detection_falls_back_and_is_suspended(
         == 1
     )
     assert "repetition_detection" not in scripted.bodies[-1]
-
-
-async def _wait_for(check: Any, tries: int = 200) -> None:
-    import asyncio
-
-    for _ in range(tries):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 UNIT = " and then the model says the same thing again."

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import EXE, free_port, wait_healthy
+from tests.helpers import EXE, eventually, free_port, wait_healthy
 
 CHAT = {
     "model": "emulator-model",
@@ -23,14 +23,12 @@ CHAT = {
 }
 
 
-async def wait_in_flight(base: str, http: aiohttp.ClientSession, deadline_s: float = 20) -> None:
-    end = asyncio.get_running_loop().time() + deadline_s
-    while asyncio.get_running_loop().time() < end:
+async def wait_in_flight(base: str, http: aiohttp.ClientSession, timeout_s: float = 20) -> None:
+    async def inflight() -> int:
         async with http.get(base + "/detproxy/status") as resp:
-            if (await resp.json())["inflight"] >= 1:
-                return
-        await asyncio.sleep(0.02)
-    raise TimeoutError("the request never showed as in flight")
+            return int((await resp.json())["inflight"])
+
+    await eventually(inflight, timeout_s=timeout_s, what="the request shown in flight")
 
 
 async def test_json_lines_from_start_to_a_drained_sigterm(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import knobs, metric, metric_total, sse_blocks
+from tests.helpers import eventually, knobs, metric, metric_total, sse_blocks
 
 MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
 # A model that loops at temperature 0, and whose loop a retry always ends.
@@ -104,10 +104,9 @@ async def test_a_client_that_closes_on_done_had_the_whole_answer(
 
     parts = await asyncio.to_thread(stream)
     assert parts[-1].choices[0].finish_reason == "length"
-    for _ in range(100):  # the shadow replays the stream (its own end delayed too)
-        if metric_total(registry, "detproxy_audits_total") >= 1:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(  # the shadow replays the stream (its own end delayed too)
+        lambda: metric_total(registry, "detproxy_audits_total"), what="an audit counted"
+    )
     assert (
         metric(
             registry,
@@ -144,10 +143,7 @@ async def test_stream_abort_reaches_the_engine(
     await resp.content.readuntil(b"\n\n")
     assert emulator.stats()["running"] == 1
     resp.close()
-    for _ in range(20):
-        await asyncio.sleep(0.05)
-        if emulator.stats()["aborted"] == 1:
-            break
+    await eventually(lambda: emulator.stats()["aborted"], what="the engine request aborted")
     assert emulator.stats()["aborted"] == 1 and emulator.stats()["running"] == 0
 
 

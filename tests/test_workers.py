@@ -19,7 +19,7 @@ import aiohttp
 from proxy.config import Settings, load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import worker_budgets
-from tests.helpers import bare_env, free_port, wait_healthy
+from tests.helpers import Unmet, bare_env, eventually, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {
@@ -69,20 +69,20 @@ def fresh() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
-async def workers_seen(base: str, want: int = 2, attempts: int = 500) -> dict[int, int]:
+async def workers_seen(base: str, want: int = 2, timeout_s: float = 30.0) -> dict[int, int]:
     """index -> pid of the workers that answered /detproxy/status, until ``want`` did (a
     worker still starting is not listening yet)."""
     seen: dict[int, int] = {}
     async with fresh() as http:
-        for _ in range(attempts):
+
+        async def answered() -> dict[int, int] | Unmet:
             async with http.get(base + "/detproxy/status") as resp:
                 worker = (await resp.json())["worker"]
             seen[worker["index"]] = worker["pid"]
             assert worker["of"] == 2
-            if len(seen) == want:
-                return seen
-            await asyncio.sleep(0.02)
-    raise AssertionError(f"only workers {seen} answered in {attempts} requests")
+            return seen if len(seen) == want else Unmet(seen)
+
+        return await eventually(answered, timeout_s=timeout_s, what=f"{want} workers answering")
 
 
 async def metric(base: str, name: str) -> float:
@@ -101,12 +101,8 @@ def alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
 
 
-async def gone(pid: int, within_s: float) -> bool:
-    for _ in range(int(within_s / 0.05)):
-        if not alive(pid):
-            return True
-        await asyncio.sleep(0.05)
-    return False
+async def gone(pid: int, within_s: float, what: str) -> None:
+    await eventually(lambda: not alive(pid), timeout_s=within_s, interval_s=0.05, what=what)
 
 
 REQUESTS = 'detproxy_requests_total{deterministic="true",endpoint="chat",model="emulator-model",stream="false"}'  # noqa: E501
@@ -135,13 +131,13 @@ async def test_two_workers_answer_share_metrics_restart_and_stop(tmp_path: Path)
         assert await metric(base, 'detproxy_worker_restarts_total{worker="0"}') == 0
 
         os.kill(pids[0], signal.SIGKILL)
-        assert await gone(pids[0], 5)
-        restarted = {}
-        for _ in range(100):  # the supervisor starts worker 0 again
-            restarted = await workers_seen(base)
-            if restarted[0] != pids[0]:
-                break
-            await asyncio.sleep(0.1)
+        await gone(pids[0], 5, "the killed worker gone")
+
+        async def worker_0_again() -> dict[int, int] | Unmet:  # the supervisor starts it again
+            seen = await workers_seen(base)
+            return seen if seen[0] != pids[0] else Unmet(seen)
+
+        restarted = await eventually(worker_0_again, timeout_s=30, what="worker 0 restarted")
         assert restarted[0] != pids[0] and restarted[1] == pids[1]
         assert await metric(base, 'detproxy_worker_restarts_total{worker="0"}') == 1
         assert await metric(base, REQUESTS) == 40  # the dead worker's counts are kept
@@ -179,7 +175,7 @@ async def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path) -> N
         proc.kill()  # no SIGTERM to pass on
         await proc.wait()
         for pid in pids.values():
-            assert await gone(pid, 15), f"worker {pid} still serving without its supervisor"
+            await gone(pid, 15, f"worker {pid} gone without its supervisor")
 
 
 async def test_a_port_in_use_stops_the_supervisor_at_start(tmp_path: Path) -> None:
