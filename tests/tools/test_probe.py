@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +11,7 @@ import orjson
 import pytest
 
 from proxy.tools.probe import main
-from tests.helpers import EXE, free_port
+from tests.helpers import EXE, free_port, wait_http
 
 
 @pytest.fixture
@@ -29,13 +27,8 @@ def start_emulator() -> Iterator[Any]:
         )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).close()
-                return url
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("emulator did not start")
+        wait_http(url + "/health", proc, timeout=15)
+        return url
 
     yield start
     for proc in procs:

@@ -4,25 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import aiohttp
 import orjson
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import CHAT, chat, chunks, completion, parse_sse
+from tests.helpers import CHAT, Unmet, chat, chunks, completion, eventually, parse_sse
 
 from .conftest import MakeClient
 
 
-async def _wait_for(server: EmulatorServer, key: str, value: int) -> None:
-    """Wait up to one second for a stats counter to reach ``value``."""
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        if server.stats()[key] == value:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{key} != {value}: {server.stats()}")
+def stat(server: EmulatorServer, key: str, value: int) -> Callable[[], bool | Unmet]:
+    """A check for eventually(): the emulator's ``key`` counter reads ``value``."""
+
+    def check() -> bool | Unmet:
+        stats = server.stats()
+        return stats[key] == value or Unmet(stats)
+
+    return check
 
 
 async def test_reset_mid_stream(make_client: MakeClient) -> None:
@@ -93,7 +94,7 @@ async def test_slow_headers(make_client: MakeClient) -> None:
     with pytest.raises(asyncio.TimeoutError):
         async with client.session.post(client.base + CHAT, json=chat(), timeout=timeout):
             pass
-    await _wait_for(server, "aborted", 1)
+    await eventually(stat(server, "aborted", 1), what="aborted == 1")
 
 
 async def test_malformed_sse(make_client: MakeClient) -> None:
@@ -152,8 +153,8 @@ async def test_client_abort_mid_stream(make_client: MakeClient) -> None:
         await resp.content.readuntil(b"\n\n")
         assert server.stats()["running"] == 1
         resp.close()
-    await _wait_for(server, "aborted", 1)
-    await _wait_for(server, "running", 0)
+    await eventually(stat(server, "aborted", 1), what="aborted == 1")
+    await eventually(stat(server, "running", 0), what="running == 0")
     assert server.stats()["completed"] == 0
 
 
@@ -161,8 +162,8 @@ async def test_client_abort_non_stream(make_client: MakeClient) -> None:
     client, server = await make_client(token_latency_s=0.02)
     with pytest.raises(asyncio.TimeoutError):
         await asyncio.wait_for(client.chat(chat()), timeout=0.1)
-    await _wait_for(server, "aborted", 1)
-    await _wait_for(server, "running", 0)
+    await eventually(stat(server, "aborted", 1), what="aborted == 1")
+    await eventually(stat(server, "running", 0), what="running == 0")
 
 
 async def test_end_delay_holds_the_framing_after_done(make_client: MakeClient) -> None:
@@ -176,4 +177,4 @@ async def test_end_delay_holds_the_framing_after_done(make_client: MakeClient) -
         assert not resp.content.at_eof()  # the last chunk frame is still to come
         assert await resp.content.read() == b""
         assert resp.content.at_eof()
-    await _wait_for(server, "completed", 1)
+    await eventually(stat(server, "completed", 1), what="completed == 1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 
-from tests.helpers import EmulatorClient, chat, chunks, completion, stream_text
+from tests.helpers import EmulatorClient, chat, chunks, completion, eventually, stream_text
 
 from .conftest import MakeClient
 
@@ -211,10 +211,7 @@ async def test_misc_endpoints(make_client: MakeClient) -> None:
 async def test_running_gauge_while_generating(make_client: MakeClient) -> None:
     client, server = await make_client(token_latency_s=0.02)
     task = asyncio.create_task(client.chat(chat(max_tokens=20)))
-    for _ in range(50):
-        await asyncio.sleep(0.01)
-        if server.stats()["running"] == 1:
-            break
+    await eventually(lambda: server.stats()["running"], what="a request running")
     text = (await client.get("/metrics")).raw.decode()
     assert 'vllm:num_requests_running{engine="0",model_name="emulator-model"} 1.0' in text
     await task
