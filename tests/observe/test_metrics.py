@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,15 @@ from proxy.events import (
 )
 from proxy.observe.metrics import Metrics
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import bare_env, free_port, metric, metric_samples, wait_healthy
+from tests.helpers import (
+    Unmet,
+    bare_env,
+    eventually,
+    free_port,
+    metric,
+    metric_samples,
+    wait_healthy,
+)
 
 ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -131,15 +138,17 @@ async def test_two_workers_count_an_upstream_restart_once(tmp_path: Path) -> Non
 
     async def both(what: str, check: Callable[[dict[str, Any]], bool]) -> None:
         """Until each of the two workers says so in its ``upstream_state``."""
-        deadline, seen = time.monotonic() + 30, dict[int, Any]()
+        seen = dict[int, Any]()
         async with fresh() as http:
-            while time.monotonic() < deadline and len(seen) < 2:
+
+            async def said() -> bool | Unmet:
                 async with http.get(base + "/detproxy/status") as resp:
                     status = await resp.json()
                 if check(status["upstream_state"]):
                     seen[status["worker"]["index"]] = status["upstream_state"]
-                await asyncio.sleep(0.02)
-        assert len(seen) == 2, f"not both workers {what} within 30 s: {seen}"
+                return len(seen) == 2 or Unmet(seen)
+
+            await eventually(said, timeout_s=30, what=f"both workers {what}")
 
     proc = await asyncio.create_subprocess_exec(
         sys.executable, *argv, env=env, stderr=asyncio.subprocess.DEVNULL

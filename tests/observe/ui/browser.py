@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from tests.helpers import eventually
+
 CHROMIUM = shutil.which("chromium")
 _LISTENING = re.compile(rb"DevTools listening on (ws://\S+)")
 START_S = 30.0
@@ -74,12 +76,8 @@ class Page:
     async def wait_for(self, expression: str) -> Any:
         """Until ``expression`` is truthy in the page, for what a handler changes after an event
         (a ``hashchange`` runs after the click that caused it); its value."""
-        async with asyncio.timeout(STEP_S):
-            while True:
-                value = await self.js(expression)
-                if value:
-                    return value
-                await asyncio.sleep(0.02)  # the page's handlers run between evaluations
+        # The page's handlers run between evaluations.
+        return await eventually(lambda: self.js(expression), timeout_s=STEP_S, what=expression)
 
     async def click(self, selector: str, navigates: bool = True) -> None:
         """A real mouse click at the middle of the first element ``selector`` matches."""
