@@ -165,7 +165,18 @@ class WholeAnswer:
         self._continued = continued
         self._kept = (self._upstream, self._payload, self._answer)
         try:
-            self._upstream = await stages.upstream.send(
+            rendered: UpstreamResponse | None = None
+            if continued is not None and continued.closes_reasoning:
+                # A template that drops assistant reasoning: the rendered prompt keeps it.
+                rendered = await stages.recovery.rendered.open(
+                    stages.upstream,
+                    ex.client.raw_path,
+                    ex.headers,
+                    orjson.loads(body),
+                    continued,
+                    self._answer,
+                )
+            self._upstream = rendered or await stages.upstream.send(
                 "POST", ex.client.raw_path, ex.headers, body
             )
         except UpstreamFailure as exc:

@@ -448,6 +448,12 @@ class ReasoningMarkersConfig(_Section):
     models: str = "*"
     start: str = "<think>"
     end: str = "</think>"
+    # Whether a closed reasoning is continued through the prompt the engine's own template
+    # renders, on /v1/completions (proxy/loops/rendered.py), instead of a final assistant
+    # message, which templates dropping assistant reasoning (DeepSeek-R1's distills, QwQ) cut
+    # (vLLM then refuses to continue it). auto: where the engine's /tokenize shows the model's
+    # template drops it (asked once per model); always / never: declared.
+    rendered_continuation: Literal["auto", "always", "never"] = "auto"
 
 
 class LoopConfig(_Section):

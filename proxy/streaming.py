@@ -241,7 +241,7 @@ class StreamedAnswer:
         if continued is None:  # a restart: the client sees the answer start again
             await self._client.write(marker)
         self._closes_reasoning = continued is not None and continued.closes_reasoning
-        upstream = await self._open(body)
+        upstream = await self._open(body, continued)
         missing, self._missing = self._missing, ""
         if upstream is not None and continued is not None and missing:
             # Held back, never shown: the part of the prefix the continuation goes on from.
@@ -293,10 +293,19 @@ class StreamedAnswer:
         )
         return None if body is None else orjson.dumps(body)
 
-    async def _open(self, body: bytes) -> UpstreamResponse | None:
+    async def _open(
+        self, body: bytes, continued: Continued | None = None
+    ) -> UpstreamResponse | None:
         ex, stages = self.exchange, self._stages
         try:
-            upstream = await stages.upstream.send("POST", ex.client.raw_path, ex.headers, body)
+            upstream: UpstreamResponse | None = None
+            if continued is not None and continued.closes_reasoning:
+                # A template that drops assistant reasoning: the rendered prompt keeps it.
+                upstream = await stages.recovery.rendered.open(
+                    stages.upstream, ex.client.raw_path, ex.headers, orjson.loads(body), continued
+                )
+            if upstream is None:
+                upstream = await stages.upstream.send("POST", ex.client.raw_path, ex.headers, body)
         except UpstreamFailure as exc:
             stages.bus.publish(UpstreamFailed(ex.endpoint, exc.kind, "headers"))
             return None

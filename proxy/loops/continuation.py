@@ -17,9 +17,9 @@ answer's content, in whichever field it comes: a reasoning parser that sees no e
 the output (vLLM's ``deepseek_r1``) reports it all as reasoning. The client gets the kept
 reasoning as its reasoning (streamed: it has it already, or, held, gets it in one chunk) and
 that answer as its content. It relies on the model's chat template rendering a final
-assistant message's reasoning: templates that keep only what follows ``</think>`` of
-assistant messages (DeepSeek-R1's distills, QwQ) drop it, and the engine then answers
-without the reasoning it had.
+assistant message's reasoning: for templates that keep only what follows ``</think>`` of
+assistant messages (DeepSeek-R1's distills, QwQ) the continuation goes through the rendered
+prompt on ``/v1/completions`` instead (``proxy.loops.rendered``).
 
 Where continuing cannot keep the answer whole, the attempt restarts instead: a loop the engine
 reported (no onset known), a loop in the reasoning channel for ``continue`` (the reasoning

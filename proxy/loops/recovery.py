@@ -41,6 +41,7 @@ from proxy.loops.continuation import (
     prefix_of,
 )
 from proxy.loops.detector import DetectorConfig
+from proxy.loops.rendered import RenderedContinuation
 from proxy.loops.watch import LoopWatch
 from proxy.openai import REASONING_KEYS, stream_event
 
@@ -81,6 +82,8 @@ class Recovery:
         )
         # A streamed retry goes on from what the client was shown (restarts while nothing was).
         self._stream_continues = config.stream_mode == "continue"
+        # A closed reasoning continued on the rendered prompt where the template drops it.
+        self.rendered = RenderedContinuation(config.reasoning_markers, clock)
 
     @property
     def enabled(self) -> bool:

@@ -23,7 +23,7 @@ from .injections import EmulatorState
 from .metrics import CONTENT_TYPE, render_metrics
 from .plan import resolve_model
 from .schemas import RequestError, TokenizeRequest, parse, render_messages
-from .vocab import encode
+from .vocab import encode_pieces
 
 CREATED_KEY = web.AppKey("emulator_created", int)
 
@@ -78,20 +78,30 @@ async def tokenize(request: web.Request) -> web.Response:
         req = parse(TokenizeRequest, await read_json_object(request))
         resolve_model(cfg, req.model)
         if req.messages is not None:
-            text = render_messages(req.messages)
+            if req.add_generation_prompt and req.continue_final_message:
+                raise RequestError(
+                    "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                )
+            text = render_messages(
+                req.messages,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                cfg.template_drops_reasoning,
+            )
         elif req.prompt is not None:
             text = req.prompt
         else:
             raise RequestError("Either `prompt` or `messages` is required.", param="prompt")
     except RequestError as err:
         return error_response(err)
-    tokens = encode(text)
+    pieces = encode_pieces(text)
+    request.app[STATE_KEY].learn(pieces)
     return _json(
         {
-            "count": len(tokens),
+            "count": len(pieces),
             "max_model_len": cfg.max_model_len,
-            "tokens": tokens,
-            "token_strs": None,
+            "tokens": [p.token_id for p in pieces],
+            "token_strs": [p.text for p in pieces] if req.return_token_strs else None,
         }
     )
 

@@ -85,6 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="reasoning tokens before each chat answer (default 0: none)",
     )
     p.add_argument(
+        "--template-drops-reasoning",
+        action="store_true",
+        default=None,
+        help="a chat template like DeepSeek-R1's distills' and QwQ's: assistant messages render"
+        " as what follows their </think>, the generation prompt opens <think> (a continued"
+        " closed reasoning is recorded as closed_reasoning, with the reasoning its prompt kept)",
+    )
+    p.add_argument(
         "--token-latency",
         type=float,
         dest="token_latency_s",

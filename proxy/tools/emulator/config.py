@@ -60,6 +60,12 @@ class EmulatorConfig(BaseModel):
     # marker as reasoning ("reasoning"; the pitfall of vllm#17349 in reference/vllm-api.md:
     # the answer in reasoning, content null), qwen3 as content ("content").
     closed_reasoning_answer: Literal["reasoning", "content"] = "reasoning"
+    # A chat template that drops the reasoning of assistant messages (DeepSeek-R1's distills,
+    # QwQ: an assistant message renders as what follows its "</think>"), and whose generation
+    # prompt opens the reasoning ("<think>\n"), as theirs do. The prompt a generation request is
+    # conditioned on is then the template's: a continuation of a closed reasoning sent as a
+    # final assistant message goes on without that reasoning (record closed_reasoning).
+    template_drops_reasoning: bool = False
 
     # Injected nondeterminism (greedy requests only).
     # flip: the rank-2 token at flip_position.

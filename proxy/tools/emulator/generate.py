@@ -83,8 +83,10 @@ async def handle_generation(request: web.Request, endpoint: Endpoint) -> web.Str
             body_rid = body.get("request_id")
             rid = body_rid if isinstance(body_rid, str) and body_rid else secrets.token_hex(16)
         rng = state.rng if cfg.seed == base.seed else random.Random(cfg.seed)
-        build = build_chat_job if endpoint == "chat" else build_completion_job
-        job = build(cfg, body, rid, rng, state.seen)
+        if endpoint == "chat":
+            job = build_chat_job(cfg, body, rid, rng, state.seen)
+        else:
+            job = build_completion_job(cfg, body, rid, rng, state.seen, state.decode)
     except RequestError as err:
         return error_response(err)
     state.requests += 1
@@ -125,6 +127,12 @@ class Run:
         ]
         self.steps: list[list[Step]] = [[] for _ in self.gens]
         self.tokens = 0
+        if job.closed_reasoning is not None:
+            closed = {"endpoint": job.endpoint, "reasoning": job.closed_reasoning}
+            rec = InjectionRecord(
+                job.request_id, "closed_reasoning", None, None, closed, state.running
+            )
+            state.record(rec)
         for plan in job.plans:
             if plan.loop_escaped:
                 detail = {"probability": cfg.loop_escape_probability}

@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .vocab import Piece, vocabulary
+
 InjectionKind = Literal[
     "flip",
     "logprob_jitter",
@@ -20,10 +22,14 @@ InjectionKind = Literal[
     "loop_escape",
     "prefix_cache",
     "speculative",
+    # A continuation of a closed reasoning: detail {"endpoint", "reasoning"}, the reasoning
+    # its prompt holds as the template rendered it ("" where the template dropped it).
+    "closed_reasoning",
 ]
 
 
 MAX_CACHED_BLOCKS = 200_000
+MAX_PIECES = 200_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +84,9 @@ class EmulatorState:
     spec_draft_tokens: int = 0
     spec_accepted: int = 0
     spec_accepted_per_pos: Counter[int] = field(default_factory=Counter)
+    # The text of the token ids /tokenize handed out beyond the vocabulary (they are hashes):
+    # a prompt of token ids reads back as its text.
+    pieces: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -101,6 +110,20 @@ class EmulatorState:
         self.prefix_queries += tokens
         self.prefix_hits += hits
         return hits
+
+    def learn(self, pieces: list[Piece]) -> None:
+        """Remember the text of ids /tokenize handed out."""
+        if len(self.pieces) > MAX_PIECES:
+            self.pieces.clear()
+        for piece in pieces:
+            self.pieces[piece.token_id] = piece.text
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (an id never handed out reads as ``<id>``)."""
+        vocab = vocabulary()
+        return "".join(
+            vocab.text(i) if 0 <= i < len(vocab) else self.pieces.get(i, f"<{i}>") for i in ids
+        )
 
     def spec_step(self, accepted: int, drafted: int) -> None:
         """One engine step of one request with speculative decoding."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -20,6 +21,7 @@ from .schemas import (
     CompletionRequest,
     RepetitionDetection,
     RequestError,
+    closed_reasoning_in,
     completion_prompts,
     parse,
     render_messages,
@@ -69,6 +71,9 @@ class Job:
     cached_tokens: int = 0
     # vLLM's --enable-prompt-tokens-details: usage reports cached_tokens.
     prompt_tokens_details: bool = False
+    # A continuation of a closed reasoning: the reasoning its rendered prompt holds ("": the
+    # template dropped it); None for any other request.
+    closed_reasoning: str | None = None
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -294,7 +299,16 @@ def build_chat_job(
         )
     if req.logprobs:
         _check_logprobs(cfg, top, "top_logprobs")
-    prompt = render_messages(req.messages)
+    if cfg.template_drops_reasoning:
+        # The template's own rendering (the prompt the engine is conditioned on).
+        prompt = render_messages(
+            req.messages,
+            body.get("add_generation_prompt", True) is not False,
+            body.get("continue_final_message") is True,
+            drops_reasoning=True,
+        )
+    else:
+        prompt = render_messages(req.messages)
     pieces = split_text(prompt)
     prompt_tokens = len(pieces)
     max_tokens = _check_length(cfg, prompt_tokens, req.max_completion_tokens or req.max_tokens)
@@ -329,7 +343,16 @@ def build_chat_job(
         nan_logprobs=cfg.nan_logprobs,
         prompt_tokens_details=cfg.enable_prompt_tokens_details,
         answer_as_reasoning=closed and parser and cfg.closed_reasoning_answer == "reasoning",
+        closed_reasoning=_kept_reasoning(cfg, req.messages) if closed else None,
     )
+
+
+def _kept_reasoning(cfg: EmulatorConfig, messages: list[dict[str, Any]]) -> str:
+    """The closed reasoning a continued final message holds as the template renders it."""
+    rendered = render_messages(
+        messages, continue_final_message=True, drops_reasoning=cfg.template_drops_reasoning
+    )
+    return closed_reasoning_in(rendered) or ""
 
 
 def closes_reasoning(body: dict[str, Any]) -> bool:
@@ -350,7 +373,9 @@ def build_completion_job(
     request_id: str,
     rng: random.Random,
     seen: Counter[int],
+    decode: Callable[[list[int]], str] | None = None,
 ) -> Job:
+    """``decode``: the text of a prompt of token ids (the ids /tokenize handed out)."""
     req = parse(CompletionRequest, body)
     model = resolve_model(cfg, req.model)
     stream, usage, continuous = _stream_flags(req)
@@ -362,8 +387,13 @@ def build_completion_job(
     max_req = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     max_tokens = min(_check_length(cfg, c, max_req) for c in counts)
     sampling = _sampling(cfg, req)
+    # A prompt that closes the reasoning (a rendered continuation): the model answers.
+    text = req.prompt if isinstance(req.prompt, str) else None
+    if decode is not None and req.prompt and all(isinstance(t, int) for t in req.prompt):
+        text = decode(req.prompt)  # type: ignore[arg-type]
+    closed = closed_reasoning_in(text) if text is not None else None
     loop = None
-    if cfg.loop_channel != "none":
+    if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and closed is None):
         loop = _loop_plan(cfg, "content", req.repetition_detection)
     keys = [prompt_key(model, p) for p in prompts]
     asked = _Asked(request_id, keys, req.n, max_tokens, 0, loop, sampling, req.ignore_eos)
@@ -385,4 +415,5 @@ def build_completion_job(
         reasoning_style=cfg.reasoning_style,
         nan_logprobs=cfg.nan_logprobs,
         prompt_tokens_details=cfg.enable_prompt_tokens_details,
+        closed_reasoning=closed,
     )

@@ -86,6 +86,10 @@ class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True  # the emulator's tokenizer has no special tokens
+    return_token_strs: bool = False
 
 
 def validation_error(exc: ValidationError) -> RequestError:
@@ -105,9 +109,34 @@ def parse(cls: type[_M], body: dict[str, Any]) -> _M:
         raise validation_error(exc) from None
 
 
-def render_messages(messages: list[dict[str, Any]]) -> str:
-    """Render chat messages to one prompt string (role + content per message)."""
+# What the emulator's template ends a prompt with for the model to answer; a template that
+# drops assistant reasoning opens the reasoning there (EmulatorConfig.template_drops_reasoning).
+GENERATION_PROMPT = "\nassistant:"
+OPENING_GENERATION_PROMPT = "\nassistant:<think>\n"
+REASONING_END = "</think>"
+# transformers' apply_chat_template (vLLM renders with it) when the template cut the final
+# message it was asked to continue; vLLM answers 400 with it.
+FINAL_MESSAGE_CUT = (
+    "continue_final_message is set but the final message does not appear in the chat after"
+    " applying the chat template! This can happen if the chat template deletes portions of the"
+    " final message. Please verify the chat template and final message in your chat to ensure"
+    " they are compatible."
+)
+
+
+def render_messages(
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    drops_reasoning: bool = False,
+) -> str:
+    """Render chat messages to one prompt string (role + content per message): the emulator's
+    chat template. ``continue_final_message``: the last message left open, no generation
+    prompt; ``drops_reasoning``: an assistant message renders as what follows its
+    ``</think>`` (DeepSeek-R1's distills, QwQ), so a final message holding reasoning cannot be
+    continued (transformers' error, vLLM's 400)."""
     lines: list[str] = []
+    final = ""
     for msg in messages:
         role = msg.get("role")
         if not isinstance(role, str):
@@ -119,8 +148,28 @@ def render_messages(messages: list[dict[str, Any]]) -> str:
             text = content or ""
         else:
             raise RequestError("Message `content` must be a string or a list.", param="messages")
+        final = text
+        if drops_reasoning and role == "assistant" and REASONING_END in text:
+            text = text.split(REASONING_END)[-1]
         lines.append(f"{role}: {text}")
-    return "\n".join(lines) + "\nassistant:"
+    rendered = "\n".join(lines)
+    if continue_final_message:
+        if final.strip() not in rendered:
+            raise RequestError(FINAL_MESSAGE_CUT, param="messages")
+        return rendered
+    if not add_generation_prompt:
+        return rendered
+    return rendered + (OPENING_GENERATION_PROMPT if drops_reasoning else GENERATION_PROMPT)
+
+
+def closed_reasoning_in(prompt: str) -> str | None:
+    """The reasoning the last turn of a rendered prompt closes (what follows is the answer):
+    between its last ``<think>`` and ``</think>``; None when the turn closes none."""
+    turn = prompt.rpartition(GENERATION_PROMPT.strip("\n"))[2]
+    head, end, _ = turn.rpartition(REASONING_END)
+    if not end:
+        return None
+    return head.rpartition("<think>")[2].strip("\n")
 
 
 def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str]:

@@ -1,0 +1,394 @@
+"""A closed reasoning continued through the rendered prompt on /v1/completions, for templates
+that drop the reasoning of assistant messages (proxy/loops/rendered.py): on the emulator with
+such a template, the engine is conditioned on the kept reasoning, and the client gets the chat
+answer it would have had, whole or streamed (read by the official openai SDK)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from proxy.loops.continuation import Continued
+from proxy.loops.detector import LoopDetector
+from proxy.loops.rendered import (
+    SENTINEL,
+    RenderedContinuation,
+    chat_answer,
+    chat_chunk,
+    opened,
+    paths_of,
+    supported,
+)
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers import knobs
+
+MODEL = "emulator-model"
+LADDER = orjson.dumps([{"models": "*", "attempts": [{"strategy": "close_reasoning"}]}]).decode()
+ENV = {
+    "DETPROXY_LOOPS__POLICY": "retry",
+    "DETPROXY_LOOPS__LADDERS": LADDER,
+    "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+}
+# A reasoning loop no sampling change ends: only closing the reasoning recovers it.
+STUCK = knobs(
+    loop_channel="reasoning",
+    loop_after_tokens=3,
+    reasoning_tokens=6,
+    loop_escape_probability=0.0,
+    closed_reasoning_answer="content",
+)
+ASK: dict[str, Any] = {
+    "model": MODEL,
+    "temperature": 0,
+    "max_tokens": 200,
+    "messages": [{"role": "user", "content": "What is two and two?"}],
+}
+
+
+def rendering(mode: str) -> dict[str, str]:
+    markers = [{"models": "*", "rendered_continuation": mode}]
+    return {"DETPROXY_LOOPS__REASONING_MARKERS": orjson.dumps(markers).decode()}
+
+
+class Seen:
+    """The requests the emulator got (path, body), and the paths it is made to refuse."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.refuse: dict[str, int] = {}
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        body = orjson.loads(await request.read() or b"{}")
+        self.requests.append((request.path, body))
+        status = self.refuse.get(request.path)
+        if status is not None:
+            return web.json_response(
+                {"error": {"message": "refused", "code": status}}, status=status
+            )
+        return await handler(request)
+
+    def bodies(self, path: str) -> list[dict[str, Any]]:
+        return [body for p, body in self.requests if p == path]
+
+    def probes(self) -> int:
+        """Probes of a template (the /tokenize render whose reasoning is SENTINEL)."""
+        return sum(
+            1
+            for body in self.bodies("/tokenize")
+            if SENTINEL in orjson.dumps(body.get("messages") or []).decode()
+        )
+
+
+@pytest.fixture
+def seen() -> Seen:
+    return Seen()
+
+
+@pytest.fixture
+def template_drops_reasoning() -> bool:
+    return True
+
+
+@pytest.fixture
+async def emulator(seen: Seen, template_drops_reasoning: bool) -> AsyncIterator[EmulatorServer]:
+    server = EmulatorServer(EmulatorConfig(template_drops_reasoning=template_drops_reasoning))
+    server.app.middlewares.append(seen.middleware)
+    async with server:
+        yield server
+
+
+def conditioned(emulator: EmulatorServer) -> list[dict[str, Any]]:
+    """What each continuation of a closed reasoning was conditioned on (endpoint, reasoning)."""
+    return [r["detail"] for r in emulator.injections() if r["kind"] == "closed_reasoning"]
+
+
+def no_loop_in(text: str) -> bool:
+    detector = LoopDetector()
+    return detector.feed(text) is None and detector.report is None
+
+
+def shape(value: Any) -> Any:
+    """The keys of a JSON value, all the way down (the values left out)."""
+    if isinstance(value, dict):
+        return {k: shape(v) for k, v in value.items() if k not in ("id", "created")}
+    if isinstance(value, list):
+        return [shape(v) for v in value[:1]]
+    return type(value).__name__ if value is not None else None
+
+
+async def post(client: Any, body: dict[str, Any] = ASK) -> tuple[Any, dict[str, Any]]:
+    resp = await client.post("/v1/chat/completions", json=body, headers=STUCK)
+    assert resp.status == 200, await resp.text()
+    return resp, await resp.json()
+
+
+# -- whole answers -----------------------------------------------------------------------------
+
+
+async def test_a_closed_reasoning_is_continued_on_the_rendered_prompt(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    client = await make_proxy(emulator.url, env=ENV)
+    resp, answer = await post(client)
+    assert resp.headers["X-Detproxy-Strategy"] == "close_reasoning"
+    assert resp.headers["X-Detproxy-Recovered"] == "true"
+    message = answer["choices"][0]["message"]
+    kept = message["reasoning"]
+    assert kept and no_loop_in(kept) and message["content"] and no_loop_in(message["content"])
+    # The engine was conditioned on the kept reasoning: through /v1/completions, on token ids.
+    assert conditioned(emulator) == [{"endpoint": "completion", "reasoning": kept.strip("\n")}], (
+        "the continuation was not conditioned on the kept reasoning"
+    )
+    (completion,) = seen.bodies("/v1/completions")
+    assert all(type(t) is int for t in completion["prompt"])
+    # The template's generation prompt opens the reasoning: the closed one goes on from it.
+    prompt = emulator.state.decode(completion["prompt"])
+    assert prompt.endswith("assistant:<think>\n" + kept.strip("\n") + "\n</think>\n\n"), prompt
+    assert "messages" not in completion and completion["temperature"] == 0
+    assert completion["max_tokens"] < ASK["max_tokens"]  # the kept reasoning's share taken off
+    assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
+    usage = answer["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+@pytest.mark.parametrize("template_drops_reasoning", [False])
+async def test_the_client_cannot_tell_the_rendered_answer_from_the_chat_one(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    # A template that keeps the reasoning, so that both paths answer.
+    rendered, _ = await post(await make_proxy(emulator.url, env=ENV | rendering("always")))
+    chat, _ = await post(await make_proxy(emulator.url, env=ENV | rendering("never")))
+    got = [c["endpoint"] for c in conditioned(emulator)]
+    assert got == ["completion", "chat"], got
+    assert shape(await rendered.json()) == shape(await chat.json())
+    for name in ("X-Detproxy-Attempts", "X-Detproxy-Recovered", "X-Detproxy-Strategy"):
+        assert rendered.headers[name] == chat.headers[name], name
+
+
+async def test_on_the_chat_path_the_template_cannot_continue_the_reasoning(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    # The control: the same recovery as a final assistant message. The template cuts the
+    # reasoning out of it, and continuing a message the template cut is refused (vLLM's 400,
+    # transformers' error): the client keeps the answer it had.
+    client = await make_proxy(emulator.url, env=ENV | rendering("never"))
+    resp, answer = await post(client)
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+    assert answer["object"] == "chat.completion"
+    continued = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
+    assert len(continued) == 1 and not conditioned(emulator)
+    assert not seen.bodies("/v1/completions") and not seen.bodies("/tokenize")
+
+
+async def test_the_template_is_probed_once_per_model(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    client = await make_proxy(emulator.url, env=ENV)
+    for _ in range(3):
+        await post(client)
+    assert seen.probes() == 1, f"{seen.probes()} probes for one model"
+    assert [c["endpoint"] for c in conditioned(emulator)] == ["completion"] * 3
+
+
+@pytest.mark.parametrize("template_drops_reasoning", [False])
+async def test_a_template_that_keeps_the_reasoning_keeps_the_chat_path(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    client = await make_proxy(emulator.url, env=ENV)
+    _, answer = await post(client)
+    assert seen.probes() == 1 and not seen.bodies("/v1/completions")
+    kept = answer["choices"][0]["message"]["reasoning"]
+    assert conditioned(emulator) == [{"endpoint": "chat", "reasoning": kept.strip("\n")}]
+
+
+async def test_without_vllm_tokenize_the_chat_path_stays(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    # llama.cpp's server has another /tokenize; here there is none at all.
+    # The chat continuation is sent as before (here refused: the template cuts it), and the
+    # client gets an answer, never an error.
+    seen.refuse["/tokenize"] = 404
+    client = await make_proxy(emulator.url, env=ENV)
+    for _ in range(2):
+        resp, answer = await post(client)
+        assert resp.headers["X-Detproxy-Recovered"] == "false"
+        assert answer["object"] == "chat.completion"
+    assert seen.probes() == 1, "a failed probe was not remembered"
+    assert not seen.bodies("/v1/completions")
+    continued = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
+    assert len(continued) == 2
+
+
+async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    seen.refuse["/v1/completions"] = 400
+    client = await make_proxy(emulator.url, env=ENV)
+    resp, answer = await post(client)
+    assert resp.headers["X-Detproxy-Recovered"] == "false"
+    assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["reasoning"]
+    assert len(seen.bodies("/v1/completions")) == 1
+
+
+async def test_tools_keep_the_chat_path(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    client = await make_proxy(emulator.url, env=ENV | rendering("always"))
+    await post(client, ASK | {"tools": [tool]})
+    assert not seen.bodies("/tokenize") and not seen.bodies("/v1/completions")
+    continued = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
+    assert len(continued) == 1
+
+
+# -- streamed, as the openai SDK reads it ------------------------------------------------------
+
+
+async def sdk_stream(client: Any) -> list[Any]:
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+    try:
+        stream = await sdk.chat.completions.create(
+            **ASK, stream=True, stream_options={"include_usage": True}, extra_headers=STUCK
+        )
+        return [chunk async for chunk in stream]
+    finally:
+        await sdk.close()
+
+
+def reasoning_of(chunk: Any) -> str:
+    return (chunk.choices[0].delta.model_extra or {}).get("reasoning") or ""
+
+
+async def test_a_streamed_closed_reasoning_reads_as_one_answer(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    client = await make_proxy(emulator.url, env=ENV)
+    chunks = await sdk_stream(client)
+    (completion,) = seen.bodies("/v1/completions")
+    assert completion["stream"] is True and completion["stream_options"] == {"include_usage": True}
+    assert len({c.id for c in chunks}) == 1, "the stream changed its id"
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    with_choices = [c for c in chunks if c.choices]
+    reasoning = "".join(reasoning_of(c) for c in with_choices)
+    content = "".join(c.choices[0].delta.content or "" for c in with_choices)
+    # The reasoning the client was shown, then the answer: nothing after the answer started.
+    first = next(i for i, c in enumerate(with_choices) if c.choices[0].delta.content)
+    assert not any(reasoning_of(c) for c in with_choices[first:])
+    assert content and no_loop_in(content)
+    assert with_choices[-1].choices[0].finish_reason in ("stop", "length")
+    (detail,) = conditioned(emulator)
+    assert detail["endpoint"] == "completion" and reasoning.startswith(detail["reasoning"]), (
+        "the continuation was not conditioned on the reasoning the client was shown"
+    )
+    info = (chunks[-1].model_extra or {}).get("detproxy")
+    assert info == {"recovered": True, "attempts": 2, "strategy": "close_reasoning"}, chunks[-1]
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].completion_tokens > 0
+    # The answer is the non-streamed recovery's.
+    _, whole = await post(client)
+    assert whole["choices"][0]["message"]["content"] == content
+
+
+async def test_a_refused_streamed_rendered_continuation_is_no_error(
+    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+) -> None:
+    seen.refuse["/v1/completions"] = 400
+    client = await make_proxy(emulator.url, env=ENV)
+    chunks = await sdk_stream(client)  # the SDK raises on an error event
+    assert len(seen.bodies("/v1/completions")) == 1
+    assert len({c.id for c in chunks}) == 1
+    info = (chunks[-1].model_extra or {}).get("detproxy")
+    assert info is not None and info["recovered"] is False, chunks[-1]
+
+
+# -- the parts ---------------------------------------------------------------------------------
+
+
+def test_where_the_generation_prompt_opens_the_reasoning() -> None:
+    start = [7, 8]
+    assert opened([1, 2, 7, 8], start) is False  # right at its end
+    assert opened([1, 2, 7, 8, 9], start) is True  # its newline after it
+    assert opened([1, 7, 8, 9, 9, 9], start) is None
+    assert opened([1, 2, 3], start) is None and opened([1, 2], []) is None
+
+
+def test_the_paths_beside_a_chat_request() -> None:
+    paths = paths_of("/v1/chat/completions")
+    assert paths is not None and (paths.tokenize, paths.completions) == (
+        "/tokenize",
+        "/v1/completions",
+    )
+    prefixed = paths_of("/engine/v1/chat/completions?x=1")
+    assert prefixed is not None and (prefixed.tokenize, prefixed.completions) == (
+        "/engine/tokenize",
+        "/engine/v1/completions?x=1",
+    )
+    assert paths_of("/chat/completions") is None
+
+
+def test_what_completions_cannot_answer() -> None:
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    assert supported({"messages": messages})
+    assert not supported({"messages": messages, "tools": [{}]})
+    assert not supported({"messages": messages, "response_format": {"type": "json_object"}})
+    assert not supported({"messages": messages, "n": 2})
+    image = {"type": "image_url", "image_url": {"url": "x"}}
+    assert not supported({"messages": [{"role": "user", "content": [image]}, messages[1]]})
+
+
+def test_a_completion_reads_as_the_looping_chat_answer() -> None:
+    first = {
+        "id": "chatcmpl-1",
+        "object": "chat.completion",
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "reasoning": "loop loop"},
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+            }
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14},
+    }
+    completion = {
+        "id": "cmpl-2",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": "Four.", "finish_reason": "stop", "stop_reason": None}],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22},
+    }
+    answer = chat_answer(completion, first)
+    assert answer["id"] == "chatcmpl-1" and answer["object"] == "chat.completion"
+    assert answer["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "Four.",
+        "reasoning": None,
+    }
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"] == completion["usage"]
+    chunk = chat_chunk({**completion, "choices": [{"index": 0, "text": "Fo"}]})
+    assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == "chatcmpl-2"
+    assert chunk["choices"] == [
+        {"index": 0, "delta": {"content": "Fo"}, "logprobs": None, "finish_reason": None}
+    ]
+
+
+async def test_never_asks_nothing() -> None:
+    rendered = RenderedContinuation([])
+    body = {"model": MODEL, "messages": [{"role": "assistant", "content": "y"}]}
+
+    class Refuses:
+        async def send(self, *args: Any) -> Any:
+            raise AssertionError("sent")
+
+    closed = Continued("y", True, "<think>\ny\n</think>\n\n")
+    assert await rendered.open(Refuses(), "/v1/chat/completions", {}, body, closed) is None  # type: ignore[arg-type]
