@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.deploy.test_docker import DETPROXY_UID, env_of, exec_form, flag, load_compose
-from tests.helpers import free_port
+from tests.helpers import Unmet, eventually_sync, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "deploy" / "docker" / "build_image.sh"
@@ -145,17 +145,23 @@ def log_tail(tmp_path: Path) -> str:
     return (tmp_path / "serve.err").read_text(errors="replace")[-3000:]
 
 
+def answers(port: int, path: str, proc: subprocess.Popen[bytes], name: str) -> int | Unmet:
+    """A check for eventually_sync(): 200 once ``path`` answers it, while ``proc`` runs."""
+    assert proc.poll() is None, f"{name} exited with {proc.returncode}"
+    try:
+        status = get(port, path)[0]
+    except OSError as err:
+        return Unmet(err)
+    return status if status == 200 else Unmet(status)
+
+
 def wait_health(port: int, runner: subprocess.Popen[bytes], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert runner.poll() is None, f"detproxy in the image exited with {runner.returncode}"
-        try:
-            if get(port, "/detproxy/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, f"detproxy in the image not healthy in {timeout}s"
-        time.sleep(0.2)
+    eventually_sync(
+        lambda: answers(port, "/detproxy/health", runner, "detproxy in the image"),
+        timeout_s=timeout,
+        interval_s=0.2,
+        what="detproxy in the image healthy",
+    )
 
 
 def chat(port: int, *, stream: bool, max_tokens: int) -> tuple[int, str]:
@@ -198,16 +204,12 @@ def emulator() -> Iterator[int]:
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, "the emulator exited"
-            try:
-                if get(port, "/v1/models")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the emulator never answered"
-            time.sleep(0.1)
+        eventually_sync(
+            lambda: answers(port, "/v1/models", proc, "the emulator"),
+            timeout_s=30,
+            interval_s=0.1,
+            what="the emulator answers",
+        )
         yield port
     finally:
         proc.terminate()
