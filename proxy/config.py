@@ -382,6 +382,10 @@ class AttributionConfig(_Section):
     cold_replays: int = Field(default=4, ge=2)  # serial, each with a fresh cache_salt
     warm_replays: int = Field(default=2, ge=0)  # after a priming run, without salt; 0: none
     reference_replays: int = Field(default=2, ge=0)  # where audit.reference_url is set
+    # Replays stop this many tokens past the audit's first divergent token (max_tokens /
+    # max_completion_tokens cut to it, never raised) and all runs are compared over those first
+    # tokens; prefill audits, answer divergences and unknown positions replay whole.
+    replay_margin_tokens: int = Field(default=16, ge=1)
     # How a replay runs cold: auto reads the upstream's kind (vLLM: cache_salt; llama.cpp's
     # server: cache_prompt false); "none" says the engine has no way (the evidence says so).
     cold_method: Literal["auto", "cache_salt", "cache_prompt", "none"] = "auto"

@@ -67,6 +67,10 @@ class Evidence:
     speculative: bool | None  # the upstream says it runs speculative decoding
     missing: tuple[str, ...] = ()  # what the experiments could not gather, and why
     parted: tuple[Parted, ...] = ()
+    # The token limit the replays ran with (None: the request set none), and the first tokens
+    # every run was compared over when replays were cut short (None: whole outputs).
+    replay_max_tokens: int | None = None
+    compared_tokens: int | None = None
 
     def run(self, name: str) -> Run | None:
         for r in self.runs:
@@ -95,4 +99,6 @@ def evidence_record(evidence: Evidence, attribution: Attribution) -> dict[str, A
         "parted": [
             {"groups": [p.group_a, p.group_b], "position": p.position} for p in evidence.parted
         ],
+        "replay_max_tokens": evidence.replay_max_tokens,
+        "compared_tokens": evidence.compared_tokens,
     }

@@ -7,6 +7,14 @@ priming run and warm replays (the same request without a salt); then replays to 
 upstream, where one is configured. Outputs are grouped with the audit's own comparator
 (``proxy.audit.compare``) at the audit's level: text for a text or answer divergence, the
 logprobs too for a logprob drift, the first token only in prefill mode.
+
+Replays stop shortly after the point that matters (``replay_limit``): ``margin`` tokens past
+the first token where the audit's primary and shadow parted. Every run, the full-length primary
+and shadow among them, is then compared over that window only (``compare_runs``): a run cut by
+its limit agrees with a longer one that is the same over the tokens it has, while one that
+stopped (end of sequence) inside the window still differs from one that went on. Variation that
+begins only past the window is not seen: the cause found is that of the divergence the audit
+saw, and the evidence names the window.
 """
 
 from __future__ import annotations
@@ -18,8 +26,11 @@ from typing import Any, Protocol
 
 from proxy.attribution.case import Diverged, TriageCase
 from proxy.attribution.evidence import Evidence, Parted, Run
-from proxy.audit.compare import compare_choices
+from proxy.audit.compare import Verdict, compare_choices
 from proxy.audit.outcome import ChoiceOutcome, Outcome
+
+# The fields that bound a request's generation (chat takes either; completions max_tokens).
+LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,26 +92,148 @@ def level_of(verdict: str) -> str:
     return "logprobs" if verdict == "logprob_drift" else "text"
 
 
-def agree(a: ChoiceOutcome, b: ChoiceOutcome, level: str, first_token_only: bool) -> bool:
-    found = compare_choices(a, b, first_token_only=first_token_only).verdict
+def divergent_position(case: TriageCase, diverged: Diverged) -> int | None:
+    """The first token index where the audit's primary and shadow parted on this choice (the
+    audit's own comparison); None where it is not a token index (no logprobs on a side)."""
+    primary, shadow = _choice(case.primary, diverged.choice), _choice(case.shadow, diverged.choice)
+    if primary is None or shadow is None or primary.tokens is None or shadow.tokens is None:
+        return None
+    divergence = compare_choices(
+        primary, shadow, first_token_only=case.mode == "prefill"
+    ).divergence
+    return divergence.index if divergence is not None else None
+
+
+def replay_limit(case: TriageCase, margin: int) -> int | None:
+    """The token limit the replays run with: ``margin`` tokens past the last of the diverged
+    choices' first divergent tokens, where that is below the request's own limit. None: the
+    replays run whole (a prefill audit, already one token; an answer divergence, decided by
+    the whole answer; a position not known; a request limit as short or not an integer)."""
+    if case.mode == "prefill" or not case.diverged:
+        return None
+    positions: list[int] = []
+    for d in case.diverged:
+        if d.verdict == "answer_divergence":
+            return None
+        position = divergent_position(case, d)
+        if position is None:
+            return None
+        positions.append(position)
+    window = max(positions) + 1 + margin
+    for key in LIMIT_FIELDS:
+        own = case.body.get(key)
+        if own is None:
+            continue
+        if not isinstance(own, int) or isinstance(own, bool) or own <= window:
+            return None
+    return window
+
+
+def request_limit(body: Mapping[str, Any]) -> int | None:
+    """The limit a request sets itself (max_completion_tokens before max_tokens, as vLLM
+    reads them); None where it sets none."""
+    for key in reversed(LIMIT_FIELDS):
+        own = body.get(key)
+        if isinstance(own, int) and not isinstance(own, bool):
+            return own
+    return None
+
+
+def limited_body(body: Mapping[str, Any], limit: int | None) -> dict[str, Any]:
+    """``body`` with its limit (each of ``LIMIT_FIELDS`` it sets; max_tokens where it sets
+    none) at ``limit``; unchanged for None. ``replay_limit`` only gives limits below the
+    request's own."""
+    out = dict(body)
+    if limit is None:
+        return out
+    present = [key for key in LIMIT_FIELDS if body.get(key) is not None]
+    for key in present or ["max_tokens"]:
+        out[key] = limit
+    return out
+
+
+def _cut(choice: ChoiceOutcome, n: int) -> ChoiceOutcome:
+    """The choice as a run cut after its first ``n`` tokens would have ended."""
+    tokens = choice.tokens
+    if tokens is None or len(tokens) <= n:
+        return choice
+    return ChoiceOutcome(
+        choice.index, choice.content, choice.reasoning, tokens[:n], "length", choice.stop_reason
+    )
+
+
+def _text_prefix(short: ChoiceOutcome, long: ChoiceOutcome) -> bool:
+    if not short.content:
+        return long.reasoning.startswith(short.reasoning)
+    return short.reasoning == long.reasoning and long.content.startswith(short.content)
+
+
+def _within(a: ChoiceOutcome, b: ChoiceOutcome, window: int) -> tuple[ChoiceOutcome, ChoiceOutcome]:
+    """Both choices over the first ``window`` tokens, and a choice cut short by a limit
+    (finish ``length``) against the other over its own tokens only."""
+    if a.tokens is not None and b.tokens is not None:
+        a, b = _cut(a, window), _cut(b, window)
+        assert a.tokens is not None and b.tokens is not None
+        shorter = a if len(a.tokens) < len(b.tokens) else b
+        assert shorter.tokens is not None
+        if len(a.tokens) != len(b.tokens) and shorter.finish_reason == "length":
+            a, b = _cut(a, len(shorter.tokens)), _cut(b, len(shorter.tokens))
+        return a, b
+    # Without tokens on a side (a replay that lost its logprobs): by text, a run cut by its
+    # limit against the same text of the other.
+    size_a = len(a.reasoning) + len(a.content)
+    size_b = len(b.reasoning) + len(b.content)
+    if size_a == size_b:
+        return a, b
+    short_c, long_c = (a, b) if size_a < size_b else (b, a)
+    if short_c.finish_reason != "length" or not _text_prefix(short_c, long_c):
+        return a, b
+    cut = ChoiceOutcome(
+        long_c.index, short_c.content, short_c.reasoning, None, "length", long_c.stop_reason
+    )
+    return (short_c, cut) if short_c is a else (cut, short_c)
+
+
+def compare_runs(
+    a: ChoiceOutcome, b: ChoiceOutcome, first_token_only: bool, window: int | None = None
+) -> Verdict:
+    """The audit's comparator over the runs' first ``window`` tokens (None: whole)."""
+    if window is not None and not first_token_only:
+        a, b = _within(a, b, window)
+    return compare_choices(a, b, first_token_only=first_token_only)
+
+
+def agree(
+    a: ChoiceOutcome,
+    b: ChoiceOutcome,
+    level: str,
+    first_token_only: bool,
+    window: int | None = None,
+) -> bool:
+    found = compare_runs(a, b, first_token_only, window).verdict
     if found == "identical":
         return True
     return level == "text" and found == "logprob_drift"
 
 
-def _position(a: ChoiceOutcome, b: ChoiceOutcome, first_token_only: bool) -> int | None:
-    divergence = compare_choices(a, b, first_token_only=first_token_only).divergence
+def _position(
+    a: ChoiceOutcome, b: ChoiceOutcome, first_token_only: bool, window: int | None
+) -> int | None:
+    divergence = compare_runs(a, b, first_token_only, window).divergence
     return divergence.index if divergence is not None else None
 
 
 def disagree_already(
-    runs: list[Observed], diverged: tuple[Diverged, ...], first_token_only: bool
+    runs: list[Observed],
+    diverged: tuple[Diverged, ...],
+    first_token_only: bool,
+    window: int | None = None,
 ) -> bool:
     """Cold runs disagree for every diverged choice: no more runs are needed."""
     for d in diverged:
         level = level_of(d.verdict)
         choices = [c for c in (_choice(r.outcome, d.choice) for r in runs) if c is not None]
-        if not any(not agree(choices[0], c, level, first_token_only) for c in choices[1:]):
+        if not any(not agree(choices[0], c, level, first_token_only, window) for c in choices[1:]):
             return False
     return True
 
@@ -142,6 +275,7 @@ class Plan:
     reference_replays: int
     cold_method: str | None
     reference: bool  # a reference upstream is configured
+    limit: int | None = None  # the replays' token limit (replay_limit); None: the request's
 
 
 async def run_experiments(
@@ -150,24 +284,27 @@ async def run_experiments(
     """The replays, one at a time, and what could not be gathered; raises ``GaveUp`` when the
     first could not be made."""
     first_token_only = case.mode == "prefill"
+    request = limited_body(case.body, plan.limit)
     done: list[Observed] = []
     try:
         cold_state = "cold" if plan.cold_method is not None else "unknown"
         cold: list[Observed] = []
         for i in range(plan.cold_replays):
-            body = cold_body(case.body, plan.cold_method)
+            body = cold_body(request, plan.cold_method)
             cold.append(await runner.run(f"cold-{i + 1}", "same", cold_state, body))
             done.append(cold[-1])
-            if len(cold) >= 2 and disagree_already(cold, case.diverged, first_token_only):
+            if len(cold) >= 2 and disagree_already(
+                cold, case.diverged, first_token_only, plan.limit
+            ):
                 return done, ()  # intrinsic: the other experiments cannot change that
         if plan.cold_method is not None and plan.warm_replays > 0:
-            done.append(await runner.run("prime", "same", "unknown", warm_body(case.body, None)))
+            done.append(await runner.run("prime", "same", "unknown", warm_body(request, None)))
             for i in range(plan.warm_replays):
-                body = warm_body(case.body, plan.cold_method)
+                body = warm_body(request, plan.cold_method)
                 done.append(await runner.run(f"warm-{i + 1}", "same", "warm", body))
         if plan.reference:
             for i in range(plan.reference_replays):
-                body = cold_body(case.body, plan.cold_method)
+                body = cold_body(request, plan.cold_method)
                 done.append(await runner.run(f"reference-{i + 1}", "reference", "cold", body))
     except GaveUp as exc:
         if not done:
@@ -183,9 +320,13 @@ def build_evidence(
     cold_method: str | None,
     speculative: bool | None,
     missing: tuple[str, ...],
+    *,
+    limit: int | None = None,
+    request_limit: int | None = None,
 ) -> Evidence:
     """Group the runs' outputs for one diverged choice (the first run of a group stands for
-    it) and say where each group parts from the first."""
+    it) over the replays' ``limit`` tokens (None: whole) and say where each group parts from
+    the first. ``request_limit``: the limit the request itself set, for the record."""
     level = level_of(diverged.verdict)
     representatives: list[ChoiceOutcome] = []
     out: list[Run] = []
@@ -195,7 +336,7 @@ def build_evidence(
         error = r.error
         if choice is not None:
             for g, rep in enumerate(representatives):
-                if agree(rep, choice, level, first_token_only):
+                if agree(rep, choice, level, first_token_only, limit):
                     group = g
                     break
             else:
@@ -205,7 +346,7 @@ def build_evidence(
             error = f"no choice {diverged.choice}" if r.outcome is not None else "no answer"
         out.append(Run(r.name, r.target, r.cache, r.alone, group, r.inflight, r.identity, error))
     parted = tuple(
-        Parted(0, g, _position(representatives[0], rep, first_token_only))
+        Parted(0, g, _position(representatives[0], rep, first_token_only, limit))
         for g, rep in enumerate(representatives[1:], start=1)
     )
     return Evidence(
@@ -216,4 +357,6 @@ def build_evidence(
         speculative,
         missing,
         parted,
+        limit if limit is not None else request_limit,
+        limit,
     )

@@ -30,6 +30,8 @@ from proxy.attribution.experiments import (
     Plan,
     build_evidence,
     observed_of_audit,
+    replay_limit,
+    request_limit,
     run_experiments,
 )
 from proxy.audit.outcome import outcome_from_response
@@ -115,7 +117,8 @@ class Triage:
         primary = self._scheduler.primary_tokens if self._scheduler is not None else 0
         return self._config.token_allowance + self._config.max_token_share * primary
 
-    def _plan(self) -> Plan:
+    def _plan(self, case: TriageCase | None = None) -> Plan:
+        """What to run; for ``case``, replays cut to its ``replay_limit``."""
         cfg = self._config
         return Plan(
             cfg.cold_replays,
@@ -123,6 +126,7 @@ class Triage:
             cfg.reference_replays,
             self._cold_method(),
             self._reference is not None,
+            replay_limit(case, cfg.replay_margin_tokens) if case is not None else None,
         )
 
     def _runs_planned(self, plan: Plan) -> int:
@@ -142,7 +146,12 @@ class Triage:
         if self._config.triage_rate < 1.0 and self._rng.random() >= self._config.triage_rate:
             return  # not sampled: the incident has no cause
         self.offered += 1
-        cost = case.estimated_tokens * self._runs_planned(self._plan())
+        plan = self._plan(case)
+        per_run = case.estimated_tokens
+        prompt = case.primary.prompt_tokens
+        if plan.limit is not None and prompt is not None:
+            per_run = min(per_run, prompt + plan.limit)  # replays cut short cost less
+        cost = per_run * self._runs_planned(plan)
         reason = None
         if self.tokens + cost > self.token_budget:
             reason = "token_budget"
@@ -200,7 +209,14 @@ class Triage:
         upstream = self._identity_at(case.primary_at)
         for d in case.diverged:
             evidence = build_evidence(
-                runs, d, first_token_only, plan.cold_method, speculative, missing
+                runs,
+                d,
+                first_token_only,
+                plan.cold_method,
+                speculative,
+                missing,
+                limit=plan.limit,
+                request_limit=request_limit(case.body),
             )
             found = decide(evidence)
             self._bus.publish(
@@ -236,11 +252,11 @@ class Triage:
 
     async def _triage(self, case: TriageCase) -> None:
         runs = self._audit_runs(case)
-        plan = self._plan()
         primary, shadow = runs[0].identity, runs[1].identity
         if primary is not None and shadow is not None and primary != shadow:
-            self._attribute(case, runs, (), plan)  # a recipe change: no replay needed
+            self._attribute(case, runs, (), self._plan())  # a recipe change: no replay needed
             return
+        plan = self._plan(case)
         try:
             replays, missing = await run_experiments(case, plan, _Runner(self, case))
         except GaveUp as exc:

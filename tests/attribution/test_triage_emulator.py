@@ -8,6 +8,8 @@ from collections import Counter
 from typing import Any
 
 import aiohttp
+import orjson
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
@@ -32,13 +34,21 @@ FAST = {
 }
 
 
-def chat(prompt: str) -> dict[str, Any]:
-    return {
+LONG_ANSWER = 64  # max_tokens of the requests whose replays are cut short
+
+
+def chat(prompt: str, long: bool = False) -> dict[str, Any]:
+    """16 tokens, or 64 generated to the end (ignore_eos): replays cut at the first divergent
+    token + replay_margin_tokens (16) + 1, at most 10 + 17 on the emulator, stop before it."""
+    body: dict[str, Any] = {
         "model": MODEL,
         "temperature": 0,
-        "max_tokens": 16,
+        "max_tokens": LONG_ANSWER if long else 16,
         "messages": [{"role": "user", "content": prompt}],
     }
+    if long:
+        body["ignore_eos"] = True
+    return body
 
 
 async def idle(client: TestClient[Any, Any], timeout_s: float = 60.0) -> dict[str, Any]:
@@ -63,10 +73,12 @@ async def causes_of(client: TestClient[Any, Any]) -> list[dict[str, Any]]:
     return list(incidents)
 
 
-async def serial_traffic(client: TestClient[Any, Any], n: int, tag: str) -> None:
+async def serial_traffic(
+    client: TestClient[Any, Any], n: int, tag: str, long: bool = False
+) -> None:
     """One request at a time, each with its shadow and triage over before the next."""
     for i in range(n):
-        resp = await client.post("/v1/chat/completions", json=chat(f"{tag} prompt {i}"))
+        resp = await client.post("/v1/chat/completions", json=chat(f"{tag} prompt {i}", long))
         assert resp.status == 200, await resp.text()
         await resp.read()
         await idle(client)
@@ -76,17 +88,34 @@ def table(incidents: list[dict[str, Any]]) -> Counter[str]:
     return Counter(str(i.get("cause")) for i in incidents)
 
 
+def check_cut(incidents: list[dict[str, Any]], long: bool) -> None:
+    """Long answers: every triage's replays were cut below the request's 64 tokens, and the
+    runs compared over that window; 16-token answers: replays whole."""
+    for i in incidents:
+        evidence = i["cause_evidence"]
+        window = (evidence["replay_max_tokens"], evidence["compared_tokens"])
+        if long:
+            assert window[0] == window[1] and window[0] < LONG_ANSWER, (window, evidence)
+        else:
+            assert window == (16, None), (window, evidence)
+
+
+CUT = pytest.mark.parametrize("long", [False, True], ids=["whole", "cut"])
+
+
+@CUT
 async def test_intrinsic_flips_at_batch_1_are_attributed_to_intrinsic(
-    make_proxy: Any, registry: CollectorRegistry
+    make_proxy: Any, registry: CollectorRegistry, long: bool
 ) -> None:
     async with EmulatorServer(EmulatorConfig(flip_probability=0.5, seed=11)) as emu:
         client = await make_proxy(emu.url, env=FAST)
-        await serial_traffic(client, 80, "intrinsic")
+        await serial_traffic(client, 80, "intrinsic", long)
         incidents = await causes_of(client)
         got = table(incidents)
         print("intrinsic:", dict(got), "of", len(incidents))
         assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
         assert got["intrinsic"] / len(incidents) >= 0.95, got
+        check_cut(incidents, long)
         assert all(i["cause_evidence"]["runs"][0]["name"] == "primary" for i in incidents)
         counted = metric(
             registry, "detproxy_divergence_causes_total", model=MODEL, cause="intrinsic"
@@ -96,17 +125,19 @@ async def test_intrinsic_flips_at_batch_1_are_attributed_to_intrinsic(
         assert status["causes"][MODEL]["intrinsic"] == got["intrinsic"]
 
 
+@CUT
 async def test_batch_effects_are_attributed_to_batch(
-    make_proxy: Any, registry: CollectorRegistry
+    make_proxy: Any, registry: CollectorRegistry, long: bool
 ) -> None:
-    config = EmulatorConfig(batch_divergence_slope=0.3, token_latency_s=0.004, seed=5)
+    latency = 0.002 if long else 0.004  # the long answers overlap as much in half the time
+    config = EmulatorConfig(batch_divergence_slope=0.3, token_latency_s=latency, seed=5)
     async with EmulatorServer(config) as emu:
         env = FAST | {"DETPROXY_AUDIT__SCHEDULE": "quiet"}
         client = await make_proxy(emu.url, env=env)
-        for wave in range(8):
+        for wave in range(5 if long else 8):
             answers = await asyncio.gather(
                 *(
-                    client.post("/v1/chat/completions", json=chat(f"batch {wave}-{i}"))
+                    client.post("/v1/chat/completions", json=chat(f"batch {wave}-{i}", long))
                     for i in range(8)
                 )
             )
@@ -119,6 +150,7 @@ async def test_batch_effects_are_attributed_to_batch(
         print("batch:", dict(got), "of", len(incidents))
         assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
         assert got["batch"] / len(incidents) >= 0.95, got
+        check_cut(incidents, long)
 
 
 async def test_a_stable_emulator_gets_no_cause(
@@ -142,15 +174,16 @@ async def test_a_stable_emulator_gets_no_cause(
 LONG = " ".join(f"word{i}" for i in range(48))  # three full KV blocks: a prefix-cache hit
 
 
+@CUT
 async def test_warm_cache_answers_are_attributed_to_prefix_cache(
-    make_proxy: Any, registry: CollectorRegistry
+    make_proxy: Any, registry: CollectorRegistry, long: bool
 ) -> None:
     async with EmulatorServer(EmulatorConfig(warm_cache_divergence=0.5, seed=3)) as emu:
         client = await make_proxy(emu.url, env=FAST)
         for i in range(80):
             # The first time cold (nothing cached yet), the second time warm: its cold shadow
             # (cache_salt) differs where the emulator makes warm answers differ.
-            body = chat(f"{i} {LONG}")
+            body = chat(f"{i} {LONG}", long)
             for _ in range(2):
                 resp = await client.post("/v1/chat/completions", json=body)
                 assert resp.status == 200
@@ -161,10 +194,12 @@ async def test_warm_cache_answers_are_attributed_to_prefix_cache(
         print("prefix_cache:", dict(got), "of", len(incidents))
         assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
         assert got["prefix_cache"] / len(incidents) >= 0.95, got
+        check_cut(incidents, long)
 
 
+@CUT
 async def test_speculative_against_a_plain_reference_is_attributed_to_speculative(
-    make_proxy: Any, registry: CollectorRegistry
+    make_proxy: Any, registry: CollectorRegistry, long: bool
 ) -> None:
     recipe = EmulatorConfig(speculative=True, speculative_divergence=0.5, seed=4)
     async with EmulatorServer(recipe) as emu, EmulatorServer(EmulatorConfig(seed=4)) as plain:
@@ -172,12 +207,13 @@ async def test_speculative_against_a_plain_reference_is_attributed_to_speculativ
         client = await make_proxy(emu.url, env=env)
         # Once detproxy has read what the upstream runs (speculative decoding among it).
         await eventually(lambda: fingerprint_of(client), what="the upstream's fingerprint read")
-        await serial_traffic(client, 60, "speculative")
+        await serial_traffic(client, 60, "speculative", long)
         incidents = await causes_of(client)
         got = table(incidents)
         print("speculative:", dict(got), "of", len(incidents))
         assert len(incidents) >= 20, f"too few divergences to measure: {len(incidents)}"
         assert got["speculative"] / len(incidents) >= 0.95, got
+        check_cut(incidents, long)
 
 
 class Switch:
@@ -254,3 +290,57 @@ async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(
         print("recipe_change:", dict(got), "of", len(incidents))
         assert len(incidents) == 12, incidents
         assert got == {"recipe_change": 12}, got
+
+
+class Recorder:
+    """A pass-through to an emulator that keeps the X-Request-Id and body of each chat
+    request it forwards."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.seen: list[tuple[str, dict[str, Any]]] = []
+        self.session: aiohttp.ClientSession | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        assert self.session is not None
+        data = await request.read()
+        if request.path == "/v1/chat/completions":
+            self.seen.append((request.headers.get("X-Request-Id", ""), orjson.loads(data)))
+        async with self.session.request(
+            request.method,
+            self.url + request.path_qs,
+            data=data,
+            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
+        ) as resp:
+            body = await resp.read()
+            return web.Response(
+                body=body, status=resp.status, content_type=resp.content_type or None
+            )
+
+
+async def test_replays_sent_upstream_carry_the_cut_limit(
+    make_proxy: Any, aiohttp_server: Any
+) -> None:
+    """Flips at token 3: the replays ask for 3 + 1 + 16 = 20 tokens where the client asked for
+    64, every one of them, and the evidence says so."""
+    config = EmulatorConfig(flip_probability=0.5, flip_position=3, seed=11)
+    async with EmulatorServer(config) as emu, aiohttp.ClientSession() as session:
+        recorder = Recorder(emu.url)
+        recorder.session = session
+        router = web.Application()
+        router.router.add_route("*", "/{tail:.*}", recorder.handle)
+        server = await aiohttp_server(router)
+        client = await make_proxy(str(server.make_url("")).rstrip("/"), env=FAST)
+        await serial_traffic(client, 16, "limit", long=True)
+        incidents = await causes_of(client)
+    assert len(incidents) >= 3, f"too few divergences: {len(incidents)}"
+    replays = [(rid, body) for rid, body in recorder.seen if "-triage-" in rid]
+    others = [(rid, body) for rid, body in recorder.seen if "-triage-" not in rid]
+    assert len(replays) >= 2 * len(incidents), recorder.seen
+    assert {body.get("max_tokens") for _, body in replays} == {20}, replays
+    assert {body.get("max_tokens") for _, body in others} == {LONG_ANSWER}, others
+    names = {rid.rsplit("-triage-", 1)[1] for rid, _ in replays}
+    assert {"cold-1", "cold-2"} <= names, names
+    for incident in incidents:
+        evidence = incident["cause_evidence"]
+        assert (evidence["replay_max_tokens"], evidence["compared_tokens"]) == (20, 20), evidence
