@@ -192,7 +192,6 @@ class RenderedContinuation:
         # model -> what its probe learnt (None: it failed), and when.
         self._templates: dict[str, tuple[Template | None, float]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self.probes = 0  # probes sent (each a few /tokenize requests)
 
     def markers(self, model: str) -> ReasoningMarkersConfig:
         return next(
@@ -266,7 +265,6 @@ class RenderedContinuation:
             known = self._known(model)
             if known is not None:
                 return known[0]
-            self.probes += 1
             template = await self._probe(upstream, paths, headers, model, marks)
             if len(self._templates) >= MAX_MODELS and model not in self._templates:
                 self._templates.pop(next(iter(self._templates)))
