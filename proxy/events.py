@@ -399,3 +399,14 @@ class TriageDropped:
 
     model: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateProbed:
+    """What the engine's /tokenize said of a model's chat template, asked once per model
+    before its first closed reasoning (proxy/loops/rendered.py): whether it drops the
+    reasoning of assistant messages (then close_reasoning continues on the rendered prompt);
+    None where it could not say (no vLLM /tokenize: the chat continuation stays)."""
+
+    model: str
+    drops_reasoning: bool | None

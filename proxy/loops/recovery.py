@@ -83,7 +83,7 @@ class Recovery:
         # A streamed retry goes on from what the client was shown (restarts while nothing was).
         self._stream_continues = config.stream_mode == "continue"
         # A closed reasoning continued on the rendered prompt where the template drops it.
-        self.rendered = RenderedContinuation(config.reasoning_markers, clock)
+        self.rendered = RenderedContinuation(config.reasoning_markers, bus, clock)
 
     @property
     def enabled(self) -> bool:

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from proxy.config import ReasoningMarkersConfig
+from proxy.events import EventBus, TemplateProbed
 from proxy.http.errors import UpstreamError
 from proxy.http.headers import HeaderFields
 from proxy.http.sse import SSEDecoder
@@ -185,9 +186,11 @@ class RenderedContinuation:
     def __init__(
         self,
         markers: Sequence[ReasoningMarkersConfig],
+        bus: EventBus | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._markers = list(markers)
+        self._bus = bus
         self._clock = clock
         # model -> what its probe learnt (None: it failed), and when.
         self._templates: dict[str, tuple[Template | None, float]] = {}
@@ -266,6 +269,9 @@ class RenderedContinuation:
             if known is not None:
                 return known[0]
             template = await self._probe(upstream, paths, headers, model, marks)
+            if self._bus is not None:
+                drops = template.drops_reasoning if template is not None else None
+                self._bus.publish(TemplateProbed(model, drops))
             if len(self._templates) >= MAX_MODELS and model not in self._templates:
                 self._templates.pop(next(iter(self._templates)))
             self._templates[model] = (template, self._clock())

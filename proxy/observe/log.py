@@ -38,6 +38,7 @@ from proxy.events import (
     RequestFinished,
     ShadowDropped,
     SharedStoreFailed,
+    TemplateProbed,
     TriageDropped,
     UpstreamFailed,
     UpstreamFingerprinted,
@@ -304,7 +305,8 @@ class EventLog:
     """Logs what an operator wants to know from the events on the bus: upstream failures,
     inspection stopped, refused injections, suspensions and fallbacks, loops and what was done
     about them, exhausted budgets, dropped replays, divergent audits, shared stores that fail,
-    the upstream's identity; and, with ``access_log``, every finished request."""
+    the upstream's identity, the chat templates read before a closed reasoning; and, with
+    ``access_log``, every finished request."""
 
     def __init__(
         self,
@@ -336,6 +338,7 @@ class EventLog:
         bus.subscribe(AuditCompleted, self._audited)
         bus.subscribe(CauseAttributed, self._cause)
         bus.subscribe(TriageDropped, self._triage_dropped)
+        bus.subscribe(TemplateProbed, self._template)
         # Per request: only when asked for (an access log, or DEBUG).
         debug = self._log.isEnabledFor(logging.DEBUG)
         if self._access_on or debug:
@@ -420,6 +423,33 @@ class EventLog:
             kind=ev.kind,
             suspended=ev.suspended,
             seconds=ev.seconds,
+        )
+
+    def _template(self, ev: TemplateProbed) -> None:
+        """What detproxy learnt of a model's chat template before closing its reasoning."""
+        model = clean(ev.model)
+        if ev.drops_reasoning is False:
+            level = logging.DEBUG
+            msg = f"model {model}'s chat template keeps assistant reasoning"
+        elif ev.drops_reasoning:
+            level = logging.INFO
+            msg = (
+                f"model {model}'s chat template drops the reasoning of assistant messages:"
+                " close_reasoning continues on the prompt it renders (/v1/completions)"
+            )
+        else:
+            level = logging.INFO
+            msg = (
+                f"model {model}'s chat template could not be read (no vLLM /tokenize):"
+                " close_reasoning continues as an assistant message"
+            )
+        self._emit(
+            level,
+            ("template", model),
+            msg,
+            event="template_probed",
+            model=model,
+            drops_reasoning=ev.drops_reasoning,
         )
 
     def _fallback(self, ev: FallbackSent) -> None:
