@@ -15,6 +15,7 @@ from proxy.attribution.case import Diverged, TriageCase
 from proxy.attribution.experiments import run_experiments
 from proxy.attribution.triage import Triage
 from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.audit.shadow import wait_quiet
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.events import CauseAttributed, EventBus, TriageDropped
 from proxy.http.upstream import Upstream
@@ -215,3 +216,83 @@ async def test_shutdown_cancels_the_running_triage() -> None:
     await eventually(lambda: t.running, interval_s=0.005, what="the triage started")
     await asyncio.wait_for(t.close(), 5)
     assert not [task for task in asyncio.all_tasks() if task.get_name().startswith("triage:")]
+
+
+class Crowded(Scripted):
+    """A scripted upstream beside which a client request starts during every replay."""
+
+    def __init__(self, texts: Callable[[int], str], load: Load) -> None:
+        super().__init__(texts)
+        self.load = load
+
+    async def send(self, method: str, raw_path: str, headers: Any, body: bytes) -> Answer:
+        self.load.started += 1
+        return await super().send(method, raw_path, headers, body)
+
+
+def count_waits(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The quiet waits triage makes (each call's settle_s)."""
+    calls: list[float] = []
+
+    async def counted(*args: Any, **kwargs: Any) -> bool:
+        calls.append(kwargs["settle_s"])
+        return await wait_quiet(*args, **kwargs)
+
+    monkeypatch.setattr("proxy.attribution.triage.wait_quiet", counted)
+    return calls
+
+
+async def test_replays_after_one_that_ran_alone_do_not_wait_for_the_settle_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    waits = count_waits(monkeypatch)
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream)
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
+    await t.close()
+    assert len(upstream.bodies) == 7, upstream.bodies  # 4 cold, the prime, 2 warm
+    assert len(waits) == 1, f"{len(waits)} quiet waits for replays that all ran alone"
+    assert all(r["alone"] for r in causes(seen)[0].evidence["runs"][2:])
+
+
+async def test_a_client_request_beside_a_replay_makes_the_next_one_wait_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    waits = count_waits(monkeypatch)
+    load = Load()
+    upstream = Crowded(lambda n: "b", load)
+    t, seen = triage(upstream, load)
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
+    await t.close()
+    assert len(upstream.bodies) == 7
+    assert len(waits) == 7, f"{len(waits)} quiet waits for 7 replays each beside a request"
+    assert not any(r["alone"] for r in causes(seen)[0].evidence["runs"][2:])
+
+
+async def test_with_the_upstreams_running_count_read_every_replay_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    waits = count_waits(monkeypatch)
+    reads = 0
+
+    async def running() -> int:
+        nonlocal reads
+        reads += 1
+        return 0
+
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(CauseAttributed, seen.append)
+    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005, quiet_max_upstream_running=0)
+    config = AttributionConfig(cold_method="cache_salt", max_per_minute=6000.0)
+    upstream = Scripted(lambda n: "b")
+    t = Triage(config, audit, bus, cast(Upstream, upstream), Load(), upstream_running=running)
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
+    await t.close()
+    assert len(waits) == 7 and reads >= 7, (len(waits), reads)
