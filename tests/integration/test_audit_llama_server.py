@@ -9,7 +9,6 @@ serial traffic is batch-invariant: detproxy must report nothing there.
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,14 @@ import pytest
 
 from proxy.audit.outcome import ChoiceOutcome
 from proxy.audit.verdict import output_hash
-from tests.helpers import Engine, run_detproxy, run_engine, sse_chunks, wait_engine_idle
+from tests.helpers import (
+    Engine,
+    run_detproxy,
+    run_engine,
+    settle_sync,
+    sse_chunks,
+    wait_engine_idle,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -202,16 +208,6 @@ def expected_verdict(
     return "text_divergence", index, token_a, token_b, delta, margin
 
 
-def settle(proxy: str, audits: int, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status = get_json(proxy + "/detproxy/status")
-        if status["audit"]["audits"] + sum(status["audit"]["shadows_dropped"].values()) >= audits:
-            return status  # type: ignore[no-any-return]
-        time.sleep(0.5)
-    raise AssertionError(f"audits did not finish: {status}")
-
-
 def reported_unstable(proxy: str) -> tuple[set[str], list[dict[str, Any]]]:
     incidents = get_json(proxy + "/detproxy/incidents?limit=1000")
     return {i["request_id"] for i in incidents}, incidents
@@ -222,7 +218,7 @@ def test_stock_llama_server_instability_matches_ground_truth(tmp_path: Path) -> 
         # Alone first, then four at a time. Even alone, an answer can differ from the cold
         # reference: llama-server reuses the KV of a shared prefix (its prompt cache).
         received = asyncio.run(drive(proxy, [(1, 1), (4, 2)]))
-        status = settle(proxy, len(received))
+        status = settle_sync(proxy, len(received), timeout_s=300)
         reference = reference_answers(engine)
         truth = ground_truth(reference, received)
         reported, incidents = reported_unstable(proxy)
@@ -266,7 +262,7 @@ def test_per_slot_kv_serial_traffic_reports_nothing(tmp_path: Path) -> None:
         run_detproxy(tmp_path, engine.url, AUDIT_CONFIG) as proxy,
     ):
         received = asyncio.run(drive(proxy, [(1, 2)]))
-        status = settle(proxy, len(received))
+        status = settle_sync(proxy, len(received), timeout_s=300)
         reported, _ = reported_unstable(proxy)
     assert status["audit"]["verdicts"] == {"identical": len(received)}
     assert reported == set()

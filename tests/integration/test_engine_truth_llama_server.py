@@ -5,15 +5,13 @@ metric, incident), one it meets raises nothing."""
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import run_detproxy, run_engine, scrape
+from tests.helpers import eventually_sync, run_detproxy, run_engine, scrape
 
 pytestmark = pytest.mark.integration
 
@@ -21,17 +19,6 @@ pytestmark = pytest.mark.integration
 def get(url: str) -> Any:
     with urllib.request.urlopen(url, timeout=5) as resp:
         return json.load(resp)
-
-
-def until(what: str, check: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what}: not within {timeout_s} s (last: {last!r})")
 
 
 def config(engine_log: Path, expect: str) -> str:
@@ -53,7 +40,9 @@ def test_llama_server_log_and_props_held_against_expectations(tmp_path: Path) ->
                 found = get(url + "/detproxy/status")["engine"]
                 return found if found["mismatches"] else None
 
-            engine_state = until("the speculative mismatch shown", mismatched)
+            engine_state = eventually_sync(
+                mismatched, timeout_s=60, interval_s=0.1, what="the speculative mismatch shown"
+            )
             assert [m["field"] for m in engine_state["mismatches"]] == ["speculative"]
             assert engine_state["engine_log"]["read_lines"] > 0, engine_state
             assert engine_state["loaded"], "llama-server's log and /props say what loaded"
@@ -68,7 +57,9 @@ def test_llama_server_log_and_props_held_against_expectations(tmp_path: Path) ->
                 found = get(url + "/detproxy/status")["engine"]
                 return found if "speculative" not in found["unknown"] and found["loaded"] else None
 
-            engine_state = until("the recipe read", read)
+            engine_state = eventually_sync(
+                read, timeout_s=60, interval_s=0.1, what="the recipe read"
+            )
             assert engine_state["mismatches"] == [], engine_state
             gauge = scrape(url + "/detproxy/metrics", "detproxy_engine_expectation_mismatch")
             assert list(gauge.values()) == [0.0], gauge

@@ -8,13 +8,21 @@ import json
 import subprocess
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import engine_paths, free_port, run_detproxy, scrape, stop, wait_http
+from tests.helpers import (
+    engine_paths,
+    eventually_sync,
+    free_port,
+    run_detproxy,
+    scrape,
+    stop,
+    wait_http,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -45,32 +53,26 @@ def state_of(url: str) -> dict[str, Any]:
         return state
 
 
-def until(what: str, check: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s} s")
-        time.sleep(0.05)
-
-
 def test_started_before_llama_server_and_llama_server_restarted(tmp_path: Path) -> None:
     port = free_port()
     config = "[upstream]\nfingerprint_interval_s = 0.2\n"
     with run_detproxy(tmp_path, f"http://127.0.0.1:{port}", config) as url:
-        until("waiting for the engine", lambda: state_of(url)["state"] == "waiting")
+        eventually_sync(
+            lambda: state_of(url)["state"] == "waiting", timeout_s=30, what="waiting for the engine"
+        )
         with llama_server(tmp_path, port):
-            until("up", lambda: state_of(url)["state"] == "up")
+            eventually_sync(lambda: state_of(url)["state"] == "up", timeout_s=30, what="up")
             metrics = scrape(url + "/detproxy/metrics", "detproxy_upstream_")
             assert [metrics[name] for name in COUNTS] == [0, 0], metrics
             assert metrics["detproxy_upstream_up"] == 1
             with urllib.request.urlopen(url + "/detproxy/status", timeout=5) as resp:
                 assert json.load(resp)["upstream_fingerprint"]["kind"] == "llama.cpp"
-        until("down", lambda: state_of(url)["state"] == "down")
+        eventually_sync(lambda: state_of(url)["state"] == "down", timeout_s=30, what="down")
         assert (
             scrape(url + "/detproxy/metrics", "detproxy_upstream_up")["detproxy_upstream_up"] == 0
         )
         with llama_server(tmp_path, port):
-            until("restarted", lambda: state_of(url)["restarts"] == 1)
+            eventually_sync(lambda: state_of(url)["restarts"] == 1, timeout_s=30, what="restarted")
             metrics = scrape(url + "/detproxy/metrics", "detproxy_upstream_")
             assert [metrics[name] for name in COUNTS] == [0, 1], metrics
             assert state_of(url)["state"] == "up"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 from typing import Any
 
@@ -10,7 +9,7 @@ import httpx2
 import openai
 import pytest
 
-from tests.helpers import Engine, engine_busy
+from tests.helpers import Engine, engine_busy, eventually_sync, wait_engine_idle
 
 pytestmark = pytest.mark.integration
 
@@ -142,22 +141,18 @@ def test_client_disconnect_stops_generation(engine: Engine, detproxy_url: str) -
         assert engine_busy(engine) == 1
     # The client has gone. detproxy must close its upstream connection, which makes
     # llama-server cancel the task. (metrics refresh when the server's loop turns over)
-    deadline = time.monotonic() + 3
-    while engine_busy(engine) != 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert engine_busy(engine) == 0
+    wait_engine_idle(engine, timeout_s=3)
 
 
 def test_fingerprint_of_llama_server(engine: Engine, detproxy_url: str) -> None:
     import orjson
 
-    deadline = time.monotonic() + 10
-    fp = None
-    while fp is None and time.monotonic() < deadline:
+    def fingerprint() -> dict[str, Any] | None:
         with urllib.request.urlopen(detproxy_url + "/detproxy/status") as resp:
-            fp = orjson.loads(resp.read())["upstream_fingerprint"]
-        time.sleep(0.1)
-    assert fp is not None
+            fp: dict[str, Any] | None = orjson.loads(resp.read())["upstream_fingerprint"]
+        return fp
+
+    fp = eventually_sync(fingerprint, interval_s=0.1, what="llama-server's fingerprint read")
     assert fp["kind"] == "llama.cpp" and fp["version"].startswith("b")  # build_info, e.g. b1-...
     assert fp["models"] == ["smollm2"]
     assert fp["identity"]["llama"]["total_slots"] == 2

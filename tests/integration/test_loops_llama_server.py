@@ -3,14 +3,21 @@ some prompts. detproxy detects them and a retry ladder ends them with a normal f
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from tests.helpers import Engine, reasoning_template, run_detproxy, run_engine, scrape
+from tests.helpers import (
+    Engine,
+    Unmet,
+    eventually_sync,
+    reasoning_template,
+    run_detproxy,
+    run_engine,
+    scrape,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -85,15 +92,16 @@ def test_loops_are_detected_and_recovered(engine: Engine, tmp_path: Path) -> Non
             assert info is None or (info["recovered"], info["strategy"]) == (True, "restart"), info
         # A retry's outcome is counted when the upstream's response has ended, which can be
         # a moment after the client read data: [DONE]: wait for the counts to settle.
-        deadline = time.monotonic() + 5
-        while True:
+
+        def settled() -> tuple[dict[str, float], float, dict[str, float]] | Unmet:
             counts = metrics(proxy)
             loops, retries = loop_counts(counts)
-            if retries["recovered"] + retries["looped_again"] >= loops:
-                break
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+            done = retries["recovered"] + retries["looped_again"] >= loops
+            return (counts, loops, retries) if done else Unmet(counts)
+
+        counts, loops, retries = eventually_sync(
+            settled, interval_s=0.05, what="an outcome counted for every loop's retry"
+        )
     # Every loop led to a retry, and every looping request ended recovered (nothing aborted).
     assert loops >= 2 and retries["recovered"] >= 2, counts
     assert retries["recovered"] + retries["looped_again"] == loops, counts
