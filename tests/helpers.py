@@ -144,6 +144,10 @@ def _settled(status: dict[str, Any], audits: int) -> dict[str, Any] | Unmet:
     return status if idle and ended >= audits else Unmet({"shadow": shadow, "ended": ended})
 
 
+def _settled_what(audits: int) -> str:
+    return f"shadows settled and {audits} audits ended" if audits else "shadows settled"
+
+
 async def settle(
     client: Any, audits: int = 0, *, timeout_s: float = 10.0, headers: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -154,8 +158,7 @@ async def settle(
         resp = await client.get("/detproxy/status", headers=headers)
         return _settled(await resp.json(), audits)
 
-    what = f"shadows settled and {audits} audits ended"
-    return await eventually(status, timeout_s=timeout_s, what=what)
+    return await eventually(status, timeout_s=timeout_s, what=_settled_what(audits))
 
 
 def settle_sync(base: str, audits: int = 0, *, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -165,7 +168,7 @@ def settle_sync(base: str, audits: int = 0, *, timeout_s: float = 60.0) -> dict[
         with urllib.request.urlopen(base + "/detproxy/status", timeout=10) as resp:
             return _settled(orjson.loads(resp.read()), audits)
 
-    what = f"shadows settled and {audits} audits ended"
+    what = _settled_what(audits)
     return eventually_sync(status, timeout_s=timeout_s, interval_s=0.5, what=what)
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
-from tests.helpers import Unmet, eventually, eventually_sync
+from tests.helpers import Unmet, eventually, eventually_sync, settle
 
 
 async def test_eventually_returns_the_first_truthy_value_of_a_sync_check() -> None:
@@ -68,3 +69,30 @@ def test_eventually_sync_returns_the_value_and_fails_with_the_message() -> None:
     with pytest.raises(AssertionError, match=r"^the engine idle: not within 0.1 s \(last: 2\)"):
         eventually_sync(lambda: Unmet(2), timeout_s=0.1, what="the engine idle")
     assert time.monotonic() - started >= 0.1
+
+
+class StatusClient:
+    """Answers /detproxy/status with the next of ``statuses`` (the last one again at the end)."""
+
+    def __init__(self, *statuses: dict[str, Any]) -> None:
+        self.statuses = list(statuses)
+
+    async def get(self, path: str, headers: dict[str, str] | None = None) -> StatusClient:
+        assert path == "/detproxy/status"
+        return self
+
+    async def json(self) -> dict[str, Any]:
+        return self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+
+
+def status(queued: int, running: int, audits: int, dropped: int = 0) -> dict[str, Any]:
+    shadow = {"queued": queued, "running": running}
+    return {"shadow": shadow, "audit": {"audits": audits, "shadows_dropped": {"rate": dropped}}}
+
+
+async def test_settle_waits_for_an_idle_queue_and_the_audits_a_dropped_shadow_ending_one() -> None:
+    client = StatusClient(status(1, 0, 0), status(0, 1, 1), status(0, 0, 1), status(0, 0, 1, 1))
+    assert await settle(client, audits=2, timeout_s=5) == status(0, 0, 1, 1)
+    assert await settle(StatusClient(status(0, 0, 0))) == status(0, 0, 0)
+    with pytest.raises(AssertionError, match=r"^shadows settled and 3 audits ended: not within"):
+        await settle(StatusClient(status(0, 0, 2)), audits=3, timeout_s=0.05)
