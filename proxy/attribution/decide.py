@@ -8,7 +8,9 @@ In order, the first that the evidence shows:
 - ``intrinsic``: two runs in the same condition (alone; the same cache state, or any once cold
   and warm runs agree) differ: serial batch-1 replays of one request disagree;
 - ``prefix_cache``: cold runs agree with each other, warm runs agree with each other, cold
-  differs from warm (at least two of each), and the primary and the shadow are one of each;
+  differs from warm (at least two of each), and the primary and the shadow are one of each
+  (a side of unknown cache state that ran beside others and matches warm may be a prefill
+  chunked under load: ``unknown``, naming it);
 - ``speculative``: the upstream says it runs speculative decoding, its runs alone agree, the
   reference's agree, and the two differ;
 - ``batch``: the runs alone agree (at least two; the cold ones where warm differs) and a run
@@ -126,11 +128,29 @@ def _prefix_cache(ev: Evidence) -> Attribution | None:
         # vLLM on the H200, 2026-12-04) diverged for another reason.
         if any(r.group not in cold | warm for r in _audited(ev)):
             return None
+        if _crowded_as_warm(ev, warm):
+            return None  # a prefill chunked under load: not told from a cache hit (below)
+        sides = _audited(ev)
+        if any(r.cache == "cold" and r.group in warm for r in sides) or any(
+            r.cache == "warm" and r.group in cold for r in sides
+        ):
+            return None  # a side known cold output as warm runs do: something else parted it
         return Attribution(
             "prefix_cache",
             f"{n_cold} cold runs agree, {n_warm} warm runs agree, and cold differs from warm",
         )
     return None
+
+
+def _crowded_as_warm(ev: Evidence, warm: set[int]) -> list[Run]:
+    """The audit's sides whose cache state is not known, that ran beside other requests and
+    match the warm runs. On real vLLM 0.23 (H200, 2026-12-04) cold primaries (a fresh
+    ``cache_salt`` each) beside 12-24 others matched the warm replays bit for bit: a prefill
+    chunked under load computes as a warm one does on its cached prefix. Such a side is
+    explained by the cache or by the batch, and the evidence does not say which."""
+    return [
+        r for r in _audited(ev) if r.cache == "unknown" and r.alone is False and r.group in warm
+    ]
 
 
 def _speculative(ev: Evidence) -> Attribution | None:
@@ -162,6 +182,9 @@ def _batch(ev: Evidence) -> Attribution | None:
     odd = [r for r in crowded if r.group not in groups]
     if not odd:
         return None
+    _, warm, _, n_warm = _cache_split(_alone_same(ev))
+    if n_warm >= 2 and any(r in odd for r in _crowded_as_warm(ev, warm)):
+        return None  # it may have run warm: unknown says so
     company = ", ".join(f"{r.name} with {r.inflight} in flight" for r in odd)
     return Attribution(
         "batch",
@@ -198,6 +221,14 @@ def _unknown(ev: Evidence) -> Attribution:
                     )
                 else:
                     missing.append(f"the {r.name} differs from the replays in the same condition")
+    _, warm, _, n_warm = _cache_split(alone)
+    for r in _crowded_as_warm(ev, warm) if n_warm >= 2 else ():
+        missing.append(
+            f"whether the {r.name} hit the prefix cache: it matches the warm runs and ran beside "
+            f"{r.inflight} others, and a prefill chunked under load computes as a warm one "
+            "(an engine that reports cached prompt tokens, vLLM's "
+            "--enable-prompt-tokens-details, tells it)"
+        )
     if not missing:
         missing.append("the runs fit no single cause")
     return Attribution("unknown", "the evidence does not decide", tuple(dict.fromkeys(missing)))

@@ -180,7 +180,7 @@ def test_a_crowded_primary_matching_neither_cold_nor_warm_is_batch_not_prefix_ca
 def test_a_primary_matching_the_warm_runs_is_still_prefix_cache() -> None:
     got = decide(
         evidence(
-            run("primary", 2, cache="unknown", alone=False, inflight=4),
+            run("primary", 2, cache="unknown", alone=None),
             run("shadow", 1),
             run("cold-1", 1),
             run("cold-2", 1),
@@ -189,3 +189,39 @@ def test_a_primary_matching_the_warm_runs_is_still_prefix_cache() -> None:
         )
     )
     assert got.cause == "prefix_cache", got
+
+
+def test_a_crowded_primary_matching_the_warm_runs_is_unknown_naming_its_cache_state() -> None:
+    """Real vLLM 0.23 with VLLM_BATCH_INVARIANT=1 on the H200 (2026-12-04): cold primaries (a
+    fresh cache_salt each) beside 12-24 others matched the warm replays bit for bit, cold
+    replays and the cold shadow agreed: a prefill chunked under load computes as a warm one.
+    Cache or batch cannot be told apart there; it was called prefix_cache before."""
+    got = decide(
+        evidence(
+            run("primary", 2, cache="unknown", alone=False, inflight=14),
+            run("shadow", 1),
+            run("cold-1", 1),
+            run("cold-2", 1),
+            run("cold-3", 1),
+            run("prime", 2, cache="unknown"),
+            run("warm-1", 2, cache="warm"),
+            run("warm-2", 2, cache="warm"),
+        )
+    )
+    assert got.cause == "unknown", got
+    assert any("prefix cache" in m and "14 others" in m for m in got.missing), got.missing
+
+
+def test_a_crowded_primary_known_cold_matching_warm_is_batch() -> None:
+    """The same shape, but the primary's cache state known (cold): the batch parted it."""
+    got = decide(
+        evidence(
+            run("primary", 2, cache="cold", alone=False, inflight=14),
+            run("shadow", 1),
+            run("cold-1", 1),
+            run("cold-2", 1),
+            run("warm-1", 2, cache="warm"),
+            run("warm-2", 2, cache="warm"),
+        )
+    )
+    assert got.cause == "batch", got
