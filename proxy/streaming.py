@@ -55,6 +55,9 @@ class StreamedAnswer:
         self._gone: BaseException | None = None
         # The current attempt's text chars (content, reasoning) held back and never shown.
         self._unshown: tuple[int, int] = (0, 0)
+        # The text the current attempt continues (its assistant message; "" for a restart):
+        # what the client holds before this attempt's own text.
+        self._prior = ""
         # What a continuation goes on from that the client was not shown yet (held back):
         # written before the continuation.
         self._missing = ""
@@ -130,7 +133,9 @@ class StreamedAnswer:
         recovery = stages.recovery
         # A fallback after a refused retry is relayed as it comes: nothing to recover to.
         inspected = not ex.attempts.fell_back
-        self._watch = recovery.watch(ex.endpoint) if inspected else None
+        # A retry's answer that stops with nothing in it is no recovery: the ladder goes on.
+        retried = ex.attempts.count > 1
+        self._watch = recovery.watch(ex.endpoint, empty_stop=retried) if inspected else None
         if self._watch is not None:
             found.insert(0, self._watch)  # its triggers go to the policies (on_trigger)
         bus = stages.bus
@@ -205,15 +210,17 @@ class StreamedAnswer:
         self._missing = ""
         if not self._stages.recovery.stream_continues:
             return watch.kept(trigger.choice, trigger.channel)
-        # What the client was shown: the next attempt goes on from exactly that; or, where the
-        # loop was caught while its repeats were held back, from its onset and one unit, as a
-        # non-streamed continuation does (the client gets the part it was not shown first).
+        # What the client was shown: the next attempt goes on from exactly that (what this
+        # attempt continued, then its own text); or, where the loop was caught while its
+        # repeats were held back, from its onset and one unit, as a non-streamed continuation
+        # does (the client gets the part it was not shown first).
+        prior = self._prior if trigger.channel == "content" else ""
         shown = watch.shown(trigger.choice, trigger.channel)
         kept = watch.kept(trigger.choice, trigger.channel)
         assert self.exchange.attempts is not None
-        self.exchange.attempts.generated_chars = len(kept) if kept is not None else 0
+        self.exchange.attempts.generated_chars = len(prior) + (len(kept) if kept else 0)
         if shown is None:
-            return shown
+            return prior or None
         content, reasoning = self._unshown
         held = reasoning if trigger.channel == "reasoning" else content
         if held:
@@ -226,8 +233,8 @@ class StreamedAnswer:
             and onset.startswith(shown)
         ):
             self._missing = onset[len(shown) :]
-            return onset
-        return shown
+            return prior + onset
+        return prior + shown
 
     # -- the next attempt ----------------------------------------------------------------------
 
@@ -241,6 +248,7 @@ class StreamedAnswer:
         if continued is None:  # a restart: the client sees the answer start again
             await self._client.write(marker)
         self._closes_reasoning = continued is not None and continued.closes_reasoning
+        self._prior = continued.message if continued is not None else ""
         upstream = await self._open(body, continued)
         missing, self._missing = self._missing, ""
         if upstream is not None and continued is not None and missing:

@@ -42,13 +42,10 @@ from proxy.loops.continuation import (
 )
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.rendered import RenderedContinuation
-from proxy.loops.watch import LoopWatch
+from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.openai import REASONING_KEYS, stream_event
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
-# The source of the trigger a retry's empty answer makes: the ladder is asked again, as after
-# a loop (no loop is counted).
-EMPTY = "empty"
 
 
 class Recovery:
@@ -113,10 +110,18 @@ class Recovery:
     def hold_max_bytes(self) -> int:
         return self._config.hold_max_bytes
 
-    def watch(self, endpoint: str) -> LoopWatch | None:
+    def watch(self, endpoint: str, empty_stop: bool = False) -> LoopWatch | None:
+        """The loop watch of one streamed attempt (``empty_stop``: a retry's, where an answer
+        that stops with nothing in it is a trigger too)."""
         if not self._enabled:
             return None
-        return LoopWatch(endpoint, self._detector, runaway=self._runaway, keep=self._continues)
+        return LoopWatch(
+            endpoint,
+            self._detector,
+            runaway=self._runaway,
+            keep=self._continues,
+            empty_stop=empty_stop,
+        )
 
     def prepare(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Add vLLM's repetition_detection where the operator says the upstream has it (and
@@ -139,7 +144,10 @@ class Recovery:
         if attempts.pending_retry:
             attempts.pending_retry = False
             empty = trigger is None and status == 200 and is_empty(attempts.endpoint, body)
-            outcome = "looped_again" if trigger else "empty" if empty else "recovered"
+            if empty or (trigger is not None and trigger.source == EMPTY):
+                outcome = "empty"
+            else:
+                outcome = "looped_again" if trigger else "recovered"
             self._acted(attempts, "retry", outcome)
             if empty:
                 # Recovered means an answer: the ladder goes on from an empty one.
@@ -180,6 +188,9 @@ class Recovery:
                 attempts.reserved[attempts.count + 1] = decision.reserved_tokens
         elif isinstance(decision, Abort):
             self._acted(attempts, "abort", decision.reason or "loop")
+            if trigger.source == EMPTY:
+                # No loop to cut: the empty answer goes to the client as it came.
+                return CONTINUE
         else:
             self._acted(attempts, "observe", decision.reason or "observe")
         return decision

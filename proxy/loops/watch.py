@@ -24,11 +24,16 @@ MAX_CHOICES = 128  # n is client-controlled: bound the detectors kept per respon
 # The most content kept per choice for a continuation (chars); past it, a loop restarts.
 MAX_KEPT_CHARS = 4 * 1024 * 1024
 
+# The source of the trigger an answer that ends ``stop`` with nothing in it makes (a retry's:
+# recovered means an answer, and the ladder goes on). No loop is counted for it.
+EMPTY = "empty"
+
 
 class _ChoiceWatch:
     __slots__ = (
         "_config",
         "_reasoning",
+        "answered",
         "content",
         "kept",
         "kept_chars",
@@ -44,6 +49,7 @@ class _ChoiceWatch:
         self.content = LoopDetector(config)
         self.saw_reasoning = False
         self.saw_content = False
+        self.answered = False  # content other than whitespace, or tool calls (empty_stop only)
         # The content and the reasoning seen, when a recovery may continue from them.
         self.kept: list[str] | None = [] if keep else None
         self.kept_reasoning: list[str] | None = [] if keep else None
@@ -92,12 +98,20 @@ class LoopWatch:
     triggers = True
 
     def __init__(
-        self, endpoint: str, config: DetectorConfig, runaway: bool = True, keep: bool = False
+        self,
+        endpoint: str,
+        config: DetectorConfig,
+        runaway: bool = True,
+        keep: bool = False,
+        empty_stop: bool = False,
     ) -> None:
         self._chat = endpoint == "chat"
         self._config = config
         self._runaway = runaway
         self._keep = keep  # keep the first choice's texts, for a continuation
+        # A choice that ends ``stop`` with no answer is a trigger (``EMPTY``): a retry's
+        # attempt, where an empty answer is no recovery.
+        self._empty_stop = empty_stop
         self._choices: dict[int, _ChoiceWatch] = {}
 
     def _watch(self, index: int) -> _ChoiceWatch | None:
@@ -142,6 +156,8 @@ class LoopWatch:
         self, watch: _ChoiceWatch, index: int, raw: dict[str, Any], delta: dict[str, Any]
     ) -> Trigger | None:
         trigger = self._feed(watch, index, reasoning_of(delta), delta.get("content"))
+        if self._empty_stop and not watch.answered and delta.get("tool_calls"):
+            watch.answered = True
         finish = raw.get("finish_reason")
         if trigger is None and finish is not None:
             return self._finished(watch, index, finish, raw.get("stop_reason"))
@@ -167,6 +183,8 @@ class LoopWatch:
             detector = watch.reasoning
         else:
             watch.saw_content = True
+            if self._empty_stop and not watch.answered and text.strip():
+                watch.answered = True
             if watch.kept is not None:
                 watch.keep(text)
             detector = watch.content
@@ -247,6 +265,8 @@ class LoopWatch:
                 return _trigger("proxy", "reasoning", index, report)
         if isinstance(content, str) and content:
             watch.saw_content = True
+            if self._empty_stop and not watch.answered and content.strip():
+                watch.answered = True
             if watch.kept is not None:
                 watch.keep(content)
             report = watch.content.feed(content)
@@ -263,4 +283,6 @@ class LoopWatch:
             return _trigger("engine", channel, index)
         if self._runaway and finish == "length" and watch.saw_reasoning and not watch.saw_content:
             return _trigger("runaway", "reasoning", index)
+        if self._empty_stop and finish == "stop" and not watch.answered:
+            return _trigger(EMPTY, "content", index)
         return None

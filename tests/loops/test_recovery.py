@@ -11,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import eventually, knobs, metric, sse_chunks, sse_comments
+from tests.helpers import eventually, knobs, metric, sse_chunks, sse_comments, sse_event
 
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
@@ -351,19 +351,33 @@ class EmptyFirstRetry:
         app.router.add_post("/v1/chat/completions", self.handle)
         return app
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
         if body.get("presence_penalty"):
-            content = ""
+            pieces = []
         elif body.get("frequency_penalty"):
-            content = "A calm answer, at last."
+            pieces = ["A calm answer,", " at last."]
         else:
-            content = "Once upon a time" + " and then the model repeats itself." * 40
-        finish = "stop" if len(content) < 100 else "length"
-        message = {"role": "assistant", "content": content}
-        choice = {"index": 0, "message": message, "finish_reason": finish}
-        return web.json_response({"id": "chatcmpl-e", "choices": [choice]})
+            pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
+        finish = "stop" if len(pieces) < 10 else "length"
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "".join(pieces)}
+            choice = {"index": 0, "message": message, "finish_reason": finish}
+            return web.json_response({"id": "chatcmpl-e", "choices": [choice]})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        deltas = [{"role": "assistant", "content": ""}] + [{"content": p} for p in pieces]
+        try:
+            for delta in deltas:
+                choice = {"index": 0, "delta": delta, "finish_reason": None}
+                await resp.write(sse_event({"id": "chatcmpl-e", "choices": [choice]}))
+            end = {"index": 0, "delta": {}, "finish_reason": finish}
+            await resp.write(sse_event({"id": "chatcmpl-e", "choices": [end]}))
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass  # detproxy closed the looping attempt
+        return resp
 
 
 async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
@@ -401,3 +415,109 @@ async def test_an_empty_answer_at_the_end_of_the_ladder_is_not_recovered(
     assert answer["choices"][0]["finish_reason"] == "stop"  # as it came: it is no loop
     assert actions(registry, "retry", "empty") == 1
     assert actions(registry, "retry", "recovered") == 0
+
+
+def streamed_text(chunks: list[dict[str, Any]]) -> str:
+    """The content a delta-reading client (the openai SDK) assembles."""
+    return "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
+    )
+
+
+async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    engine = EmptyFirstRetry()
+    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+    raw = await resp.read()
+    chunks = sse_chunks(raw)
+    assert chunks[-1]["detproxy"] == {"recovered": True, "attempts": 3, "strategy": "continue"}, (
+        "the empty retry ended the stream"
+    )
+    text = streamed_text(chunks)
+    shown = engine.bodies[1]["messages"][-1]["content"]
+    # One answer: what the looping attempt showed, then the third attempt's continuation of
+    # exactly that (the empty attempt added nothing), no restart.
+    assert text == shown + "A calm answer, at last.", text
+    assert not sse_comments(raw), "the stream restarted"
+    assert engine.bodies[2]["messages"][-1]["content"] == shown
+    assert last_choice(chunks)["finish_reason"] == "stop"
+    assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
+    assert actions(registry, "retry", "recovered") == 1
+    assert loops(registry, "content", "proxy") == 1  # the empty answer is no loop
+
+
+async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_came(
+    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    engine = EmptyFirstRetry()
+    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    ladder = '[{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]'
+    env = RETRY | {
+        "DETPROXY_LOOPS__LADDERS": ladder,
+        "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
+    }
+    client = await make_proxy(url, env=env)
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True))
+    chunks = sse_chunks(await resp.read())
+    assert chunks[-1]["detproxy"]["recovered"] is False, "an empty answer counted as recovered"
+    assert last_choice(chunks)["finish_reason"] == "stop"  # as it came: it is no loop
+    assert streamed_text(chunks) == engine.bodies[1]["messages"][-1]["content"]
+    assert actions(registry, "retry", "empty") == 1
+    assert actions(registry, "retry", "recovered") == 0
+
+
+class LoopsTwice:
+    """Loops at temperature 0 and on the first retry (a presence penalty) too, after text of
+    its own; the second retry (a frequency penalty) answers."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.handle)
+        return app
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if body.get("frequency_penalty"):
+            pieces, finish = [" The end."], "stop"
+        elif body.get("presence_penalty"):
+            pieces = [" Then a new part."] + [" and again it says the same thing."] * 40
+            finish = "length"
+        else:
+            pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
+            finish = "length"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for piece in pieces:
+                choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
+                await resp.write(sse_event({"id": "chatcmpl-t", "choices": [choice]}))
+            end = {"index": 0, "delta": {}, "finish_reason": finish}
+            await resp.write(sse_event({"id": "chatcmpl-t", "choices": [end]}))
+            await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            pass
+        return resp
+
+
+async def test_a_continuation_that_loops_again_is_continued_from_all_the_client_was_shown(
+    aiohttp_server: Any, make_proxy: Any
+) -> None:
+    engine = LoopsTwice()
+    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
+    resp = await client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=2000))
+    chunks = sse_chunks(await resp.read())
+    assert chunks[-1]["detproxy"]["attempts"] == 3, chunks[-1]
+    text = streamed_text(chunks)
+    third = engine.bodies[2]["messages"][-1]["content"]
+    # The third attempt goes on from everything the client holds: the first attempt's shown
+    # part and the second's, not the second's alone.
+    assert third.startswith("Once upon a time") and " Then a new part." in third, third
+    assert text == third + " The end.", text
