@@ -102,6 +102,19 @@ def usage_of(body: dict[str, Any]) -> tuple[int | None, int | None]:
     return _int_or_none(usage.get("prompt_tokens")), _int_or_none(usage.get("completion_tokens"))
 
 
+def cached_tokens_of(body: Mapping[str, Any]) -> int | None:
+    """A body's ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the engine
+    took from its prefix cache (vLLM with ``--enable-prompt-tokens-details``; None where not
+    reported)."""
+    usage = body.get("usage")
+    if type(usage) is not dict:
+        return None
+    details = usage.get("prompt_tokens_details")
+    if type(details) is not dict:
+        return None
+    return _int_or_none(details.get("cached_tokens"))
+
+
 def completion_tokens_of(body: Mapping[str, Any]) -> int | None:
     """A body's ``usage.completion_tokens`` (a streamed usage chunk's included)."""
     usage = body.get("usage")

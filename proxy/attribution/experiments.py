@@ -241,16 +241,18 @@ def disagree_already(
 def observed_of_audit(
     case: TriageCase, primary_identity: str | None, shadow_identity: str | None
 ) -> list[Observed]:
-    """The primary and the shadow as runs: the primary's cache state is never known (it ran
-    as the client sent it) and whether others shared its batch is known only when they were
-    in flight as it started or ended (alone between the two is not known)."""
+    """The primary and the shadow as runs: the primary's cache state is known only where the
+    engine reported its cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``: it ran
+    as the client sent it), and whether others shared its batch only when they were in flight
+    as it started or ended (alone between the two is not known)."""
     reference = case.target != "same"
     crowd = max(case.primary_inflight, case.primary_inflight_end)
+    cached = case.primary.cached_tokens
     return [
         Observed(
             "primary",
             "same",
-            "unknown",
+            "unknown" if cached is None else "warm" if cached > 0 else "cold",
             False if crowd > 1 else None,
             crowd,
             primary_identity,

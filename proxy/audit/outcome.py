@@ -24,7 +24,7 @@ from proxy.audit.logprobs import (
     TokenLogprob,
     parse_logprobs,
 )
-from proxy.openai import error_message, reasoning_of, usage_of
+from proxy.openai import cached_tokens_of, error_message, reasoning_of, usage_of
 
 __all__ = [
     "NEG_INF_LOGPROB",
@@ -74,6 +74,8 @@ class Outcome:
     error: str | None = None  # the response was an error, or broke mid-stream
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # Prompt tokens the engine said came from its prefix cache (None: not reported).
+    cached_tokens: int | None = None
 
     def __init__(
         self,
@@ -81,6 +83,7 @@ class Outcome:
         error: str | None = None,
         prompt_tokens: int | None = None,
         completion_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         # Written out: mypyc compiles this one; the generated one runs interpreted (README
         # "The compiled build"). The fields above and these arguments are the same, in order.
@@ -88,6 +91,7 @@ class Outcome:
         object.__setattr__(self, "error", error)
         object.__setattr__(self, "prompt_tokens", prompt_tokens)
         object.__setattr__(self, "completion_tokens", completion_tokens)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
 
 
 def _is_chat(endpoint: str) -> bool:
@@ -166,7 +170,7 @@ def outcome_from_response(endpoint: str, body: Mapping[str, Any]) -> Outcome:
         else ()
     )
     prompt_tokens, completion_tokens = usage_of(answer)
-    return Outcome(choices, None, prompt_tokens, completion_tokens)
+    return Outcome(choices, None, prompt_tokens, completion_tokens, cached_tokens_of(answer))
 
 
 class _ChoiceState:
@@ -199,7 +203,7 @@ class StreamAccumulator:
 
     name = "accumulate"
     triggers = False  # said, not left to a failed lookup (an exception) for each response
-    __slots__ = ("_budget", "_chat", "_choices", "_error", "_full", "_usage")
+    __slots__ = ("_budget", "_cached", "_chat", "_choices", "_error", "_full", "_usage")
 
     def __init__(self, endpoint: str, max_chars: int = 4_000_000) -> None:
         self._chat = _is_chat(endpoint)
@@ -208,6 +212,7 @@ class StreamAccumulator:
         self._choices: dict[int, _ChoiceState] = {}
         self._error: str | None = None
         self._usage: tuple[int | None, int | None] = (None, None)
+        self._cached: int | None = None
 
     def _overflow(self) -> None:
         self._full = True
@@ -233,6 +238,7 @@ class StreamAccumulator:
             return
         if "usage" in chunk and isinstance(chunk["usage"], dict):
             self._usage = usage_of(chunk)
+            self._cached = cached_tokens_of(chunk)
         choices = chunk.get("choices")
         if not isinstance(choices, list):
             return
@@ -333,4 +339,4 @@ class StreamAccumulator:
                     state.stop_reason,
                 )
             )
-        return Outcome(tuple(choices), self._error, *self._usage)
+        return Outcome(tuple(choices), self._error, *self._usage, self._cached)

@@ -17,6 +17,7 @@ from proxy.attribution.experiments import (
     build_evidence,
     compare_runs,
     limited_body,
+    observed_of_audit,
     replay_limit,
     run_experiments,
 )
@@ -283,3 +284,20 @@ async def test_a_replay_that_stops_early_inside_the_window_is_not_read_as_agreei
     replies = Replies([choice(BASE, "stop"), choice(BASE[:14], "stop")])
     cause, evidence = await attribute(c, replies, limit)
     assert cause == "intrinsic", evidence
+
+
+# -- the primary's cache state -------------------------------------------------------------------
+
+
+def test_the_primary_runs_warm_or_cold_where_the_engine_reported_its_cached_tokens() -> None:
+    def primary_cache(cached: int | None) -> str:
+        c = case(choice(at(5)), choice(BASE))
+        c = TriageCase(
+            **{f: getattr(c, f) for f in TriageCase.__dataclass_fields__ if f != "primary"},
+            primary=Outcome(c.primary.choices, None, 30, 104, cached),
+        )
+        return observed_of_audit(c, "fp", "fp")[0].cache
+
+    assert primary_cache(None) == "unknown", "not reported: not known"
+    assert primary_cache(0) == "cold"
+    assert primary_cache(16) == "warm"

@@ -244,3 +244,21 @@ def test_random_json_never_raises(body: dict[str, Any]) -> None:
         acc.on_chunk(body)
         acc.on_end(True)
         assert isinstance(acc.outcome(), Outcome)
+
+
+def test_cached_prompt_tokens_are_read_where_the_engine_reports_them() -> None:
+    """vLLM with --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens,
+    whole and in a streamed usage chunk; absent, None (not known, not 0)."""
+    body = chat_body([], [("Paris", -0.1, [])])
+    assert outcome_from_response("chat", body).cached_tokens is None
+    body["usage"] = {
+        "prompt_tokens": 40,
+        "completion_tokens": 3,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    }
+    assert outcome_from_response("chat", body).cached_tokens == 32
+    acc = StreamAccumulator("chat")
+    acc.on_chunk({"choices": [], "usage": body["usage"]})
+    assert acc.outcome().cached_tokens == 32
+    body["usage"]["prompt_tokens_details"] = None
+    assert outcome_from_response("chat", body).cached_tokens is None
