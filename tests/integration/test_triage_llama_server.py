@@ -6,14 +6,20 @@ the same prompts (alone cold three times, alone warm, written here from the issu
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import Engine, run_detproxy, run_engine, wait_engine_idle
+from tests.helpers import (
+    Engine,
+    Unmet,
+    eventually_sync,
+    run_detproxy,
+    run_engine,
+    wait_engine_idle,
+)
 from tests.integration.test_audit_llama_server import (
     AUDIT_CONFIG,
     MAX_TOKENS,
@@ -71,8 +77,9 @@ def by_hand(engine: Engine, prompt: str, inflight: int) -> str:
 
 
 def triaged(proxy: str, timeout: float = 1800) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout
-    while True:
+    """The audit incidents once no shadow or triage is queued or running and each has a cause."""
+
+    def done() -> list[dict[str, Any]] | Unmet:
         status = get_json(proxy + "/detproxy/status")
         shadow, triage = status["shadow"], status["triage"]
         if (
@@ -84,8 +91,9 @@ def triaged(proxy: str, timeout: float = 1800) -> list[dict[str, Any]]:
             incidents = get_json(proxy + "/detproxy/incidents?limit=1000&kind=audit")
             if all("cause" in i for i in incidents):
                 return list(incidents)
-        assert time.monotonic() < deadline, f"triage did not finish: {status}"
-        time.sleep(0.5)
+        return Unmet({"shadow": shadow, "triage": triage})
+
+    return eventually_sync(done, timeout_s=timeout, interval_s=0.5, what="triage finished")
 
 
 @pytest.mark.parametrize("recipe", [(), ("-np", "2", "-c", "4096")], ids=["stock", "per_slot"])
