@@ -35,7 +35,6 @@ _TO_CLIENT_KEEP_LENGTH = HOP_BY_HOP
 
 REQUEST_ID = "X-Request-Id"
 REQUEST_ID_BATCH: Final = 256  # request ids minted from one read of random bytes
-_SHARED: Final = b"*"  # a HeldNames slot of more than one name
 
 
 @lru_cache(maxsize=256)  # a few distinct Connection values in practice; bounded for the rest
@@ -58,42 +57,18 @@ def _filter(headers: Mapping[str, str], base: frozenset[str]) -> CIMultiDict[str
 
 class HeldNames:
     """A set of header names (lowercase) that a parser's field names (bytes, any case) are
-    told against, without hashing or lowercasing most of them: a name's length and first
-    letter pick the one held name it can be (nearly every name a client or an engine sends,
-    User-Agent, Content-Type, X-Stainless-*, Server, picks none), and it is compared as it
-    came, lowercase, and Title-Case before it is lowercased."""
+    told against: the name lowercased, looked up."""
 
-    __slots__ = ("_longest", "_lower", "_names", "_title")
+    __slots__ = ("_names",)
 
     def __init__(self, names: frozenset[str]) -> None:
+        for name in names:
+            if not name or name != name.lower():
+                raise ValueError(f"a held name is lowercase and not empty: {name!r}")
         self._names = frozenset(name.encode() for name in names)
-        self._longest = max(map(len, names))
-        lower = [b""] * ((self._longest + 1) * 26)
-        title = [b""] * len(lower)
-        for name in sorted(names):
-            if not ("a" <= name[:1] <= "z" and name == name.lower()):
-                raise ValueError(f"a held name is lowercase and starts with a letter: {name!r}")
-            at = len(name) * 26 + ord(name[0]) - ord("a")
-            # Two held names of one length and letter: this slot looks the name up instead.
-            lower[at] = _SHARED if lower[at] else name.encode()
-            title[at] = "-".join(part.capitalize() for part in name.split("-")).encode()
-        self._lower = tuple(lower)
-        self._title = tuple(title)
 
     def holds(self, name: bytes) -> bool:
-        size = len(name)
-        if size == 0 or size > self._longest:
-            return False
-        letter = (name[0] | 0x20) - 97
-        if letter < 0 or letter >= 26:
-            return False
-        at = size * 26 + letter
-        held = self._lower[at]
-        if not held:
-            return False
-        if name == held or name == self._title[at]:
-            return True
-        return name.lower() in self._names if held == _SHARED else name.lower() == held
+        return name.lower() in self._names
 
 
 # The fields a proxied request does not pass on as they came: hop-by-hop, framing, what the

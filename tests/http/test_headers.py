@@ -120,13 +120,13 @@ def test_field_names_are_told_passed_or_held_whatever_their_case() -> None:
         assert is_passed(name), name
 
 
-def test_held_names_of_one_length_and_first_letter_are_each_held() -> None:
+def test_held_names_are_held_in_any_case_and_no_other_is() -> None:
     held = HeldNames(frozenset({"abc", "axy", "content-length"}))
     for name in (b"abc", b"ABC", b"Abc", b"aXy", b"axy", b"CONTENT-length", b"Content-Length"):
         assert held.holds(name), name
     for name in (b"abd", b"ab", b"bbc", b"content-lengtx", b"Content-Type", b"", b"\xe1bc"):
         assert not held.holds(name), name
-    for bad in ("1st", "", "Host"):
+    for bad in ("", "Host"):
         with pytest.raises(ValueError, match="held name"):
             HeldNames(frozenset({bad}))
 
