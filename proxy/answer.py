@@ -148,7 +148,14 @@ class WholeAnswer:
             if continued.closes_reasoning:
                 merge_closed(answer, continued, self._reasoning_keys, self._prompt_tokens)
             else:
-                merge_answer(ex.endpoint, answer, continued.prefix, self._prompt_tokens)
+                merge_answer(
+                    ex.endpoint,
+                    answer,
+                    continued.prefix,
+                    self._prompt_tokens,
+                    continued.reasoning,
+                    self._reasoning_keys,
+                )
             payload = orjson.dumps(answer)
         return payload
 
@@ -158,15 +165,23 @@ class WholeAnswer:
         channel = trigger.channel if trigger is not None else "content"
         return content_of(ex.endpoint, self._answer, channel)
 
+    def generated_reasoning(self) -> str | None:
+        ex = self.exchange
+        return content_of(ex.endpoint, self._answer, "reasoning")
+
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         ex, stages = self.exchange, self._stages
-        if continued is not None and continued.closes_reasoning:
+        # The answer goes on after a reasoning: the fields the looping answer carried it in.
+        after_reasoning = continued is not None and (
+            continued.closes_reasoning or bool(continued.reasoning)
+        )
+        if after_reasoning:
             self._reasoning_keys = reasoning_keys(ex.endpoint, self._answer)
         self._continued = continued
         self._kept = (self._upstream, self._payload, self._answer)
         try:
             rendered: UpstreamResponse | None = None
-            if continued is not None and continued.closes_reasoning:
+            if continued is not None and after_reasoning:
                 # A template that drops assistant reasoning: the rendered prompt keeps it.
                 rendered = await stages.recovery.rendered.open(
                     stages.upstream,

@@ -88,6 +88,10 @@ class Answer(Protocol):
         """What the attempt that ended generated in its trigger's channel (a continuation's
         prefix is cut from it); None when it was not kept."""
 
+    def generated_reasoning(self) -> str | None:
+        """The reasoning of the attempt that ended (a chat answer's, where it was kept): a
+        continued content goes on after it."""
+
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         """Send the next attempt (``continued``: what it goes on from, None for a restart);
         False when it could not be sent and the answer has what to give the client."""
@@ -111,7 +115,11 @@ async def run_attempts(answer: Answer, recovery: Recovery) -> Decision | None:
         if not isinstance(decision, Retry) or attempts.count >= MAX_ATTEMPTS:
             return decision
         body, continued = recovery.next_attempt(
-            attempts, decision, ex.retry_base, answer.generated_text()
+            attempts,
+            decision,
+            ex.retry_base,
+            answer.generated_text(),
+            answer.generated_reasoning(),
         )
         attempts.count += 1
         ex.ticket = None  # an answer produced under overrides is not audited

@@ -49,8 +49,12 @@ class StreamedAnswer:
         self._watch: LoopWatch | None = None
         self._result: StreamResult | None = None  # the last attempt's
         self._first_id: str | None = None  # a restarted attempt keeps the first attempt's id
-        # The attempt after a closed reasoning: its reasoning deltas are the answer's content.
+        # The attempt after a closed reasoning, or a continued content that carried the
+        # reasoning before it: its reasoning deltas are the answer's content.
         self._closes_reasoning = False
+        # The reasoning the current attempt's content goes on after (a continuation carried
+        # it): the answer's reasoning, which the client holds already.
+        self._prior_reasoning = ""
         # The client left after the whole answer: settled as answered, then raised again.
         self._gone: BaseException | None = None
         # The current attempt's text chars (content, reasoning) held back and never shown.
@@ -236,6 +240,12 @@ class StreamedAnswer:
             return prior + onset
         return prior + shown
 
+    def generated_reasoning(self) -> str | None:
+        watch = self._watch
+        if self._prior_reasoning:
+            return self._prior_reasoning  # the continued attempt's answer had it before
+        return watch.kept(0, "reasoning") if watch is not None else None
+
     # -- the next attempt ----------------------------------------------------------------------
 
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
@@ -247,8 +257,12 @@ class StreamedAnswer:
         marker = retry_comment(attempts.count, decision.reason)
         if continued is None:  # a restart: the client sees the answer start again
             await self._client.write(marker)
-        self._closes_reasoning = continued is not None and continued.closes_reasoning
+        after_reasoning = continued is not None and (
+            continued.closes_reasoning or bool(continued.reasoning)
+        )
+        self._closes_reasoning = after_reasoning
         self._prior = continued.message if continued is not None else ""
+        self._prior_reasoning = continued.reasoning if continued is not None else ""
         upstream = await self._open(body, continued)
         missing, self._missing = self._missing, ""
         if upstream is not None and continued is not None and missing:
@@ -274,6 +288,10 @@ class StreamedAnswer:
                 # Shown a part already: the client's own request, going on from that part
                 # (its own sampling), so that it still reads one answer.
                 upstream = await self._open(own)
+                # It goes on after the reasoning too: what it writes is content.
+                self._closes_reasoning = (
+                    upstream is not None and continued is not None and bool(continued.reasoning)
+                )
                 if upstream is not None and missing:
                     assert ex.view is not None
                     await self._client.write(
@@ -297,7 +315,12 @@ class StreamedAnswer:
             return None
         assert ex.attempts is not None
         body = continuation_body(
-            ex.endpoint, ex.retry_base, {}, continued.message, ex.attempts.kept_tokens
+            ex.endpoint,
+            ex.retry_base,
+            {},
+            continued.message,
+            ex.attempts.kept_tokens,
+            continued.reasoning,
         )
         return None if body is None else orjson.dumps(body)
 
@@ -307,7 +330,7 @@ class StreamedAnswer:
         ex, stages = self.exchange, self._stages
         try:
             upstream: UpstreamResponse | None = None
-            if continued is not None and continued.closes_reasoning:
+            if continued is not None and (continued.closes_reasoning or continued.reasoning):
                 # A template that drops assistant reasoning: the rendered prompt keeps it.
                 upstream = await stages.recovery.rendered.open(
                     stages.upstream, ex.client.raw_path, ex.headers, orjson.loads(body), continued

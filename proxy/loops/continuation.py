@@ -7,7 +7,11 @@ message with ``continue_final_message: true, add_generation_prompt: false`` (vLL
 server reads the same fields), completions as the prompt followed by that prefix. The engine
 answers the continuation (llama.cpp's server, non-streamed: with the prefix in front); the
 client gets prefix + continuation as one answer (streamed: the continuation goes on after what
-the client already has, under the same id).
+the client already has, under the same id). A chat answer that reasoned before its content
+goes back with that reasoning, as the final message's ``reasoning`` (vLLM renders it where
+the template keeps assistant reasoning; where it drops it, ``proxy.loops.rendered``), so that
+the engine continues the answer the model wrote; what it writes then is content, and the
+client gets the reasoning as it came.
 
 ``close_reasoning`` is the same for a loop in the reasoning channel of a chat answer: the
 reasoning up to the onset and one unit, between the model's reasoning markers
@@ -50,6 +54,10 @@ class Continued:
     prefix: str
     closes_reasoning: bool = False
     message: str = ""
+    # A continued content's: the reasoning the looping answer had before it, sent with it
+    # (chat: the assistant message's ``reasoning``; rendered: between the markers) so that
+    # the engine goes on from the answer as the model wrote it; "" where it had none.
+    reasoning: str = ""
 
 
 def prefix_of(text: str, trigger: Trigger) -> str | None:
@@ -116,8 +124,10 @@ def continuation_body(
     overrides: Mapping[str, Any],
     prefix: str,
     prefix_tokens: int,
+    reasoning: str = "",
 ) -> dict[str, Any] | None:
-    """The request that continues ``prefix``; None when no token would be left to generate."""
+    """The request that continues ``prefix`` (chat: after ``reasoning``, where the answer had
+    some); None when no token would be left to generate."""
     body: dict[str, Any] = {**base, **overrides}
     for name in LIMIT_FIELDS:
         limit = body.get(name)
@@ -126,7 +136,12 @@ def continuation_body(
                 return None
             body[name] = limit - prefix_tokens
     if endpoint == "chat":
-        body["messages"] = [*base["messages"], {"role": "assistant", "content": prefix}]
+        message = {"role": "assistant", "content": prefix}
+        if reasoning:
+            # vLLM renders an assistant message's ``reasoning`` (``reasoning_content`` is read
+            # as it), for templates that keep it (reference/vllm-api.md section 2).
+            message["reasoning"] = reasoning
+        body["messages"] = [*base["messages"], message]
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
     else:
@@ -142,16 +157,36 @@ def estimate_tokens(prefix: str, text: str, tokens: int) -> int:
     return max(1, len(prefix) // 4)
 
 
-def merge_answer(endpoint: str, answer: dict[str, Any], prefix: str, prompt_tokens: Any) -> None:
+def merge_answer(
+    endpoint: str,
+    answer: dict[str, Any],
+    prefix: str,
+    prompt_tokens: Any,
+    reasoning: str = "",
+    keys: tuple[str, ...] = (),
+) -> None:
     """Make a continuation's answer the whole answer, in place: the prefix in front of its
     text, the prefix's tokens counted as completion (the continuation counted them as prompt,
-    over the client request's own ``prompt_tokens``)."""
+    over the client request's own ``prompt_tokens``). ``reasoning``: what the continued content
+    came after, the answer's again in the fields ``keys`` the looping answer carried it in;
+    all the engine wrote after the prefix is content (a parser that sees no end marker in the
+    output, vLLM's ``deepseek_r1``, reports it as reasoning)."""
     # vLLM answers the continuation alone; llama.cpp's server answers a non-streamed
     # continuation with the prefix in front already (its stream carries the continuation only).
     if endpoint == "chat":
         message = first_message(answer)
         if message is not None:
-            message["content"] = _joined(prefix, message.get("content"))
+            own = message.get("content")
+            if reasoning:
+                parsed = reasoning_of(message) or ""
+                if parsed.strip("\n") == reasoning.strip("\n"):
+                    parsed = ""  # the sent reasoning given back (llama.cpp's server)
+                own = parsed + (own if isinstance(own, str) else "")
+                for key in REASONING_KEYS:
+                    message.pop(key, None)
+                for key in keys or REASONING_KEYS[:1]:
+                    message[key] = reasoning
+            message["content"] = _joined(prefix, own)
     else:
         choice = first_choice(answer)
         if choice is None:

@@ -216,16 +216,26 @@ class Recovery:
         self._settle(attempts, tokens, attempts.count)
 
     def next_attempt(
-        self, attempts: Attempts, decision: Retry, base: dict[str, Any], text: str | None
+        self,
+        attempts: Attempts,
+        decision: Retry,
+        base: dict[str, Any],
+        text: str | None,
+        reasoning: str | None = None,
     ) -> tuple[dict[str, Any], Continued | None]:
         """The body of the attempt a retry sends, and what it continues (None for a restart).
         ``text`` is what the looping attempt generated in the trigger's channel (None when it
-        was not kept); ``base`` the client's request."""
+        was not kept); ``reasoning`` its reasoning (a chat answer's, when it was kept); ``base``
+        the client's request."""
         trigger = attempts.trigger
         strategy = decision.strategy
         endpoint = attempts.endpoint
+        # A continued content goes on after the reasoning the answer had before it.
+        carried = ""
+        if reasoning and endpoint == "chat" and trigger is not None:
+            carried = reasoning if trigger.channel == "content" else ""
         if attempts.stream and self._stream_continues and trigger is not None:
-            return self._from_shown(attempts, decision, base, text)
+            return self._from_shown(attempts, decision, base, text, carried)
         closes = strategy == "close_reasoning"
         if (
             strategy in ("continue", "close_reasoning")
@@ -239,24 +249,30 @@ class Recovery:
         ):
             prefix = prefix_of(text, trigger)
             if prefix:
-                # A continued attempt generated the text after its own prefix only.
+                # A continued attempt generated the text after its own prefix only; the kept
+                # reasoning's tokens are kept too (generated before the content).
                 generated = attempts.generated + attempts.kept_tokens
-                kept = estimate_tokens(prefix, text, generated)
+                kept = estimate_tokens(carried + prefix, carried + text, generated)
                 message = self._closed(attempts.model, prefix) if closes else prefix
-                body = continuation_body(endpoint, base, decision.overrides, message, kept)
+                body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
                 if body is not None:
                     attempts.strategy, attempts.kept_tokens = strategy, kept
-                    return body, Continued(prefix, closes, message)
+                    return body, Continued(prefix, closes, message, carried)
         attempts.strategy, attempts.kept_tokens = "restart", 0
         return {**base, **decision.overrides}, None
 
     def _from_shown(
-        self, attempts: Attempts, decision: Retry, base: dict[str, Any], shown: str | None
+        self,
+        attempts: Attempts,
+        decision: Retry,
+        base: dict[str, Any],
+        shown: str | None,
+        reasoning: str = "",
     ) -> tuple[dict[str, Any], Continued | None]:
         """A streamed retry under ``stream_mode = "continue"``: ``shown`` is the text of the
-        trigger's channel the client was shown. Content goes on from exactly that text;
-        reasoning is closed there (what follows is the answer); nothing shown, a restart
-        (the client sees one answer either way)."""
+        trigger's channel the client was shown. Content goes on from exactly that text (after
+        ``reasoning``, the answer's before it); reasoning is closed there (what follows is the
+        answer); nothing shown, a restart (the client sees one answer either way)."""
         trigger = attempts.trigger
         assert trigger is not None
         endpoint = attempts.endpoint
@@ -274,16 +290,19 @@ class Recovery:
             full = max(len(shown), attempts.generated_chars)
             if trigger.start_offset is not None and trigger.period and trigger.repeats:
                 full = max(full, trigger.start_offset + trigger.period * trigger.repeats)
+            # A continued content keeps the reasoning before it, and that reasoning's tokens.
+            carried = reasoning
             if generated > 0:
-                kept = max(1, round(generated * len(base_text) / full))
+                share = (len(carried) + len(base_text)) / (len(carried) + full)
+                kept = max(1, round(generated * share))
             else:
-                kept = estimate_tokens(base_text, base_text, 0)
+                kept = estimate_tokens(carried + base_text, carried + base_text, 0)
             message = self._closed(attempts.model, base_text) if closes else shown
-            body = continuation_body(endpoint, base, decision.overrides, message, kept)
+            body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
             if body is not None:
                 strategy = "close_reasoning" if closes else "continue"
                 attempts.strategy, attempts.kept_tokens = strategy, kept
-                return body, Continued(shown, closes, message)
+                return body, Continued(shown, closes, message, carried)
         attempts.strategy, attempts.kept_tokens = "restart", 0
         return {**base, **decision.overrides}, None
 

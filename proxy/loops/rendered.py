@@ -16,13 +16,18 @@ chat answer the chat continuation gives (``RenderedResponse``): whole, a ``chat.
 shaped as the looping answer, under its id; streamed, ``chat.completion.chunk`` events with
 ``delta.content``.
 
+A ``continue`` of content that came after a reasoning is the same case: the chat continuation
+sends the reasoning as the final assistant message's ``reasoning``, which those templates drop
+too (the engine would go on without it); the rendered prompt holds it between the markers,
+the kept content after them, and what the engine writes is content.
+
 Whether a model's template drops assistant reasoning is asked of the engine once per model (a
 two-turn conversation rendered: do the assistant turn's reasoning tokens survive?) or declared
 per model (``[[loops.reasoning_markers]]`` ``rendered_continuation``). Anything that fails on
 the way (no vLLM ``/tokenize``: llama.cpp's server has another; a request ``/v1/completions``
 cannot honour, such as tools) leaves the chat continuation as it was; a refused completions
 request is the caller's refused retry. Nothing here runs for ordinary traffic: only a retry
-that closes a reasoning asks.
+that goes on after a reasoning asks.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from proxy.http.errors import UpstreamError
 from proxy.http.headers import HeaderFields
 from proxy.http.sse import SSEDecoder
 from proxy.http.upstream import Sink, Upstream, UpstreamResponse
-from proxy.loops.continuation import Continued
+from proxy.loops.continuation import Continued, closed_reasoning
 from proxy.openai import REASONING_KEYS
 
 # What the probe renders: a user turn and an assistant turn whose reasoning holds SENTINEL.
@@ -211,15 +216,16 @@ class RenderedContinuation:
         continued: Continued,
         first: Mapping[str, Any] | None = None,
     ) -> UpstreamResponse | None:
-        """Send ``body``, a chat continuation of a closed reasoning, as a completions request
-        on the rendered prompt where the model's template drops assistant reasoning; its
-        answer reads as the chat one (``first``: the looping attempt's whole answer, whose
-        shape and id it takes). None: the chat continuation is sent instead. Raises what the
-        upstream's ``send`` raises for the completions request itself."""
+        """Send ``body``, a chat continuation of a closed reasoning (or of content after a
+        reasoning), as a completions request on the rendered prompt where the model's
+        template drops assistant reasoning; its answer reads as the chat one (``first``: the
+        looping attempt's whole answer, whose shape and id it takes). None: the chat
+        continuation is sent instead. Raises what the upstream's ``send`` raises for the
+        completions request itself."""
         model = body.get("model")
         paths = paths_of(raw_path)
         if (
-            not continued.closes_reasoning
+            not (continued.closes_reasoning or continued.reasoning)
             or type(model) is not str
             or paths is None
             or not supported(body)
@@ -342,7 +348,8 @@ class RenderedContinuation:
         start_ids: tuple[int, ...],
     ) -> tuple[list[int], int] | None:
         """The token ids of the conversation before the final message, rendered with its
-        generation prompt, then of the closed reasoning; and the model's context length."""
+        generation prompt, then of the closed reasoning (a continued content's: its reasoning
+        between the markers, then the content); and the model's context length."""
         model = body["model"]
         request: dict[str, Any] = {
             "model": model,
@@ -357,6 +364,8 @@ class RenderedContinuation:
             return None
         ids, max_model_len = rendered
         text = continued.message
+        if not continued.closes_reasoning:
+            text = closed_reasoning(continued.reasoning, marks.start, marks.end) + text
         at = opened(ids, start_ids)
         if at is not None and text.startswith(marks.start):
             # The generation prompt opens the reasoning itself (R1's distills, QwQ): the closed

@@ -89,8 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="a chat template like DeepSeek-R1's distills' and QwQ's: assistant messages render"
-        " as what follows their </think>, the generation prompt opens <think> (a continued"
-        " closed reasoning is recorded as closed_reasoning, with the reasoning its prompt kept)",
+        " as what follows their </think> (their reasoning field dropped), the generation prompt"
+        " opens <think> (a continued closed reasoning, or content continued after a reasoning,"
+        " is recorded as closed_reasoning, with the reasoning its prompt kept); without it,"
+        " an assistant message's reasoning renders before its content",
     )
     p.add_argument(
         "--token-latency",

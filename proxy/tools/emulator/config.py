@@ -64,7 +64,9 @@ class EmulatorConfig(BaseModel):
     # QwQ: an assistant message renders as what follows its "</think>"), and whose generation
     # prompt opens the reasoning ("<think>\n"), as theirs do. The prompt a generation request is
     # conditioned on is then the template's: a continuation of a closed reasoning sent as a
-    # final assistant message goes on without that reasoning (record closed_reasoning).
+    # final assistant message goes on without that reasoning (record closed_reasoning), as
+    # does content continued with its ``reasoning`` field (which a keeping template renders
+    # before the content: the record then holds that reasoning, and the content).
     template_drops_reasoning: bool = False
 
     # Injected nondeterminism (greedy requests only).

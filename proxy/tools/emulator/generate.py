@@ -129,6 +129,8 @@ class Run:
         self.tokens = 0
         if job.closed_reasoning is not None:
             closed = {"endpoint": job.endpoint, "reasoning": job.closed_reasoning}
+            if job.closed_answer:
+                closed["content"] = job.closed_answer  # a continued content after it
             rec = InjectionRecord(
                 job.request_id, "closed_reasoning", None, None, closed, state.running
             )

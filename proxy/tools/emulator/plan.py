@@ -21,8 +21,10 @@ from .schemas import (
     CompletionRequest,
     RepetitionDetection,
     RequestError,
+    answer_after_reasoning,
     closed_reasoning_in,
     completion_prompts,
+    message_reasoning,
     parse,
     render_messages,
 )
@@ -74,6 +76,8 @@ class Job:
     # A continuation of a closed reasoning: the reasoning its rendered prompt holds ("": the
     # template dropped it); None for any other request.
     closed_reasoning: str | None = None
+    # A continuation of content after a reasoning: that content, as its prompt holds it.
+    closed_answer: str = ""
 
 
 def resolve_model(cfg: EmulatorConfig, model: str | None) -> str:
@@ -318,6 +322,7 @@ def build_chat_job(
     parser = cfg.reasoning_tokens > 0 or cfg.loop_channel == "reasoning"
     closed = closes_reasoning(body)
     thinking = thinking and not closed  # the reasoning is over: the model answers
+    kept, after = _kept_reasoning(cfg, req.messages) if closed else (None, "")
     reasoning = cfg.reasoning_tokens if parser and thinking else 0
     loop = None
     if cfg.loop_channel == "content" or (cfg.loop_channel == "reasoning" and parser and thinking):
@@ -343,20 +348,23 @@ def build_chat_job(
         nan_logprobs=cfg.nan_logprobs,
         prompt_tokens_details=cfg.enable_prompt_tokens_details,
         answer_as_reasoning=closed and parser and cfg.closed_reasoning_answer == "reasoning",
-        closed_reasoning=_kept_reasoning(cfg, req.messages) if closed else None,
+        closed_reasoning=kept,
+        closed_answer=after,
     )
 
 
-def _kept_reasoning(cfg: EmulatorConfig, messages: list[dict[str, Any]]) -> str:
-    """The closed reasoning a continued final message holds as the template renders it."""
+def _kept_reasoning(cfg: EmulatorConfig, messages: list[dict[str, Any]]) -> tuple[str, str]:
+    """The closed reasoning a continued final message holds as the template renders it, and
+    the content after it."""
     rendered = render_messages(
         messages, continue_final_message=True, drops_reasoning=cfg.template_drops_reasoning
     )
-    return closed_reasoning_in(rendered) or ""
+    return closed_reasoning_in(rendered) or "", answer_after_reasoning(rendered)
 
 
 def closes_reasoning(body: dict[str, Any]) -> bool:
-    """A continuation of a final assistant message that ends the reasoning."""
+    """A continuation of a final assistant message that ends the reasoning: its content does,
+    or it is content after a reasoning (its ``reasoning`` field)."""
     messages = body.get("messages")
     if body.get("continue_final_message") is not True or not isinstance(messages, list):
         return False
@@ -364,6 +372,8 @@ def closes_reasoning(body: dict[str, Any]) -> bool:
     if not isinstance(last, dict) or last.get("role") != "assistant":
         return False
     content = last.get("content")
+    if message_reasoning(last) is not None:
+        return True
     return isinstance(content, str) and "</think>" in content
 
 
@@ -416,4 +426,5 @@ def build_completion_job(
         nan_logprobs=cfg.nan_logprobs,
         prompt_tokens_details=cfg.enable_prompt_tokens_details,
         closed_reasoning=closed,
+        closed_answer=answer_after_reasoning(text) if closed is not None and text else "",
     )

@@ -131,10 +131,12 @@ def render_messages(
     drops_reasoning: bool = False,
 ) -> str:
     """Render chat messages to one prompt string (role + content per message): the emulator's
-    chat template. ``continue_final_message``: the last message left open, no generation
-    prompt; ``drops_reasoning``: an assistant message renders as what follows its
-    ``</think>`` (DeepSeek-R1's distills, QwQ), so a final message holding reasoning cannot be
-    continued (transformers' error, vLLM's 400)."""
+    chat template. An assistant message's ``reasoning`` (``reasoning_content``: vLLM renames
+    it) renders before its content between the markers, as templates that keep it do (Qwen3).
+    ``continue_final_message``: the last message left open, no generation prompt;
+    ``drops_reasoning``: an assistant message renders as what follows its ``</think>``, its
+    ``reasoning`` dropped (DeepSeek-R1's distills, QwQ), so a final message holding reasoning
+    cannot be continued (transformers' error, vLLM's 400)."""
     lines: list[str] = []
     final = ""
     for msg in messages:
@@ -151,6 +153,9 @@ def render_messages(
         final = text
         if drops_reasoning and role == "assistant" and REASONING_END in text:
             text = text.split(REASONING_END)[-1]
+        reasoning = message_reasoning(msg) if role == "assistant" else None
+        if reasoning and not drops_reasoning:
+            text = f"<think>\n{reasoning.strip(chr(10))}\n{REASONING_END}\n\n{text}"
         lines.append(f"{role}: {text}")
     rendered = "\n".join(lines)
     if continue_final_message:
@@ -160,6 +165,23 @@ def render_messages(
     if not add_generation_prompt:
         return rendered
     return rendered + (OPENING_GENERATION_PROMPT if drops_reasoning else GENERATION_PROMPT)
+
+
+def message_reasoning(message: dict[str, Any]) -> str | None:
+    """The reasoning field of an input message (``reasoning``, else ``reasoning_content``)."""
+    for key in ("reasoning", "reasoning_content"):
+        value = message.get(key)
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def answer_after_reasoning(prompt: str) -> str:
+    """What the last turn of a rendered prompt holds after its closed reasoning (a continued
+    content); "" when nothing, or no reasoning closed."""
+    turn = prompt.rpartition(GENERATION_PROMPT.strip("\n"))[2]
+    _, end, tail = turn.rpartition(REASONING_END)
+    return tail.lstrip("\n") if end else ""
 
 
 def closed_reasoning_in(prompt: str) -> str | None:

@@ -114,6 +114,41 @@ async def test_a_prompt_of_token_ids_reads_back_as_its_text(make_client: MakeCli
     assert plain.status == 200 and len(closed_records(server.injections())) == 1
 
 
+async def test_an_assistant_message_reasoning_field_renders_as_the_template_does(
+    make_client: MakeClient,
+) -> None:
+    # vLLM renders an assistant message's reasoning (reasoning_content read as it): before the
+    # content, between the markers, where the template keeps it; dropped where it does not.
+    turn = [*CONVERSATION[:1], {"role": "assistant", "content": "Four", "reasoning": "Sum."}]
+    continued = {
+        "model": "emulator-model",
+        "messages": turn,
+        "continue_final_message": True,
+        "add_generation_prompt": False,
+        "max_tokens": 20,
+    }
+    keeps, keeping = await make_client(reasoning_tokens=6)
+    rendered = await keeps.post("/tokenize", tokenize(turn, add_generation_prompt=False))
+    assert rendered.json()["tokens"] == encode(
+        "user: What is two and two?\nassistant: <think>\nSum.\n</think>\n\nFour"
+    ), "the assistant message's reasoning field was not rendered"
+    legacy = [*turn[:1], {"role": "assistant", "content": "Four", "reasoning_content": "Sum."}]
+    again = await keeps.post("/tokenize", tokenize(legacy, add_generation_prompt=False))
+    assert again.json()["tokens"] == rendered.json()["tokens"]
+    # Continued content after a reasoning: the model goes on with the answer (no reasoning),
+    # recorded with the reasoning and content its prompt holds.
+    reply = await keeps.chat(continued)
+    assert reply.status == 200
+    assert closed_records(keeping.injections()) == [
+        {"endpoint": "chat", "reasoning": "Sum.", "content": "Four"}
+    ]
+    drops, dropping = await make_client(template_drops_reasoning=True, reasoning_tokens=6)
+    rendered = await drops.post("/tokenize", tokenize(turn, add_generation_prompt=False))
+    assert rendered.json()["tokens"] == encode("user: What is two and two?\nassistant: Four")
+    assert (await drops.chat(continued)).status == 200  # the content is there to continue
+    assert closed_records(dropping.injections()) == [{"endpoint": "chat", "reasoning": ""}]
+
+
 def test_the_flag() -> None:
     args = build_parser().parse_args(["--template-drops-reasoning"])
     assert config_from_args(args).template_drops_reasoning is True
