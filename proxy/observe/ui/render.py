@@ -409,7 +409,8 @@ def audit_body(d: AuditDetail) -> str:
         )
     if d.prompt is not None:
         parts.append(
-            f'<details><summary>prompt</summary><pre class="text">{esc(d.prompt)}</pre></details>'
+            '<details id="prompt"><summary>prompt</summary>'
+            f'<pre class="text">{esc(d.prompt)}</pre></details>'
         )
     return "".join(parts)
 

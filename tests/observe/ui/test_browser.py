@@ -58,7 +58,7 @@ async def test_from_the_alert_to_the_divergent_token_in_two_clicks(
         bars = await page.js("document.querySelectorAll('svg.topk rect.topk-bar').length")
         assert bars == len(div["primary_top"]) + len(div["shadow_top"])
         # the prompt's markup is text on the page, never run
-        prompt = await page.js("document.querySelector('details pre').textContent")
+        prompt = await page.js("document.querySelector('#prompt pre').textContent")
         assert prompt == f'[{{"role":"user","content":"{EVIL_PROMPT}"}}]'
         assert await page.js("typeof window.__pwned") == "undefined"
         assert await page.js("document.scripts.length") == 1
