@@ -4,7 +4,10 @@ The auditor offers each shadow that diverged (``offer``). A share (``triage_rate
 budgets like the shadows' bound what it costs: one triage at a time (serial replays are the
 experiment), a rate per minute, a share of the deterministic primaries' tokens plus an
 allowance, a bounded queue. Each replay waits for a quiet moment (few or no client requests in
-flight, no shadow running), up to a deadline. What does not fit is dropped and counted
+flight, no shadow running), up to a deadline; one right after a replay that ran alone goes at
+once while it is still quiet (the settle held through that replay). Replays stop
+``replay_margin_tokens`` past the audit's first divergent token (``experiments.replay_limit``),
+and the token budget counts them so. What does not fit is dropped and counted
 (``TriageDropped``), and its incident still gets a cause: decided from the primary and the
 shadow alone (a recipe change needs no replay), else ``unknown`` naming the budget. A triage
 that fails is logged, counted (reason ``error``) and never reaches a client request.

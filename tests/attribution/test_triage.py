@@ -14,7 +14,7 @@ import pytest
 from proxy.attribution.case import Diverged, TriageCase
 from proxy.attribution.experiments import run_experiments
 from proxy.attribution.triage import Triage
-from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.audit.outcome import ChoiceOutcome, Outcome, TokenLogprob
 from proxy.audit.shadow import wait_quiet
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.events import CauseAttributed, EventBus, TriageDropped
@@ -296,3 +296,37 @@ async def test_with_the_upstreams_running_count_read_every_replay_waits(
     await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
     await t.close()
     assert len(waits) == 7 and reads >= 7, (len(waits), reads)
+
+
+def long_case(primary: str, shadow: str) -> TriageCase:
+    """A divergence with logprobs (one token a character), 100 prompt tokens, 500 generated."""
+
+    def choice(text: str) -> ChoiceOutcome:
+        tokens = tuple(TokenLogprob(ch, -0.1, ((ch, -0.1),)) for ch in text)
+        return ChoiceOutcome(0, text, "", tokens, "length")
+
+    c = case()
+    fields = {f: getattr(c, f) for f in TriageCase.__dataclass_fields__}
+    fields |= {
+        "body": {"model": "m", "messages": [], "temperature": 0, "max_tokens": 500},
+        "primary": Outcome((choice(primary),), prompt_tokens=100, completion_tokens=500),
+        "shadow": Outcome((choice(shadow),), prompt_tokens=100, completion_tokens=500),
+        "estimated_tokens": 600,
+    }
+    return TriageCase(**fields)
+
+
+def test_the_token_budget_counts_replays_cut_short_at_their_limit() -> None:
+    text = "a" * 500
+    diverged = long_case("b" + text[1:], text)  # parted at token 0: replays of 17 tokens
+    cut, seen = triage(Scripted(lambda n: "b"), token_allowance=1000, max_token_share=0.0)
+    cut.offer(diverged)  # 7 runs of 100 + 17 tokens: 819
+    assert drops(seen) == [] and cut.tokens == 7 * 117, (drops(seen), cut.tokens)
+    whole, seen_whole = triage(
+        Scripted(lambda n: "b"),
+        token_allowance=1000,
+        max_token_share=0.0,
+        replay_margin_tokens=100000,
+    )
+    whole.offer(diverged)  # 7 runs of 600 tokens
+    assert drops(seen_whole) == ["token_budget"]
