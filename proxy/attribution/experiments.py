@@ -104,12 +104,25 @@ def divergent_position(case: TriageCase, diverged: Diverged) -> int | None:
     return divergence.index if divergence is not None else None
 
 
+def _lists_every_token(outcome: Outcome) -> bool:
+    """The logprobs list every token the usage counts (one each may go unlisted: an end of
+    sequence): else a token index is not a position in what max_tokens counts (an engine
+    that leaves the reasoning's tokens out), and a cut could end before it."""
+    if outcome.completion_tokens is None:
+        return True
+    listed = sum(len(c.tokens) for c in outcome.choices if c.tokens is not None)
+    return listed + len(outcome.choices) >= outcome.completion_tokens
+
+
 def replay_limit(case: TriageCase, margin: int) -> int | None:
     """The token limit the replays run with: ``margin`` tokens past the last of the diverged
     choices' first divergent tokens, where that is below the request's own limit. None: the
     replays run whole (a prefill audit, already one token; an answer divergence, decided by
-    the whole answer; a position not known; a request limit as short or not an integer)."""
+    the whole answer; a position not known, or not one max_tokens counts to; a request limit
+    as short or not an integer)."""
     if case.mode == "prefill" or not case.diverged:
+        return None
+    if not (_lists_every_token(case.primary) and _lists_every_token(case.shadow)):
         return None
     positions: list[int] = []
     for d in case.diverged:

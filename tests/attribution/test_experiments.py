@@ -124,6 +124,30 @@ def test_no_cut_where_the_position_does_not_say_where_to_stop() -> None:
     assert replay_limit(case(primary, shadow, body={"max_tokens": "512"}), MARGIN) is None
 
 
+def test_no_cut_where_the_logprobs_leave_out_tokens_the_usage_counts() -> None:
+    """An engine that lists only the answer's tokens (not the reasoning's): token 5 of the
+    list is token 105 of the generation; a cut at 22 would end before it."""
+    primary, shadow = choice(at(5)), choice(BASE)
+    listed = case(primary, shadow, body={"max_tokens": 512})
+    assert replay_limit(listed, MARGIN) == 22
+    hidden = TriageCase(
+        **{
+            **{f: getattr(listed, f) for f in TriageCase.__dataclass_fields__},
+            "primary": Outcome((primary,), completion_tokens=204),
+            "shadow": Outcome((shadow,), completion_tokens=204),
+        }
+    )
+    assert replay_limit(hidden, MARGIN) is None
+    counted = TriageCase(
+        **{
+            **{f: getattr(listed, f) for f in TriageCase.__dataclass_fields__},
+            "primary": Outcome((primary,), completion_tokens=105),  # an unlisted end token
+            "shadow": Outcome((shadow,), completion_tokens=104),
+        }
+    )
+    assert replay_limit(counted, MARGIN) == 22
+
+
 def test_the_limit_covers_the_latest_of_several_diverged_choices() -> None:
     now = time.time()
     c = case(choice(at(5)), choice(BASE))
