@@ -339,6 +339,25 @@ async def test_recovery_counts_follow_the_upstream(
     assert emulator.stats()["requests"] == sum(looped.values()) + len(recovered)
 
 
+async def stream_deltas(
+    request: web.Request, deltas: list[dict[str, Any]], finish: str
+) -> web.StreamResponse:
+    """``deltas`` as chat chunks, then one with ``finish``, then ``[DONE]``; a client that
+    closes (detproxy ending a looping attempt) ends it."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    try:
+        for delta in deltas:
+            choice = {"index": 0, "delta": delta, "finish_reason": None}
+            await resp.write(sse_event({"id": "chatcmpl-s", "choices": [choice]}))
+        end = {"index": 0, "delta": {}, "finish_reason": finish}
+        await resp.write(sse_event({"id": "chatcmpl-s", "choices": [end]}))
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:
+        pass  # detproxy closed the looping attempt
+    return resp
+
+
 class EmptyFirstRetry:
     """Loops at temperature 0; a retry with a presence penalty (the default ladder's first)
     stops at once with no content; any other retry answers."""
@@ -365,19 +384,8 @@ class EmptyFirstRetry:
             message = {"role": "assistant", "content": "".join(pieces)}
             choice = {"index": 0, "message": message, "finish_reason": finish}
             return web.json_response({"id": "chatcmpl-e", "choices": [choice]})
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         deltas = [{"role": "assistant", "content": ""}] + [{"content": p} for p in pieces]
-        try:
-            for delta in deltas:
-                choice = {"index": 0, "delta": delta, "finish_reason": None}
-                await resp.write(sse_event({"id": "chatcmpl-e", "choices": [choice]}))
-            end = {"index": 0, "delta": {}, "finish_reason": finish}
-            await resp.write(sse_event({"id": "chatcmpl-e", "choices": [end]}))
-            await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:
-            pass  # detproxy closed the looping attempt
-        return resp
+        return await stream_deltas(request, deltas, finish)
 
 
 async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
@@ -469,17 +477,9 @@ async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_c
     assert actions(registry, "retry", "recovered") == 0
 
 
-class LoopsTwice:
+class LoopsTwice(EmptyFirstRetry):
     """Loops at temperature 0 and on the first retry (a presence penalty) too, after text of
     its own; the second retry (a frequency penalty) answers."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        return app
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -492,18 +492,7 @@ class LoopsTwice:
         else:
             pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
             finish = "length"
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for piece in pieces:
-                choice = {"index": 0, "delta": {"content": piece}, "finish_reason": None}
-                await resp.write(sse_event({"id": "chatcmpl-t", "choices": [choice]}))
-            end = {"index": 0, "delta": {}, "finish_reason": finish}
-            await resp.write(sse_event({"id": "chatcmpl-t", "choices": [end]}))
-            await resp.write(b"data: [DONE]\n\n")
-        except ConnectionResetError:
-            pass
-        return resp
+        return await stream_deltas(request, [{"content": p} for p in pieces], finish)
 
 
 async def test_a_continuation_that_loops_again_is_continued_from_all_the_client_was_shown(
