@@ -29,6 +29,7 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import BaseTestServer
+from aiohttp.typedefs import Handler
 from aiohttp.web_runner import BaseRunner
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
@@ -39,7 +40,8 @@ from proxy.config import Settings
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.http.errors import UpstreamBodyError
 from proxy.http.upstream import pump_chunks
-from proxy.loops.detector import DetectorConfig
+from proxy.loops.detector import DetectorConfig, LoopDetector
+from proxy.loops.rendered import SENTINEL
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import StreamResult
@@ -1116,3 +1118,50 @@ def relay(
     run = RelayRun(r, client, result)
     run.stopped, run.failed, run.decided = stopped + dropped, failed, decided
     return run
+
+
+# ---------------------------------------------------------------------------------------------
+# A recording upstream: the rendered continuations' tests
+
+
+def rendering(mode: str) -> dict[str, str]:
+    markers = [{"models": "*", "rendered_continuation": mode}]
+    return {"DETPROXY_LOOPS__REASONING_MARKERS": orjson.dumps(markers).decode()}
+
+
+class Seen:
+    """The requests the emulator got (path, body), and the paths it answers otherwise (a
+    status and body)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.refuse: dict[str, tuple[int, dict[str, Any]]] = {}
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        body = orjson.loads(await request.read() or b"{}")
+        self.requests.append((request.path, body))
+        answer = self.refuse.get(request.path)
+        if answer is not None:
+            return web.json_response(answer[1], status=answer[0])
+        return await handler(request)
+
+    def bodies(self, path: str) -> list[dict[str, Any]]:
+        return [body for p, body in self.requests if p == path]
+
+    def probes(self) -> int:
+        """Probes of a template (the /tokenize render whose reasoning is SENTINEL)."""
+        return sum(
+            1
+            for body in self.bodies("/tokenize")
+            if SENTINEL in orjson.dumps(body.get("messages") or []).decode()
+        )
+
+
+def no_loop_in(text: str) -> bool:
+    detector = LoopDetector()
+    return detector.feed(text) is None and detector.report is None
+
+
+def refused(status: int) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": "refused", "type": "BadRequestError", "code": status}}

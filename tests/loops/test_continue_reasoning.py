@@ -15,8 +15,7 @@ import pytest
 
 from proxy.loops.continuation import continuation_body, merge_answer
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import knobs
-from tests.loops.test_rendered_continuation import Seen, no_loop_in, refused, rendering
+from tests.helpers import Seen, knobs, no_loop_in, refused, rendering
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps(

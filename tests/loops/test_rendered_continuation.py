@@ -11,13 +11,9 @@ from typing import Any
 import openai
 import orjson
 import pytest
-from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from proxy.loops.continuation import Continued
-from proxy.loops.detector import LoopDetector
 from proxy.loops.rendered import (
-    SENTINEL,
     RenderedContinuation,
     chat_answer,
     chat_chunk,
@@ -26,7 +22,7 @@ from proxy.loops.rendered import (
     supported,
 )
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import knobs
+from tests.helpers import Seen, knobs, no_loop_in, refused, rendering
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps([{"models": "*", "attempts": [{"strategy": "close_reasoning"}]}]).decode()
@@ -51,40 +47,6 @@ ASK: dict[str, Any] = {
 }
 
 
-def rendering(mode: str) -> dict[str, str]:
-    markers = [{"models": "*", "rendered_continuation": mode}]
-    return {"DETPROXY_LOOPS__REASONING_MARKERS": orjson.dumps(markers).decode()}
-
-
-class Seen:
-    """The requests the emulator got (path, body), and the paths it answers otherwise (a
-    status and body)."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.refuse: dict[str, tuple[int, dict[str, Any]]] = {}
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        body = orjson.loads(await request.read() or b"{}")
-        self.requests.append((request.path, body))
-        answer = self.refuse.get(request.path)
-        if answer is not None:
-            return web.json_response(answer[1], status=answer[0])
-        return await handler(request)
-
-    def bodies(self, path: str) -> list[dict[str, Any]]:
-        return [body for p, body in self.requests if p == path]
-
-    def probes(self) -> int:
-        """Probes of a template (the /tokenize render whose reasoning is SENTINEL)."""
-        return sum(
-            1
-            for body in self.bodies("/tokenize")
-            if SENTINEL in orjson.dumps(body.get("messages") or []).decode()
-        )
-
-
 @pytest.fixture
 def seen() -> Seen:
     return Seen()
@@ -106,11 +68,6 @@ async def emulator(seen: Seen, template_drops_reasoning: bool) -> AsyncIterator[
 def conditioned(emulator: EmulatorServer) -> list[dict[str, Any]]:
     """What each continuation of a closed reasoning was conditioned on (endpoint, reasoning)."""
     return [r["detail"] for r in emulator.injections() if r["kind"] == "closed_reasoning"]
-
-
-def no_loop_in(text: str) -> bool:
-    detector = LoopDetector()
-    return detector.feed(text) is None and detector.report is None
 
 
 def shape(value: Any) -> Any:
@@ -205,10 +162,6 @@ async def test_a_template_that_keeps_the_reasoning_keeps_the_chat_path(
     assert seen.probes() == 1 and not seen.bodies("/v1/completions")
     kept = answer["choices"][0]["message"]["reasoning"]
     assert conditioned(emulator) == [{"endpoint": "chat", "reasoning": kept.strip("\n")}]
-
-
-def refused(status: int) -> tuple[int, dict[str, Any]]:
-    return status, {"error": {"message": "refused", "type": "BadRequestError", "code": status}}
 
 
 # No /tokenize, and llama.cpp's server's (it reads "content": without, no tokens; measured
