@@ -48,7 +48,7 @@ from proxy.relay.result import StreamResult
 from proxy.relay.stream import StreamPlan, StreamRelay
 from proxy.serving import serving
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # No shadow replays (detproxy audits 5% and one a minute per model by default): for tests that
 # count upstream requests or audits and are about something else. Passive checks stay on.

@@ -1,4 +1,4 @@
-"""The pollers in tests/helpers.py: the value that ends the wait, and a failure that says what."""
+"""The pollers in tests/helpers/waiting.py: the value that ends the wait, and a failure that says what."""
 
 from __future__ import annotations
 
