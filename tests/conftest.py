@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry
 from proxy.app import build_app
 from proxy.config import STATE_DIR_ENV, load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import ServedApp, redis_server
+from tests.helpers.processes import redis_server
+from tests.helpers.served import ServedApp
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 

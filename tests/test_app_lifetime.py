@@ -18,7 +18,7 @@ from proxy.audit.shadow import ShadowScheduler
 from proxy.config import load_settings
 from proxy.http.h1 import H1Upstream
 from proxy.observe.incidents import IncidentLog
-from tests.helpers import free_port
+from tests.helpers.processes import free_port
 
 
 def spy(monkeypatch: pytest.MonkeyPatch, cls: type, name: str, calls: list[str]) -> None:

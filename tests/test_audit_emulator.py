@@ -7,7 +7,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import knobs, metric, settle, sse_chunks
+from tests.helpers.emulator import knobs
+from tests.helpers.metrics import metric
+from tests.helpers.sse import sse_chunks
+from tests.helpers.waiting import settle
 
 MODEL = "emulator-model"
 FAST = {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000"}

@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import detproxy_serve
+from tests.helpers.processes import detproxy_serve
 
 CHAT = "/v1/chat/completions"
 GOOD = b'{"model":"emulator-model","temperature":0,"max_tokens":4,"messages":[{"role":"user","content":"hi"}]}'  # noqa: E501

@@ -15,7 +15,7 @@ import pytest
 
 from proxy.config import Settings, load_settings
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import EXE, bare_env, detproxy_serve, free_port
+from tests.helpers.processes import EXE, bare_env, detproxy_serve, free_port
 
 CHAT = {
     "model": "emulator-model",

@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.cli import serve_app
 from proxy.config import Settings, load_settings
-from tests.helpers import bare_env
+from tests.helpers.processes import bare_env
 
 ROOT = Path(__file__).resolve().parents[1]
 Client = Callable[..., Awaitable[TestClient[Any, Any]]]

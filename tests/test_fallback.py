@@ -16,7 +16,10 @@ import pytest
 from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
-from tests.helpers import NO_SHADOWS, eventually, metric, sse_event
+from tests.helpers.metrics import metric
+from tests.helpers.settings import NO_SHADOWS
+from tests.helpers.sse import sse_event
+from tests.helpers.waiting import eventually
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

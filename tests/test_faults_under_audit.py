@@ -12,7 +12,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import metric, own_tasks, settle
+from tests.helpers.metrics import metric
+from tests.helpers.served import own_tasks
+from tests.helpers.waiting import settle
 
 FAULTS = [
     "reset_mid_stream",

@@ -12,13 +12,10 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from policies.base import Continue, PolicyChain, PolicyContext, Retry
-from tests.helpers import (
-    NO_SHADOWS,
-    ExplodingInspector,
-    ScriptedRequest,
-    ScriptedServer,
-    metric,
-)
+from tests.helpers.metrics import metric
+from tests.helpers.relay_run import ExplodingInspector
+from tests.helpers.settings import NO_SHADOWS
+from tests.helpers.upstreams import ScriptedRequest, ScriptedServer
 
 
 @pytest.fixture(params=["native", "aiohttp"])

@@ -23,7 +23,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import ScriptedRequest, ScriptedServer, parse_sse
+from tests.helpers.sse import parse_sse
+from tests.helpers.upstreams import ScriptedRequest, ScriptedServer
 
 Path = tuple[str | int, ...]
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import bare_env, free_port, wait_healthy
+from tests.helpers.processes import bare_env, free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 BURST = 600

@@ -10,7 +10,8 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from tests.helpers import eventually, metric
+from tests.helpers.metrics import metric
+from tests.helpers.waiting import eventually
 
 
 @pytest.fixture(params=["native", "aiohttp"])

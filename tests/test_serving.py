@@ -12,7 +12,8 @@ import aiohttp
 import orjson
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import EXE, eventually, free_port, wait_healthy
+from tests.helpers.processes import EXE, free_port, wait_healthy
+from tests.helpers.waiting import eventually
 
 CHAT = {
     "model": "emulator-model",

@@ -12,7 +12,7 @@ import aiohttp
 import orjson
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import detproxy_serve
+from tests.helpers.processes import detproxy_serve
 
 
 async def test_sigterm_drains_in_flight_streams_and_flushes(tmp_path: Path) -> None:

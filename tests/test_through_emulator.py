@@ -13,7 +13,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import eventually, knobs, metric, metric_total, sse_blocks
+from tests.helpers.emulator import knobs
+from tests.helpers.metrics import metric, metric_total
+from tests.helpers.sse import sse_blocks
+from tests.helpers.waiting import eventually
 
 MESSAGES = [{"role": "user", "content": "Explain determinism in one paragraph."}]
 # A model that loops at temperature 0, and whose loop a retry always ends.

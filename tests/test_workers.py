@@ -19,7 +19,8 @@ import aiohttp
 from proxy.config import Settings, load_settings
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import worker_budgets
-from tests.helpers import Unmet, bare_env, eventually, free_port, wait_healthy
+from tests.helpers.processes import bare_env, free_port, wait_healthy
+from tests.helpers.waiting import Unmet, eventually
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {

@@ -19,7 +19,7 @@ from proxy.audit.shadow import wait_quiet
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.events import CauseAttributed, EventBus, TriageDropped
 from proxy.http.upstream import Upstream
-from tests.helpers import eventually
+from tests.helpers.waiting import eventually
 
 
 class Load:

@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import Unmet, eventually, metric
+from tests.helpers.metrics import metric
+from tests.helpers.waiting import Unmet, eventually
 
 MODEL = "emulator-model"
 FAST = {

@@ -10,7 +10,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import ConfigError, load_settings
-from tests.helpers import metric, settle
+from tests.helpers.metrics import metric
+from tests.helpers.waiting import settle
 
 ANSWERS = {
     # primary content, shadow content, expected verdict

@@ -11,7 +11,7 @@ from proxy.audit.store import ChoiceDigest, DuplicateStore, MemoryDuplicateStore
 from proxy.classify import classify
 from proxy.config import load_settings
 from proxy.events import AuditCompleted, EventBus
-from tests.helpers import chat_body
+from tests.helpers.answers import chat_body
 
 BODY: dict[str, Any] = {
     "model": "m",

@@ -16,7 +16,7 @@ from proxy.audit.outcome import (
     TokenLogprob,
     outcome_from_response,
 )
-from tests.helpers import CONTENT, REASONING, chat_body, chat_entry, completion_body
+from tests.helpers.answers import CONTENT, REASONING, chat_body, chat_entry, completion_body
 
 
 def test_chat_nonstream() -> None:

@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry
 from proxy.audit.redis_store import PREFIX, RedisDuplicateStore
 from proxy.audit.store import ChoiceDigest
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import NEEDS_REDIS, Unmet, eventually, free_port, metric
+from tests.helpers.metrics import metric
+from tests.helpers.processes import NEEDS_REDIS, free_port
+from tests.helpers.waiting import Unmet, eventually
 
 pytestmark = NEEDS_REDIS
 

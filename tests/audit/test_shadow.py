@@ -16,7 +16,8 @@ from proxy.audit.shadow import ShadowJob, ShadowScheduler, TokenBucket
 from proxy.config import AuditConfig
 from proxy.events import EventBus, ShadowDropped
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import eventually, metric, settle
+from tests.helpers.metrics import metric
+from tests.helpers.waiting import eventually, settle
 
 MODEL = "emulator-model"
 AUDIT_ALL = {

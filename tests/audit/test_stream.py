@@ -12,7 +12,7 @@ from proxy.audit.outcome import (
     TokenLogprob,
     outcome_from_response,
 )
-from tests.helpers import (
+from tests.helpers.answers import (
     CONTENT,
     REASONING,
     chat_body,

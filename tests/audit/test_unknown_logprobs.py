@@ -22,15 +22,15 @@ from proxy.audit.outcome import (
 from proxy.events import AuditCompleted, EventBus
 from proxy.observe.incidents import audit_incident
 from proxy.observe.metrics import Metrics
-from tests.helpers import (
+from tests.helpers.answers import (
     CONTENT,
     Token,
     chat_body,
     chat_chunks,
     completion_body,
     completion_chunks,
-    metric,
 )
+from tests.helpers.metrics import metric
 
 # What vLLM streams for a model whose logprobs come out NaN: every value null.
 NAN_CONTENT: list[Token] = [(t, None, [(alt, None) for alt, _ in top]) for t, _, top in CONTENT]

@@ -49,7 +49,7 @@ from proxy.audit.outcome import StreamAccumulator  # noqa: E402
 from proxy.http.sse import SSEDecoder, encode_event  # noqa: E402
 from proxy.loops.detector import DetectorConfig  # noqa: E402
 from proxy.loops.watch import LoopWatch  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers.processes import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
 REPEAT = 5

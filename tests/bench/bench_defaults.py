@@ -36,7 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from openai import AsyncOpenAI  # noqa: E402
 
-from tests.helpers import EXE, free_port, metric_samples, run_engine, stop, wait_http  # noqa: E402
+from tests.helpers.llama_server import run_engine  # noqa: E402
+from tests.helpers.metrics import metric_samples  # noqa: E402
+from tests.helpers.processes import EXE, free_port, stop, wait_http  # noqa: E402
 
 # The engine's own token counters: (prompt, generated).
 COUNTERS = {

@@ -53,7 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers.processes import free_port  # noqa: E402
 
 Popen = subprocess.Popen[bytes]
 HOST = "127.0.0.1"

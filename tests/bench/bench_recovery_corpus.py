@@ -51,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 from policies.base import Trigger  # noqa: E402
 from proxy.loops.continuation import prefix_of  # noqa: E402
 from proxy.loops.detector import LoopDetector, LoopReport  # noqa: E402
-from tests.helpers import free_port  # noqa: E402
+from tests.helpers.processes import free_port  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "detproxy"
 SERVER = CACHE / "llama-server-0.3.36-portable" / "build" / "bin" / "llama-server"

@@ -43,15 +43,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from proxy.loops.detector import DetectorConfig, LoopDetector  # noqa: E402
-from tests.helpers import (  # noqa: E402
-    EXE,
-    free_port,
-    run_detproxy,
-    run_engine,
-    scrape,
-    stop,
-    wait_http,
-)
+from tests.helpers.llama_server import run_engine  # noqa: E402
+from tests.helpers.metrics import scrape  # noqa: E402
+from tests.helpers.processes import EXE, free_port, run_detproxy, stop, wait_http  # noqa: E402
 
 CANDIDATES: dict[str, str] = {
     "restart": 'stream_mode = "restart"\n',

@@ -24,7 +24,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.helpers import EXE, free_port
+from tests.helpers.processes import EXE, free_port
 
 
 def proc_figures(pid: int) -> dict[str, int]:

@@ -26,7 +26,8 @@ import yaml
 
 from proxy.config import default_incident_path, load_settings
 from tests.deploy.promql import rules
-from tests.helpers import eventually_sync, free_port
+from tests.helpers.processes import free_port
+from tests.helpers.waiting import eventually_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "deploy" / "docker"

@@ -30,7 +30,8 @@ import pytest
 import yaml
 
 from tests.deploy.test_docker import DETPROXY_UID, env_of, exec_form, flag, load_compose
-from tests.helpers import Unmet, eventually_sync, free_port
+from tests.helpers.processes import free_port
+from tests.helpers.waiting import Unmet, eventually_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "deploy" / "docker" / "build_image.sh"

@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.engine.test_follow import engine_log
-from tests.helpers import EXE, Unmet, bare_env, eventually, eventually_sync, free_port, wait_http
+from tests.helpers.processes import EXE, bare_env, free_port, wait_http
+from tests.helpers.waiting import Unmet, eventually, eventually_sync
 
 FAST = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
 UNKNOWN_ENV_LOG = "vllm-0.23.0-eager-unknown-env.log"
@@ -192,7 +193,7 @@ def test_the_engine_piped_into_detproxy_is_read_and_detproxy_stops_while_it_writ
 async def test_an_audit_incident_carries_the_recipe_it_was_measured_on(
     make_proxy: Any, tmp_path: Path
 ) -> None:
-    from tests.helpers import chat, knobs
+    from tests.helpers.emulator import chat, knobs
 
     path = tmp_path / "vllm.log"
     written(path, engine_log(UNKNOWN_ENV_LOG))

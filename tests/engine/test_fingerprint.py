@@ -28,7 +28,9 @@ from proxy.engine.fingerprint import (
 )
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import eventually, free_port, metric
+from tests.helpers.metrics import metric
+from tests.helpers.processes import free_port
+from tests.helpers.waiting import eventually
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
 vllm:num_requests_running{engine="0",model_name="m"} 3.0

@@ -15,7 +15,7 @@ import pytest
 from proxy.engine.facts import EngineFacts
 from proxy.engine.follow import EngineLogFollower, EngineTruth, merge, moved
 from proxy.events import EngineFactsRead, EventBus
-from tests.helpers import eventually
+from tests.helpers.waiting import eventually
 
 FIXTURES = Path(__file__).parent / "fixtures"
 REFERENCE = Path("/work/shared/reference/engine-logs")

@@ -1,4 +1,5 @@
-"""The pollers in tests/helpers/waiting.py: the value that ends the wait, and a failure that says what."""
+"""The pollers of tests/helpers/waiting.py: the value that ends the wait, and a failure that
+says what."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Unmet, eventually, eventually_sync, settle
+from tests.helpers.waiting import Unmet, eventually, eventually_sync, settle
 
 
 async def test_eventually_returns_the_first_truthy_value_of_a_sync_check() -> None:

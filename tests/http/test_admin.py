@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import detproxy_serve, free_port
+from tests.helpers.processes import detproxy_serve, free_port
 
 TOKEN = "s3cret-admin-token-0123"
 AUTH_HEADER = {"Authorization": f"Bearer {TOKEN}"}

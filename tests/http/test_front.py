@@ -16,7 +16,7 @@ from proxy.http.body import BadRequest
 from proxy.http.front import FrontRequest, FrontServer
 from proxy.http.h1 import H1Upstream
 from proxy.http.headers import decode_field
-from tests.helpers import eventually
+from tests.helpers.waiting import eventually
 
 Handler = Callable[[FrontRequest], Awaitable[None]]
 

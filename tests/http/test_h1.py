@@ -15,14 +15,14 @@ from proxy.http.h1 import HIGH_WATER, H1Upstream, UpstreamBodyError
 from proxy.http.h1conn import Conn
 from proxy.http.headers import EncodedFields, decode_field, is_event_stream_response
 from proxy.http.upstream import READ_ERRORS
-from tests.helpers import (
+from tests.helpers.upstreams import (
     JSON_REPLY,
     ScriptedReply,
     ScriptedRequest,
     ScriptedServer,
-    eventually,
     replies_with,
 )
+from tests.helpers.waiting import eventually
 
 
 @pytest.fixture

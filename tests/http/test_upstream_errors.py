@@ -19,7 +19,7 @@ from proxy.http.upstream import (
     make_session,
     read_error_kind,
 )
-from tests.helpers import ScriptedRequest, ScriptedServer
+from tests.helpers.upstreams import ScriptedRequest, ScriptedServer
 
 READ_TIMEOUT_S = 0.2
 CUT_LENGTH = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial"

@@ -10,7 +10,10 @@ import pytest
 from aiohttp import ClientTimeout, web
 from prometheus_client import CollectorRegistry
 
-from tests.helpers import eventually, free_port, metric, sse_blocks
+from tests.helpers.metrics import metric
+from tests.helpers.processes import free_port
+from tests.helpers.sse import sse_blocks
+from tests.helpers.waiting import eventually
 
 
 @pytest.fixture(params=["native", "aiohttp"])

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.helpers import Engine, run_detproxy, run_engine
+from tests.helpers.llama_server import Engine, run_engine
+from tests.helpers.processes import run_detproxy
 
 
 @pytest.fixture(scope="session")

@@ -18,14 +18,10 @@ import pytest
 
 from proxy.audit.outcome import ChoiceOutcome
 from proxy.audit.verdict import output_hash
-from tests.helpers import (
-    Engine,
-    run_detproxy,
-    run_engine,
-    settle_sync,
-    sse_chunks,
-    wait_engine_idle,
-)
+from tests.helpers.llama_server import Engine, run_engine, wait_engine_idle
+from tests.helpers.processes import run_detproxy
+from tests.helpers.sse import sse_chunks
+from tests.helpers.waiting import settle_sync
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,9 @@ import pytest
 from policies.base import Trigger
 from proxy.loops.continuation import closed_reasoning, prefix_of
 from proxy.loops.detector import DetectorConfig, LoopDetector
-from tests.helpers import Engine, run_detproxy, run_engine, scrape
+from tests.helpers.llama_server import Engine, run_engine
+from tests.helpers.metrics import scrape
+from tests.helpers.processes import run_detproxy
 
 pytestmark = pytest.mark.integration
 

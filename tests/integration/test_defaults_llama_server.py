@@ -13,7 +13,9 @@ import openai
 import orjson
 import pytest
 
-from tests.helpers import EXE, Engine, free_port, scrape, stop, wait_http
+from tests.helpers.llama_server import Engine
+from tests.helpers.metrics import scrape
+from tests.helpers.processes import EXE, free_port, stop, wait_http
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import EXE, Engine, run_engine, wait_engine_idle
+from tests.helpers.llama_server import Engine, run_engine, wait_engine_idle
+from tests.helpers.processes import EXE
 
 pytestmark = pytest.mark.integration
 

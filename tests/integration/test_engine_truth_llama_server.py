@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import eventually_sync, run_detproxy, run_engine, scrape
+from tests.helpers.llama_server import run_engine
+from tests.helpers.metrics import scrape
+from tests.helpers.processes import run_detproxy
+from tests.helpers.waiting import eventually_sync
 
 pytestmark = pytest.mark.integration
 

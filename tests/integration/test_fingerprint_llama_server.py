@@ -14,15 +14,10 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import (
-    engine_paths,
-    eventually_sync,
-    free_port,
-    run_detproxy,
-    scrape,
-    stop,
-    wait_http,
-)
+from tests.helpers.llama_server import engine_paths
+from tests.helpers.metrics import scrape
+from tests.helpers.processes import free_port, run_detproxy, stop, wait_http
+from tests.helpers.waiting import eventually_sync
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,8 @@ import httpx2
 import openai
 import pytest
 
-from tests.helpers import Engine, engine_busy, eventually_sync, wait_engine_idle
+from tests.helpers.llama_server import Engine, engine_busy, wait_engine_idle
+from tests.helpers.waiting import eventually_sync
 
 pytestmark = pytest.mark.integration
 

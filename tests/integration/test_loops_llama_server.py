@@ -9,15 +9,10 @@ from typing import Any
 import openai
 import pytest
 
-from tests.helpers import (
-    Engine,
-    Unmet,
-    eventually_sync,
-    reasoning_template,
-    run_detproxy,
-    run_engine,
-    scrape,
-)
+from tests.helpers.llama_server import Engine, reasoning_template, run_engine
+from tests.helpers.metrics import scrape
+from tests.helpers.processes import run_detproxy
+from tests.helpers.waiting import Unmet, eventually_sync
 
 pytestmark = pytest.mark.integration
 

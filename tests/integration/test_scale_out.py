@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import Unmet, detproxy_serve, eventually, free_port, wait_healthy
+from tests.helpers.processes import detproxy_serve, free_port, wait_healthy
+from tests.helpers.waiting import Unmet, eventually
 
 pytestmark = [
     pytest.mark.integration,

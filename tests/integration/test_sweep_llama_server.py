@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from proxy.tools.sweep.cli import main
-from tests.helpers import Engine
+from tests.helpers.llama_server import Engine
 
 pytestmark = pytest.mark.integration
 

@@ -12,14 +12,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import (
-    Engine,
-    Unmet,
-    eventually_sync,
-    run_detproxy,
-    run_engine,
-    wait_engine_idle,
-)
+from tests.helpers.llama_server import Engine, run_engine, wait_engine_idle
+from tests.helpers.processes import run_detproxy
+from tests.helpers.waiting import Unmet, eventually_sync
 from tests.integration.test_audit_llama_server import (
     AUDIT_CONFIG,
     MAX_TOKENS,

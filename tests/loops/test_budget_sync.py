@@ -12,7 +12,10 @@ from policies.budget import RecoveryBudget
 from proxy.events import EventBus, SharedStoreFailed
 from proxy.loops.budget_sync import MODELS, PREFIX, RedisBudgetSync
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import NEEDS_REDIS, Unmet, chat, eventually, free_port, knobs, metric
+from tests.helpers.emulator import chat, knobs
+from tests.helpers.metrics import metric
+from tests.helpers.processes import NEEDS_REDIS, free_port
+from tests.helpers.waiting import Unmet, eventually
 
 pytestmark = NEEDS_REDIS
 

@@ -21,7 +21,9 @@ from proxy.loops.continuation import (
 )
 from proxy.loops.detector import LoopDetector
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import chat, knobs, metric, sse_chunks, sse_comments
+from tests.helpers.emulator import chat, knobs
+from tests.helpers.metrics import metric
+from tests.helpers.sse import sse_chunks, sse_comments
 
 MODEL = "emulator-model"
 RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}

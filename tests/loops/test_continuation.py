@@ -20,7 +20,8 @@ from proxy.loops.continuation import (
     prefix_of,
     word_end,
 )
-from tests.helpers import metric, sse_chunks, sse_event
+from tests.helpers.metrics import metric
+from tests.helpers.sse import sse_chunks, sse_event
 
 CHAT = "/v1/chat/completions"
 UNIT = " The waves roll in and the waves roll out again."

@@ -15,7 +15,10 @@ import pytest
 
 from proxy.loops.continuation import continuation_body, merge_answer
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import Seen, knobs, no_loop_in, refused, rendering
+from tests.helpers.answers import no_loop_in
+from tests.helpers.emulator import knobs
+from tests.helpers.settings import rendering
+from tests.helpers.upstreams import Seen, refused
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps(

@@ -11,7 +11,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import eventually, knobs, metric, sse_chunks, sse_comments, sse_event
+from tests.helpers.emulator import knobs
+from tests.helpers.metrics import metric
+from tests.helpers.sse import sse_chunks, sse_comments, sse_event
+from tests.helpers.waiting import eventually
 
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'

@@ -22,7 +22,10 @@ from proxy.loops.rendered import (
     supported,
 )
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import Seen, knobs, no_loop_in, refused, rendering
+from tests.helpers.answers import no_loop_in
+from tests.helpers.emulator import knobs
+from tests.helpers.settings import rendering
+from tests.helpers.upstreams import Seen, refused
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps([{"models": "*", "attempts": [{"strategy": "close_reasoning"}]}]).decode()

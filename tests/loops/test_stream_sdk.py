@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import knobs
+from tests.helpers.emulator import knobs
 
 MODEL = "emulator-model"
 UNIT = " and then the model repeats itself."  # the emulator's looping unit

@@ -14,7 +14,7 @@ from proxy.config import ConfigError, IncidentConfig, load_settings
 from proxy.events import AuditCompleted, EventBus
 from proxy.observe.incidents import IncidentLog, QueryError, parse_query
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import NO_SHADOWS
+from tests.helpers.settings import NO_SHADOWS
 
 
 def event(i: int, verdict: str = "text_divergence", **extra: Any) -> AuditCompleted:

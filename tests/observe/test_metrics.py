@@ -24,15 +24,9 @@ from proxy.events import (
 )
 from proxy.observe.metrics import Metrics
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import (
-    Unmet,
-    bare_env,
-    eventually,
-    free_port,
-    metric,
-    metric_samples,
-    wait_healthy,
-)
+from tests.helpers.metrics import metric, metric_samples
+from tests.helpers.processes import bare_env, free_port, wait_healthy
+from tests.helpers.waiting import Unmet, eventually
 
 ROOT = str(Path(__file__).resolve().parents[2])
 

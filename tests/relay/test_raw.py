@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from proxy.relay.raw import RawTally
 from proxy.relay.result import StreamResult
-from tests.helpers import chat_chunk, grouped_chat_chunks, sse_event, tokens
+from tests.helpers.answers import grouped_chat_chunks, tokens
+from tests.helpers.sse import chat_chunk, sse_event
 
 chunk = partial(chat_chunk, chunk_id="chatcmpl-7")
 

@@ -16,7 +16,9 @@ from proxy.http.sse import encode_event
 from proxy.observe.metrics import inflight_bucket
 from proxy.relay.result import StreamResult
 from proxy.streaming import speed_event
-from tests.helpers import grouped_chat_chunks, metric, relay, tokens
+from tests.helpers.answers import grouped_chat_chunks, tokens
+from tests.helpers.metrics import metric
+from tests.helpers.relay_run import relay
 
 
 def test_inflight_buckets() -> None:

@@ -16,14 +16,8 @@ from proxy.audit.outcome import StreamAccumulator
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
 from proxy.relay.stream import StreamRelay
-from tests.helpers import (
-    ExplodingInspector,
-    RelayRun,
-    chat_event,
-    relay,
-    sse_blocks,
-    sse_event,
-)
+from tests.helpers.relay_run import ExplodingInspector, RelayRun, relay
+from tests.helpers.sse import chat_event, sse_blocks, sse_event
 
 UNIT = " and then the model says the same thing again."
 ID = "chatcmpl-1"

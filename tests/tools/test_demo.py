@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 
 from proxy.tools.demo import OUTCOMES, Sent, outcome_of, table
-from tests.helpers import EXE
+from tests.helpers.processes import EXE
 
 
 def test_demo_detects_recovers_and_leaves_nothing_running(tmp_path: Path) -> None:

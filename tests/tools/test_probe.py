@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from proxy.tools.probe import main
-from tests.helpers import EXE, free_port, wait_http
+from tests.helpers.processes import EXE, free_port, wait_http
 
 
 @pytest.fixture

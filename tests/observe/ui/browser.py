@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.helpers import eventually
+from tests.helpers.waiting import eventually
 
 CHROMIUM = shutil.which("chromium")
 _LISTENING = re.compile(rb"DevTools listening on (ws://\S+)")

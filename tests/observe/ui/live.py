@@ -7,7 +7,7 @@ from typing import Any
 
 import orjson
 
-from tests.helpers import settle
+from tests.helpers.waiting import settle
 
 MODEL = "emulator-model"
 TOKEN = "t" * 24

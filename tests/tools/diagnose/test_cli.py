@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from proxy.tools.diagnose.cli import parse_args, run
-from tests.helpers import EXE, free_port
+from tests.helpers.processes import EXE, free_port
 from tests.tools.diagnose.conftest import StartEmulator
 
 FAST = ("--model", "emulator-model", "--runs", "4", "--max-tokens", "16", "--concurrency", "1,4")

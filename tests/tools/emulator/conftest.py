@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers import EmulatorClient
+from tests.helpers.emulator import EmulatorClient
 
 MakeClient = Callable[..., Awaitable[tuple[EmulatorClient, EmulatorServer]]]
 

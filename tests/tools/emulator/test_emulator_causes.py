@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from proxy.tools.emulator.cli import build_parser, config_from_args
-from tests.helpers import EmulatorClient, chat, completion, stream_text
+from tests.helpers.emulator import EmulatorClient, chat, completion
+from tests.helpers.sse import stream_text
 
 from .conftest import MakeClient
 

@@ -6,7 +6,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import EmulatorClient, chat, chunks, completion, metric_samples, stream_text
+from tests.helpers.emulator import EmulatorClient, chat, completion
+from tests.helpers.metrics import metric_samples
+from tests.helpers.sse import chunks, stream_text
 
 from .conftest import MakeClient
 

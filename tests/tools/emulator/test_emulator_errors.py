@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import EmulatorClient, chat, completion
+from tests.helpers.emulator import EmulatorClient, chat, completion
 
 
 def error_of(reply: Any, code: int) -> dict[str, Any]:

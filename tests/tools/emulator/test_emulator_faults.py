@@ -11,7 +11,9 @@ import orjson
 import pytest
 
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers import CHAT, Unmet, chat, chunks, completion, eventually, parse_sse
+from tests.helpers.emulator import CHAT, chat, completion
+from tests.helpers.sse import chunks, parse_sse
+from tests.helpers.waiting import Unmet, eventually
 
 from .conftest import MakeClient
 

@@ -9,7 +9,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.helpers import EmulatorClient, chat, chunks, stream_text
+from tests.helpers.emulator import EmulatorClient, chat
+from tests.helpers.sse import chunks, stream_text
 
 from .conftest import MakeClient
 

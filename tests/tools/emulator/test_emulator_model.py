@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import EmulatorClient, chat, chunks, completion, stream_text, without_ids
+from tests.helpers.emulator import EmulatorClient, chat, completion
+from tests.helpers.sse import chunks, stream_text, without_ids
 
 from .conftest import MakeClient
 

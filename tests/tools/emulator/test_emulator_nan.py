@@ -8,7 +8,8 @@ import orjson
 import pytest
 
 from proxy.tools.emulator.cli import build_parser, config_from_args
-from tests.helpers import EmulatorClient, chat, chunks, completion, parse_sse
+from tests.helpers.emulator import EmulatorClient, chat, completion
+from tests.helpers.sse import chunks, parse_sse
 
 from .conftest import MakeClient
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.tools.emulator.cli import build_parser, config_from_args
-from tests.helpers import chat, completion
+from tests.helpers.emulator import chat, completion
 
 from .conftest import MakeClient
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import math
 
-from tests.helpers import EmulatorClient, chat, chunks, completion, eventually, stream_text
+from tests.helpers.emulator import EmulatorClient, chat, completion
+from tests.helpers.sse import chunks, stream_text
+from tests.helpers.waiting import eventually
 
 from .conftest import MakeClient
 

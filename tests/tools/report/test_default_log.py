@@ -14,7 +14,7 @@ import pytest
 from proxy.config import IncidentConfig
 from proxy.observe.incidents import IncidentLog
 from proxy.tools.report.cli import main, rotated
-from tests.helpers import EXE
+from tests.helpers.processes import EXE
 from tests.tools.report.logs import audit, tally, write
 
 

@@ -14,7 +14,8 @@ from aiohttp.test_utils import TestServer
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.tools.sweep.cli import amain, main
-from tests.helpers import UpstreamScript, free_port, scripted_upstream
+from tests.helpers.processes import free_port
+from tests.helpers.upstreams import UpstreamScript, scripted_upstream
 
 SVG = "{http://www.w3.org/2000/svg}"
 ServerFactory = Callable[[web.Application], Awaitable[TestServer]]

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from tests.helpers import chat_event, sse_event
+from tests.helpers.sse import chat_event, sse_event
 
 
 class _JumpingSelector(selectors.DefaultSelector):

@@ -1,0 +1,126 @@
+"""The stream relay driven without sockets: upstream reads in, client writes out, the events
+it published recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from policies.base import Continue
+from proxy.events import EventBus, InspectionStopped, UpstreamFailed
+from proxy.http.errors import UpstreamBodyError
+from proxy.http.upstream import pump_chunks
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.watch import LoopWatch
+from proxy.relay.inspectors import InspectorSet
+from proxy.relay.result import StreamResult
+from proxy.relay.stream import StreamPlan, StreamRelay
+
+
+class ExplodingInspector:
+    """An inspector with a bug: it raises on its first chunk (it must be dropped, in isolation)."""
+
+    name = "explode"
+
+    def on_chunk(self, chunk: dict[str, Any]) -> None:
+        raise ValueError("inspector bug")
+
+    def on_end(self, complete: bool) -> None:
+        raise AssertionError("a dropped inspector is not called again")
+
+
+class ScriptedReads:
+    """The upstream body: these reads, then the end or (``fail``) a lost connection."""
+
+    def __init__(self, reads: list[bytes], fail: bool = False) -> None:
+        self.reads = reads
+        self.fail = fail
+        self._body = self.chunks()  # pump's: it goes on where the last call stopped
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        for read in self.reads:
+            yield read
+        if self.fail:
+            raise UpstreamBodyError("connection lost")
+
+    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
+        return await pump_chunks(self._body, sink)
+
+
+class RecordedWrites:
+    """The client: every write it was given."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def write_nowait(self, data: bytes) -> bool:
+        self.writes.append(data)
+        return True
+
+    async def drain(self) -> None:
+        pass
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.writes)
+
+
+class RelayRun:
+    def __init__(self, relay: StreamRelay, client: RecordedWrites, result: StreamResult) -> None:
+        self.relay, self.client, self.result = relay, client, result
+        self.stopped: list[str] = []
+        self.failed: list[str] = []
+        self.decided: list[Any] = []
+
+
+def relay(
+    reads: list[bytes],
+    *,
+    loops: bool = False,
+    decision: Any = None,
+    hold: bool = False,
+    inspectors: list[Any] | None = None,
+    fail: bool = False,
+    general: bool = False,
+    max_event_bytes: int = 1 << 20,
+    endpoint: str = "chat",
+    **plan: Any,
+) -> RelayRun:
+    """Relay these upstream reads through a ``StreamRelay`` (``general``: its general path
+    only); ``decision`` answers every trigger of the loop watch (``loops``)."""
+    bus = EventBus()
+    decided: list[Any] = []
+
+    def on_trigger(trigger: Any) -> Any:
+        decided.append(trigger)
+        return decision or Continue()
+
+    stream_plan = StreamPlan(
+        on_trigger=on_trigger if loops else None,
+        hold_reasoning=hold,
+        **plan,
+    )
+    dropped: list[str] = []
+    watch = [LoopWatch(endpoint, DetectorConfig())] if loops else []
+    r = StreamRelay(
+        endpoint,
+        InspectorSet([*watch, *(inspectors or [])], dropped.append),
+        bus,
+        max_event_bytes,
+        0.0,
+        stream_plan,
+        fast_paths=not general,
+    )
+    stopped: list[str] = []
+    failed: list[str] = []
+    bus.subscribe(InspectionStopped, lambda ev: stopped.append(ev.reason))
+    bus.subscribe(UpstreamFailed, lambda ev: failed.append(ev.kind))
+    client = RecordedWrites()
+    result = asyncio.run(r.run(ScriptedReads(reads, fail), client))  # type: ignore[arg-type]
+    run = RelayRun(r, client, result)
+    run.stopped, run.failed, run.decided = stopped + dropped, failed, decided
+    return run

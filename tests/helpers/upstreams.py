@@ -1,0 +1,206 @@
+"""Scripted and recording upstreams: a raw HTTP/1.1 server for the upstream client's tests, a
+minimal OpenAI-compatible aiohttp app (an SSE stream, a /version that can change), and ``Seen``,
+a middleware that records what the emulator got and refuses the paths a test names."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from proxy.loops.rendered import SENTINEL
+from tests.helpers.sse import chat_event, sse_event
+
+# A scripted HTTP/1.1 server for the upstream client's tests: it records each request and the
+# connection it came on, and answers with whatever bytes a test's ``ScriptedReply`` writes.
+
+JSON_REPLY = (
+    b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 7\r\n\r\n{"a":1}'
+)
+
+
+@dataclass
+class ScriptedRequest:
+    conn: int  # which server-side connection it came on (0, 1, ...)
+    head: bytes
+    body: bytes
+
+    @property
+    def lines(self) -> list[bytes]:
+        return self.head.split(b"\r\n")
+
+    def header(self, name: bytes) -> bytes | None:
+        for line in self.lines[1:]:
+            key, _, value = line.partition(b":")
+            if key.strip().lower() == name.lower():
+                return value.strip()
+        return None
+
+
+# Gets the request and the writer; returns True to keep reading requests on the connection.
+ScriptedReply = Callable[[ScriptedRequest, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@dataclass
+class ScriptedServer:
+    reply: ScriptedReply
+    requests: list[ScriptedRequest] = field(default_factory=list)
+    connections: int = 0
+    eofs: int = 0  # connections the client closed
+    server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = self.connections
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    self.eofs += 1
+                    return
+                req = ScriptedRequest(conn, head, b"")
+                length = req.header(b"content-length")
+                if length is not None:
+                    req.body = await reader.readexactly(int(length))
+                elif req.header(b"transfer-encoding") == b"chunked":
+                    req.body = await _read_chunked(reader)
+                self.requests.append(req)
+                if not await self.reply(req, writer):
+                    writer.close()
+                    return
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    out = b""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return out
+        out += data[:-2]
+
+
+def replies_with(raw: bytes) -> ScriptedReply:
+    """A ``ScriptedReply`` that writes ``raw`` to every request and keeps the connection."""
+
+    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
+        writer.write(raw)
+        return True
+
+    return reply
+
+
+# A scripted OpenAI-compatible upstream (aiohttp): a minimal SSE stream and a /version that
+# can change
+
+
+@dataclass
+class UpstreamScript:
+    tokens: int = 20
+    delay_s: float = 0.002
+    change_version: bool = False  # /version says 0.1.0 once, then 0.2.0
+    fail_every: int = 0  # every n-th chat request (not the first) answers HTTP 500
+    # /metrics of a vLLM with speculative decoding: its spec-decode counters start at 0 and
+    # rise with the chat requests after the first (drafts of 3 tokens, 2 accepted); the first
+    # drafts nothing, as vLLM's n-gram proposer when the prompt has no match.
+    speculative: bool = False
+    version_calls: int = 0
+    chat_calls: int = 0
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+
+
+def scripted_upstream(script: UpstreamScript) -> web.Application:
+    async def version(request: web.Request) -> web.Response:
+        script.version_calls += 1
+        changed = script.change_version and script.version_calls > 1
+        return web.json_response({"version": "0.2.0" if changed else "0.1.0"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        script.chat_calls += 1
+        script.bodies.append(await request.json())
+        if (
+            script.fail_every
+            and script.chat_calls > 1
+            and script.chat_calls % script.fail_every == 0
+        ):
+            return web.json_response({"error": {"message": "scripted failure"}}, status=500)
+        delay = script.delay_s
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chat_event({"role": "assistant", "content": ""}))
+        for _ in range(script.tokens):
+            await asyncio.sleep(delay)
+            await resp.write(chat_event({"content": "x"}))
+        await resp.write(chat_event({}, "length"))
+        usage = {"prompt_tokens": 5, "completion_tokens": script.tokens, "total_tokens": 25}
+        await resp.write(sse_event({"choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def metrics(request: web.Request) -> web.Response:
+        n = max(0, script.chat_calls - 1)
+        lines = [
+            'vllm:num_requests_running{engine="0",model_name="m"} 0.0',
+            f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {n}.0',
+            f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {3 * n}.0',
+            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {2 * n}.0',
+        ]
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    app = web.Application()
+    if script.speculative:
+        app.router.add_get("/metrics", metrics)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    return app
+
+
+class Seen:
+    """The requests the emulator got (path, body), and the paths it answers otherwise (a
+    status and body)."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.refuse: dict[str, tuple[int, dict[str, Any]]] = {}
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        body = orjson.loads(await request.read() or b"{}")
+        self.requests.append((request.path, body))
+        answer = self.refuse.get(request.path)
+        if answer is not None:
+            return web.json_response(answer[1], status=answer[0])
+        return await handler(request)
+
+    def bodies(self, path: str) -> list[dict[str, Any]]:
+        return [body for p, body in self.requests if p == path]
+
+    def probes(self) -> int:
+        """Probes of a template (the /tokenize render whose reasoning is SENTINEL)."""
+        return sum(
+            1
+            for body in self.bodies("/tokenize")
+            if SENTINEL in orjson.dumps(body.get("messages") or []).decode()
+        )
+
+
+def refused(status: int) -> tuple[int, dict[str, Any]]:
+    return status, {"error": {"message": "refused", "type": "BadRequestError", "code": status}}
