@@ -23,17 +23,6 @@ class RequestView:
     deterministic: bool
     well_typed: bool  # every field detproxy reads has the type the API documents
 
-    def __init__(
-        self, endpoint: str, model: str, stream: bool, deterministic: bool, well_typed: bool
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"). The fields above and these arguments are the same, in order.
-        object.__setattr__(self, "endpoint", endpoint)
-        object.__setattr__(self, "model", model)
-        object.__setattr__(self, "stream", stream)
-        object.__setattr__(self, "deterministic", deterministic)
-        object.__setattr__(self, "well_typed", well_typed)
-
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 CAUSES = ("intrinsic", "batch", "prefix_cache", "speculative", "recipe_change", "unknown")
-CACHE_STATES = ("cold", "warm", "unknown")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,16 +23,6 @@ class TokenLogprob:
     logprob: float | None  # as the engine sent it (-9999.0 kept); None when unknown
     top: tuple[tuple[str, float | None], ...]  # top-k (token, logprob) in the engine's order
 
-    def __init__(
-        self, token: str, logprob: float | None, top: tuple[tuple[str, float | None], ...]
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"), once a token of an audited answer. The fields above and these
-        # arguments are the same, in order.
-        object.__setattr__(self, "token", token)
-        object.__setattr__(self, "logprob", logprob)
-        object.__setattr__(self, "top", top)
-
 
 class MalformedLogprobs(Exception):
     """A logprobs object that fits neither known shape."""

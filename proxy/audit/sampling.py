@@ -39,9 +39,6 @@ class Sampler:
         self._last: dict[str, float] = {}  # model -> when its last audit started
         self._pruned_at = float("-inf")
 
-    def rate_for(self, model: str) -> float:
-        return self._rule(model)[0]
-
     def _rule(self, model: str) -> tuple[float, bool]:
         """``model``'s rate, and whether the floor applies to it: not where a ``model_rates``
         pattern gives it 0 (an operator's opt-out for that model)."""

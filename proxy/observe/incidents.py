@@ -127,7 +127,6 @@ class IncidentLog:
         self._file: IO[bytes] | None = None
         self._size = 0
         self.written = 0
-        self.write_errors = 0
         self._upstream: dict[str, Any] | None = None
         self._mismatched: frozenset[tuple[str, str, str]] = frozenset()  # recorded last
         self._closed = False
@@ -286,7 +285,6 @@ class IncidentLog:
             self._size += len(line)
             self.written += 1
         except OSError:
-            self.write_errors += 1
             log.exception("cannot write incident log %s", self._config.path)
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
