@@ -42,13 +42,23 @@ export LLAMA_SRC="$(sed -n 's/^LLAMA_SRC=//p' <<<"$engine")"
 # The GPU harnesses run only on the lent machine: type-check them here, so a rename in proxy/
 # that they call cannot go unnoticed until the next device session.
 .venv/bin/mypy --strict tests/gpu/validate.py tests/gpu/vllm/validate.py
-.venv/bin/python -m pytest -m "integration or not integration" "$@"
+
+# The tests, with the line coverage of proxy and policies measured in the tests' own process
+# (detproxy started as a child process by a test is not measured): the modules not covered
+# whole, then the total. A figure to read, not a gate. Its data file stays out of the checkout.
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+export COVERAGE_FILE="$scratch/coverage"
+.venv/bin/python -m pytest -m "integration or not integration" \
+  --cov=proxy --cov=policies --cov-report=term:skip-covered "$@"
+echo "coverage of proxy and policies: $(.venv/bin/python -m coverage report --format=total)%"
+unset COVERAGE_FILE
 
 # The compiled build (DETPROXY_COMPILE=1: setup.py compiles pyproject.toml's
 # [tool.detproxy] compiled with mypyc), made in a copy of the checkout, and the unit tests
-# run on it: what compiles must behave as the source does.
-compiled="$(mktemp -d)"
-trap 'rm -rf "$compiled"' EXIT
+# run on it, without coverage: what compiles must behave as the source does.
+compiled="$scratch/compiled"
+mkdir "$compiled"
 .venv/bin/python tests/compiled_tree.py "$compiled/tree"
 python="$PWD/.venv/bin/python"
 (cd "$compiled/tree" && "$python" -m pytest -q -p no:cacheprovider)
