@@ -1,4 +1,7 @@
-"""``build_app(settings)``: routes, the one ClientSession, and what lives as long as the app."""
+"""``build_app(settings)``: the admin routes, the one ClientSession, and what lives as long as the
+app. The aiohttp ``Application`` is the container of that lifetime (its ``cleanup_ctx``) and of
+what the listeners serve: ``RUNTIME``'s forwarder the proxied routes, ``ADMIN`` detproxy's own;
+``proxy.serving`` puts both on the lean front's listeners."""
 
 from __future__ import annotations
 
@@ -26,12 +29,10 @@ from proxy.engine.follow import EngineLogFollower, EngineTruth
 from proxy.engine.load import UpstreamLoad
 from proxy.events import EventBus
 from proxy.forward import Forwarder
-from proxy.http.admin import ADMIN_PREFIX, admin_middlewares
-from proxy.http.aioside import AiohttpSide
-from proxy.http.errors import error_response
+from proxy.http.admin import HEALTH, Admin, AdminRequest, Reply, json_reply
 from proxy.http.eventloop import loop_name
 from proxy.http.h1 import H1Upstream
-from proxy.http.upstream import AiohttpUpstream, Upstream, make_session
+from proxy.http.upstream import Upstream, make_session
 from proxy.injection import InjectionGuard
 from proxy.loops.recovery import Recovery
 from proxy.observe.incidents import IncidentLog
@@ -51,6 +52,7 @@ METRICS = web.AppKey("metrics", Metrics)
 STARTED_AT = web.AppKey("started_at", float)
 INCIDENTS = web.AppKey("incidents", IncidentLog)
 TALLY = web.AppKey("tally", AuditTally)
+ADMIN = web.AppKey("admin", Admin)  # /detproxy/...: its routes and their guard
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +84,7 @@ def _duplicate_store(settings: Settings) -> DuplicateStore:
     return MemoryDuplicateStore(audit.duplicate_window_s, audit.duplicate_max_entries)
 
 
-def _make_upstream(
-    config: UpstreamConfig, session: aiohttp.ClientSession, url: str
-) -> AiohttpUpstream | H1Upstream:
-    if config.client == "aiohttp":
-        return AiohttpUpstream(session, url)
+def _make_upstream(config: UpstreamConfig, url: str) -> H1Upstream:
     return H1Upstream(
         url,
         connect_timeout_s=config.connect_timeout_s,
@@ -176,10 +174,7 @@ def build_app(
     clock: Callable[[], float] = time.monotonic,
 ) -> web.Application:
     """``clock``: the time request durations and stream speeds are measured on."""
-    app = web.Application(
-        client_max_size=settings.server.max_body_bytes,
-        middlewares=admin_middlewares(settings.server),
-    )
+    app = web.Application()
     bus = EventBus()
     metrics = Metrics(
         registry if registry is not None else CollectorRegistry(),
@@ -220,12 +215,12 @@ def build_app(
         clock,
     )
     app.cleanup_ctx.extend(lifetime.contexts())
-    app.router.add_get("/detproxy/health", _health)
-    app.router.add_get("/detproxy/metrics", metrics.handle)
-    app.router.add_get("/detproxy/status", _status)
-    app.router.add_get("/detproxy/incidents", incidents.handle)
-    register_ui(app, bus, incidents, tally)
-    app.router.add_route("*", "/{tail:.*}", _dispatch)
+    admin = app[ADMIN] = Admin(settings.server)
+    admin.add(HEALTH, _health)
+    admin.add("/detproxy/metrics", metrics.handle)
+    admin.add("/detproxy/status", lambda request: _status(app))
+    admin.add("/detproxy/incidents", incidents.handle)
+    register_ui(admin, bus, incidents, tally)
     return app
 
 
@@ -273,15 +268,13 @@ class _Lifetime:
             yield
             return
         config = self.settings.upstream
-        target = app[TARGET] = _make_upstream(config, app[SESSION], config.url)
+        target = app[TARGET] = _make_upstream(config, config.url)
         yield
         await target.close()
 
     async def reference_ctx(self, app: web.Application) -> AsyncIterator[None]:
         url = self.settings.audit.reference_url
-        reference = app[REFERENCE] = (
-            _make_upstream(self.settings.upstream, app[SESSION], url) if url else None
-        )
+        reference = app[REFERENCE] = _make_upstream(self.settings.upstream, url) if url else None
         yield
         if reference is not None:
             await reference.close()
@@ -386,27 +379,17 @@ class _Lifetime:
             await sync.close()
 
 
-async def _dispatch(request: web.Request) -> web.StreamResponse:
-    if request.path.startswith(ADMIN_PREFIX):
-        return error_response(404, f"no detproxy endpoint at {request.path}")
-    client = AiohttpSide(request)
-    await request.app[RUNTIME].forwarder.handle(client)
-    assert client.response is not None  # every path answers, or raises
-    return client.response
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+async def _health(request: AdminRequest) -> Reply:
+    return json_reply({"status": "ok"})
 
 
 def _budget_store_status(sync: RedisBudgetSync | None) -> dict[str, object]:
     return {"store": "memory"} if sync is None else sync.status()
 
 
-async def _status(request: web.Request) -> web.Response:
-    app = request.app
+async def _status(app: web.Application) -> Reply:
     settings = app[SETTINGS]
-    return web.json_response(
+    return json_reply(
         {
             "version": __version__,
             "worker": worker_status(app),  # which process answered (serve --workers N)

@@ -241,10 +241,18 @@ class ServerConfig(_Section):
     gc_freeze: bool = True
     gc_threshold: tuple[int, int, int] = (10_000, 50, 100)  # Python's own: (700, 10, 10)
     workers: int = Field(default=1, ge=1)  # serving processes on the port (proxy/workers.py)
-    # lean: the proxied requests on detproxy's own HTTP/1.1 server (proxy/http/front.py), the
-    # admin endpoints handed on to aiohttp's; aiohttp: aiohttp's server for everything.
-    http: Literal["lean", "aiohttp"] = "lean"
+    # Removed: every listener is detproxy's own HTTP/1.1 server (proxy/http/front.py). Kept as
+    # a name only, so that a config still setting it is told so (``_removed_http``).
+    http: None = Field(default=None, exclude=True, repr=False)
     keepalive_timeout_s: float = Field(default=75.0, gt=0)  # idle client connections
+
+    @field_validator("http", mode="before")
+    @classmethod
+    def _removed_http(cls, value: object) -> None:
+        raise ValueError(
+            "server.http was removed: every listener is detproxy's own HTTP/1.1 server"
+            " (proxy/http/front.py); delete this setting"
+        )
 
 
 class UpstreamExpectConfig(_Section):
@@ -277,9 +285,9 @@ class UpstreamConfig(_Section):
     # non-streamed answer included: vLLM sends those only when generation is over.
     read_timeout_s: float = Field(default=3600.0, gt=0)
     max_connections: int = Field(default=1024, gt=0)
-    # native: detproxy's own lean HTTP/1.1 client (proxy/http/h1.py); aiohttp: aiohttp's client,
-    # slower per request (tests/bench/bench_proxy.py --aiohttp-client), kept as a fallback.
-    client: Literal["native", "aiohttp"] = "native"
+    # Removed: detproxy has one upstream client, its own (proxy/http/h1.py). Kept as a name
+    # only, so that a config still setting it is told so (``_removed_client``).
+    client: None = Field(default=None, exclude=True, repr=False)
     keepalive_timeout_s: float = Field(default=4.0, gt=0)  # idle pooled connections
     max_logprobs: int = Field(default=20, ge=0)
     # Read /version, /v1/models, /metrics and /props this often (0: never).
@@ -293,6 +301,14 @@ class UpstreamConfig(_Section):
     @classmethod
     def _url(cls, value: str) -> str:
         return _api_root(value)
+
+    @field_validator("client", mode="before")
+    @classmethod
+    def _removed_client(cls, value: object) -> None:
+        raise ValueError(
+            "upstream.client was removed: detproxy has one upstream client, its own"
+            " (proxy/http/h1.py); delete this setting"
+        )
 
 
 class ClassifyConfig(_Section):

@@ -1,9 +1,9 @@
 """What ``detproxy serve`` runs on its listeners, until SIGTERM or SIGINT, then drained.
 
-With ``server.http = "lean"`` (the default) the main listener is the lean front
-(``proxy.http.front``): the proxied requests go straight to the ``Forwarder``, detproxy's own
-endpoints to the aiohttp app on a private loopback listener. The admin listener
-(``server.admin_port``), and with ``"aiohttp"`` the main one too, are aiohttp's.
+Every listener is the lean front (``proxy.http.front``): on the main one the proxied requests
+go straight to the ``Forwarder`` and ``/detproxy/...`` to the app's ``Admin``
+(``proxy.http.admin``); with ``server.admin_port`` the admin endpoints are served on that
+listener only (health stays on both, for probes), and it proxies nothing.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.app import INCIDENTS, RUNTIME
+from proxy.app import ADMIN, INCIDENTS, RUNTIME
 from proxy.config import ConfigError, ServerConfig
 from proxy.http.front import FrontServer
-from proxy.http.h1 import H1Upstream
 
 log = logging.getLogger("detproxy")
 
@@ -29,14 +28,6 @@ log = logging.getLogger("detproxy")
 # client pool after a redeploy): dropped SYNs come back 1 s, 3 s later. The kernel caps it at
 # net.core.somaxconn (4096 on current kernels).
 LISTEN_BACKLOG = 4096
-# The aiohttp app behind the front answers detproxy's own endpoints: small and local.
-_ADMIN_TIMEOUT_S = 120.0
-
-
-def _loopback_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    return sock
 
 
 class StartError(Exception):
@@ -61,53 +52,32 @@ async def serving(
     main: socket.socket,
     admin: socket.socket | None = None,
     drain: Drain | None = None,
-) -> AsyncIterator[FrontServer | None]:
+) -> AsyncIterator[FrontServer]:
     """The app started and served on ``main`` (and ``admin``); on exit, requests in progress
     get ``server.shutdown_grace_s`` to finish (what happened recorded in ``drain``), then the
-    app's cleanup runs. Yields the front (None when aiohttp serves the main listener)."""
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,  # a client that leaves cancels its handler: upstream closes
-        access_log=None,
-        shutdown_timeout=server.shutdown_grace_s,
-        keepalive_timeout=server.keepalive_timeout_s,
-    )
-    front: FrontServer | None = None
-    private: H1Upstream | None = None
+    app's cleanup runs. Yields the main listener's front."""
+    runner = web.AppRunner(app, access_log=None)  # the app's lifetime: no site of aiohttp's
+    fronts: list[FrontServer] = []
     try:
         await runner.setup()  # the app's start: a failure here still cleans up what started
-        socks = [s for s in (admin,) if s is not None]
-        if server.http == "aiohttp":
-            socks.insert(0, main)
-        else:
-            back = _loopback_socket()
-            socks.append(back)
-            port = back.getsockname()[1]
-            private = H1Upstream(
-                f"http://127.0.0.1:{port}",
-                connect_timeout_s=_ADMIN_TIMEOUT_S,
-                read_timeout_s=_ADMIN_TIMEOUT_S,
-                keepalive_timeout_s=30.0,
-                max_connections=64,
-            )
-        for sock in socks:
-            await web.SockSite(runner, sock, backlog=LISTEN_BACKLOG).start()
-        if private is not None:
-            front = FrontServer(
-                app[RUNTIME].forwarder.handle, private, keepalive_s=server.keepalive_timeout_s
-            )
-            await front.listen(main, LISTEN_BACKLOG)
+        routes = app[ADMIN]
+        keepalive_s = server.keepalive_timeout_s
+        forward, own = routes.main_listener(app[RUNTIME].forwarder.handle)
+        front = FrontServer(forward, own, keepalive_s=keepalive_s)
+        fronts.append(front)
+        await front.listen(main, LISTEN_BACKLOG)
+        if admin is not None:
+            side = FrontServer(*routes.admin_listener(), keepalive_s=keepalive_s)
+            fronts.append(side)
+            await side.listen(admin, LISTEN_BACKLOG)
         yield front
     finally:
         grace = server.shutdown_grace_s
-        if front is not None:
+        for front in fronts:
             front.stop_listening()
+        if fronts:
             grace = await _wait_in_flight(app, grace, drain)
-            await front.shutdown(grace)
-        elif drain is not None and RUNTIME in app:  # aiohttp's server drains in its cleanup
-            drain.in_flight = app[RUNTIME].forwarder.inflight
-        if private is not None:
-            await private.close()
+        await asyncio.gather(*(front.shutdown(grace) for front in fronts))
         await runner.cleanup()
 
 

@@ -50,25 +50,9 @@ def registry() -> CollectorRegistry:
 
 
 @pytest.fixture
-def upstream_client() -> str:
-    """``upstream.client`` for ``make_proxy``; modules that test forwarding override this
-    fixture to run under both clients."""
-    return "native"
-
-
-@pytest.fixture
-def http_server() -> str:
-    """``server.http`` for ``make_proxy``: the lean front, as ``detproxy serve`` runs; modules
-    that test the client side override this fixture to run under both servers."""
-    return "lean"
-
-
-@pytest.fixture
 def make_proxy(
     aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
     registry: CollectorRegistry,
-    upstream_client: str,
-    http_server: str,
 ) -> ProxyFactory:
     """Start detproxy (real app, real sockets) in front of ``upstream_url``."""
     shared = registry
@@ -82,12 +66,7 @@ def make_proxy(
         **kwargs: Any,
     ) -> TestClient[Any, Any]:
         """The first proxy reports to the ``registry`` fixture; later ones to their own."""
-        env = {
-            "DETPROXY_UPSTREAM__CLIENT": upstream_client,
-            "DETPROXY_SERVER__HTTP": http_server,
-            **(env or {}),
-        }
-        settings = load_settings(env=env, flags={"upstream": upstream_url})
+        settings = load_settings(env=env or {}, flags={"upstream": upstream_url})
         reg = registry or (shared if not used else CollectorRegistry())
         used.append(reg)
         app = build_app(settings, registry=reg, **kwargs)

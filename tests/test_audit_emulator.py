@@ -105,19 +105,12 @@ async def test_every_injected_divergence_is_found_with_its_position(
 
 
 async def test_client_sees_the_same_answer_with_auditing_on_and_off(
-    make_proxy: Any, emulator: EmulatorServer, aiohttp_client: Any
+    make_proxy: Any, emulator: EmulatorServer
 ) -> None:
     audited = await make_proxy(emulator.url, env={"DETPROXY_AUDIT__SAMPLE_RATE": "1"})
-    from proxy.app import build_app
-    from proxy.config import load_settings
-
-    plain = await aiohttp_client(
-        build_app(
-            load_settings(
-                env={"DETPROXY_AUDIT__SAMPLE_RATE": "0", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"},
-                flags={"upstream": emulator.url},
-            )
-        )
+    plain = await make_proxy(
+        emulator.url,
+        env={"DETPROXY_AUDIT__SAMPLE_RATE": "0", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"},
     )
     bodies = [
         chat("same content", stream=False),

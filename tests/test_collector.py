@@ -15,6 +15,7 @@ from aiohttp.test_utils import TestClient
 from proxy.cli import serve_app
 from proxy.config import Settings, load_settings
 from tests.helpers.processes import bare_env
+from tests.helpers.served import ServedApp
 
 ROOT = Path(__file__).resolve().parents[1]
 Client = Callable[..., Awaitable[TestClient[Any, Any]]]
@@ -39,9 +40,10 @@ def settings(**server: object) -> Settings:
 async def test_serving_freezes_start_up_and_sets_the_thresholds(
     aiohttp_client: Client, collector_state: None
 ) -> None:
-    app = serve_app(settings(gc_threshold="[12345, 67, 89]"))
+    config = settings(gc_threshold="[12345, 67, 89]")
+    app = serve_app(config)
     assert gc.get_freeze_count() == 0 and gc.get_threshold() != (12345, 67, 89)
-    client = await aiohttp_client(app)  # start-up runs: the app begins serving
+    client = await aiohttp_client(ServedApp(app, config))  # start-up runs: the app serves
     assert gc.get_threshold() == (12345, 67, 89)
     # What start-up kept (the app, its clients, its metrics) is in the permanent generation.
     frozen = gc.get_freeze_count()

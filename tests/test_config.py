@@ -212,3 +212,30 @@ def test_serve_with_an_openai_base_url_says_the_fix_and_exits_2() -> None:
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "ends in /v1: detproxy adds /v1/... itself; use http://127.0.0.1:1" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"DETPROXY_SERVER__HTTP": "aiohttp"}, "server.http was removed"),
+        ({"DETPROXY_SERVER__HTTP": "lean"}, "server.http was removed"),
+        ({"DETPROXY_UPSTREAM__CLIENT": "aiohttp"}, "upstream.client was removed"),
+    ],
+)
+def test_a_removed_http_stack_key_is_an_error_that_says_so(env: dict[str, str], says: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env=env)
+    name = next(iter(env))
+    assert says in str(exc.value) and "delete this setting" in str(exc.value), str(exc.value)
+    assert f"(from {name})" in str(exc.value), f"the error does not say where: {exc.value}"
+
+
+def test_a_removed_key_in_a_config_file_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "detproxy.toml"
+    path.write_text('[server]\nhttp = "aiohttp"\n[upstream]\nclient = "native"\n')
+    with pytest.raises(ConfigError) as exc:
+        load_settings(path)
+    said = str(exc.value)
+    assert "server.http was removed" in said and "upstream.client was removed" in said, said
+    assert str(path) in said
+    assert "http" not in load_settings().model_dump()["server"]  # nor shown in status

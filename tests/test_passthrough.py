@@ -6,25 +6,11 @@ import asyncio
 import gzip
 from typing import Any
 
-import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
 from tests.helpers.metrics import metric
 from tests.helpers.waiting import eventually
-
-
-@pytest.fixture(params=["native", "aiohttp"])
-def upstream_client(request: pytest.FixtureRequest) -> str:
-    """Every test here runs with both upstream clients (proxy/http/h1.py and aiohttp's)."""
-    return str(request.param)
-
-
-@pytest.fixture(params=["lean", "aiohttp"])
-def http_server(request: pytest.FixtureRequest) -> str:
-    """And with both servers on the client side (proxy/http/front.py and aiohttp's)."""
-    return str(request.param)
-
 
 SEEN: list[tuple[str, str, CIMultiDict[str], bytes]] = []
 

@@ -1,4 +1,8 @@
-"""Who may see detproxy's own endpoints (``/detproxy/...``).
+"""detproxy's own endpoints (``/detproxy/...``), and who may see them.
+
+The lean front (``proxy.http.front``) serves them on its listeners as it serves the proxied
+routes: ``Admin.serve`` reads the request as an ``AdminRequest``, guards it, routes it, and
+writes the handler's ``Reply`` whole.
 
 With ``server.admin_token`` set, every admin endpoint but health asks for
 ``Authorization: Bearer <token>`` (Prometheus sends it with ``authorization`` in its scrape
@@ -21,10 +25,10 @@ Cross-site requests: the cookie is SameSite=Strict, and anything but GET and HEA
 cookie authorises (log-out included) must carry a CSRF token bound to that session (the form's
 ``csrf`` field or an ``X-Detproxy-Csrf`` header) and must not be marked cross-site by the
 browser (``Sec-Fetch-Site``). The log-in form carries a token bound to a short-lived cookie the
-login page sets (double submit). Origin is not compared with Host: the lean front relays admin
-requests to this app with a Host of its own. Failed log-ins are limited per process (10 a
-minute; then 429 until the oldest is a minute old), counted for the whole process since behind
-the lean front every request comes from the loopback.
+login page sets (double submit). Origin is not compared with Host (a proxy in front may rewrite
+Host). Failed log-ins are limited per process (10 a minute; then 429 until the oldest is a
+minute old), counted for the whole process: behind an ingress every request comes from one
+address.
 """
 
 from __future__ import annotations
@@ -36,15 +40,17 @@ import hmac
 import posixpath
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from http.cookies import CookieError, SimpleCookie
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
-from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
+import orjson
+from multidict import CIMultiDict, MultiDict, MultiDictProxy
 
 from proxy.config import ServerConfig
-from proxy.http.errors import error_response
+from proxy.http.body import BadRequest
+from proxy.http.clientside import ClientSide
+from proxy.http.errors import error_payload, send_error
 from proxy.observe.ui.login import LOGIN_CSP, login_page
 from proxy.observe.ui.page import LOGIN_PATH, LOGOUT_PATH, UI_PATH
 
@@ -63,12 +69,7 @@ LOGIN_WINDOW_S = 60.0
 _CLOCK_SLACK_S = 60  # a cookie's expiry may be this much past now + ttl (clocks, a lowered ttl)
 _SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 _VERSION = "v1"
-# aiohttp >= 3.12 asks for typed request keys; older ones take a string.
-_SESSION_CSRF: Final[Any] = (
-    web.RequestKey("detproxy_session_csrf", str)
-    if hasattr(web, "RequestKey")
-    else "detproxy_session_csrf"
-)
+_FORM = "application/x-www-form-urlencoded"
 
 
 def _mac(key: bytes, message: str) -> str:
@@ -162,45 +163,129 @@ def local_next(value: str | None) -> str:
     return value
 
 
-def session_csrf(request: web.Request) -> str | None:
-    """The CSRF token of the session cookie that authorised ``request`` (None: it came with a
-    bearer token, or no admin token is set): the explorer's log-out form carries it."""
-    value = request.get(_SESSION_CSRF)
-    return value if isinstance(value, str) else None
+class AdminRequest:
+    """A request for an admin endpoint, as its handler reads it (a ``ClientSide`` underneath)."""
+
+    __slots__ = (
+        "_client",
+        "_form",
+        "headers",
+        "match",
+        "method",
+        "path",
+        "query",
+        "raw_path",
+        "session_csrf",
+    )
+
+    def __init__(self, client: ClientSide) -> None:
+        self._client = client
+        self.method = client.method
+        self.path = client.path
+        self.raw_path = client.raw_path
+        self.headers = client.headers
+        query = urlsplit(client.raw_path).query
+        self.query: MultiDictProxy[str] = MultiDictProxy(
+            MultiDict(parse_qsl(query, keep_blank_values=True))
+        )
+        self.match = ""  # the path's last part, for a route added with ``add_under``
+        # The CSRF token of the session cookie that authorised the request (None: it came with
+        # a bearer token, or no admin token is set): the explorer's log-out form carries it.
+        self.session_csrf: str | None = None
+        self._form: dict[str, str] | None = None
+
+    @property
+    def content_type(self) -> str:
+        return self.headers.get("Content-Type", "").partition(";")[0].strip().lower()
+
+    @property
+    def cookies(self) -> Mapping[str, str]:
+        jar: SimpleCookie = SimpleCookie()
+        try:
+            jar.load(self.headers.get("Cookie", ""))
+        except CookieError:
+            return {}
+        return {name: morsel.value for name, morsel in jar.items()}
+
+    @property
+    def is_https(self) -> bool:
+        """As a TLS-terminating proxy in front says (the front itself speaks plain HTTP)."""
+        proto = self.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+        return proto == "https"
+
+    @property
+    def cross_site(self) -> bool:
+        """The browser says the request came from another site (absent: not a browser that
+        says, or plain http to a host that is not local; the CSRF token then stands alone)."""
+        site = self.headers.get("Sec-Fetch-Site")
+        return site is not None and site not in ("same-origin", "none")
+
+    async def form(self) -> dict[str, str] | None:
+        """A small urlencoded form's text fields, read once; None when the body is too large."""
+        if self._form is None:
+            try:
+                body = await self._client.read_body(MAX_FORM_BYTES)
+            except BadRequest:
+                return None
+            self._form = {}
+            if self.content_type == _FORM:
+                try:
+                    text = body.decode()
+                    self._form = dict(parse_qsl(text, keep_blank_values=True, max_num_fields=16))
+                except (UnicodeDecodeError, ValueError):
+                    pass
+        return self._form
 
 
-def _is_https(request: web.Request) -> bool:
-    proto = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
-    return proto == "https" or request.secure
+class Reply:
+    """An admin endpoint's whole response."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(
+        self,
+        status: int = 200,
+        body: bytes = b"",
+        content_type: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.status = status
+        self.body = body
+        self.headers: CIMultiDict[str] = CIMultiDict(headers or {})
+        if content_type is not None:
+            self.headers["Content-Type"] = content_type
+
+    def set_cookie(self, name: str, value: str, *, max_age: int, path: str, secure: bool) -> None:
+        """HttpOnly and SameSite=Strict, as every cookie of detproxy's is."""
+        jar: SimpleCookie = SimpleCookie()
+        jar[name] = value
+        morsel = jar[name]
+        morsel["max-age"] = str(max_age)
+        morsel["path"] = path
+        morsel["httponly"] = True
+        morsel["samesite"] = "Strict"
+        if max_age == 0:
+            morsel["expires"] = "Thu, 01 Jan 1970 00:00:00 GMT"
+        if secure:
+            morsel["secure"] = True
+        self.headers.add("Set-Cookie", morsel.OutputString())
 
 
-def _cross_site(request: web.Request) -> bool:
-    """The browser says the request came from another site (absent: not a browser that
-    says, or plain http to a host that is not local; the CSRF token then stands alone)."""
-    site = request.headers.get("Sec-Fetch-Site")
-    return site is not None and site not in ("same-origin", "none")
+def json_reply(data: object, status: int = 200) -> Reply:
+    return Reply(status, orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS), "application/json")
 
 
-async def _form(request: web.Request) -> dict[str, str] | None:
-    """A small urlencoded form's text fields; None when the body is too large."""
-    length = request.content_length
-    if length is not None and length > MAX_FORM_BYTES:
-        return None
-    body = bytearray()
-    while len(body) <= MAX_FORM_BYTES:
-        data = await request.content.read(MAX_FORM_BYTES + 1 - len(body))
-        if not data:
-            break
-        body += data
-    if len(body) > MAX_FORM_BYTES:
-        return None
-    if request.content_type != "application/x-www-form-urlencoded":
-        return {}
-    try:
-        pairs = parse_qsl(body.decode(), keep_blank_values=True, max_num_fields=16)
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return dict(pairs)
+def error_reply(status: int, message: str, param: str | None = None) -> Reply:
+    """The OpenAI-shaped error body (``proxy.http.errors``), as an admin reply."""
+    return json_reply(error_payload(status, message, param), status)
+
+
+def html_reply(text: str, status: int = 200, headers: Mapping[str, str] | None = None) -> Reply:
+    return Reply(status, text.encode(), "text/html; charset=utf-8", headers)
+
+
+Handler = Callable[[AdminRequest], Awaitable[Reply]]
+ClientHandler = Callable[[ClientSide], Awaitable[None]]
 
 
 def _page_headers() -> dict[str, str]:
@@ -213,20 +298,20 @@ def _page_headers() -> dict[str, str]:
     }
 
 
-def _see_other(location: str) -> web.Response:
-    return web.Response(status=303, headers={"Location": location, "Cache-Control": "no-store"})
+def _see_other(location: str) -> Reply:
+    return Reply(303, headers={"Location": location, "Cache-Control": "no-store"})
 
 
-def _not_allowed(method: str, allowed: str) -> web.Response:
-    resp = error_response(405, f"{method} is not allowed here (only {allowed})")
-    resp.headers["Allow"] = allowed
-    return resp
+def _not_allowed(method: str, allowed: str) -> Reply:
+    reply = error_reply(405, f"{method} is not allowed here (only {allowed})")
+    reply.headers["Allow"] = allowed
+    return reply
 
 
-def _unauthorised() -> web.Response:
-    resp = error_response(401, "detproxy admin endpoints need a bearer token")
-    resp.headers["WWW-Authenticate"] = 'Bearer realm="detproxy"'
-    return resp
+def _unauthorised() -> Reply:
+    reply = error_reply(401, "detproxy admin endpoints need a bearer token")
+    reply.headers["WWW-Authenticate"] = 'Bearer realm="detproxy"'
+    return reply
 
 
 class Login:
@@ -238,33 +323,26 @@ class Login:
         self.throttle = throttle
 
     def _page(
-        self, request: web.Request, next_path: str, status: int = 200, error: str | None = None
-    ) -> web.Response:
+        self, request: AdminRequest, next_path: str, status: int = 200, error: str | None = None
+    ) -> Reply:
         """The form, with a fresh login cookie and the token bound to it."""
         nonce = secrets.token_urlsafe(16)
-        resp = web.Response(
-            text=login_page(next_path, self.sessions.csrf("login", nonce), error),
-            status=status,
-            content_type="text/html",
-            charset="utf-8",
-            headers=_page_headers(),
-        )
-        resp.set_cookie(
+        page = login_page(next_path, self.sessions.csrf("login", nonce), error)
+        reply = html_reply(page, status, _page_headers())
+        reply.set_cookie(
             LOGIN_COOKIE,
             nonce,
             max_age=LOGIN_COOKIE_TTL_S,
             path=LOGIN_PATH,
-            httponly=True,
-            samesite="Strict",
-            secure=_is_https(request) or None,
+            secure=request.is_https,
         )
-        return resp
+        return reply
 
-    def _logged_in(self, request: web.Request) -> str | None:
+    def _logged_in(self, request: AdminRequest) -> str | None:
         value = request.cookies.get(SESSION_COOKIE)
         return value if value is not None and self.sessions.valid(value) else None
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
+    async def handle(self, request: AdminRequest) -> Reply:
         if request.method in ("GET", "HEAD"):
             next_path = local_next(request.query.get("next"))
             if self._logged_in(request) is not None:
@@ -274,20 +352,20 @@ class Login:
             return _not_allowed(request.method, "GET, POST")
         return await self._post(request)
 
-    async def _post(self, request: web.Request) -> web.StreamResponse:
-        if _cross_site(request):
+    async def _post(self, request: AdminRequest) -> Reply:
+        if request.cross_site:
             return self._page(request, UI_PATH, 403, "A log-in from another site is refused.")
         wait = self.throttle.wait_s()
         if wait > 0:
-            resp = self._page(
+            reply = self._page(
                 request,
                 UI_PATH,
                 429,
                 f"Too many wrong tokens: try again in {int(wait) + 1} s.",
             )
-            resp.headers["Retry-After"] = str(int(wait) + 1)
-            return resp
-        form = await _form(request)
+            reply.headers["Retry-After"] = str(int(wait) + 1)
+            return reply
+        form = await request.form()
         if form is None:
             return self._page(request, UI_PATH, 413, "That form was too large.")
         next_path = local_next(form.get("next"))
@@ -302,113 +380,136 @@ class Login:
         if not self.sessions.token_matches(form.get("token", "").strip()):
             self.throttle.failed()
             return self._page(request, next_path, 401, "Wrong token.")
-        resp = _see_other(next_path)
-        resp.set_cookie(
+        reply = _see_other(next_path)
+        reply.set_cookie(
             SESSION_COOKIE,
             self.sessions.issue(),
             max_age=self.sessions.ttl_s,
             path=COOKIE_PATH,
-            httponly=True,
-            samesite="Strict",
-            secure=_is_https(request) or None,
+            secure=request.is_https,
         )
-        resp.del_cookie(LOGIN_COOKIE, path=LOGIN_PATH)
-        return resp
+        reply.set_cookie(LOGIN_COOKIE, "", max_age=0, path=LOGIN_PATH, secure=False)
+        return reply
 
-    async def logout(self, request: web.Request) -> web.StreamResponse:
+    async def logout(self, request: AdminRequest) -> Reply:
         if request.method != "POST":
             return _not_allowed(request.method, "POST")
         session = self._logged_in(request)
         if session is not None:  # a session to end: only its own page may end it
-            form = await _form(request) or {}
+            form = await request.form() or {}
             given = form.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER) or ""
-            if _cross_site(request) or not self.sessions.csrf_ok("session", session, given):
-                return error_response(
+            if request.cross_site or not self.sessions.csrf_ok("session", session, given):
+                return error_reply(
                     403,
                     "log-out needs the CSRF token of this session's own page: reload the"
                     " explorer and log out from there",
                 )
-        resp = _see_other(LOGIN_PATH)
-        resp.set_cookie(
-            SESSION_COOKIE,
-            "",
-            max_age=0,
-            path=COOKIE_PATH,
-            httponly=True,
-            samesite="Strict",
-            secure=_is_https(request) or None,
-        )
-        return resp
-
-
-def _local_port(request: web.Request) -> int | None:
-    transport = request.transport
-    sockname = transport.get_extra_info("sockname") if transport is not None else None
-    return sockname[1] if isinstance(sockname, tuple) and len(sockname) >= 2 else None
-
-
-def admin_middlewares(config: ServerConfig) -> list[Middleware]:
-    """The guard where there is something to guard; none otherwise (it would only cost every
-    request a call)."""
-    if config.admin_token is None and config.admin_port is None:
-        return []
-    return [admin_guard(config)]
+        reply = _see_other(LOGIN_PATH)
+        reply.set_cookie(SESSION_COOKIE, "", max_age=0, path=COOKIE_PATH, secure=request.is_https)
+        return reply
 
 
 def _is_ui(path: str) -> bool:
     return path == UI_PATH or path.startswith(UI_PATH + "/")
 
 
-async def _with_session(
-    request: web.Request, handler: Handler, sessions: Sessions, cookie: str
-) -> web.StreamResponse:
-    """A request the session cookie authorises: unsafe methods need the session's CSRF token."""
-    csrf = sessions.csrf("session", cookie)
-    if request.method not in _SAFE:
-        given = request.headers.get(CSRF_HEADER, "")
-        if not given and request.content_type == "application/x-www-form-urlencoded":
-            field = (await request.post()).get(CSRF_FIELD)
-            given = field if isinstance(field, str) else ""
-        if _cross_site(request) or not hmac.compare_digest(given.encode(), csrf.encode()):
-            return error_response(
-                403, f"a {request.method} with a session cookie needs its CSRF token"
-            )
-    request[_SESSION_CSRF] = csrf
-    return await handler(request)
+class Admin:
+    """detproxy's own endpoints: GET routes (HEAD answered as GET), behind the guard the
+    configuration asks for (``server.admin_token``); the listeners they are served on decide
+    ``server.admin_port`` (``main_listener``, ``admin_listener``)."""
 
+    def __init__(self, config: ServerConfig) -> None:
+        token = config.admin_token
+        self._expected = ("Bearer " + token).encode() if token else None
+        self._sessions = Sessions(token, config.session_ttl_s) if token else None
+        self._login = Login(self._sessions, LoginThrottle()) if self._sessions else None
+        self._routes: dict[str, Handler] = {}
+        self._under: list[tuple[str, Handler]] = []
+        self.separate = config.admin_port is not None  # served on a listener of their own
 
-def admin_guard(config: ServerConfig) -> Middleware:
-    expected = (b"Bearer " + config.admin_token.encode()) if config.admin_token else None
-    sessions = Sessions(config.admin_token, config.session_ttl_s) if config.admin_token else None
-    login = Login(sessions, LoginThrottle()) if sessions is not None else None
-    admin_port = config.admin_port
+    def add(self, path: str, handler: Handler) -> None:
+        self._routes[path] = handler
 
-    @web.middleware
-    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def add_under(self, prefix: str, handler: Handler) -> None:
+        """``handler`` for ``prefix`` + one more path segment (``request.match``)."""
+        self._under.append((prefix, handler))
+
+    def paths(self) -> Iterable[str]:
+        return self._routes.keys()
+
+    async def serve(self, client: ClientSide) -> None:
+        """Answer one admin request, whole."""
+        reply = await self.answer(AdminRequest(client))
+        await client.respond(reply.status, reply.headers, reply.body)
+
+    async def answer(self, request: AdminRequest) -> Reply:
         path = request.path
-        if path == HEALTH:
-            return await handler(request)
-        is_admin = path.startswith(ADMIN_PREFIX)
-        if admin_port is not None:
-            on_admin_listener = _local_port(request) == admin_port
-            if is_admin != on_admin_listener:
-                return error_response(404, f"nothing at {path} on this listener")
-        if not is_admin or expected is None or sessions is None or login is None:
-            return await handler(request)
+        sessions, login = self._sessions, self._login
+        if path == HEALTH or self._expected is None or sessions is None or login is None:
+            return await self._route(request)
         if path == LOGIN_PATH:
             return await login.handle(request)
         if path == LOGOUT_PATH:
             return await login.logout(request)
         given = request.headers.get("Authorization")
         if given is not None:  # scripts and Prometheus: as ever
-            if hmac.compare_digest(given.encode(), expected):
-                return await handler(request)
+            if hmac.compare_digest(given.encode(), self._expected):
+                return await self._route(request)
             return _unauthorised()
         cookie = request.cookies.get(SESSION_COOKIE)
         if cookie is not None and sessions.valid(cookie):
-            return await _with_session(request, handler, sessions, cookie)
+            return await self._with_session(request, sessions, cookie)
         if _is_ui(path) and request.method in ("GET", "HEAD"):
             return _see_other(f"{LOGIN_PATH}?{urlencode({'next': request.raw_path})}")
         return _unauthorised()
 
-    return guard
+    async def _with_session(self, request: AdminRequest, sessions: Sessions, cookie: str) -> Reply:
+        """A request the session cookie authorises: unsafe methods need the session's CSRF
+        token, which the handler gets as ``request.session_csrf``."""
+        csrf = sessions.csrf("session", cookie)
+        if request.method not in _SAFE:
+            given = request.headers.get(CSRF_HEADER, "")
+            if not given and request.content_type == _FORM:
+                given = (await request.form() or {}).get(CSRF_FIELD, "")
+            if request.cross_site or not hmac.compare_digest(given.encode(), csrf.encode()):
+                return error_reply(
+                    403, f"a {request.method} with a session cookie needs its CSRF token"
+                )
+        request.session_csrf = csrf
+        return await self._route(request)
+
+    async def _route(self, request: AdminRequest) -> Reply:
+        path = request.path
+        handler = self._routes.get(path) if request.method in ("GET", "HEAD") else None
+        if handler is None and request.method in ("GET", "HEAD"):
+            for prefix, under in self._under:
+                rest = path[len(prefix) :]
+                if path.startswith(prefix) and rest and "/" not in rest:
+                    request.match, handler = rest, under
+                    break
+        if handler is None:
+            return error_reply(404, f"no detproxy endpoint at {path}")
+        return await handler(request)
+
+    def main_listener(self, forward: ClientHandler) -> tuple[ClientHandler, ClientHandler]:
+        """The main listener's two handlers: the proxied routes (``forward``) and
+        ``/detproxy/...`` (only health there when the admin endpoints have a listener of
+        their own)."""
+        if not self.separate:
+            return forward, self.serve
+
+        async def health_only(client: ClientSide) -> None:
+            if client.path == HEALTH:
+                await self.serve(client)
+            else:
+                await send_error(client, 404, f"nothing at {client.path} on this listener")
+
+        return forward, health_only
+
+    def admin_listener(self) -> tuple[ClientHandler, ClientHandler]:
+        """``server.admin_port``'s two handlers: nothing proxied, and ``/detproxy/...``."""
+
+        async def nothing_here(client: ClientSide) -> None:
+            await send_error(client, 404, f"nothing at {client.path} on this listener")
+
+        return nothing_here, self.serve

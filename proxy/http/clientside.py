@@ -2,8 +2,8 @@
 
 The stages never see a server's own request or response objects. They read the request and
 write the response through a ``ClientSide``: ``proxy.http.front`` implements it on detproxy's
-lean HTTP/1.1 server (the proxy routes), ``proxy.http.aioside`` on aiohttp's (tests, the admin
-listener, everything the front hands on). A response is either whole (``respond``) or streamed
+lean HTTP/1.1 server; the admin endpoints read it too (``proxy.http.admin.AdminRequest``), and
+tests may implement it on anything. A response is either whole (``respond``) or streamed
 (``start``, ``write`` per piece, ``end``); writing to a client that left raises
 ``ConnectionResetError``. ``write_nowait`` is ``write`` without waiting, for a relay that
 writes from an upstream read's callback: it says when to ``drain`` before writing more.

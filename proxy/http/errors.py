@@ -1,7 +1,6 @@
 """OpenAI-shaped error bodies (vLLM >= 0.10.1 nesting) and the faults that map to them.
 
-The upstream's faults are detproxy's own exceptions, whichever client met them (the native
-one, ``proxy.http.h1``, raises them; the aiohttp one translates aiohttp's)::
+The upstream's faults are detproxy's own exceptions (``proxy.http.h1`` raises them)::
 
     UpstreamError                 any fault of the upstream's transport; ``kind``: a metrics label
     +-- UpstreamFailure           no response head came: carries the status the client gets
@@ -16,7 +15,6 @@ from http import HTTPStatus
 from typing import TYPE_CHECKING
 
 import orjson
-from aiohttp import web
 
 if TYPE_CHECKING:
     from proxy.http.clientside import ClientSide
@@ -40,18 +38,6 @@ def error_payload(status: int, message: str, param: str | None = None) -> dict[s
     return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
 
 
-def error_response(
-    status: int, message: str, *, param: str | None = None, request_id: str | None = None
-) -> web.Response:
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return web.Response(
-        status=status,
-        body=orjson.dumps(error_payload(status, message, param)),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
 async def send_error(
     client: ClientSide,
     status: int,
@@ -60,7 +46,7 @@ async def send_error(
     param: str | None = None,
     request_id: str | None = None,
 ) -> None:
-    """``error_response``'s body and headers, written to a ``ClientSide``."""
+    """The error body, and its request id, written to a ``ClientSide``."""
     headers = {"Content-Type": "application/json"}
     if request_id:
         headers["X-Request-Id"] = request_id

@@ -2,17 +2,15 @@
 
 Why not aiohttp's server here: a streamed answer is one write per token, and on aiohttp each
 write goes through ``StreamResponse.write`` and its payload writer; with the request parsing
-and dispatch around it, aiohttp's server costs about as much CPU per relayed event as all of
-detproxy's own work (issue 16; ``tests/bench/bench_paced.py`` measures both,
-``server.http = "aiohttp"`` against ``"lean"``). This server is an asyncio protocol on
-httptools' parser, as uvicorn's httptools implementation is. A request's response is written
-straight to the transport, chunk-framed, a loop iteration's writes to a connection in one
-(``proxy.http.coalesce``).
+and dispatch around it, aiohttp's server cost about as much CPU per relayed event as all of
+detproxy's own work (issue 16, measured with ``tests/bench/bench_paced.py`` while both were
+kept). This server is an asyncio protocol on httptools' parser, as uvicorn's httptools
+implementation is. A request's response is written straight to the transport, chunk-framed, a
+loop iteration's writes to a connection in one (``proxy.http.coalesce``).
 
-What it serves: the OpenAI endpoints and everything passed through to the upstream, through
-the ``Forwarder``. detproxy's own endpoints (``/detproxy/...``: metrics, status, the incident
-explorer) are handed on, as they came, to the aiohttp app on a private loopback listener,
-whose middlewares decide who may see them.
+What it serves, each listener with its two handlers: ``/detproxy/...`` (detproxy's own
+endpoints, ``proxy.http.admin``) to one, everything else (the OpenAI endpoints and what is
+passed through to the upstream: the ``Forwarder``) to the other.
 
 One ``FrontConnection`` per client connection: requests are answered in order (pipelined ones
 wait, their bodies buffered and reading paused); a client that leaves cancels its request's
@@ -29,7 +27,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final, cast
 from urllib.parse import unquote
 
 import httptools
@@ -39,20 +37,16 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.http.admin import ADMIN_PREFIX
 from proxy.http.body import BadRequest
 from proxy.http.coalesce import WriteCoalescer
-from proxy.http.errors import UpstreamFailure, error_payload
+from proxy.http.errors import error_payload
 from proxy.http.headers import (
     HOP_BY_HOP,
     EncodedFields,
     HeaderFields,
     decode_field,
     encode_head,
-    forwarded_headers,
     is_passed,
     names_other_fields,
 )
-
-if TYPE_CHECKING:
-    from proxy.http.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -630,18 +624,19 @@ class FrontConnection(asyncio.Protocol):
 
 
 class FrontServer:
-    """The lean server's listeners and connections; ``dispatch`` answers one request."""
+    """The lean server's listeners and connections; ``dispatch`` answers one request:
+    ``/detproxy/...`` with ``admin``, anything else with ``handle``."""
 
     def __init__(
         self,
         handle: Handler,
-        admin: Upstream,
+        admin: Handler,
         *,
         keepalive_s: float = 75.0,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        self._handle = handle  # the Forwarder's
-        self._admin = admin  # the aiohttp app's private listener
+        self._handle = handle  # the Forwarder's, on the main listener
+        self._admin = admin
         self.keepalive_s = keepalive_s
         self.loop = loop or asyncio.get_running_loop()
         self.date = _Date()
@@ -651,7 +646,7 @@ class FrontServer:
 
     async def dispatch(self, request: FrontRequest) -> None:
         if request.path.startswith(ADMIN_PREFIX):
-            await hand_on(request, self._admin)
+            await self._admin(request)
         else:
             await self._handle(request)
 
@@ -686,22 +681,3 @@ class FrontServer:
         await asyncio.sleep(0)
         for server in self._servers:
             await server.wait_closed()
-
-
-async def hand_on(request: FrontRequest, admin: Upstream) -> None:
-    """A request for detproxy's own endpoints, relayed to the aiohttp app as it came."""
-    body = request.body_chunks() if request.has_body else None
-    headers = forwarded_headers(request.headers)
-    try:
-        answer = await admin.send(request.method, request.raw_path, headers, body)
-    except UpstreamFailure as exc:
-        payload = orjson.dumps(error_payload(503, f"detproxy's admin server: {exc.message}"))
-        await request.respond(503, {"Content-Type": "application/json"}, payload)
-        return
-    try:
-        await request.start(answer.status, answer.headers)
-        async for data in answer.chunks():
-            await request.write(data)
-        await request.end()
-    finally:
-        answer.close()

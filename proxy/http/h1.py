@@ -1,8 +1,8 @@
 """A lean HTTP/1.1 client for the upstream: asyncio protocols, llhttp (httptools) parsing.
 
 Why not aiohttp's client here: on a request the proxy relays, aiohttp's ``ClientSession``
-costs more than the rest of detproxy does (URL objects, header defaults, tracing, timers:
-``tests/bench/bench_proxy.py --aiohttp-client`` measures detproxy on both). This client does
+cost more than the rest of detproxy did (URL objects, header defaults, tracing, timers:
+measured with ``tests/bench/bench_proxy.py`` while both were kept). This client does
 only what a reverse proxy needs: a keep-alive pool per upstream, one request at a time per
 connection, the body relayed as it is parsed. Its contract is ``proxy.http.upstream.Upstream``:
 

@@ -1,26 +1,24 @@
-"""The upstream seam: a protocol, and its aiohttp implementation with header hygiene and abort.
+"""The upstream seam: what the pipeline sends requests through (``proxy.http.h1`` implements
+it), and the aiohttp session of the engine-side reads (``proxy.engine``).
 
 Closing an ``UpstreamResponse`` before it is fully read closes its TCP connection: that is
-how vLLM learns a client went away and aborts the generation. Both implementations raise
+how vLLM learns a client went away and aborts the generation. An implementation raises
 detproxy's ``UpstreamError`` tree (``proxy.http.errors``): ``send`` an ``UpstreamFailure``, a body
-read an ``UpstreamBodyError`` or an ``UpstreamTimeout``; the aiohttp one translates aiohttp's.
+read an ``UpstreamBodyError`` or an ``UpstreamTimeout``.
 """
 
 from __future__ import annotations
 
-import io
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import aiohttp
-from yarl import URL
 
 from proxy.config import UpstreamConfig
-from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamFailure, UpstreamTimeout
-from proxy.http.headers import HeaderFields, as_mapping
+from proxy.http.errors import UpstreamError
+from proxy.http.headers import HeaderFields
 
 Body = bytes | AsyncIterable[bytes] | None
-LARGE_BODY = 1 << 20
 # Takes one body piece; False: stop (``pump`` returns, the rest is read by the next call).
 Sink = Callable[[bytes], bool]
 
@@ -57,7 +55,7 @@ class Upstream(Protocol):
         """Release what this client holds (its idle connections); responses are closed first."""
 
 
-# What reading an upstream body raises: both clients raise the UpstreamError tree only.
+# What reading an upstream body raises: the UpstreamError tree only.
 READ_ERRORS: tuple[type[BaseException], ...] = (UpstreamError,)
 
 
@@ -68,13 +66,6 @@ def read_error_kind(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "reset"
 
 
-def _body_error(exc: Exception) -> UpstreamError:
-    """detproxy's error for one of aiohttp's, raised while reading a body."""
-    if isinstance(exc, TimeoutError):  # aiohttp's ServerTimeoutError is one
-        return UpstreamTimeout(str(exc) or "upstream sent nothing within the read timeout")
-    return UpstreamBodyError(str(exc) or type(exc).__name__)
-
-
 async def pump_chunks(chunks: AsyncIterator[bytes], sink: Sink) -> bool:
     """``pump`` for a response that can only be iterated: ``chunks`` is kept across calls."""
     async for data in chunks:
@@ -83,90 +74,9 @@ async def pump_chunks(chunks: AsyncIterator[bytes], sink: Sink) -> bool:
     return True
 
 
-class _AiohttpResponse:
-    __slots__ = ("_body", "_resp", "headers", "raw_fields", "status")
-
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
-        self._resp = resp
-        self._body: AsyncIterator[bytes] | None = None  # pump's
-        self.status: int = resp.status
-        self.headers: Mapping[str, str] = resp.headers
-        self.raw_fields: list[tuple[bytes, bytes]] | None = list(resp.raw_headers)
-
-    async def pump(self, sink: Sink) -> bool:
-        if self._body is None:
-            self._body = self.chunks()
-        return await pump_chunks(self._body, sink)
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        try:
-            async for data in self._resp.content.iter_any():
-                yield data
-        except (aiohttp.ClientError, OSError) as exc:  # OSError: TimeoutError, resets
-            raise _body_error(exc) from exc
-
-    async def read(self) -> bytes:
-        try:
-            return await self._resp.read()
-        except (aiohttp.ClientError, OSError) as exc:  # OSError: TimeoutError, resets
-            raise _body_error(exc) from exc
-
-    def close(self) -> None:
-        # close(), not release(): an unfinished response must not go back to the pool.
-        self._resp.close()
-
-
-class AiohttpUpstream:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str) -> None:
-        self._session = session
-        self._base = base_url.rstrip("/")
-
-    async def send(
-        self, method: str, raw_path: str, fields: HeaderFields, body: Body
-    ) -> UpstreamResponse:
-        url = URL(self._base + raw_path, encoded=True)
-        headers = as_mapping(fields)
-        data: Any = body
-        if isinstance(body, bytes) and len(body) > LARGE_BODY:
-            data = io.BytesIO(body)  # aiohttp streams it instead of one large write
-        try:
-            try:
-                resp = await self._session.request(
-                    method, url, headers=headers, data=data, allow_redirects=False
-                )
-            except aiohttp.ServerDisconnectedError:
-                # A pooled keep-alive connection the upstream had already closed (seen with
-                # llama.cpp's server under load): nothing was answered, so try once more on a
-                # fresh connection. A streamed request body cannot be sent twice.
-                if not isinstance(body, bytes | None):
-                    raise
-                if isinstance(data, io.BytesIO):
-                    data.seek(0)
-                resp = await self._session.request(
-                    method, url, headers=headers, data=data, allow_redirects=False
-                )
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamFailure(
-                502, f"upstream refused the connection: {exc.os_error}", "refused"
-            ) from exc
-        except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            raise UpstreamFailure(
-                504, "upstream timed out before sending response headers", "timeout"
-            ) from exc
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            raise UpstreamFailure(
-                502, "upstream closed the connection before responding", "reset"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailure(502, f"upstream error: {type(exc).__name__}", "error") from exc
-        return _AiohttpResponse(resp)
-
-    async def close(self) -> None:
-        """Nothing of its own: the session it sends on is the app's, closed with it."""
-
-
 def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
-    """The one ClientSession of an app: no total timeout (generations can take hours)."""
+    """The one ClientSession of an app, for its engine-side reads (``proxy.engine``: the
+    fingerprint poller, the load reader), which set their own timeouts per request."""
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=config.connect_timeout_s,

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import IO, Any
 
 import orjson
-from aiohttp import web
 
 from proxy.config import STATE_DIR_ENV, ConfigError, IncidentConfig
 from proxy.events import (
@@ -34,7 +33,7 @@ from proxy.events import (
     UpstreamFingerprinted,
     UpstreamRestarted,
 )
-from proxy.http.errors import error_response
+from proxy.http.admin import AdminRequest, Reply, error_reply, json_reply
 from proxy.observe.ui.filters import MAX_MODEL_CHARS, MODES, VERDICT_CHOICES
 
 log = logging.getLogger(__name__)
@@ -312,12 +311,12 @@ class IncidentLog:
                     break
         return found
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: AdminRequest) -> Reply:
         try:
             query = parse_query(request.query.items())
         except QueryError as exc:
-            return error_response(400, str(exc), param=exc.param)
-        return web.Response(body=orjson.dumps(self.select(query)), content_type="application/json")
+            return error_reply(400, str(exc), param=exc.param)
+        return json_reply(self.select(query))
 
 
 class QueryError(ValueError):

@@ -6,7 +6,6 @@ import os
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any, Protocol
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -41,6 +40,7 @@ from proxy.events import (
     UpstreamRestarted,
     UpstreamUnreachable,
 )
+from proxy.http.admin import AdminRequest, Reply
 from proxy.observe.hot import CounterFamily, HistogramFamily
 
 # LLM requests last from milliseconds (errors, cached prefill) to an hour (long reasoning).
@@ -640,6 +640,5 @@ class Metrics:
             registry.register(collector)
         return generate_latest(registry)
 
-    async def handle(self, request: web.Request) -> web.Response:
-        body: Any = self.exposition()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def handle(self, request: AdminRequest) -> Reply:
+        return Reply(200, self.exposition(), CONTENT_TYPE_LATEST)

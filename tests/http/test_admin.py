@@ -4,6 +4,8 @@ listener."""
 from __future__ import annotations
 
 import re
+import socket
+from collections.abc import AsyncIterator
 from html import unescape
 from http.cookies import SimpleCookie
 from pathlib import Path
@@ -11,7 +13,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client import CollectorRegistry
 
+from proxy.app import build_app
+from proxy.config import load_settings
+from proxy.serving import serving
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.processes import detproxy_serve, free_port
 
@@ -79,15 +85,6 @@ async def test_two_processes_on_one_machine() -> None:
                 assert resp.status == 200
 
 
-def test_the_guard_is_installed_only_where_there_is_something_to_guard() -> None:
-    from proxy.config import ServerConfig
-    from proxy.http.admin import admin_middlewares
-
-    assert admin_middlewares(ServerConfig()) == []
-    assert len(admin_middlewares(ServerConfig(admin_token=TOKEN))) == 1
-    assert len(admin_middlewares(ServerConfig(admin_port=9090))) == 1
-
-
 # ---------------------------------------------------------------------------------------------
 # A browser's login: the token for a session cookie
 
@@ -123,11 +120,6 @@ async def _login(client: Any, token: str = TOKEN, **headers: str) -> Any:
         allow_redirects=False,
         headers=headers,
     )
-
-
-@pytest.fixture(params=["lean", "aiohttp"])
-def http_server(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 async def test_a_browser_logs_in_uses_the_explorer_and_logs_out(make_proxy: Any) -> None:
@@ -321,3 +313,72 @@ async def test_a_login_cookie_works_on_every_worker(tmp_path: Path) -> None:
             if len(seen) == 2:
                 break
         assert len(seen) == 2, f"only workers {sorted(seen)} answered in 300 connections"
+
+
+@pytest.fixture
+async def two_listeners() -> AsyncIterator[tuple[str, str]]:
+    """detproxy in process with ``server.admin_port`` and an admin token: (main, admin) URLs."""
+    main, side = socket.socket(), socket.socket()
+    main.bind(("127.0.0.1", 0))
+    side.bind(("127.0.0.1", 0))
+    async with EmulatorServer() as emu:
+        env = {
+            "DETPROXY_SERVER__ADMIN_TOKEN": TOKEN,
+            "DETPROXY_SERVER__ADMIN_PORT": str(side.getsockname()[1]),
+            "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
+        }
+        settings = load_settings(env=env, flags={"upstream": emu.url})
+        app = build_app(settings, registry=CollectorRegistry())
+        async with serving(app, settings.server, main, side):
+            yield (
+                f"http://127.0.0.1:{main.getsockname()[1]}",
+                f"http://127.0.0.1:{side.getsockname()[1]}",
+            )
+
+
+async def test_the_admin_listener_serves_the_guarded_endpoints_and_nothing_else(
+    two_listeners: tuple[str, str],
+) -> None:
+    main, side = two_listeners
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+        for base, path, status in [
+            (main, "/detproxy/health", 200),  # for probes, on both
+            (side, "/detproxy/health", 200),
+            (main, "/detproxy/metrics", 404),  # with the token or not: not on this listener
+            (main, "/detproxy/login", 404),
+            (main, "/detproxy/nothing", 404),
+            (side, "/detproxy/metrics", 401),  # the token's rules on the admin listener
+            (side, "/v1/models", 404),  # which proxies nothing
+            (main, "/v1/models", 200),
+        ]:
+            async with http.get(base + path, allow_redirects=False) as resp:
+                assert resp.status == status, f"GET {base}{path} answered {resp.status}"
+        async with http.get(main + "/detproxy/metrics", headers=AUTH_HEADER) as resp:
+            assert resp.status == 404, "the main listener served metrics to the token"
+        async with http.get(side + "/detproxy/metrics", headers=AUTH_HEADER) as resp:
+            assert resp.status == 200 and "detproxy_requests" in await resp.text()
+            assert resp.headers["Content-Type"].startswith("text/plain; version=")
+        async with http.get(side + "/detproxy/status", headers=AUTH_HEADER) as resp:
+            assert resp.status == 200 and resp.content_type == "application/json"
+            assert (await resp.json())["upstream"].startswith("http://127.0.0.1:")
+        async with http.get(side + "/detproxy/nothing", headers=AUTH_HEADER) as resp:
+            assert resp.status == 404 and "no detproxy endpoint" in await resp.text()
+        # A browser's log-in, on the admin listener: form, cookie, explorer, CSRF'd log-out.
+        async with http.get(side + "/detproxy/ui", allow_redirects=False) as resp:
+            assert resp.status == 303 and resp.headers["Location"].startswith("/detproxy/login")
+        async with http.get(side + "/detproxy/login") as resp:
+            csrf = _hidden(await resp.text(), "csrf")
+        async with http.post(
+            side + "/detproxy/login", data={"token": TOKEN, "csrf": csrf}, allow_redirects=False
+        ) as resp:
+            assert resp.status == 303, f"log-in on the admin listener answered {resp.status}"
+        async with http.get(side + "/detproxy/ui") as resp:
+            html = await resp.text()
+            assert resp.status == 200 and 'id="logout"' in html, f"{resp.status}: {html[:200]}"
+            assert resp.content_type == "text/html" and resp.charset == "utf-8"
+        async with http.head(side + "/detproxy/ui") as resp:
+            assert resp.status == 200 and await resp.read() == b""
+        async with http.post(
+            side + "/detproxy/logout", data={"csrf": _hidden(html, "csrf")}, allow_redirects=False
+        ) as resp:
+            assert (resp.status, resp.headers["Location"]) == (303, "/detproxy/login")

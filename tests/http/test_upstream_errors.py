@@ -1,5 +1,5 @@
-"""Both upstream clients (proxy/http/h1.py and aiohttp's, proxy/http/upstream.py) raise
-detproxy's own errors, the same type for the same fault: a body cut short, a body gone silent."""
+"""The upstream client (proxy/http/h1.py) raises detproxy's own errors, one type for each fault:
+a body cut short, a body gone silent."""
 
 from __future__ import annotations
 
@@ -9,16 +9,9 @@ from typing import Any
 
 import pytest
 
-from proxy.config import UpstreamConfig
 from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamTimeout
 from proxy.http.h1 import H1Upstream
-from proxy.http.upstream import (
-    READ_ERRORS,
-    AiohttpUpstream,
-    Upstream,
-    make_session,
-    read_error_kind,
-)
+from proxy.http.upstream import READ_ERRORS, Upstream, read_error_kind
 from tests.helpers.upstreams import ScriptedRequest, ScriptedServer
 
 READ_TIMEOUT_S = 0.2
@@ -49,40 +42,28 @@ def silent(raw: bytes) -> Callable[[ScriptedRequest, asyncio.StreamWriter], Awai
     return reply
 
 
-@pytest.fixture(params=["native", "aiohttp"])
-async def connect(
-    request: pytest.FixtureRequest,
-) -> AsyncIterator[Callable[[Any], Awaitable[Upstream]]]:
+@pytest.fixture
+async def connect() -> AsyncIterator[Callable[[Any], Awaitable[Upstream]]]:
     servers: list[asyncio.Server] = []
     clients: list[Upstream] = []
-    sessions: list[Any] = []
 
     async def start(reply: Any) -> Upstream:
         script = ScriptedServer(reply)
         script.server = await asyncio.start_server(script.handle, "127.0.0.1", 0)
         servers.append(script.server)
-        config = UpstreamConfig(url=script.url, read_timeout_s=READ_TIMEOUT_S)
-        client: Upstream
-        if request.param == "native":
-            client = H1Upstream(
-                script.url,
-                connect_timeout_s=2.0,
-                read_timeout_s=READ_TIMEOUT_S,
-                keepalive_timeout_s=4.0,
-                max_connections=4,
-            )
-        else:
-            session = make_session(config)
-            sessions.append(session)
-            client = AiohttpUpstream(session, script.url)
+        client = H1Upstream(
+            script.url,
+            connect_timeout_s=2.0,
+            read_timeout_s=READ_TIMEOUT_S,
+            keepalive_timeout_s=4.0,
+            max_connections=4,
+        )
         clients.append(client)
         return client
 
     yield start
     for client in clients:
         await client.close()
-    for session in sessions:
-        await session.close()
     for server in servers:
         server.close()
         await server.wait_closed()

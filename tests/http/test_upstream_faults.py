@@ -6,7 +6,6 @@ import asyncio
 from typing import Any
 
 import orjson
-import pytest
 from aiohttp import ClientTimeout, web
 from prometheus_client import CollectorRegistry
 
@@ -14,13 +13,6 @@ from tests.helpers.metrics import metric
 from tests.helpers.processes import free_port
 from tests.helpers.sse import sse_blocks
 from tests.helpers.waiting import eventually
-
-
-@pytest.fixture(params=["native", "aiohttp"])
-def upstream_client(request: pytest.FixtureRequest) -> str:
-    """Every test here runs with both upstream clients (proxy/http/h1.py and aiohttp's)."""
-    return str(request.param)
-
 
 CHAT = "/v1/chat/completions"
 EV1 = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'

@@ -10,10 +10,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import cast
 
-from aiohttp import web
-
 from proxy.events import EventBus
-from proxy.http.admin import session_csrf
+from proxy.http.admin import Admin, AdminRequest, Reply, html_reply
 from proxy.observe.incidents import IncidentLog
 from proxy.observe.status import AuditTally
 from proxy.observe.ui.filters import FilterError, parse_filter
@@ -27,13 +25,11 @@ _ID = re.compile(r"[0-9a-f]{16}")
 ALL = 10**9  # recent(ALL): the whole ring
 
 
-def _html(body: str, nonce: str, status: int = 200) -> web.Response:
-    return web.Response(
-        text=body,
-        status=status,
-        content_type="text/html",
-        charset="utf-8",
-        headers={
+def _html(body: str, nonce: str, status: int = 200) -> Reply:
+    return html_reply(
+        body,
+        status,
+        {
             "Content-Security-Policy": csp(nonce),
             "Cache-Control": "no-store",
             "X-Content-Type-Options": "nosniff",
@@ -72,17 +68,17 @@ class Explorer:
             engine=self._history.engine(),
         )
 
-    def _links_for(self, request: web.Request) -> Links:
+    def _links_for(self, request: AdminRequest) -> Links:
         """A browser logged in with a session cookie gets a log-out button."""
-        csrf = session_csrf(request)
+        csrf = request.session_csrf
         return self._links if csrf is None else Links(UI_PATH, logout_csrf=csrf)
 
-    def _error(self, request: web.Request, status: int, message: str) -> web.Response:
+    def _error(self, request: AdminRequest, status: int, message: str) -> Reply:
         nonce = new_nonce()
         page = error_page(status, message, self._links_for(request), nonce)
         return _html(page, nonce, status)
 
-    async def overview(self, request: web.Request) -> web.Response:
+    async def overview(self, request: AdminRequest) -> Reply:
         try:
             wanted = parse_filter(request.query.items())
         except FilterError as exc:
@@ -91,8 +87,8 @@ class Explorer:
         links = self._links_for(request)
         return _html(overview_page(build_overview(self.inputs(), wanted), links, nonce), nonce)
 
-    async def incident(self, request: web.Request) -> web.Response:
-        wanted = request.match_info["incident_id"]
+    async def incident(self, request: AdminRequest) -> Reply:
+        wanted = request.match
         if not _ID.fullmatch(wanted):
             return self._error(request, 400, "an incident id is 16 lowercase hex digits")
         for record in self._incidents.recent(ALL):
@@ -110,13 +106,11 @@ class Explorer:
         )
 
 
-def register_ui(
-    app: web.Application, bus: EventBus, incidents: IncidentLog, tally: AuditTally
-) -> None:
-    """Add the explorer's routes (before any catch-all route) and its history subscriber."""
+def register_ui(admin: Admin, bus: EventBus, incidents: IncidentLog, tally: AuditTally) -> None:
+    """Add the explorer's routes and its history subscriber."""
     history = LiveHistory()
     history.subscribe(bus)
     explorer = Explorer(incidents, tally, history)
-    app.router.add_get(UI_PATH, explorer.overview)
-    app.router.add_get(UI_PATH + "/", explorer.overview)
-    app.router.add_get(UI_PATH + "/incident/{incident_id}", explorer.incident)
+    admin.add(UI_PATH, explorer.overview)
+    admin.add(UI_PATH + "/", explorer.overview)
+    admin.add_under(UI_PATH + "/incident/", explorer.incident)
