@@ -43,6 +43,9 @@ class PolicyContext:
     trigger: Trigger | None  # None: the attempt ended without a trigger
     body: Mapping[str, Any] | None = None  # the parsed non-streamed answer, when there is one
     max_tokens: int | None = None  # the client request's limit, when it set one
+    # The request's attempt cap ([loops] max_attempts): no retry is sent past it, whatever a
+    # policy decides (None: not known, as in a policy's own tests).
+    max_attempts: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,8 @@
 
 Ladders are chosen per model by glob pattern (first match wins). Attempt ``k`` that looped
 is followed by attempt ``k + 1`` with ``attempts[k - 1]``'s overrides, within the request's
-attempt limit and the model's recovery budget (extra generated tokens, ``policies.budget``).
+attempt cap (``PolicyContext.max_attempts``) and the model's recovery budget (extra generated
+tokens, ``policies.budget``).
 What happens when retrying is not possible is the ladder's ``on_exhausted`` action: ``abort``
 (end cleanly) or ``observe`` (let it run).
 """
@@ -44,7 +45,6 @@ class Ladder:
 class LoopLadderPolicy:
     ladders: Sequence[Ladder]
     budget: RecoveryBudget
-    max_attempts: int = 3
     name: str = "loop-ladder"
     exhausted: dict[str, int] = field(default_factory=dict)
     triggers_only: ClassVar[bool] = True  # a clean answer is always Continue()
@@ -61,7 +61,8 @@ class LoopLadderPolicy:
         if ladder.action == "abort":
             return Abort("loop")
         step = ctx.attempt - 1
-        if step >= len(ladder.attempts) or ctx.attempt >= self.max_attempts:
+        capped = ctx.max_attempts is not None and ctx.attempt >= ctx.max_attempts
+        if step >= len(ladder.attempts) or capped:
             return self._give_up(ladder, "attempts_exhausted")
         estimate = ctx.max_tokens or DEFAULT_RETRY_TOKENS
         if not self.budget.try_reserve(ctx.model, estimate):

@@ -3,7 +3,7 @@
 What detproxy injected for its audit is stripped from the answer; a continuation's answer gets
 its kept prefix back in front; a retry whose upstream fails or refuses gives the client the
 answer it already had; an abort ends the answer at the loop. The attempts themselves are
-``proxy.attempts.run_attempts``'s.
+``proxy.attempts.Attempts``'s, driven by ``run_attempts``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from policies.base import Abort, Retry
-from proxy.attempts import AttemptEnd, Stages, run_attempts
+from proxy.attempts import AttemptEnd, Attempts, Stages, run_attempts
 from proxy.audit.inject import strip_logprobs
 from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.events import UpstreamFailed
@@ -33,12 +33,9 @@ from proxy.loops.recovery import cut_answer
 from proxy.openai import usage_of
 
 
-def attempt_headers(ex: Exchange) -> dict[str, str]:
+def attempt_headers(attempts: Attempts) -> dict[str, str]:
     """The headers that tell a client its request was retried or recovered."""
-    attempts = ex.attempts
     out: dict[str, str] = {}
-    if attempts is None:
-        return out
     if attempts.count > 1 or attempts.looped:
         out["X-Detproxy-Attempts"] = str(attempts.count)
     if attempts.looped:
@@ -52,9 +49,15 @@ class WholeAnswer:
     """The attempts of one non-streamed exchange."""
 
     def __init__(
-        self, stages: Stages, ex: Exchange, upstream: UpstreamResponse, reads_answers: bool
+        self,
+        stages: Stages,
+        ex: Exchange,
+        attempts: Attempts,
+        upstream: UpstreamResponse,
+        reads_answers: bool,
     ) -> None:
         self.exchange = ex
+        self.attempts = attempts
         self._stages = stages
         self._upstream = upstream
         self._reads_answers = reads_answers
@@ -72,13 +75,12 @@ class WholeAnswer:
 
     async def respond(self) -> None:
         ex = self.exchange
-        decision = await run_attempts(self, self._stages.recovery)
+        decision = await run_attempts(self)
         if self._error is not None:
             status, message = self._error
             return await send_error(ex.client, status, message, request_id=ex.request_id)
         upstream, answer = self._upstream, self._answer
-        attempts = ex.attempts
-        assert attempts is not None
+        attempts = self.attempts
         if isinstance(decision, Abort) and answer is not None and attempts.trigger:
             cut_answer(answer, ex.endpoint, attempts.trigger)
             self._payload = orjson.dumps(answer)
@@ -89,7 +91,7 @@ class WholeAnswer:
             if outcome is not None:
                 self._stages.lifecycle.audit(ex, outcome)
         headers = headers_for_client(upstream, ex.request_id)
-        headers = with_fields(headers, attempt_headers(ex))
+        headers = with_fields(headers, attempt_headers(attempts))
         self._stages.lifecycle.finished(ex, upstream.status, "ok")
         await ex.client.respond(upstream.status, headers, self._payload)
 
@@ -126,7 +128,7 @@ class WholeAnswer:
             payload = self._rewrite(answer, payload, injected)
         self._payload, self._answer = payload, answer
         trigger = None
-        watch = stages.recovery.watch(ex.endpoint)
+        watch = self.attempts.started()
         if watch is not None and answer is not None and status == 200:
             trigger = watch.on_answer(answer)
         return AttemptEnd(generated, decide=True, trigger=trigger, status=status, answer=answer)
@@ -135,13 +137,12 @@ class WholeAnswer:
         """What the client gets of a good answer: without the logprobs the audit injected,
         and with the kept prefix in front of a continuation."""
         ex = self.exchange
-        assert ex.attempts is not None
         if injected:
             if ex.ticket is not None:
                 self._outcome = outcome_from_response(ex.endpoint, answer)
             if strip_logprobs(answer):
                 payload = orjson.dumps(answer)
-        if ex.attempts.count == 1:
+        if self.attempts.count == 1:
             self._prompt_tokens = usage_of(answer)[0]
         continued = self._continued
         if continued is not None:
@@ -161,7 +162,7 @@ class WholeAnswer:
 
     def generated_text(self) -> str | None:
         ex = self.exchange
-        trigger = ex.attempts.trigger if ex.attempts is not None else None
+        trigger = self.attempts.trigger
         channel = trigger.channel if trigger is not None else "content"
         return content_of(ex.endpoint, self._answer, channel)
 
@@ -204,8 +205,7 @@ class WholeAnswer:
         """A retry failed: the answer it would have replaced is the client's."""
         if self._kept is None:
             return False
-        assert self.exchange.attempts is not None
-        self._stages.recovery.retry_failed(self.exchange.attempts)
+        self.attempts.refused()
         self._upstream, self._payload, self._answer = self._kept
         self._kept = None
         return True

@@ -161,7 +161,7 @@ def _policy_chain(settings: Settings, budget: RecoveryBudget) -> PolicyChain:
         Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
         for lad in loops.ladder_list()
     ]
-    return PolicyChain([LoopLadderPolicy(ladders, budget, loops.max_attempts)])
+    return PolicyChain([LoopLadderPolicy(ladders, budget)])
 
 
 def build_app(

@@ -1,31 +1,50 @@
-"""The attempt loop that streamed and whole answers share.
+"""The attempts of one client request, as one object: ``Attempts``.
 
 One client request is answered by one upstream attempt, or by several when a policy retries
-(a loop's recovery). ``run_attempts`` is the one place that decides an attempt's end, accounts
-what it generated, builds the next attempt's body (a restart, or a continuation of the kept
-prefix) and bounds the count; how an attempt is read and shown is the answer's
-(``proxy.answer.WholeAnswer``, ``proxy.streaming.StreamedAnswer``).
+(a loop's recovery). ``Attempts`` is their lifecycle; the answer that reads them
+(``proxy.streaming.StreamedAnswer``, ``proxy.answer.WholeAnswer``) drives it through named
+transitions, and ``run_attempts`` is the loop that does:
+
+- ``started()``: an attempt starts; its loop watch (None: nothing watched).
+- ``decided(trigger)``: a loop was found (a stream's relay reports it while the attempt runs:
+  its plan's ``on_trigger``), or an answer ended: the policies decide, a retry reserves its
+  recovery budget, and no retry goes past the request's one attempt cap.
+- ``ended(end)``: the attempt ended; its tokens are accounted (the client's own attempt adds to
+  what the model generated, a recovery's settles what it reserved).
+- ``retried(decision, text, reasoning)``: the next attempt's body (a restart, or a continuation
+  of the kept prefix: ``proxy.loops.recovery``).
+- ``refused()``: the retry could not be sent (its upstream failed or refused it): what it
+  reserved is released; the client gets the answer it had, or its own request.
+
+The cap is ``[loops] max_attempts``; the policies see it (``PolicyContext.max_attempts``) so
+that a ladder gives up in its own way, and a retry a policy still asks for at the cap is not
+sent.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
 
-from policies.base import Decision, Retry, Trigger
+from policies.base import CONTINUE, Abort, Decision, PolicyContext, Retry, Trigger
 from proxy.config import Settings
-from proxy.events import EventBus
+from proxy.events import (
+    EventBus,
+    LoopDetected,
+    PolicyActed,
+    RecoveryBudgetUsed,
+    RecoveryTokens,
+)
 from proxy.exchange import Exchange, Lifecycle
 from proxy.http.upstream import Upstream
 from proxy.loops.continuation import Continued
-from proxy.loops.recovery import Recovery
+from proxy.loops.recovery import Recovery, is_empty
+from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.relay.inspectors import InspectorFactory
-
-# A hard stop under whatever the policies decide; their own budgets are tighter.
-MAX_ATTEMPTS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +66,7 @@ class Stages:
 
 @dataclass(slots=True)
 class AttemptEnd:
-    """How one attempt ended, for the loop to decide on."""
+    """How one attempt ended, for ``Attempts.ended``."""
 
     generated: int | None  # tokens it generated; None: not an answer (nothing to account)
     decision: Decision | None = None  # taken while it ran (a stream's loop trigger)
@@ -56,29 +75,218 @@ class AttemptEnd:
     status: int = 200
     answer: dict[str, Any] | None = None  # a whole answer, parsed
 
+
+class Attempts:
+    """The upstream attempts of one client request (one, unless a policy retried)."""
+
     def __init__(
         self,
-        generated: int | None,
-        decision: Decision | None = None,
-        decide: bool = False,
-        trigger: Trigger | None = None,
-        status: int = 200,
-        answer: dict[str, Any] | None = None,
+        recovery: Recovery,
+        request_id: str,
+        model: str,
+        endpoint: str,
+        stream: bool,
+        max_tokens: int | None,
+        retry_base: dict[str, Any],
     ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"). The fields above and these arguments are the same, in order.
-        self.generated = generated
-        self.decision = decision
-        self.decide = decide
+        self._recovery = recovery
+        self.request_id = request_id
+        self.model = model
+        self.endpoint = endpoint
+        self.stream = stream
+        self.max_tokens = max_tokens  # the client request's limit, when it set one
+        self.retry_base = retry_base  # the client's request, which a retry's overrides apply to
+        self.max_attempts = recovery.max_attempts  # the one cap
+        self.count = 1  # the attempt now running (1: the client's own request)
+        self.looped = False  # some attempt had a trigger
+        self.pending_retry = False  # a retry's outcome is known when the next attempt ends
+        self.trigger: Trigger | None = None  # the last attempt's
+        self.fell_back = False  # a retry was refused: the client's own request was sent instead
+        # Recovery-budget tokens reserved for an attempt not yet ended: attempt -> tokens.
+        self.reserved: dict[int, int] = {}
+        self.strategy = "restart"  # how the pending (or last) retry recovers
+        self.kept_tokens = 0  # the tokens a continuation kept
+        self.generated = 0  # what the last attempt generated (set when it ended)
+        # The chars of the trigger's channel the last streamed attempt generated (shown or
+        # not): the share of ``generated`` a continuation keeps is read against it.
+        self.generated_chars = 0
+        self.history: list[str] = []  # the outcome of each policy action, in order
+
+    @property
+    def recovered(self) -> bool:
+        return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
+
+    # -- the transitions ---------------------------------------------------------------------
+
+    def started(self) -> LoopWatch | None:
+        """An attempt starts: its loop watch. A streamed retry's answer that stops with
+        nothing in it is a trigger too (no recovery: the ladder goes on); a fallback (the
+        client's own request, the retry refused) is relayed as it comes."""
+        if self.fell_back:
+            return None
+        return self._recovery.watch(self.endpoint, empty_stop=self.stream and self.count > 1)
+
+    def decided(
+        self,
+        trigger: Trigger | None,
+        status: int = 200,
+        answer: Mapping[str, Any] | None = None,
+    ) -> Decision:
+        """The attempt stopped on ``trigger``, or ended (``trigger`` None, ``answer`` a whole
+        one's): what the policies make of it. Settles a pending retry's outcome first."""
+        recovery = self._recovery
+        if self.pending_retry:
+            self.pending_retry = False
+            empty = trigger is None and status == 200 and is_empty(self.endpoint, answer)
+            if empty or (trigger is not None and trigger.source == EMPTY):
+                outcome = "empty"
+            else:
+                outcome = "looped_again" if trigger else "recovered"
+            self._acted("retry", outcome)
+            if empty:
+                # Recovered means an answer: the ladder goes on from an empty one.
+                trigger = Trigger(EMPTY, "content", 0)
         self.trigger = trigger
-        self.status = status
-        self.answer = answer
+        chain = recovery.chain
+        if trigger is None and (self.stream or not chain.reads_clean_answers):
+            return CONTINUE
+        decision = chain.decide(
+            PolicyContext(
+                self.endpoint,
+                self.model,
+                self.stream,
+                self.count,
+                status,
+                trigger,
+                answer,
+                self.max_tokens,
+                self.max_attempts,
+            )
+        )
+        if isinstance(decision, Retry):
+            if decision.reserved_tokens:
+                self.reserved[self.count + 1] = decision.reserved_tokens
+            if self.count >= self.max_attempts:
+                # The one cap: a retry past it is not sent (the ladder gives up before it).
+                self._settle(0, self.count + 1)
+                decision = CONTINUE if trigger is None else Abort("attempts_exhausted")
+        if trigger is None:
+            # Nothing to recover from; a non-streamed answer may still interest a policy.
+            return decision
+        self.looped = True
+        if trigger.source != EMPTY:  # an empty answer is no loop: the retry's outcome says it
+            recovery.bus.publish(
+                LoopDetected(
+                    self.request_id,
+                    self.model,
+                    self.endpoint,
+                    self.stream,
+                    self.count,
+                    trigger,
+                    time.time(),
+                )
+            )
+        if isinstance(decision, Retry):
+            self.pending_retry = True
+        elif isinstance(decision, Abort):
+            self._acted("abort", decision.reason or "loop")
+            if trigger.source == EMPTY:
+                # No loop to cut: the empty answer goes to the client as it came.
+                return CONTINUE
+        else:
+            self._acted("observe", decision.reason or "observe")
+        return decision
+
+    def ended(self, end: AttemptEnd) -> Decision | None:
+        """The attempt ended: decided (unless it was while it ran) and its tokens accounted.
+        Returns what to do next (None: nothing to act on)."""
+        decision = end.decision
+        if end.decide:
+            decision = self.decided(end.trigger, end.status, end.answer)
+        if end.generated is not None:
+            self._account(end.generated)
+        return decision
+
+    def retried(
+        self, decision: Retry, text: str | None, reasoning: str | None
+    ) -> tuple[bytes, Continued | None]:
+        """The next attempt's body, and what it continues (None for a restart). ``text``: what
+        the attempt that ended generated in its trigger's channel (None: not kept);
+        ``reasoning``: its reasoning, where kept."""
+        body, continued, kept = self._recovery.next_attempt(self, decision, text, reasoning)
+        if continued is None:
+            self.strategy = "restart"
+        else:
+            self.strategy = "close_reasoning" if continued.closes_reasoning else "continue"
+        self.kept_tokens = kept
+        self.count += 1
+        return orjson.dumps(body), continued
+
+    def refused(self, fallback: bool = False) -> None:
+        """The retry was not sent (its upstream failed or refused it): its outcome is an
+        error and what it reserved is released. ``fallback``: the client's own request is
+        sent in its place (and relayed as it comes)."""
+        if self.pending_retry:
+            self.pending_retry = False
+            self._acted("retry", "error")
+        self._settle(0)
+        if fallback:
+            self.fell_back = True
+
+    # -- the accounting ----------------------------------------------------------------------
+
+    def _account(self, tokens: int) -> None:
+        """The attempt generated ``tokens``: the client's own request adds to what the model
+        generated, a recovery's settles what it reserved."""
+        recovery = self._recovery
+        self.generated = tokens
+        if self.count > 1:
+            recovery.bus.publish(
+                RecoveryTokens(self.model, self.strategy, tokens, self.kept_tokens)
+            )
+        budget = recovery.budget
+        if budget is None:
+            return
+        if self.count == 1:
+            budget.record_generated(self.model, tokens)
+        self._settle(tokens, self.count)
+
+    def _settle(self, tokens: int, attempt: int | None = None) -> None:
+        """Settle the reservation of ``attempt`` with the ``tokens`` it generated; ``attempt``
+        None releases every reservation left (attempts that will not be sent)."""
+        recovery = self._recovery
+        budget = recovery.budget
+        if budget is None:
+            return
+        settled = False
+        for number in list(self.reserved) if attempt is None else [attempt]:
+            reserved = self.reserved.pop(number, 0)
+            if reserved:
+                budget.settle(self.model, reserved, tokens)
+                settled = True
+        if recovery.budget_gauge_due(self.model, settled or self.count > 1):
+            use = budget.use(self.model)
+            recovery.bus.publish(RecoveryBudgetUsed(self.model, use.spent, use.allowed))
+
+    def _acted(self, action: str, outcome: str) -> None:
+        self.history.append(outcome)
+        self._recovery.bus.publish(
+            PolicyActed(
+                self.request_id,
+                self.model,
+                action,
+                outcome,
+                self.count,
+                self.strategy if action == "retry" else "",
+            )
+        )
 
 
 class Answer(Protocol):
     """How one exchange's attempts are read and shown to its client."""
 
     exchange: Exchange
+    attempts: Attempts
 
     async def attempt(self) -> AttemptEnd | None:
         """Read or relay the current attempt; None when it failed and the answer has what to
@@ -94,34 +302,24 @@ class Answer(Protocol):
 
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         """Send the next attempt (``continued``: what it goes on from, None for a restart);
-        False when it could not be sent and the answer has what to give the client."""
+        False when it could not be sent (``Attempts.refused``) and the answer has what to
+        give the client."""
 
 
-async def run_attempts(answer: Answer, recovery: Recovery) -> Decision | None:
+async def run_attempts(answer: Answer) -> Decision | None:
     """Attempts until one is not retried; returns the last one's decision (None: the last
     attempt failed, nothing to act on)."""
-    ex = answer.exchange
-    attempts = ex.attempts
-    assert attempts is not None and ex.retry_base is not None
+    attempts = answer.attempts
     while True:
         end = await answer.attempt()
         if end is None:
             return None
-        decision = end.decision
-        if end.decide:
-            decision = recovery.decide(attempts, end.trigger, end.status, end.answer)
-        if end.generated is not None:
-            recovery.attempt_ended(attempts, end.generated)
-        if not isinstance(decision, Retry) or attempts.count >= MAX_ATTEMPTS:
+        decision = attempts.ended(end)
+        if not isinstance(decision, Retry):
             return decision
-        body, continued = recovery.next_attempt(
-            attempts,
-            decision,
-            ex.retry_base,
-            answer.generated_text(),
-            answer.generated_reasoning(),
+        body, continued = attempts.retried(
+            decision, answer.generated_text(), answer.generated_reasoning()
         )
-        attempts.count += 1
-        ex.ticket = None  # an answer produced under overrides is not audited
-        if not await answer.retry(orjson.dumps(body), continued, decision):
+        answer.exchange.ticket = None  # an answer produced under overrides is not audited
+        if not await answer.retry(body, continued, decision):
             return None

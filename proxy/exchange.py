@@ -1,9 +1,9 @@
 """One client request's life: the ``Exchange`` every stage receives, and its lifecycle events.
 
 The handler creates one ``Exchange`` per client request (mitmproxy's flow): the frozen
-``RequestView`` of what was asked, the request's upstream attempts (``Attempts``), its audit
-ticket, and its timings. ``Lifecycle`` publishes what the metrics and the log subscribe to:
-each request classified once, finished once, whichever path it ends on.
+``RequestView`` of what was asked, its audit ticket, and its timings (its upstream attempts
+are ``proxy.attempts.Attempts``). ``Lifecycle`` publishes what the metrics and the log
+subscribe to: each request classified once, finished once, whichever path it ends on.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from proxy.events import (
 from proxy.http.headers import HeaderFields
 
 if TYPE_CHECKING:
-    from policies.base import Trigger
     from proxy.audit.auditor import Auditor, AuditTicket
     from proxy.audit.outcome import Outcome
     from proxy.http.clientside import ClientSide
@@ -35,48 +34,12 @@ log = logging.getLogger(__name__)
 CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 
 
-class Attempts:
-    """The upstream attempts of one client request (one, unless a policy retried).
+class Exchange:
+    """One client request, from its arrival to its last byte.
 
     A plain class, not a dataclass: compiled (mypyc), its fields are read as a C struct's by
     every stage, and its ``__init__`` is compiled too.
     """
-
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        endpoint: str,
-        stream: bool,
-        max_tokens: int | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.model = model
-        self.endpoint = endpoint
-        self.stream = stream
-        self.count = 1
-        self.looped = False  # some attempt had a trigger
-        self.pending_retry = False  # a retry's outcome is known when the next attempt ends
-        self.trigger: Trigger | None = None  # the last attempt's
-        self.fell_back = False  # a retry was refused: the client's own request was sent instead
-        self.max_tokens = max_tokens  # the client request's limit, when it set one
-        # Recovery-budget tokens reserved for an attempt not yet ended: attempt -> tokens.
-        self.reserved: dict[int, int] = {}
-        self.strategy = "restart"  # how the pending (or last) retry recovers
-        self.kept_tokens = 0  # the tokens a continuation kept
-        self.generated = 0  # what the last attempt generated (set when it ended)
-        # The chars of the trigger's channel the last streamed attempt generated (shown or
-        # not): the share of ``generated`` a continuation keeps is read against it.
-        self.generated_chars = 0
-        self.history: list[str] = []
-
-    @property
-    def recovered(self) -> bool:
-        return self.looped and not self.pending_retry and self.history[-1:] == ["recovered"]
-
-
-class Exchange:
-    """One client request, from its arrival to its last byte (a plain class: see ``Attempts``)."""
 
     def __init__(
         self, client: ClientSide, endpoint: str, t0: float, inflight_at_start: int
@@ -91,9 +54,7 @@ class Exchange:
         self.body: dict[str, Any] | None = None  # the client's request, parsed
         self.original = b""  # the client's own bytes: what a fallback sends
         self.headers: HeaderFields = {}  # for the upstream
-        self.retry_base: dict[str, Any] | None = None  # what a retry's overrides apply to
         self.ticket: AuditTicket | None = None  # the audit's plan; None when not audited
-        self.attempts: Attempts | None = None
         self.first_byte_s: float | None = None  # upstream headers (whole answers) or first event
         self.counted = False  # RequestClassified was published
         self.finished = False  # RequestFinished was published

@@ -16,12 +16,12 @@ from typing import Any
 import orjson
 
 from proxy.answer import WholeAnswer
-from proxy.attempts import Stages
+from proxy.attempts import Attempts, Stages
 from proxy.audit.auditor import Auditor
 from proxy.classify import ENDPOINTS, classify
 from proxy.config import Settings
 from proxy.events import EventBus, RequestStarted, ShadowDropped, UpstreamFailed
-from proxy.exchange import CLIENT_GONE, Attempts, Exchange, Lifecycle
+from proxy.exchange import CLIENT_GONE, Exchange, Lifecycle
 from proxy.fallback import Altered, FallbackSender
 from proxy.http.body import BadRequest, ensure_json_content_type, parse_object
 from proxy.http.clientside import ClientSide
@@ -134,10 +134,7 @@ class Forwarder:
         if auditor is not None:
             authorization = client.header(b"authorization")
             ex.ticket = auditor.plan(view, body, rid, client.raw_path, authorization)
-        ex.attempts = Attempts(
-            rid, view.model, ex.endpoint, view.stream, max_tokens=max_tokens_of(body)
-        )
-        sent, altered = self._altered(ex)
+        sent, altered, retry_base = self._altered(ex)
         try:
             upstream, fell_back = await self._sender.send(
                 client.raw_path, ex.headers, sent, altered
@@ -147,19 +144,24 @@ class Forwarder:
             self._lifecycle.finished(ex, exc.status, "upstream_error")
             return await send_error(client, exc.status, exc.message, request_id=rid)
         if fell_back:
-            ex.retry_base = body  # the upstream refused an addition: none in this request's retries
+            retry_base = body  # the upstream refused an addition: none in this request's retries
             if ex.ticket is not None and ex.ticket.injected:
                 # The client's own request carries no logprobs: nothing to compare.
                 self._bus.publish(ShadowDropped(view.model, "injection_failed"))
                 ex.ticket = None
+        recovery = self._recovery
+        attempts = Attempts(
+            recovery, rid, view.model, ex.endpoint, view.stream, max_tokens_of(body), retry_base
+        )
         if is_event_stream_response(upstream):
-            await StreamedAnswer(self._stages, ex, upstream).respond()
+            await StreamedAnswer(self._stages, ex, attempts, upstream).respond()
         else:
-            await WholeAnswer(self._stages, ex, upstream, self._recovery.reads_answers).respond()
+            reads = recovery.reads_answers
+            await WholeAnswer(self._stages, ex, attempts, upstream, reads).respond()
 
-    def _altered(self, ex: Exchange) -> tuple[bytes, Altered | None]:
-        """The bytes sent for the client's request, and what detproxy added to them: the
-        audit's logprobs, vLLM's ``repetition_detection``. Sets what a retry starts from."""
+    def _altered(self, ex: Exchange) -> tuple[bytes, Altered | None, dict[str, Any]]:
+        """The bytes sent for the client's request, what detproxy added to them (the audit's
+        logprobs, vLLM's ``repetition_detection``), and what a retry starts from."""
         assert ex.body is not None and ex.view is not None
         body, raw, ticket = ex.body, ex.original, ex.ticket
         kinds: list[str] = []
@@ -169,15 +171,15 @@ class Forwarder:
             kinds.append(LOGPROBS)
         # A retry starts from the client's request: the audit's logprobs are not asked again
         # (an answer produced under overrides is not audited, and would not be stripped).
-        ex.retry_base = body
+        retry_base = body
         if self._recovery.enabled:
             prepared = self._recovery.prepare(sent, ex.view.model)
             if prepared is not sent:
                 raw = orjson.dumps(prepared)
-                ex.retry_base = self._recovery.prepare(body, ex.view.model)
+                retry_base = self._recovery.prepare(body, ex.view.model)
                 kinds.append(REPETITION_DETECTION)
         altered = Altered(kinds, ex.original, ex.view.model, ex.endpoint) if kinds else None
-        return raw, altered
+        return raw, altered, retry_base
 
     # -- everything else --------------------------------------------------------------------
 

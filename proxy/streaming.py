@@ -5,7 +5,8 @@ attempt runs, and a retry closes it at once. A restart is marked with an SSE com
 client sees the answer start again, under the first attempt's id); a continuation simply goes
 on after what the client already has. A refused retry relays the client's own request
 instead, as it would have been; an abort ends the stream cleanly. The attempts themselves are
-``proxy.attempts.run_attempts``'s.
+``proxy.attempts.Attempts``'s (the relay reports a trigger to ``Attempts.decided``), driven by
+``run_attempts``.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import asyncio
 
 import orjson
 
-from policies.base import Abort, Decision, Retry, Trigger
-from proxy.attempts import AttemptEnd, Stages, run_attempts
+from policies.base import Abort, Decision, Retry
+from proxy.attempts import AttemptEnd, Attempts, Stages, run_attempts
 from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
@@ -39,8 +40,11 @@ from proxy.relay.stream import StreamPlan, StreamRelay
 class StreamedAnswer:
     """The attempts of one streamed exchange, relayed to one client response."""
 
-    def __init__(self, stages: Stages, ex: Exchange, upstream: UpstreamResponse) -> None:
+    def __init__(
+        self, stages: Stages, ex: Exchange, attempts: Attempts, upstream: UpstreamResponse
+    ) -> None:
         self.exchange = ex
+        self.attempts = attempts
         self._stages = stages
         self._upstream = upstream
         self._client = ex.client
@@ -74,7 +78,7 @@ class StreamedAnswer:
             upstream = self._upstream
             headers = headers_for_client(upstream, ex.request_id)
             await client.start(upstream.status, headers)
-            decision = await run_attempts(self, stages.recovery)
+            decision = await run_attempts(self)
             result = self._result
             if self._gone is None:
                 if (
@@ -82,8 +86,8 @@ class StreamedAnswer:
                     and result is not None
                     and result.trigger is not None
                 ):
-                    assert ex.view is not None and ex.attempts is not None
-                    attempts = ex.attempts
+                    assert ex.view is not None
+                    attempts = self.attempts
                     strategy = attempts.strategy if attempts.count > 1 else "abort"
                     await client.write(
                         abort_chunk(
@@ -124,8 +128,8 @@ class StreamedAnswer:
     # -- one attempt -------------------------------------------------------------------------
 
     async def attempt(self) -> AttemptEnd:
-        ex, stages = self.exchange, self._stages
-        assert ex.view is not None and ex.attempts is not None
+        ex, stages, attempts = self.exchange, self._stages, self.attempts
+        assert ex.view is not None
         view = ex.view
         found: list[StreamInspector] = [
             i for f in stages.inspector_factories if (i := f(view)) is not None
@@ -136,10 +140,8 @@ class StreamedAnswer:
             found.append(self._accumulator)
         recovery = stages.recovery
         # A fallback after a refused retry is relayed as it comes: nothing to recover to.
-        inspected = not ex.attempts.fell_back
-        # A retry's answer that stops with nothing in it is no recovery: the ladder goes on.
-        retried = ex.attempts.count > 1
-        self._watch = recovery.watch(ex.endpoint, empty_stop=retried) if inspected else None
+        inspected = not attempts.fell_back
+        self._watch = attempts.started()
         if self._watch is not None:
             found.insert(0, self._watch)  # its triggers go to the policies (on_trigger)
         bus = stages.bus
@@ -152,10 +154,10 @@ class StreamedAnswer:
             id_override=self._first_id,
             hold_reasoning=recovery.hold_reasoning,
             hold_max_bytes=recovery.hold_max_bytes,
-            on_trigger=self._on_trigger if inspected else None,
+            on_trigger=attempts.decided if inspected else None,
             reasoning_as_content=self._closes_reasoning,
             # A retry's attempt: its end says what the recovery came to (SPEC 5).
-            trailer=self._trailer if ex.attempts.count > 1 else None,
+            trailer=self._trailer if attempts.count > 1 else None,
             hold_back_chars=recovery.hold_back_chars if inspected else 0,
         )
         relay = StreamRelay(
@@ -193,18 +195,12 @@ class StreamedAnswer:
         )
 
     def _trailer(self, result: StreamResult) -> bytes:
-        ex = self.exchange
-        assert ex.view is not None and ex.attempts is not None
-        attempts = ex.attempts
+        ex, attempts = self.exchange, self.attempts
+        assert ex.view is not None
         # A fallback (the client's own request, the retry refused) recovered nothing.
         recovered = result.trigger is None and not attempts.fell_back
         info = recovery_info(recovered, attempts.count, attempts.strategy)
         return recovery_chunk(ex.endpoint, self._first_id, ex.view.model, info)
-
-    def _on_trigger(self, trigger: Trigger) -> Decision:
-        attempts = self.exchange.attempts
-        assert attempts is not None
-        return self._stages.recovery.decide(attempts, trigger, 200)
 
     def generated_text(self) -> str | None:
         result, watch = self._result, self._watch
@@ -221,8 +217,7 @@ class StreamedAnswer:
         prior = self._prior if trigger.channel == "content" else ""
         shown = watch.shown(trigger.choice, trigger.channel)
         kept = watch.kept(trigger.choice, trigger.channel)
-        assert self.exchange.attempts is not None
-        self.exchange.attempts.generated_chars = len(prior) + (len(kept) if kept else 0)
+        self.attempts.generated_chars = len(prior) + (len(kept) if kept else 0)
         if shown is None:
             return prior or None
         content, reasoning = self._unshown
@@ -249,9 +244,7 @@ class StreamedAnswer:
     # -- the next attempt ----------------------------------------------------------------------
 
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
-        ex = self.exchange
-        attempts = ex.attempts
-        assert attempts is not None
+        ex, attempts = self.exchange, self.attempts
         if self._gone is not None:
             return False  # nobody to answer any more
         marker = retry_comment(attempts.count, decision.reason)
@@ -280,8 +273,7 @@ class StreamedAnswer:
             )
         if upstream is None:
             # Refused: the client's own request, the answer it would have had.
-            self._stages.recovery.retry_failed(attempts)
-            attempts.fell_back = True
+            attempts.refused(fallback=True)
             self._closes_reasoning = False
             own = self._own_continued(continued)
             if own is not None:
@@ -311,15 +303,14 @@ class StreamedAnswer:
         """The client's own request going on from a continued content's shown text (None:
         nothing continued, or closed reasoning, which its own request would not do)."""
         ex = self.exchange
-        if continued is None or continued.closes_reasoning or ex.retry_base is None:
+        if continued is None or continued.closes_reasoning:
             return None
-        assert ex.attempts is not None
         body = continuation_body(
             ex.endpoint,
-            ex.retry_base,
+            self.attempts.retry_base,
             {},
             continued.message,
-            ex.attempts.kept_tokens,
+            self.attempts.kept_tokens,
             continued.reasoning,
         )
         return None if body is None else orjson.dumps(body)

@@ -1,34 +1,21 @@
-"""Loop recovery for one app: builds each attempt's loop watch, asks the policies what a
-trigger leads to, and reports loops and policy actions as events."""
+"""Loop recovery for one app: each attempt's loop watch, the policies and the recovery budget a
+request's attempts ask (``proxy.attempts.Attempts``), and the body of the attempt a retry
+sends: the client's request again under the policy's overrides (a restart), or going on from
+the looping answer's kept prefix (a continuation, ``proxy.loops.continuation``)."""
 
 from __future__ import annotations
 
 import fnmatch
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from policies.base import (
-    CONTINUE,
-    Abort,
-    Decision,
-    PolicyChain,
-    PolicyContext,
-    Retry,
-    Trigger,
-)
+from policies.base import PolicyChain, Retry, Trigger
 from policies.budget import RecoveryBudget
 from proxy.config import LoopConfig, ReasoningMarkersConfig
-from proxy.events import (
-    EventBus,
-    LoopDetected,
-    PolicyActed,
-    RecoveryBudgetUsed,
-    RecoveryTokens,
-)
-from proxy.exchange import Attempts
+from proxy.events import EventBus
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
 from proxy.loops.continuation import (
     Continued,
@@ -44,6 +31,9 @@ from proxy.loops.detector import DetectorConfig
 from proxy.loops.rendered import RenderedContinuation
 from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.openai import REASONING_KEYS, stream_event
+
+if TYPE_CHECKING:
+    from proxy.attempts import Attempts
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
@@ -65,11 +55,12 @@ class Recovery:
         self._runaway = config.runaway
         self._engine_detection = config.engine_detection
         self._guard = guard
-        self._budget = budget
+        self.budget = budget  # None: loops are off
+        self.max_attempts = config.max_attempts  # the one cap on a request's attempts
         self._clock = clock
         self._published: dict[str, int] = {}  # model -> second its budget gauge was last set
-        self._chain = chain
-        self._bus = bus
+        self.chain = chain
+        self.bus = bus
         self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
         # Whether some ladder continues: then a stream's text is kept for its prefix.
         self._continues = config.stream_mode == "continue" or any(
@@ -90,7 +81,7 @@ class Recovery:
     def reads_answers(self) -> bool:
         """Whether a whole non-streamed answer is looked at: by the loop watch, or by a policy
         that reads answers without a trigger."""
-        return self._enabled or self._chain.reads_clean_answers
+        return self._enabled or self.chain.reads_clean_answers
 
     @property
     def hold_reasoning(self) -> bool:
@@ -133,100 +124,18 @@ class Recovery:
             return body
         return {**body, "repetition_detection": engine.model_dump()}
 
-    def decide(
-        self,
-        attempts: Attempts,
-        trigger: Trigger | None,
-        status: int,
-        body: Mapping[str, Any] | None = None,
-    ) -> Decision:
-        """Ask the policies about an attempt that ended (or stopped) with ``trigger``."""
-        if attempts.pending_retry:
-            attempts.pending_retry = False
-            empty = trigger is None and status == 200 and is_empty(attempts.endpoint, body)
-            if empty or (trigger is not None and trigger.source == EMPTY):
-                outcome = "empty"
-            else:
-                outcome = "looped_again" if trigger else "recovered"
-            self._acted(attempts, "retry", outcome)
-            if empty:
-                # Recovered means an answer: the ladder goes on from an empty one.
-                trigger = Trigger(EMPTY, "content", 0)
-        attempts.trigger = trigger
-        if trigger is None and (attempts.stream or not self._chain.reads_clean_answers):
-            return CONTINUE
-        ctx = PolicyContext(
-            attempts.endpoint,
-            attempts.model,
-            attempts.stream,
-            attempts.count,
-            status,
-            trigger,
-            body,
-            attempts.max_tokens,
-        )
-        if trigger is None:
-            # Nothing to recover from; a non-streamed answer may still interest a policy.
-            return self._chain.decide(ctx)
-        decision = self._chain.decide(ctx)
-        attempts.looped = True
-        if trigger.source != EMPTY:  # an empty answer is no loop: the retry's outcome says it
-            self._bus.publish(
-                LoopDetected(
-                    attempts.request_id,
-                    attempts.model,
-                    attempts.endpoint,
-                    attempts.stream,
-                    attempts.count,
-                    trigger,
-                    time.time(),
-                )
-            )
-        if isinstance(decision, Retry):
-            attempts.pending_retry = True
-            if decision.reserved_tokens:
-                attempts.reserved[attempts.count + 1] = decision.reserved_tokens
-        elif isinstance(decision, Abort):
-            self._acted(attempts, "abort", decision.reason or "loop")
-            if trigger.source == EMPTY:
-                # No loop to cut: the empty answer goes to the client as it came.
-                return CONTINUE
-        else:
-            self._acted(attempts, "observe", decision.reason or "observe")
-        return decision
-
-    def retry_failed(self, attempts: Attempts) -> None:
-        if attempts.pending_retry:
-            attempts.pending_retry = False
-            self._acted(attempts, "retry", "error")
-        self._settle(attempts, 0)
-
-    def attempt_ended(self, attempts: Attempts, tokens: int) -> None:
-        """An attempt ended (or was stopped) after generating ``tokens``: the client's own
-        request adds to what the model generated, a recovery's settles what it reserved."""
-        attempts.generated = tokens
-        if attempts.count > 1:
-            self._bus.publish(
-                RecoveryTokens(attempts.model, attempts.strategy, tokens, attempts.kept_tokens)
-            )
-        if self._budget is None:
-            return
-        if attempts.count == 1:
-            self._budget.record_generated(attempts.model, tokens)
-        self._settle(attempts, tokens, attempts.count)
-
     def next_attempt(
         self,
         attempts: Attempts,
         decision: Retry,
-        base: dict[str, Any],
         text: str | None,
         reasoning: str | None = None,
-    ) -> tuple[dict[str, Any], Continued | None]:
-        """The body of the attempt a retry sends, and what it continues (None for a restart).
-        ``text`` is what the looping attempt generated in the trigger's channel (None when it
-        was not kept); ``reasoning`` its reasoning (a chat answer's, when it was kept); ``base``
-        the client's request."""
+    ) -> tuple[dict[str, Any], Continued | None, int]:
+        """The body of the attempt a retry sends, what it continues (None for a restart) and
+        the tokens it keeps. ``text`` is what the looping attempt generated in the trigger's
+        channel (None when it was not kept); ``reasoning`` its reasoning (a chat answer's, when
+        it was kept)."""
+        base = attempts.retry_base
         trigger = attempts.trigger
         strategy = decision.strategy
         endpoint = attempts.endpoint
@@ -256,10 +165,8 @@ class Recovery:
                 message = self._closed(attempts.model, prefix) if closes else prefix
                 body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
                 if body is not None:
-                    attempts.strategy, attempts.kept_tokens = strategy, kept
-                    return body, Continued(prefix, closes, message, carried)
-        attempts.strategy, attempts.kept_tokens = "restart", 0
-        return {**base, **decision.overrides}, None
+                    return body, Continued(prefix, closes, message, carried), kept
+        return {**base, **decision.overrides}, None, 0
 
     def _from_shown(
         self,
@@ -268,7 +175,7 @@ class Recovery:
         base: dict[str, Any],
         shown: str | None,
         reasoning: str = "",
-    ) -> tuple[dict[str, Any], Continued | None]:
+    ) -> tuple[dict[str, Any], Continued | None, int]:
         """A streamed retry under ``stream_mode = "continue"``: ``shown`` is the text of the
         trigger's channel the client was shown. Content goes on from exactly that text (after
         ``reasoning``, the answer's before it); reasoning is closed there (what follows is the
@@ -300,11 +207,8 @@ class Recovery:
             message = self._closed(attempts.model, base_text) if closes else shown
             body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
             if body is not None:
-                strategy = "close_reasoning" if closes else "continue"
-                attempts.strategy, attempts.kept_tokens = strategy, kept
-                return body, Continued(shown, closes, message, carried)
-        attempts.strategy, attempts.kept_tokens = "restart", 0
-        return {**base, **decision.overrides}, None
+                return body, Continued(shown, closes, message, carried), kept
+        return {**base, **decision.overrides}, None, 0
 
     def _closed(self, model: str, reasoning: str) -> str:
         markers = next(
@@ -313,39 +217,16 @@ class Recovery:
         )
         return closed_reasoning(reasoning, markers.start, markers.end)
 
-    def _settle(self, attempts: Attempts, tokens: int, attempt: int | None = None) -> None:
-        """Settle the reservation of ``attempt`` (any, when None: a retry never sent)."""
-        if self._budget is None:
-            return
-        settled = False
-        # None: every reservation left, for attempts that will not be sent.
-        for number in list(attempts.reserved) if attempt is None else [attempt]:
-            reserved = attempts.reserved.pop(number, 0)
-            if reserved:
-                self._budget.settle(attempts.model, reserved, tokens)
-                settled = True
-        # The gauge follows the account: at once when a recovery moved it, else once a second
-        # per model (each request's tokens move "allowed" a little; not worth an update each).
+    def budget_gauge_due(self, model: str, moved: bool) -> bool:
+        """Whether ``RecoveryBudgetUsed`` for ``model`` is due: at once when a recovery moved
+        its account (``moved``), else once a second per model (each request's tokens move
+        "allowed" a little; not worth an update each)."""
         now = int(self._clock())
-        if settled or attempts.count > 1 or self._published.get(attempts.model) != now:
-            if len(self._published) < MAX_PUBLISHED or attempts.model in self._published:
-                self._published[attempts.model] = now
-            use = self._budget.use(attempts.model)
-            self._bus.publish(RecoveryBudgetUsed(attempts.model, use.spent, use.allowed))
-
-    def _acted(self, attempts: Attempts, action: str, outcome: str) -> None:
-        attempts.history.append(outcome)
-        retry = action == "retry"
-        self._bus.publish(
-            PolicyActed(
-                attempts.request_id,
-                attempts.model,
-                action,
-                outcome,
-                attempts.count,
-                attempts.strategy if retry else "",
-            )
-        )
+        if not moved and self._published.get(model) == now:
+            return False
+        if len(self._published) < MAX_PUBLISHED or model in self._published:
+            self._published[model] = now
+        return True
 
 
 def is_empty(endpoint: str, body: Mapping[str, Any] | None) -> bool:

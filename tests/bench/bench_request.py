@@ -15,7 +15,7 @@ timed alone on its own inputs:
 - ``publish RequestStarted + RequestFinished``: the app's bus, with its real subscribers
   (Metrics, IncidentLog, AuditTally as ``build_app`` wires them);
 - ``parse_answer``; the passive checks' steps (``canonical_request_key`` of the request,
-  ``outcome_from_response`` and ``digest_outcome`` of the answer); ``Recovery.decide`` on a
+  ``outcome_from_response`` and ``digest_outcome`` of the answer); ``Attempts.decided`` on a
   clean answer (the real ladder policy);
 - loops on only: ``Recovery.watch`` + ``LoopWatch.on_answer`` on the ~1 KB answer.
 
@@ -63,7 +63,7 @@ from proxy.audit.store import digest_outcome  # noqa: E402
 from proxy.classify import classify  # noqa: E402
 from proxy.config import Settings, load_settings  # noqa: E402
 from proxy.events import RequestFinished, RequestStarted  # noqa: E402
-from proxy.exchange import Attempts  # noqa: E402
+from proxy.attempts import Attempts  # noqa: E402
 from proxy.forward import Forwarder  # noqa: E402
 from proxy.hashing import canonical_request_key  # noqa: E402
 from proxy.http.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
@@ -221,7 +221,7 @@ def proxy_app(loops: bool, answer: bytes) -> web.Application:
         Ladder(lad.models, lad.action, tuple(lad.attempts), lad.on_exhausted)
         for lad in config.ladder_list()
     ]
-    chain = PolicyChain([LoopLadderPolicy(ladders, budget, config.max_attempts)])
+    chain = PolicyChain([LoopLadderPolicy(ladders, budget)])
     recovery = Recovery(config, chain, app[BUS], budget=budget)
     upstream = InstantUpstream(answer)
     forwarder = Forwarder(settings, upstream, app[BUS], recovery)
@@ -310,10 +310,10 @@ async def main() -> int:
     run_sync("passive: digest_outcome", lambda: digest_outcome(outcome))
 
     def decide() -> None:
-        attempts = Attempts(rid, view.model, "chat", False)
-        recovery.decide(attempts, None, 200, parsed_answer)
+        attempts = Attempts(recovery, rid, view.model, "chat", False, None, parsed)
+        attempts.decided(None, 200, parsed_answer)
 
-    run_sync("Attempts + Recovery.decide (clean answer)", decide)
+    run_sync("Attempts + Attempts.decided (clean answer)", decide)
 
     def watch() -> None:
         w = recovery.watch("chat")

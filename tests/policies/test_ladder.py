@@ -7,29 +7,39 @@ from policies.ladder import DEFAULT_RETRY_TOKENS, Ladder, LoopLadderPolicy
 LOOP = Trigger("proxy", "content", 0, 36, 8, 120, "unit")
 
 
-def ctx(attempt: int, model: str = "qwen3-8b", trigger: Trigger | None = LOOP) -> PolicyContext:
-    return PolicyContext("chat", model, True, attempt, 200, trigger)
+def ctx(
+    attempt: int,
+    model: str = "qwen3-8b",
+    trigger: Trigger | None = LOOP,
+    max_attempts: int | None = None,
+) -> PolicyContext:
+    return PolicyContext("chat", model, True, attempt, 200, trigger, max_attempts=max_attempts)
 
 
 def test_the_ladder_climbs_then_gives_up() -> None:
     ladder = Ladder(attempts=({"presence_penalty": 1.5}, {"temperature": 0.6}))
-    policy = LoopLadderPolicy([ladder], RecoveryBudget(1.0, floor_tokens=10**6), max_attempts=5)
+    policy = LoopLadderPolicy([ladder], RecoveryBudget(1.0, floor_tokens=10**6))
     cost = DEFAULT_RETRY_TOKENS
-    assert policy.decide(ctx(1)) == Retry(
+    assert policy.decide(ctx(1, max_attempts=5)) == Retry(
         "loop (proxy, content)", {"presence_penalty": 1.5}, reserved_tokens=cost
     )
-    assert policy.decide(ctx(2)) == Retry(
+    assert policy.decide(ctx(2, max_attempts=5)) == Retry(
         "loop (proxy, content)", {"temperature": 0.6}, reserved_tokens=cost
     )
-    assert policy.decide(ctx(3)) == Abort("attempts_exhausted")
+    assert policy.decide(ctx(3, max_attempts=5)) == Abort("attempts_exhausted")
     assert policy.decide(ctx(1, trigger=None)) == Continue()
 
 
-def test_max_attempts_and_on_exhausted_observe() -> None:
+def test_the_requests_attempt_cap_and_on_exhausted_observe() -> None:
+    """The cap comes with the context (the request's [loops] max_attempts), not the ladder."""
     ladder = Ladder(on_exhausted="observe")
-    policy = LoopLadderPolicy([ladder], RecoveryBudget(1.0, floor_tokens=10**6), max_attempts=2)
-    assert isinstance(policy.decide(ctx(1)), Retry)
-    assert policy.decide(ctx(2)) == Continue("attempts_exhausted")
+    budget = RecoveryBudget(1.0, floor_tokens=10**6)
+    policy = LoopLadderPolicy([ladder], budget)
+    assert isinstance(policy.decide(ctx(1, max_attempts=2)), Retry)
+    spent = budget.use("qwen3-8b").spent
+    assert policy.decide(ctx(2, max_attempts=2)) == Continue("attempts_exhausted")
+    assert budget.use("qwen3-8b").spent == spent, "a capped retry reserved budget"
+    assert policy.exhausted == {"attempts_exhausted": 1}
 
 
 def test_model_patterns_first_match_wins() -> None:
