@@ -282,7 +282,7 @@ async def _watch(supervisor_pid: int, every_s: float) -> None:
     while os.getppid() == supervisor_pid:  # noqa: ASYNC110
         await asyncio.sleep(every_s)
     log.error("supervisor (pid %d) is gone: stopping this worker", supervisor_pid)
-    os.kill(os.getpid(), signal.SIGTERM)  # aiohttp's graceful shutdown, as for an operator's
+    os.kill(os.getpid(), signal.SIGTERM)  # the graceful shutdown, as for an operator's
 
 
 def supervisor_state() -> dict[str, Any] | None:

@@ -117,7 +117,7 @@ class EncodedFields:
     A proxied request's fields are the client's own bytes less ``NOT_PASSED``, a response's
     the upstream's less hop-by-hop ones: the native upstream client and the lean front write
     ``lines`` as they are, so no field is decoded, filtered and encoded again per message.
-    ``mapping()`` reads them for everything else (aiohttp's client and server)."""
+    ``mapping()`` reads them where a mapping is wanted (headers added to an answer's)."""
 
     __slots__ = ("has_date", "has_length", "lines")
 
@@ -143,11 +143,6 @@ HeaderFields = Mapping[str, str] | EncodedFields
 
 def as_mapping(headers: HeaderFields) -> Mapping[str, str]:
     return headers.mapping() if isinstance(headers, EncodedFields) else headers
-
-
-def forwarded_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    """A request's headers for the next hop, as they came but for hop-by-hop and framing."""
-    return _filter(headers, _TO_UPSTREAM)
 
 
 def upstream_request_headers(

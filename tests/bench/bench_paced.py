@@ -15,11 +15,9 @@ two reads. Here the upstream writes what vLLM writes, paced:
 - the targets, each in front of nginx #1: ``nginx`` (nginx #2, ``worker_processes 1``, a plain
   reverse proxy, ``proxy_buffering off``), ``dp-default`` (detproxy with its defaults: loop
   inspection on, passive checks on, audit off), ``dp-noloops`` (the defaults with
-  ``[loops] enabled = false``), ``dp-aiohttp`` (the defaults with ``server.http = "aiohttp"``:
-  aiohttp's server on the client side, as before the lean front), ``dp-audit`` (the defaults
-  with every greedy request audited and the shadow budgets raised, as bench_proxy.py's
-  dp-audit), and with ``--workers 1,2`` also ``dp-default-w2`` (the defaults, ``detproxy serve
-  --workers 2``);
+  ``[loops] enabled = false``), ``dp-audit`` (the defaults with every greedy request audited
+  and the shadow budgets raised, as bench_proxy.py's dp-audit), and with ``--workers 1,2`` also
+  ``dp-default-w2`` (the defaults, ``detproxy serve --workers 2``);
 - wrk (one thread) holds ``--streams`` connections, each POSTing a streamed greedy chat request
   (a different prompt each time, so passive duplicate checks see no duplicates) and reading the
   stream to its end; per cell (streams, target) one wrk run of ``--seconds``, the targets in a
@@ -258,7 +256,6 @@ CONFIGS = {
     "dp-noloops": "[loops]\nenabled = false\n",
     # Nothing inspects a stream: its events take the raw relay (the I/O skeleton's cost).
     "dp-raw": "[loops]\nenabled = false\n[audit]\npassive_checks = false\n",
-    "dp-aiohttp": '[server]\nhttp = "aiohttp"\n',  # aiohttp's server on the client side
     # As bench_proxy.py's dp-audit: the shadow budgets raised so that every request is replayed
     # (the default rate limit of 100 shadows/s would audit a few percent of these streams).
     "dp-audit": """\
@@ -276,7 +273,6 @@ WHAT = {
     "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit off)",
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
     "dp-raw": "detproxy, loops off and passive checks off: no stream is inspected (raw relay)",
-    "dp-aiohttp": 'detproxy, defaults with server.http = "aiohttp" (before the lean front)',
     "dp-audit": "detproxy, defaults with every greedy request audited, shadow budgets raised",
     "dp-gcoff": "detproxy, defaults with gc_freeze = false, gc_threshold = Python's (700, 10, 10)",
     "ht-relay": "asyncio + httptools, each read relayed from its callback: a Python relay's floor",

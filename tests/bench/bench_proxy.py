@@ -468,8 +468,6 @@ class Bench:
         self,
         log_level: str,
         ceiling: bool = False,
-        aiohttp_client: bool = False,
-        aiohttp_server: bool = False,
         only: tuple[str, ...] = (),
         baseline: Path | None = None,
     ) -> None:
@@ -511,10 +509,6 @@ class Bench:
                 wait_port(port, proc, name)
                 self.targets.append(Target(name, port, what, proc))
         configs = dict(DETPROXY_CONFIGS)
-        if aiohttp_client:
-            configs["dp-off-aio"] = '[upstream]\nclient = "aiohttp"\n' + DETPROXY_CONFIGS["dp-off"]
-        if aiohttp_server:
-            configs["dp-loops-aios"] = '[server]\nhttp = "aiohttp"\n' + DETPROXY_CONFIGS["dp-loops"]
         if only:
             configs = {name: conf for name, conf in configs.items() if name in only}
         trees: list[tuple[str, dict[str, str] | None]] = [("", None)]
@@ -551,8 +545,6 @@ class Bench:
                 "dp-off": "detproxy, audit off, passive checks off, loops disabled",
                 "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
                 "dp-loops": "detproxy, audit off, passive checks off, loop inspection on",
-                "dp-off-aio": "dp-off on aiohttp's client (upstream.client = aiohttp)",
-                "dp-loops-aios": "dp-loops on aiohttp's server (server.http = aiohttp)",
             }[name]
             if suffix:
                 what += f", the code of {baseline}"
@@ -983,16 +975,6 @@ def main() -> int:
         help="add aio-static: aiohttp's server alone answering from memory (no upstream)",
     )
     ap.add_argument(
-        "--aiohttp-client",
-        action="store_true",
-        help='add dp-off-aio: dp-off with upstream.client = "aiohttp" (the native client\'s gain)',
-    )
-    ap.add_argument(
-        "--aiohttp-server",
-        action="store_true",
-        help='add dp-loops-aios: dp-loops with server.http = "aiohttp" (the lean front\'s gain)',
-    )
-    ap.add_argument(
         "--targets",
         default="",
         metavar="NAMES",
@@ -1028,7 +1010,7 @@ def main() -> int:
     tmp.chmod(0o755)  # nginx workers (www-data when started as root) read the bodies
     bench = Bench(tmp)
     only = tuple(t for t in args.targets.split(",") if t)
-    extra = 2 * args.ceiling + args.aiohttp_client + args.aiohttp_server
+    extra = 2 * args.ceiling
     detproxies = (len(only) or len(DETPROXY_CONFIGS) + extra) * (2 if args.baseline else 1)
     runs = len(modes) * len(concs) * (2 + 2 * args.ceiling + detproxies) * args.rounds
     print("\n".join(machine()))
@@ -1039,14 +1021,7 @@ def main() -> int:
     )
     t_start = time.monotonic()
     try:
-        bench.start(
-            args.log_level,
-            args.ceiling,
-            args.aiohttp_client,
-            args.aiohttp_server,
-            only,
-            args.baseline,
-        )
+        bench.start(args.log_level, args.ceiling, only, args.baseline)
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"

@@ -43,7 +43,7 @@ from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.audit.shadow import wait_quiet
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.events import CauseAttributed, EventBus
-from proxy.http.upstream import AiohttpUpstream
+from proxy.http.h1 import H1Upstream
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
 MODEL = "emulator-model"
@@ -174,7 +174,14 @@ async def triage_once(
         replay_margin_tokens=arm.margin,
         quiet_deadline_s=600,
     )
-    triage = Triage(config, audit, bus, AiohttpUpstream(http, emu.url), Load())
+    upstream = H1Upstream(
+        emu.url,
+        connect_timeout_s=10.0,
+        read_timeout_s=3600.0,
+        keepalive_timeout_s=4.0,
+        max_connections=64,
+    )
+    triage = Triage(config, audit, bus, upstream, Load())
     if not arm.carry:
         setattr(triage, "_still_quiet", lambda: False)  # noqa: B010 (the previous behaviour)
     triage.start()
@@ -187,6 +194,7 @@ async def triage_once(
     await until(lambda: bool(found), f"{arm.name}: the cause of {case.request_id}", 600)
     arm.seconds.append(time.perf_counter() - t0)
     await triage.close()
+    await upstream.close()
     arm.tokens.append(emu.state.generation_tokens - tokens_before)
     arm.replays.append(emu.state.requests - requests_before)
     arm.waits.append(len(arm.quiet) - waits_before)

@@ -275,7 +275,8 @@ class Setup:
         self.runner = web.AppRunner(self.app)
         await self.runner.setup()
         forwarder = self.app[tree.RUNTIME].forwarder
-        self.server = tree.FrontServer(forwarder.handle, upstream, keepalive_s=75.0)
+        # No /detproxy/ request is made here: the admin handler is never called.
+        self.server = tree.FrontServer(forwarder.handle, forwarder.handle, keepalive_s=75.0)
         self.clients = [Client(tree, self.server) for _ in range(self.streams)]
 
     async def run(self, n: int, stream: bool) -> float:
