@@ -1,0 +1,474 @@
+"""A fake OpenAI-compatible upstream to test a detproxy configuration or policy against (as
+httpx ships ``MockTransport``): an HTTP server on 127.0.0.1, in the test's own event loop, that
+answers each request as the test scripted it and records what it received.
+
+Usage, in an async test (pytest-asyncio or pytest-aiohttp)::
+
+    from proxy.testing import FakeUpstream, Reply, chat_stream
+
+    async def test_a_cut_stream_then_a_refusal() -> None:
+        async with FakeUpstream() as upstream:  # answers "Hello!" where nothing is scripted
+            upstream.script(
+                "/v1/chat/completions",
+                Reply.sse(chat_stream(["Hel", "lo"]), cut_after=2),  # 1st request: cut short
+                Reply.error(503, "overloaded"),  # 2nd: refused; the 3rd gets "Hello!"
+            )
+            ...  # detproxy serve --upstream {upstream.url}; requests sent through it
+            first, *_ = upstream.received("/v1/chat/completions")
+            assert first.json()["stream"] is True
+
+What no script answers, a handler does: ``FakeUpstream(handler)`` with a function of the
+``Received`` request that returns a ``Reply`` (or an awaitable of one; ``answers()`` is the
+default), or ``FakeUpstream(forward=url)``, which passes it on to a real server (an engine, the
+emulator) and records it on the way. ``on(path, reply)`` answers every request to a path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import socket
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+__all__ = [
+    "FakeUpstream",
+    "Handler",
+    "Received",
+    "Reply",
+    "answers",
+    "chat_answer",
+    "chat_chunk",
+    "chat_stream",
+    "completion_answer",
+    "completion_stream",
+]
+
+MODEL = "fake-model"
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """One request the fake upstream received, as it came."""
+
+    method: str
+    path: str
+    query: str
+    headers: Mapping[str, str]  # case-insensitive
+    body: bytes
+
+    def json(self) -> Any:
+        """The body as JSON; None where there was no body."""
+        return orjson.loads(self.body) if self.body else None
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """What the fake upstream answers one request with: a whole body, or (``events`` set) an
+    SSE stream written one event a write. ``cut_after``: the connection is closed after this
+    many events, with no end of the stream (before any answer where there are no events)."""
+
+    status: int = 200
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+    events: tuple[bytes, ...] | None = None
+    cut_after: int | None = None
+    delay_s: float = 0.0  # before the status line
+    interval_s: float = 0.0  # between two events
+
+    @classmethod
+    def json(
+        cls,
+        body: Any,
+        status: int = 200,
+        *,
+        headers: Mapping[str, str] | None = None,
+        delay_s: float = 0.0,
+    ) -> Reply:
+        """A whole JSON answer."""
+        head = (("Content-Type", "application/json"), *(headers or {}).items())
+        return cls(status, head, orjson.dumps(body), delay_s=delay_s)
+
+    @classmethod
+    def error(cls, status: int, message: str, *, kind: str = "BadRequestError") -> Reply:
+        """An OpenAI-style error, as vLLM answers a request it refuses."""
+        error = {"message": message, "type": kind, "param": None, "code": status}
+        return cls.json({"error": error}, status)
+
+    @classmethod
+    def sse(
+        cls,
+        events: Iterable[Mapping[str, Any] | bytes],
+        *,
+        done: bool = True,
+        cut_after: int | None = None,
+        interval_s: float = 0.0,
+        status: int = 200,
+        headers: Mapping[str, str] | None = None,
+    ) -> Reply:
+        """A stream: each JSON event as ``data: <json>``, bytes written as they are, then
+        ``data: [DONE]`` (unless not ``done``)."""
+        framed = [
+            e if isinstance(e, bytes) else b"data: " + orjson.dumps(e) + b"\n\n" for e in events
+        ]
+        if done:
+            framed.append(b"data: [DONE]\n\n")
+        head = (("Content-Type", "text/event-stream"), *(headers or {}).items())
+        return cls(status, head, events=tuple(framed), cut_after=cut_after, interval_s=interval_s)
+
+    @classmethod
+    def cut(cls) -> Reply:
+        """No answer: the connection is closed once the request has been read."""
+        return cls(cut_after=0)
+
+
+Handler = Callable[[Received], Reply | Awaitable[Reply]]
+
+
+# -- answers in vLLM's shapes ---------------------------------------------------------------
+
+
+def chat_chunk(
+    delta: Mapping[str, Any],
+    finish: str | None = None,
+    *,
+    model: str = MODEL,
+    logprobs: Any = None,
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` with one choice."""
+    choice = {"index": 0, "delta": dict(delta), "logprobs": logprobs, "finish_reason": finish}
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def chat_stream(
+    pieces: Sequence[str],
+    finish: str = "stop",
+    *,
+    reasoning: Sequence[str] = (),
+    model: str = MODEL,
+    logprobs: bool = False,
+    usage: bool = False,
+) -> list[dict[str, Any]]:
+    """A streamed chat answer: the role chunk, one chunk a piece (the ``reasoning`` pieces
+    first, in ``delta.reasoning``), the chunk with ``finish``, and a usage chunk (``usage``)."""
+    out = [chat_chunk({"role": "assistant", "content": ""}, model=model)]
+    for field, texts in (("reasoning", reasoning), ("content", pieces)):
+        for text in texts:
+            lp = {"content": [_logprob(text)]} if logprobs else None
+            out.append(chat_chunk({field: text}, model=model, logprobs=lp))
+    out.append(chat_chunk({}, finish, model=model))
+    if usage:
+        out.append(
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion.chunk",
+                "model": model,
+                "choices": [],
+                "usage": _usage(len(reasoning) + len(pieces)),
+            }
+        )
+    return out
+
+
+def chat_answer(
+    pieces: Sequence[str],
+    finish: str = "stop",
+    *,
+    reasoning: Sequence[str] = (),
+    model: str = MODEL,
+    logprobs: bool = False,
+) -> dict[str, Any]:
+    """The same answer whole (``chat.completion``)."""
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(pieces)}
+    if reasoning:
+        message["reasoning"] = "".join(reasoning)
+    lp = {"content": [_logprob(t) for t in [*reasoning, *pieces]]} if logprobs else None
+    choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
+    return {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(len(reasoning) + len(pieces)),
+    }
+
+
+def completion_stream(
+    pieces: Sequence[str],
+    finish: str = "length",
+    *,
+    model: str = MODEL,
+    logprobs: bool = False,
+    usage: bool = False,
+) -> list[dict[str, Any]]:
+    """A streamed ``text_completion``: one chunk a piece, the chunk with ``finish``, and a
+    usage chunk (``usage``)."""
+
+    def chunk(text: str, finish: str | None, lp: Any) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+        return {"id": "cmpl-fake", "object": "text_completion", "model": model, "choices": [choice]}
+
+    out = [chunk(text, None, _legacy([text]) if logprobs else None) for text in pieces]
+    out.append(chunk("", finish, None))
+    if usage:
+        out.append(
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "model": model,
+                "choices": [],
+                "usage": _usage(len(pieces)),
+            }
+        )
+    return out
+
+
+def completion_answer(
+    pieces: Sequence[str], finish: str = "length", *, model: str = MODEL, logprobs: bool = False
+) -> dict[str, Any]:
+    """The same answer whole."""
+    choice = {
+        "index": 0,
+        "text": "".join(pieces),
+        "finish_reason": finish,
+        "logprobs": _legacy(pieces) if logprobs else None,
+    }
+    return {
+        "id": "cmpl-fake",
+        "object": "text_completion",
+        "model": model,
+        "choices": [choice],
+        "usage": _usage(len(pieces)),
+    }
+
+
+def _logprob(token: str) -> dict[str, Any]:
+    entry = {"token": token, "logprob": 0.0, "bytes": list(token.encode())}
+    return {**entry, "top_logprobs": [entry]}
+
+
+def _legacy(tokens: Sequence[str]) -> dict[str, Any]:
+    offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {
+        "tokens": list(tokens),
+        "token_logprobs": [0.0] * len(tokens),
+        "top_logprobs": [{t: 0.0} for t in tokens],
+        "text_offset": offsets,
+    }
+
+
+def _usage(completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": 1,
+        "completion_tokens": completion_tokens,
+        "total_tokens": 1 + completion_tokens,
+    }
+
+
+def answers(text: str = "Hello!", *, model: str = MODEL) -> Handler:
+    """A handler that answers as a greedy engine that always says ``text`` (one piece a
+    word): chat and completions, whole or streamed as the request asks (with logprobs and
+    a usage chunk where it asks for them), the model list, /health; 404 otherwise."""
+    pieces = re.findall(r"\s*\S+\s*", text) or [text]
+
+    def answer(request: Received) -> Reply:
+        path = request.path
+        if path == "/v1/models":
+            return Reply.json({"object": "list", "data": [{"id": model, "object": "model"}]})
+        if path == "/health":
+            return Reply()
+        if request.method != "POST" or not path.endswith("/completions"):
+            return Reply.json({"detail": "Not Found"}, 404)
+        body = request.json() or {}
+        logprobs = bool(body.get("logprobs"))
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if path.endswith("/chat/completions"):
+            if body.get("stream"):
+                return Reply.sse(chat_stream(pieces, model=model, logprobs=logprobs, usage=usage))
+            return Reply.json(chat_answer(pieces, model=model, logprobs=logprobs))
+        if body.get("stream"):
+            chunks = completion_stream(pieces, "stop", model=model, logprobs=logprobs, usage=usage)
+            return Reply.sse(chunks)
+        return Reply.json(completion_answer(pieces, "stop", model=model, logprobs=logprobs))
+
+    return answer
+
+
+# -- the server -------------------------------------------------------------------------------
+
+# Headers of one connection, not of the message: not passed on (``forward``).
+_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+
+
+class FakeUpstream:
+    """An OpenAI-compatible server on a free port of 127.0.0.1 while the ``async with``
+    block runs; ``url`` is its base URL (detproxy's ``--upstream``). Each request is
+    recorded in ``requests``, then answered by the first of: the replies ``script()`` queued
+    for its path (one each, in order), the reply ``on()`` set for its path, the server at
+    ``forward``, the ``handler``."""
+
+    def __init__(
+        self, handler: Handler | None = None, *, forward: str | None = None, model: str = MODEL
+    ) -> None:
+        if handler is not None and forward is not None:
+            raise ValueError("FakeUpstream answers with a handler or forwards, not both")
+        self.requests: list[Received] = []
+        self._handler = handler or answers(model=model)
+        self._forward = forward.rstrip("/") if forward else None
+        self._scripts: dict[str, deque[Reply | Handler]] = {}
+        self._routes: dict[str, Reply | Handler] = {}
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("FakeUpstream.url is known inside its `async with` block")
+        return self._url
+
+    def script(self, path: str, *replies: Reply | Handler) -> None:
+        """The next requests to ``path`` get these, one each, in order (after the replies
+        already queued)."""
+        self._scripts.setdefault(path, deque()).extend(replies)
+
+    def on(self, path: str, reply: Reply | Handler | None) -> None:
+        """Every request to ``path`` that no script answers gets ``reply`` (None: no more)."""
+        if reply is None:
+            self._routes.pop(path, None)
+        else:
+            self._routes[path] = reply
+
+    def received(self, path: str | None = None) -> list[Received]:
+        """The requests received (to ``path`` only, if given), oldest first."""
+        return [r for r in self.requests if path is None or r.path == path]
+
+    def bodies(self, path: str) -> list[Any]:
+        """The JSON bodies of the requests to ``path``, oldest first."""
+        return [r.json() for r in self.received(path)]
+
+    async def __aenter__(self) -> FakeUpstream:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", 0))
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        if self._forward is not None:
+            self._session = aiohttp.ClientSession(auto_decompress=False)
+        self._url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        runner, session = self._runner, self._session
+        self._runner = self._session = self._url = None
+        if session is not None:
+            await session.close()
+        if runner is not None:
+            await runner.cleanup()
+
+    def _next(self, path: str) -> Reply | Handler | None:
+        queued = self._scripts.get(path)
+        if queued:
+            return queued.popleft()
+        return self._routes.get(path)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        got = Received(
+            request.method,
+            request.path,
+            request.query_string,
+            request.headers,
+            await request.read(),
+        )
+        self.requests.append(got)
+        reply = self._next(got.path)
+        if reply is None and self._session is not None:
+            return await self._pass_on(request, got, self._session)
+        if reply is None:
+            reply = self._handler
+        if not isinstance(reply, Reply):
+            answered = reply(got)
+            reply = await answered if inspect.isawaitable(answered) else answered
+        return await _send(request, reply)
+
+    async def _pass_on(
+        self, request: web.Request, got: Received, session: aiohttp.ClientSession
+    ) -> web.StreamResponse:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
+        url = f"{self._forward}{request.path_qs}"
+        async with session.request(got.method, url, data=got.body, headers=headers) as answer:
+            head = [(k, v) for k, v in answer.headers.items() if k.lower() not in _HOP]
+            resp = web.StreamResponse(status=answer.status, reason=answer.reason)
+            for key, value in head:
+                resp.headers.add(key, value)
+            await resp.prepare(request)
+            try:
+                async for data in answer.content.iter_any():
+                    await resp.write(data)
+                await resp.write_eof()
+            except ConnectionResetError:
+                pass  # the client (detproxy) left
+            return resp
+
+
+async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
+    if reply.delay_s:
+        await asyncio.sleep(reply.delay_s)
+    if reply.events is None and reply.cut_after == 0:
+        return _cut(request, web.StreamResponse())
+    resp = web.StreamResponse(status=reply.status)
+    for key, value in reply.headers:
+        resp.headers.add(key, value)
+    if reply.events is None:
+        resp.content_length = len(reply.body)
+        await resp.prepare(request)
+        await resp.write(reply.body)
+        await resp.write_eof()
+        return resp
+    await resp.prepare(request)
+    try:
+        for i, event in enumerate(reply.events):
+            if i == reply.cut_after:
+                return _cut(request, resp)
+            if i and reply.interval_s:
+                await asyncio.sleep(reply.interval_s)
+            await resp.write(event)
+        if reply.cut_after is not None:
+            return _cut(request, resp)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client (detproxy) left
+    return resp
+
+
+def _cut(request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+    """Close the connection where the answer is now: what was written is flushed first."""
+    if request.transport is not None:
+        request.transport.close()
+    return resp
