@@ -21,6 +21,7 @@ from proxy.testing import (
     chat_stream,
     completion_stream,
 )
+from tests.helpers.settings import NO_SHADOWS
 from tests.helpers.sse import parse_sse
 
 CHAT = "/v1/chat/completions"
@@ -234,3 +235,18 @@ async def test_url_is_known_only_inside_the_block_and_the_port_is_closed_after()
 def test_a_handler_and_forward_together_are_refused() -> None:
     with pytest.raises(ValueError, match="not both"):
         FakeUpstream(answers(), forward="http://127.0.0.1:1")
+
+
+async def test_detproxy_in_front_of_it_relays_its_answers_and_it_sees_what_detproxy_sent(
+    make_proxy: Any,
+) -> None:
+    async with FakeUpstream() as upstream:
+        client = await make_proxy(upstream.url, env=NO_SHADOWS)
+        resp = await client.post(CHAT, json=ASK)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["choices"][0]["message"]["content"] == "Hello!"
+        resp = await client.post(CHAT, json=ASK | {"stream": True})
+        assert resp.status == 200 and streamed(await resp.read()) == "Hello!"
+        sent = upstream.bodies(CHAT)
+        assert [b["messages"] for b in sent] == [ASK["messages"]] * 2, sent
+        assert [b.get("stream", False) for b in sent] == [False, True]
