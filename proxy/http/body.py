@@ -1,11 +1,11 @@
-"""Reading a client's request body: bounded, UTF-8 JSON, an object; or a clear 4xx."""
+"""A client's request body: UTF-8 JSON, an object; or a clear 4xx (``BadRequest``; the front
+bounds the reading, ``ClientSide.read_body``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 
 class BadRequest(Exception):
@@ -34,27 +34,6 @@ def _param(params: str, name: str) -> str | None:
         if eq and key.strip().lower() == name:
             return value.strip().strip('"')
     return None
-
-
-async def read_bounded(request: web.Request, limit: int) -> bytes:
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        raise BadRequest(413, f"request body of {declared} bytes exceeds the limit of {limit}")
-    content = request.content
-    if content.is_eof():
-        # The whole body is buffered already (a small body came with the headers).
-        body = content.read_nowait()
-        if len(body) > limit:
-            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
-        return body
-    parts: list[bytes] = []
-    size = 0
-    async for part in content.iter_any():
-        size += len(part)
-        if size > limit:
-            raise BadRequest(413, f"request body exceeds the limit of {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
 
 
 def parse_answer(payload: bytes) -> dict[str, Any] | None:

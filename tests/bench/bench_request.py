@@ -7,10 +7,8 @@ The request is what the openai SDK sends (its headers, a small greedy chat body)
 bench_proxy.py's vLLM-shaped ~1 KB chat completion, with uvicorn's response headers. Steps, each
 timed alone on its own inputs:
 
-- the middlewares ``build_app`` installs with the default config (no admin token, no admin
-  port), around a handler that returns at once;
 - ``request_id_of``: the client sent no ``X-Request-Id`` (one is minted), then one it sent;
-- ``ensure_json_content_type + read_bounded``: the body already buffered, as for a small body;
+- ``ensure_json_content_type``;
 - ``parse_object``, ``classify``, ``upstream_request_headers``, ``client_response_headers``;
 - ``publish RequestStarted + RequestFinished``: the app's bus, with its real subscribers
   (Metrics, IncidentLog, AuditTally as ``build_app`` wires them);
@@ -20,9 +18,9 @@ timed alone on its own inputs:
 - loops on only: ``Recovery.watch`` + ``LoopWatch.on_answer`` on the ~1 KB answer.
 
 Then the whole path, twice (``[loops] enabled = false``, then the default ``true``; audit off):
-the app's middlewares -> ``_dispatch`` -> ``Forwarder.handle`` against an in-memory upstream
-that answers at once, including aiohttp's ``web.Response``. What aiohttp's server does around
-a handler (parsing, routing, writing) is not in these figures.
+``Forwarder.handle`` on an in-memory client (its body buffered, its answer kept) against an
+in-memory upstream that answers at once. What the front does around it (parsing, writing) is
+not in these figures (``bench_wire.py`` has it).
 
 The inputs are built before the timing starts and frozen out of the garbage collector's reach
 (``gc.freeze``).
@@ -36,7 +34,6 @@ import gc
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +41,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from aiohttp import web  # noqa: E402
-from aiohttp.base_protocol import BaseProtocol  # noqa: E402
-from aiohttp.streams import StreamReader  # noqa: E402
-from aiohttp.test_utils import make_mocked_request  # noqa: E402
-from aiohttp.typedefs import Handler  # noqa: E402
 from bench_proxy import MODEL, PATH, make_json_answer, request_body  # noqa: E402
 from multidict import CIMultiDict, CIMultiDictProxy  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
@@ -57,17 +49,18 @@ import proxy  # noqa: E402
 from policies.base import PolicyChain  # noqa: E402
 from policies.budget import RecoveryBudget  # noqa: E402
 from policies.ladder import Ladder, LoopLadderPolicy  # noqa: E402
-from proxy.app import BUS, RUNTIME, Runtime, _dispatch, build_app  # noqa: E402
+from proxy.app import BUS, RUNTIME, Runtime, build_app  # noqa: E402
+from proxy.attempts import Attempts  # noqa: E402
 from proxy.audit.outcome import outcome_from_response  # noqa: E402
 from proxy.audit.store import digest_outcome  # noqa: E402
 from proxy.classify import classify  # noqa: E402
 from proxy.config import Settings, load_settings  # noqa: E402
 from proxy.events import RequestFinished, RequestStarted  # noqa: E402
-from proxy.attempts import Attempts  # noqa: E402
 from proxy.forward import Forwarder  # noqa: E402
 from proxy.hashing import canonical_request_key  # noqa: E402
-from proxy.http.body import ensure_json_content_type, parse_answer, parse_object, read_bounded  # noqa: E402
+from proxy.http.body import ensure_json_content_type, parse_answer, parse_object  # noqa: E402
 from proxy.http.headers import (  # noqa: E402
+    HeaderFields,
     client_response_headers,
     request_id_of,
     upstream_request_headers,
@@ -164,37 +157,55 @@ async def best_us_async(
     return best
 
 
-def _payload(body: bytes, protocol: BaseProtocol) -> StreamReader:
-    reader = StreamReader(protocol, 2**16, loop=asyncio.get_running_loop())
-    reader.feed_data(body)
-    reader.feed_eof()
-    return reader
+class MemoryClient:
+    """A ``ClientSide`` in memory: the request's body buffered, the answer kept."""
+
+    __slots__ = ("_body", "answer", "headers", "status")
+
+    method = "POST"
+    path = raw_path = PATH
+    passed_fields = None  # the headers are filtered, as for a Connection naming a field
+    has_body = True
+
+    def __init__(self, headers: CIMultiDictProxy[str], body: bytes) -> None:
+        self.headers = headers
+        self._body = body
+        self.status = 0
+        self.answer = b""
+
+    def header(self, name: bytes) -> str | None:
+        return self.headers.get(name.decode("latin-1"))
+
+    async def read_body(self, limit: int) -> bytes:
+        return self._body
+
+    async def body_chunks(self) -> AsyncIterator[bytes]:
+        yield self._body
+
+    async def respond(self, status: int, headers: HeaderFields, body: bytes) -> None:
+        self.status, self.answer = status, body
+
+    async def start(self, status: int, headers: HeaderFields) -> None:
+        self.status = status
+
+    async def write(self, data: bytes) -> None:
+        self.answer += data
+
+    def write_nowait(self, data: bytes) -> bool:
+        self.answer += data
+        return True
+
+    async def drain(self) -> None:
+        pass
+
+    async def end(self) -> None:
+        pass
 
 
-def requests(app: web.Application, body: bytes, n: int) -> list[web.Request]:
-    """``n`` requests with the body buffered; the mocks they need are made once and shared."""
-    headers = {**CLIENT_HEADERS, "Content-Length": str(len(body))}
-    template = make_mocked_request("POST", PATH, headers, app=app)
-    shared = {
-        "app": app,
-        "protocol": template.protocol,
-        "transport": template.transport,
-        "writer": template.writer,
-        "loop": asyncio.get_running_loop(),
-        "client_max_size": 2**24,
-    }
-    protocol = BaseProtocol(asyncio.get_running_loop())
-    return [
-        make_mocked_request("POST", PATH, headers, payload=_payload(body, protocol), **shared)
-        for _ in range(n)
-    ]
-
-
-def chain(app: web.Application, handler: Handler) -> Handler:
-    """The handler wrapped in the app's middlewares, as aiohttp wraps it for each route."""
-    for middleware in reversed(app.middlewares):
-        handler = partial(middleware, handler=handler)
-    return handler
+def requests(body: bytes, n: int) -> list[MemoryClient]:
+    """``n`` requests with the body buffered."""
+    headers = CIMultiDictProxy(CIMultiDict({**CLIENT_HEADERS, "Content-Length": str(len(body))}))
+    return [MemoryClient(headers, body) for _ in range(n)]
 
 
 def settings_for(loops: bool) -> Settings:
@@ -208,7 +219,7 @@ def settings_for(loops: bool) -> Settings:
     )
 
 
-def proxy_app(loops: bool, answer: bytes) -> web.Application:
+def proxy_app(loops: bool, answer: bytes) -> Any:
     """build_app's app, with its runtime made by hand as its cleanup context would (no
     session: the upstream is in memory), and the same policy chain."""
     settings = settings_for(loops)
@@ -243,10 +254,9 @@ async def main() -> int:
     app_off = proxy_app(False, answer)
     app_on = proxy_app(True, answer)
     bus = app_on[BUS]
-    settings = settings_for(True)
     forwarder_on = app_on[RUNTIME].forwarder
     recovery: Recovery = forwarder_on._recovery  # type: ignore[assignment]
-    client = requests(web.Application(), body, 1)[0]
+    client = requests(body, 1)[0]
     given = CIMultiDictProxy(CIMultiDict({**CLIENT_HEADERS, "X-Request-Id": "my-request-0001"}))
     upstream_headers = CIMultiDictProxy(CIMultiDict(UPSTREAM_HEADERS))
     rid = request_id_of(client.headers.get("X-Request-Id"))
@@ -254,20 +264,6 @@ async def main() -> int:
     view = classify("chat", parsed)
 
     rows: list[tuple[str, float]] = []
-
-    done = web.Response()
-
-    async def ok(request: web.Request) -> web.StreamResponse:
-        return done
-
-    plain = web.Application()
-    middlewares = f"{len(app_on.middlewares)} middleware(s), the default config"
-    rows.append(
-        (
-            f"admin middleware ({middlewares})",
-            await best_us_async(lambda k: [client] * k, chain(app_on, ok), n, repeat),
-        )
-    )
 
     def run_sync(label: str, fn: Callable[[], object]) -> None:
         def run() -> None:
@@ -279,15 +275,8 @@ async def main() -> int:
     run_sync("request_id_of (minted)", lambda: request_id_of(client.headers.get("X-Request-Id")))
     run_sync("request_id_of (given)", lambda: request_id_of(given.get("X-Request-Id")))
 
-    async def read(request: web.Request) -> bytes:
-        ensure_json_content_type(request.headers.get("Content-Type"))
-        return await read_bounded(request, settings.server.max_body_bytes)
-
-    rows.append(
-        (
-            "ensure_json_content_type + read_bounded",
-            await best_us_async(lambda k: requests(plain, body, k), read, n, repeat),
-        )
+    run_sync(
+        "ensure_json_content_type", lambda: ensure_json_content_type(client.header(b"content-type"))
     )
     run_sync("parse_object (request body)", lambda: parse_object(body))
     run_sync("classify", lambda: classify("chat", parsed))
@@ -329,15 +318,14 @@ async def main() -> int:
 
     whole: list[tuple[str, float]] = []
     for label, app in (("loops off", app_off), ("loops on", app_on)):
+        handle = app[RUNTIME].forwarder.handle
+        probe = requests(body, 1)[0]
+        await handle(probe)  # the path measured answers as a proxied request is answered
+        assert probe.status == 200 and probe.answer == answer, f"answered {probe.status}"
         whole.append(
             (
-                f"middlewares -> _dispatch -> Forwarder.handle, {label}",
-                await best_us_async(
-                    lambda k, app=app: requests(app, body, k),  # type: ignore[misc]
-                    chain(app, _dispatch),
-                    n,
-                    repeat,
-                ),
+                f"Forwarder.handle, {label}",
+                await best_us_async(lambda k: requests(body, k), handle, n, repeat),
             )
         )
 

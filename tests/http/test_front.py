@@ -171,6 +171,15 @@ async def test_a_body_past_the_limit_is_refused_and_the_rest_read_before_closing
     writer.close()
 
 
+async def test_a_chunked_body_past_the_limit_is_refused_before_its_end(front: Front) -> None:
+    """No length declared: refused once more than the limit came, the end not waited for."""
+    data = b"POST /limit HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    data += b"a\r\n0123456789\r\na\r\n0123456789\r\n"  # 20 bytes, and no last chunk
+    got = await exchange(front.port, data, until=b"limit of 16 bytes")
+    assert got.startswith(b"HTTP/1.1 413 "), f"a body past the limit answered {got[:40]!r}"
+    assert got.endswith(b"request body exceeds the limit of 16 bytes")
+
+
 async def test_a_client_that_leaves_cancels_its_handler(front: Front) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", front.port)
     writer.write(post("/hang", b""))
