@@ -1,6 +1,7 @@
 """Scripted and recording upstreams: a raw HTTP/1.1 server for the upstream client's tests, a
-minimal OpenAI-compatible aiohttp app (an SSE stream, a /version that can change), and ``Seen``,
-a middleware that records what the emulator got and refuses the paths a test names."""
+minimal OpenAI-compatible aiohttp app (an SSE stream, a /version that can change), and what the
+tests read of a ``proxy.testing.FakeUpstream``'s records (the scripted and recording upstream
+tests and users share)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from proxy.loops.rendered import SENTINEL
+from proxy.testing import FakeUpstream
 from tests.helpers.sse import chat_event, sse_event
 
 # A scripted HTTP/1.1 server for the upstream client's tests: it records each request and the
@@ -173,34 +174,11 @@ def scripted_upstream(script: UpstreamScript) -> web.Application:
     return app
 
 
-class Seen:
-    """The requests the emulator got (path, body), and the paths it answers otherwise (a
-    status and body)."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict[str, Any]]] = []
-        self.refuse: dict[str, tuple[int, dict[str, Any]]] = {}
-
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        body = orjson.loads(await request.read() or b"{}")
-        self.requests.append((request.path, body))
-        answer = self.refuse.get(request.path)
-        if answer is not None:
-            return web.json_response(answer[1], status=answer[0])
-        return await handler(request)
-
-    def bodies(self, path: str) -> list[dict[str, Any]]:
-        return [body for p, body in self.requests if p == path]
-
-    def probes(self) -> int:
-        """Probes of a template (the /tokenize render whose reasoning is SENTINEL)."""
-        return sum(
-            1
-            for body in self.bodies("/tokenize")
-            if SENTINEL in orjson.dumps(body.get("messages") or []).decode()
-        )
-
-
-def refused(status: int) -> tuple[int, dict[str, Any]]:
-    return status, {"error": {"message": "refused", "type": "BadRequestError", "code": status}}
+def probes(upstream: FakeUpstream) -> int:
+    """Probes of a template an upstream got (the /tokenize renders whose reasoning is
+    SENTINEL): the loop tests' record of a ``FakeUpstream`` forwarding to the emulator."""
+    return sum(
+        1
+        for body in upstream.bodies("/tokenize")
+        if SENTINEL in orjson.dumps(body.get("messages") or []).decode()
+    )

@@ -14,11 +14,12 @@ import orjson
 import pytest
 
 from proxy.loops.continuation import continuation_body, merge_answer
+from proxy.testing import FakeUpstream, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.answers import no_loop_in
 from tests.helpers.emulator import knobs
 from tests.helpers.settings import rendering
-from tests.helpers.upstreams import Seen, refused
+from tests.helpers.upstreams import probes
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps(
@@ -51,8 +52,10 @@ def looping(reasoning_tokens: int = 6, answer_in: str = "content") -> dict[str, 
 
 
 @pytest.fixture
-def seen() -> Seen:
-    return Seen()
+async def seen(emulator: EmulatorServer) -> AsyncIterator[FakeUpstream]:
+    """detproxy's upstream: the emulator, what it was sent recorded, refused where a test says."""
+    async with FakeUpstream(forward=emulator.url) as upstream:
+        yield upstream
 
 
 @pytest.fixture
@@ -62,9 +65,8 @@ def drops() -> bool:
 
 
 @pytest.fixture
-async def emulator(seen: Seen, drops: bool) -> AsyncIterator[EmulatorServer]:
+async def emulator(drops: bool) -> AsyncIterator[EmulatorServer]:
     server = EmulatorServer(EmulatorConfig(template_drops_reasoning=drops))
-    server.app.middlewares.append(seen.middleware)
     async with server:
         yield server
 
@@ -75,7 +77,7 @@ def conditioned(emulator: EmulatorServer) -> list[dict[str, Any]]:
     return [r["detail"] for r in emulator.injections() if r["kind"] == "closed_reasoning"]
 
 
-def continued(seen: Seen) -> list[dict[str, Any]]:
+def continued(seen: FakeUpstream) -> list[dict[str, Any]]:
     """The final assistant messages of the chat continuations sent."""
     bodies = seen.bodies("/v1/chat/completions")
     return [b["messages"][-1] for b in bodies if b.get("continue_final_message")]
@@ -92,9 +94,9 @@ async def post(client: Any, headers: dict[str, str]) -> tuple[Any, dict[str, Any
 
 @pytest.mark.parametrize("answer_in", ["content", "reasoning"])
 async def test_on_a_keeping_template_the_continued_message_carries_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen, answer_in: str
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream, answer_in: str
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     resp, answer = await post(client, looping(answer_in=answer_in))
     assert resp.headers["X-Detproxy-Strategy"] == "continue"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -111,7 +113,7 @@ async def test_on_a_keeping_template_the_continued_message_carries_the_reasoning
     assert no_loop_in(content)
     assert answer["object"] == "chat.completion" and answer["id"].startswith("chatcmpl-")
     # The template keeps the reasoning (asked once): no rendered path.
-    assert seen.probes() == 1 and not seen.bodies("/v1/completions")
+    assert probes(seen) == 1 and not seen.bodies("/v1/completions")
     # The reasoning's tokens were generated too: taken off the limit with the content's.
     (body,) = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
     usage = answer["usage"]
@@ -121,9 +123,9 @@ async def test_on_a_keeping_template_the_continued_message_carries_the_reasoning
 
 @pytest.mark.parametrize("drops", [True])
 async def test_on_a_dropping_template_the_rendered_prompt_holds_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     resp, answer = await post(client, looping())
     assert resp.headers["X-Detproxy-Strategy"] == "continue"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -146,11 +148,11 @@ async def test_on_a_dropping_template_the_rendered_prompt_holds_the_reasoning(
 
 @pytest.mark.parametrize("drops", [True])
 async def test_on_the_chat_path_a_dropping_template_loses_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
     # The control: declared never, the chat continuation carries the reasoning, and the
     # template drops it; the engine goes on from the content alone.
-    client = await make_proxy(emulator.url, env=ENV | rendering("never"))
+    client = await make_proxy(seen.url, env=ENV | rendering("never"))
     resp, answer = await post(client, looping())
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     (sent,) = continued(seen)
@@ -160,9 +162,9 @@ async def test_on_the_chat_path_a_dropping_template_loses_the_reasoning(
 
 
 async def test_an_answer_without_reasoning_is_continued_as_before(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     resp, answer = await post(client, looping(reasoning_tokens=0))
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     assert not answer["choices"][0]["message"].get("reasoning")
@@ -174,10 +176,10 @@ async def test_an_answer_without_reasoning_is_continued_as_before(
 
 @pytest.mark.parametrize("drops", [True])
 async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    seen.refuse["/v1/completions"] = refused(400)
-    client = await make_proxy(emulator.url, env=ENV)
+    seen.on("/v1/completions", Reply.error(400, "refused"))
+    client = await make_proxy(seen.url, env=ENV)
     resp, answer = await post(client, looping())
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     message = answer["choices"][0]["message"]
@@ -208,9 +210,9 @@ def reasoning_of(chunk: Any) -> str:
 
 @pytest.mark.parametrize("drops", [False, True])
 async def test_a_streamed_content_loop_is_continued_after_its_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen, drops: bool
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream, drops: bool
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     chunks = await sdk_stream(client)  # the SDK raises on an error event
     assert len({c.id for c in chunks}) == 1, "the stream changed its id"
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
@@ -241,10 +243,10 @@ async def test_a_streamed_content_loop_is_continued_after_its_reasoning(
 
 @pytest.mark.parametrize("drops", [True])
 async def test_a_refused_streamed_continuation_is_no_error(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    seen.refuse["/v1/completions"] = refused(400)
-    client = await make_proxy(emulator.url, env=ENV)
+    seen.on("/v1/completions", Reply.error(400, "refused"))
+    client = await make_proxy(seen.url, env=ENV)
     chunks = await sdk_stream(client)  # the SDK raises on an error event
     assert len(seen.bodies("/v1/completions")) == 1
     assert len({c.id for c in chunks}) == 1

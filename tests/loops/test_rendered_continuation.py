@@ -21,11 +21,12 @@ from proxy.loops.rendered import (
     paths_of,
     supported,
 )
+from proxy.testing import FakeUpstream, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.answers import no_loop_in
 from tests.helpers.emulator import knobs
 from tests.helpers.settings import rendering
-from tests.helpers.upstreams import Seen, refused
+from tests.helpers.upstreams import probes
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps([{"models": "*", "attempts": [{"strategy": "close_reasoning"}]}]).decode()
@@ -51,8 +52,10 @@ ASK: dict[str, Any] = {
 
 
 @pytest.fixture
-def seen() -> Seen:
-    return Seen()
+async def seen(emulator: EmulatorServer) -> AsyncIterator[FakeUpstream]:
+    """detproxy's upstream: the emulator, what it was sent recorded, refused where a test says."""
+    async with FakeUpstream(forward=emulator.url) as upstream:
+        yield upstream
 
 
 @pytest.fixture
@@ -61,9 +64,8 @@ def template_drops_reasoning() -> bool:
 
 
 @pytest.fixture
-async def emulator(seen: Seen, template_drops_reasoning: bool) -> AsyncIterator[EmulatorServer]:
+async def emulator(template_drops_reasoning: bool) -> AsyncIterator[EmulatorServer]:
     server = EmulatorServer(EmulatorConfig(template_drops_reasoning=template_drops_reasoning))
-    server.app.middlewares.append(seen.middleware)
     async with server:
         yield server
 
@@ -92,9 +94,9 @@ async def post(client: Any, body: dict[str, Any] = ASK) -> tuple[Any, dict[str, 
 
 
 async def test_a_closed_reasoning_is_continued_on_the_rendered_prompt(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     resp, answer = await post(client)
     assert resp.headers["X-Detproxy-Strategy"] == "close_reasoning"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -119,11 +121,11 @@ async def test_a_closed_reasoning_is_continued_on_the_rendered_prompt(
 
 @pytest.mark.parametrize("template_drops_reasoning", [False])
 async def test_the_client_cannot_tell_the_rendered_answer_from_the_chat_one(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
     # A template that keeps the reasoning, so that both paths answer.
-    rendered, _ = await post(await make_proxy(emulator.url, env=ENV | rendering("always")))
-    chat, _ = await post(await make_proxy(emulator.url, env=ENV | rendering("never")))
+    rendered, _ = await post(await make_proxy(seen.url, env=ENV | rendering("always")))
+    chat, _ = await post(await make_proxy(seen.url, env=ENV | rendering("never")))
     got = [c["endpoint"] for c in conditioned(emulator)]
     assert got == ["completion", "chat"], got
     assert shape(await rendered.json()) == shape(await chat.json())
@@ -132,12 +134,12 @@ async def test_the_client_cannot_tell_the_rendered_answer_from_the_chat_one(
 
 
 async def test_on_the_chat_path_the_template_cannot_continue_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
     # The control: the same recovery as a final assistant message. The template cuts the
     # reasoning out of it, and continuing a message the template cut is refused (vLLM's 400,
     # transformers' error): the client keeps the answer it had.
-    client = await make_proxy(emulator.url, env=ENV | rendering("never"))
+    client = await make_proxy(seen.url, env=ENV | rendering("never"))
     resp, answer = await post(client)
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert answer["object"] == "chat.completion"
@@ -147,51 +149,51 @@ async def test_on_the_chat_path_the_template_cannot_continue_the_reasoning(
 
 
 async def test_the_template_is_probed_once_per_model(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     for _ in range(3):
         await post(client)
-    assert seen.probes() == 1, f"{seen.probes()} probes for one model"
+    assert probes(seen) == 1, f"{probes(seen)} probes for one model"
     assert [c["endpoint"] for c in conditioned(emulator)] == ["completion"] * 3
 
 
 @pytest.mark.parametrize("template_drops_reasoning", [False])
 async def test_a_template_that_keeps_the_reasoning_keeps_the_chat_path(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     _, answer = await post(client)
-    assert seen.probes() == 1 and not seen.bodies("/v1/completions")
+    assert probes(seen) == 1 and not seen.bodies("/v1/completions")
     kept = answer["choices"][0]["message"]["reasoning"]
     assert conditioned(emulator) == [{"endpoint": "chat", "reasoning": kept.strip("\n")}]
 
 
 # No /tokenize, and llama.cpp's server's (it reads "content": without, no tokens; measured
 # with llama-server 0.3.36's, 2026-12-04).
-@pytest.mark.parametrize("tokenize", [refused(404), (200, {"tokens": []})])
+@pytest.mark.parametrize("tokenize", [Reply.error(404, "refused"), Reply.json({"tokens": []})])
 async def test_without_vllm_tokenize_the_chat_path_stays(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen, tokenize: tuple[int, dict[str, Any]]
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream, tokenize: Reply
 ) -> None:
     # The chat continuation is sent as before (here refused: the template cuts it), and the
     # client gets an answer, never an error.
-    seen.refuse["/tokenize"] = tokenize
-    client = await make_proxy(emulator.url, env=ENV)
+    seen.on("/tokenize", tokenize)
+    client = await make_proxy(seen.url, env=ENV)
     for _ in range(2):
         resp, answer = await post(client)
         assert resp.headers["X-Detproxy-Recovered"] == "false"
         assert answer["object"] == "chat.completion"
-    assert seen.probes() == 1, "a failed probe was not remembered"
+    assert probes(seen) == 1, "a failed probe was not remembered"
     assert not seen.bodies("/v1/completions")
     continued = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
     assert len(continued) == 2
 
 
 async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    seen.refuse["/v1/completions"] = refused(400)
-    client = await make_proxy(emulator.url, env=ENV)
+    seen.on("/v1/completions", Reply.error(400, "refused"))
+    client = await make_proxy(seen.url, env=ENV)
     resp, answer = await post(client)
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["reasoning"]
@@ -199,10 +201,10 @@ async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
 
 
 async def test_tools_keep_the_chat_path(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    client = await make_proxy(emulator.url, env=ENV | rendering("always"))
+    client = await make_proxy(seen.url, env=ENV | rendering("always"))
     await post(client, ASK | {"tools": [tool]})
     assert not seen.bodies("/tokenize") and not seen.bodies("/v1/completions")
     continued = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
@@ -228,9 +230,9 @@ def reasoning_of(chunk: Any) -> str:
 
 
 async def test_a_streamed_closed_reasoning_reads_as_one_answer(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    client = await make_proxy(emulator.url, env=ENV)
+    client = await make_proxy(seen.url, env=ENV)
     chunks = await sdk_stream(client)
     (completion,) = seen.bodies("/v1/completions")
     assert completion["stream"] is True and completion["stream_options"] == {"include_usage": True}
@@ -258,10 +260,10 @@ async def test_a_streamed_closed_reasoning_reads_as_one_answer(
 
 
 async def test_a_refused_streamed_rendered_continuation_is_no_error(
-    make_proxy: Any, emulator: EmulatorServer, seen: Seen
+    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
 ) -> None:
-    seen.refuse["/v1/completions"] = refused(400)
-    client = await make_proxy(emulator.url, env=ENV)
+    seen.on("/v1/completions", Reply.error(400, "refused"))
+    client = await make_proxy(seen.url, env=ENV)
     chunks = await sdk_stream(client)  # the SDK raises on an error event
     assert len(seen.bodies("/v1/completions")) == 1
     assert len({c.id for c in chunks}) == 1
