@@ -40,7 +40,7 @@ import hmac
 import posixpath
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from http.cookies import CookieError, SimpleCookie
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -77,6 +77,12 @@ def _mac(key: bytes, message: str) -> str:
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
+def _raw(value: str) -> bytes:
+    """A value given by the client as its bytes came (a header's byte that is not UTF-8, a
+    surrogate escape once decoded, included), to compare: never an error."""
+    return value.encode("utf-8", "surrogateescape")
+
+
 def derive_key(admin_token: str, purpose: str) -> bytes:
     """A key of its own for each use of the token, the same in every process that has it."""
     return hmac.new(admin_token.encode(), purpose.encode(), hashlib.sha256).digest()
@@ -96,7 +102,7 @@ class Sessions:
         self._clock = clock
 
     def token_matches(self, given: str) -> bool:
-        return hmac.compare_digest(given.encode(), self._token)
+        return hmac.compare_digest(_raw(given), self._token)
 
     def issue(self) -> str:
         expiry = int(self._clock()) + self.ttl_s
@@ -107,9 +113,9 @@ class Sessions:
         """Made with this key, not expired, and not lasting longer than the ttl allows."""
         body, _, mac = value.rpartition(".")
         parts = body.split(".")
-        if len(parts) != 3 or parts[0] != _VERSION or not parts[1].isascii():
+        if len(parts) != 3 or parts[0] != _VERSION or not body.isascii():
             return False
-        if not hmac.compare_digest(mac.encode(), _mac(self._session_key, body).encode()):
+        if not hmac.compare_digest(_raw(mac), _mac(self._session_key, body).encode()):
             return False
         if not parts[1].isdigit():
             return False
@@ -121,7 +127,7 @@ class Sessions:
         return _mac(self._csrf_key, f"{purpose}|{bound_to}")
 
     def csrf_ok(self, purpose: str, bound_to: str, given: str) -> bool:
-        return hmac.compare_digest(given.encode(), self.csrf(purpose, bound_to).encode())
+        return hmac.compare_digest(_raw(given), self.csrf(purpose, bound_to).encode())
 
 
 class LoginThrottle:
@@ -425,7 +431,7 @@ class Admin:
         self._login = Login(self._sessions, LoginThrottle()) if self._sessions else None
         self._routes: dict[str, Handler] = {}
         self._under: list[tuple[str, Handler]] = []
-        self.separate = config.admin_port is not None  # served on a listener of their own
+        self._separate = config.admin_port is not None  # served on a listener of their own
 
     def add(self, path: str, handler: Handler) -> None:
         self._routes[path] = handler
@@ -433,9 +439,6 @@ class Admin:
     def add_under(self, prefix: str, handler: Handler) -> None:
         """``handler`` for ``prefix`` + one more path segment (``request.match``)."""
         self._under.append((prefix, handler))
-
-    def paths(self) -> Iterable[str]:
-        return self._routes.keys()
 
     async def serve(self, client: ClientSide) -> None:
         """Answer one admin request, whole."""
@@ -453,7 +456,7 @@ class Admin:
             return await login.logout(request)
         given = request.headers.get("Authorization")
         if given is not None:  # scripts and Prometheus: as ever
-            if hmac.compare_digest(given.encode(), self._expected):
+            if hmac.compare_digest(_raw(given), self._expected):
                 return await self._route(request)
             return _unauthorised()
         cookie = request.cookies.get(SESSION_COOKIE)
@@ -471,7 +474,7 @@ class Admin:
             given = request.headers.get(CSRF_HEADER, "")
             if not given and request.content_type == _FORM:
                 given = (await request.form() or {}).get(CSRF_FIELD, "")
-            if request.cross_site or not hmac.compare_digest(given.encode(), csrf.encode()):
+            if request.cross_site or not hmac.compare_digest(_raw(given), csrf.encode()):
                 return error_reply(
                     403, f"a {request.method} with a session cookie needs its CSRF token"
                 )
@@ -495,7 +498,7 @@ class Admin:
         """The main listener's two handlers: the proxied routes (``forward``) and
         ``/detproxy/...`` (only health there when the admin endpoints have a listener of
         their own)."""
-        if not self.separate:
+        if not self._separate:
             return forward, self.serve
 
         async def health_only(client: ClientSide) -> None:

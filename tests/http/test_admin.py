@@ -3,6 +3,7 @@ listener."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import socket
 from collections.abc import AsyncIterator
@@ -382,3 +383,27 @@ async def test_the_admin_listener_serves_the_guarded_endpoints_and_nothing_else(
             side + "/detproxy/logout", data={"csrf": _hidden(html, "csrf")}, allow_redirects=False
         ) as resp:
             assert (resp.status, resp.headers["Location"]) == (303, "/detproxy/login")
+
+
+async def test_header_bytes_that_are_not_utf8_are_refused_never_a_fault(make_proxy: Any) -> None:
+    """A byte that is not UTF-8 in what the guard compares (the bearer token, a cookie, the
+    CSRF header): refused as any wrong value is, not a 500."""
+    async with EmulatorServer() as emu:
+        client = await make_proxy(emu.url, env={"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN})
+        assert (await _login(client)).status == 303
+        session = next(c.value for c in client.session.cookie_jar if c.key == "detproxy_session")
+        for field, status in [
+            (b"Authorization: Bearer s3cret\xff", 401),
+            (b"Cookie: detproxy_session=v1.99.\xff.x", 401),
+            (b"Cookie: detproxy_session=" + session.encode() + b"\xff", 401),
+            (b"Cookie: detproxy_session=" + session.encode() + b"\r\nX-Detproxy-Csrf: \xff", 403),
+        ]:
+            method = b"POST" if b"Csrf" in field else b"GET"
+            reader, writer = await asyncio.open_connection(client.host, client.port)
+            writer.write(
+                method + b" /detproxy/metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                b"Connection: close\r\n" + field + b"\r\n\r\n"
+            )
+            head = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert head.startswith(b"HTTP/1.1 %d " % status), f"{field!r} answered {head[:30]!r}"
