@@ -50,6 +50,7 @@ __all__ = [
     "chat_stream",
     "completion_answer",
     "completion_stream",
+    "not_found",
 ]
 
 MODEL = "fake-model"
@@ -278,6 +279,11 @@ def _usage(completion_tokens: int) -> dict[str, int]:
     }
 
 
+def not_found(request: Received) -> Reply:
+    """The handler that answers every request 404, as vLLM (FastAPI) does an unknown path."""
+    return Reply.json({"detail": "Not Found"}, 404)
+
+
 def answers(text: str = "Hello!", *, model: str = MODEL) -> Handler:
     """A handler that answers as a greedy engine that always says ``text`` (one piece a
     word): chat and completions, whole or streamed as the request asks (with logprobs and
@@ -291,7 +297,7 @@ def answers(text: str = "Hello!", *, model: str = MODEL) -> Handler:
         if path == "/health":
             return Reply()
         if request.method != "POST" or not path.endswith("/completions"):
-            return Reply.json({"detail": "Not Found"}, 404)
+            return not_found(request)
         body = request.json() or {}
         logprobs = bool(body.get("logprobs"))
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -317,19 +323,26 @@ class FakeUpstream:
     """An OpenAI-compatible server on a free port of 127.0.0.1 while the ``async with``
     block runs; ``url`` is its base URL (detproxy's ``--upstream``). Each request is
     recorded in ``requests``, then answered by the first of: the replies ``script()`` queued
-    for its path (one each, in order), the reply ``on()`` set for its path, the server at
-    ``forward``, the ``handler``."""
+    for its path (one each, in order), the reply ``on()`` (or ``routes``) set for its path, the
+    server at ``forward``, the ``handler`` (by default ``answers()``; ``not_found`` where
+    ``routes`` are given without a handler)."""
 
     def __init__(
-        self, handler: Handler | None = None, *, forward: str | None = None, model: str = MODEL
+        self,
+        handler: Handler | None = None,
+        *,
+        routes: Mapping[str, Reply | Handler] | None = None,
+        forward: str | None = None,
+        model: str = MODEL,
     ) -> None:
         if handler is not None and forward is not None:
             raise ValueError("FakeUpstream answers with a handler or forwards, not both")
         self.requests: list[Received] = []
-        self._handler = handler or answers(model=model)
+        # With routes alone, the paths they name are all it answers (404 elsewhere).
+        self._handler = handler or (not_found if routes else answers(model=model))
         self._forward = forward.rstrip("/") if forward else None
         self._scripts: dict[str, deque[Reply | Handler]] = {}
-        self._routes: dict[str, Reply | Handler] = {}
+        self._routes: dict[str, Reply | Handler] = dict(routes or {})
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._url: str | None = None

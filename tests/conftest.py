@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -14,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import STATE_DIR_ENV, load_settings
+from proxy.testing import FakeUpstream, Handler
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.processes import redis_server
 from tests.helpers.served import ServedApp
@@ -98,6 +100,18 @@ async def emulator() -> AsyncIterator[EmulatorServer]:
     override this fixture."""
     async with EmulatorServer(EmulatorConfig()) as srv:
         yield srv
+
+
+@pytest.fixture
+async def fake_upstream() -> AsyncIterator[Callable[..., Awaitable[FakeUpstream]]]:
+    """Starts a ``proxy.testing.FakeUpstream`` (its arguments: a handler, routes, ...),
+    stopped when the test ends."""
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(handler: Handler | None = None, **kwargs: Any) -> FakeUpstream:
+            return await stack.enter_async_context(FakeUpstream(handler, **kwargs))
+
+        yield start
 
 
 @pytest.fixture

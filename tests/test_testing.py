@@ -116,6 +116,17 @@ async def test_a_route_answers_every_request_to_its_path_until_removed(
         assert (await post(http, upstream.url + CHAT))[0] == 200
 
 
+async def test_routes_alone_answer_their_paths_and_404_elsewhere(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with FakeUpstream(routes={CHAT: Reply.json({"routed": True})}) as upstream:
+        assert orjson.loads((await post(http, upstream.url + CHAT))[1]) == {"routed": True}
+        status, raw = await post(http, upstream.url + "/v1/completions", {"prompt": "x"})
+        assert (status, orjson.loads(raw)) == (404, {"detail": "Not Found"})
+        async with http.get(upstream.url + "/v1/models") as resp:
+            assert resp.status == 404, "a path no route names was answered"
+
+
 async def test_it_records_each_request_as_it_came(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream() as upstream:
         await post(http, upstream.url + CHAT + "?a=1", headers={"X-Test": "yes"})

@@ -7,13 +7,13 @@ from typing import Any
 
 import openai
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from proxy.testing import Received, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from tests.helpers.emulator import knobs
+from tests.helpers.emulator import CHAT, knobs
 from tests.helpers.metrics import metric
-from tests.helpers.sse import sse_chunks, sse_comments, sse_event
+from tests.helpers.sse import sse_chunks, sse_comments
 from tests.helpers.waiting import eventually
 
 MODEL = "emulator-model"
@@ -342,60 +342,40 @@ async def test_recovery_counts_follow_the_upstream(
     assert emulator.stats()["requests"] == sum(looped.values()) + len(recovered)
 
 
-async def stream_deltas(
-    request: web.Request, deltas: list[dict[str, Any]], finish: str
-) -> web.StreamResponse:
-    """``deltas`` as chat chunks, then one with ``finish``, then ``[DONE]``; a client that
-    closes (detproxy ending a looping attempt) ends it."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    try:
-        for delta in deltas:
-            choice = {"index": 0, "delta": delta, "finish_reason": None}
-            await resp.write(sse_event({"id": "chatcmpl-s", "choices": [choice]}))
-        end = {"index": 0, "delta": {}, "finish_reason": finish}
-        await resp.write(sse_event({"id": "chatcmpl-s", "choices": [end]}))
-        await resp.write(b"data: [DONE]\n\n")
-    except ConnectionResetError:
-        pass  # detproxy closed the looping attempt
-    return resp
+def stream_deltas(deltas: list[dict[str, Any]], finish: str) -> list[dict[str, Any]]:
+    """``deltas`` as chat chunks, then one with ``finish`` (``Reply.sse`` adds ``[DONE]``)."""
+    chunks = [
+        {"id": "chatcmpl-s", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        for delta in deltas
+    ]
+    end = {"index": 0, "delta": {}, "finish_reason": finish}
+    return [*chunks, {"id": "chatcmpl-s", "choices": [end]}]
 
 
-class EmptyFirstRetry:
+def empty_first_retry(request: Received) -> Reply:
     """Loops at temperature 0; a retry with a presence penalty (the default ladder's first)
     stops at once with no content; any other retry answers."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.handle)
-        return app
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if body.get("presence_penalty"):
-            pieces = []
-        elif body.get("frequency_penalty"):
-            pieces = ["A calm answer,", " at last."]
-        else:
-            pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
-        finish = "stop" if len(pieces) < 10 else "length"
-        if not body.get("stream"):
-            message = {"role": "assistant", "content": "".join(pieces)}
-            choice = {"index": 0, "message": message, "finish_reason": finish}
-            return web.json_response({"id": "chatcmpl-e", "choices": [choice]})
-        deltas = [{"role": "assistant", "content": ""}] + [{"content": p} for p in pieces]
-        return await stream_deltas(request, deltas, finish)
+    body = request.json()
+    if body.get("presence_penalty"):
+        pieces = []
+    elif body.get("frequency_penalty"):
+        pieces = ["A calm answer,", " at last."]
+    else:
+        pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
+    finish = "stop" if len(pieces) < 10 else "length"
+    if not body.get("stream"):
+        message = {"role": "assistant", "content": "".join(pieces)}
+        choice = {"index": 0, "message": message, "finish_reason": finish}
+        return Reply.json({"id": "chatcmpl-e", "choices": [choice]})
+    deltas = [{"role": "assistant", "content": ""}] + [{"content": p} for p in pieces]
+    return Reply.sse(stream_deltas(deltas, finish))
 
 
 async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = EmptyFirstRetry()
-    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    engine = await fake_upstream(routes={CHAT: empty_first_retry})
+    url = engine.url
     client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
     resp = await client.post("/v1/chat/completions", json=chat())
     answer = await resp.json()
@@ -405,14 +385,14 @@ async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
     assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
     assert actions(registry, "retry", "recovered") == 1
     assert loops(registry, "content", "proxy") == 1  # the empty answer is no loop
-    assert [b.get("frequency_penalty") for b in engine.bodies] == [None, None, 1.0]
+    assert [b.get("frequency_penalty") for b in engine.bodies(CHAT)] == [None, None, 1.0]
 
 
 async def test_an_empty_answer_at_the_end_of_the_ladder_is_not_recovered(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = EmptyFirstRetry()
-    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    engine = await fake_upstream(routes={CHAT: empty_first_retry})
+    url = engine.url
     ladder = '[{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]'
     env = RETRY | {
         "DETPROXY_LOOPS__LADDERS": ladder,
@@ -436,10 +416,10 @@ def streamed_text(chunks: list[dict[str, Any]]) -> str:
 
 
 async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = EmptyFirstRetry()
-    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    engine = await fake_upstream(routes={CHAT: empty_first_retry})
+    url = engine.url
     client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
     resp = await client.post("/v1/chat/completions", json=chat(stream=True))
     raw = await resp.read()
@@ -448,12 +428,12 @@ async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goe
         "the empty retry ended the stream"
     )
     text = streamed_text(chunks)
-    shown = engine.bodies[1]["messages"][-1]["content"]
+    shown = engine.bodies(CHAT)[1]["messages"][-1]["content"]
     # One answer: what the looping attempt showed, then the third attempt's continuation of
     # exactly that (the empty attempt added nothing), no restart.
     assert text == shown + "A calm answer, at last.", text
     assert not sse_comments(raw), "the stream restarted"
-    assert engine.bodies[2]["messages"][-1]["content"] == shown
+    assert engine.bodies(CHAT)[2]["messages"][-1]["content"] == shown
     assert last_choice(chunks)["finish_reason"] == "stop"
     assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
     assert actions(registry, "retry", "recovered") == 1
@@ -461,10 +441,10 @@ async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goe
 
 
 async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_came(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = EmptyFirstRetry()
-    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    engine = await fake_upstream(routes={CHAT: empty_first_retry})
+    url = engine.url
     ladder = '[{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]'
     env = RETRY | {
         "DETPROXY_LOOPS__LADDERS": ladder,
@@ -475,40 +455,37 @@ async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_c
     chunks = sse_chunks(await resp.read())
     assert chunks[-1]["detproxy"]["recovered"] is False, "an empty answer counted as recovered"
     assert last_choice(chunks)["finish_reason"] == "stop"  # as it came: it is no loop
-    assert streamed_text(chunks) == engine.bodies[1]["messages"][-1]["content"]
+    assert streamed_text(chunks) == engine.bodies(CHAT)[1]["messages"][-1]["content"]
     assert actions(registry, "retry", "empty") == 1
     assert actions(registry, "retry", "recovered") == 0
 
 
-class LoopsTwice(EmptyFirstRetry):
+def loops_twice(request: Received) -> Reply:
     """Loops at temperature 0 and on the first retry (a presence penalty) too, after text of
     its own; the second retry (a frequency penalty) answers."""
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if body.get("frequency_penalty"):
-            pieces, finish = [" The end."], "stop"
-        elif body.get("presence_penalty"):
-            pieces = [" Then a new part."] + [" and again it says the same thing."] * 40
-            finish = "length"
-        else:
-            pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
-            finish = "length"
-        return await stream_deltas(request, [{"content": p} for p in pieces], finish)
+    body = request.json()
+    if body.get("frequency_penalty"):
+        pieces, finish = [" The end."], "stop"
+    elif body.get("presence_penalty"):
+        pieces = [" Then a new part."] + [" and again it says the same thing."] * 40
+        finish = "length"
+    else:
+        pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
+        finish = "length"
+    return Reply.sse(stream_deltas([{"content": p} for p in pieces], finish))
 
 
 async def test_a_continuation_that_loops_again_is_continued_from_all_the_client_was_shown(
-    aiohttp_server: Any, make_proxy: Any
+    fake_upstream: Any, make_proxy: Any
 ) -> None:
-    engine = LoopsTwice()
-    url = str((await aiohttp_server(engine.app())).make_url("")).rstrip("/")
+    engine = await fake_upstream(routes={CHAT: loops_twice})
+    url = engine.url
     client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
     resp = await client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=2000))
     chunks = sse_chunks(await resp.read())
     assert chunks[-1]["detproxy"]["attempts"] == 3, chunks[-1]
     text = streamed_text(chunks)
-    third = engine.bodies[2]["messages"][-1]["content"]
+    third = engine.bodies(CHAT)[2]["messages"][-1]["content"]
     # The third attempt goes on from everything the client holds: the first attempt's shown
     # part and the second's, not the second's alone.
     assert third.startswith("Once upon a time") and " Then a new part." in third, third
