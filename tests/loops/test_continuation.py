@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from policies.base import Trigger
@@ -20,8 +20,9 @@ from proxy.loops.continuation import (
     prefix_of,
     word_end,
 )
+from proxy.testing import FakeUpstream, Handler, Received, Reply
 from tests.helpers.metrics import metric
-from tests.helpers.sse import sse_chunks, sse_event
+from tests.helpers.sse import sse_chunks
 
 CHAT = "/v1/chat/completions"
 UNIT = " The waves roll in and the waves roll out again."
@@ -99,28 +100,22 @@ def test_the_client_gets_prefix_and_continuation_as_one_answer() -> None:
     assert answer["usage"] == {"prompt_tokens": 12, "completion_tokens": 31, "total_tokens": 43}
 
 
-class Scripted:
+def scripted() -> Handler:
     """Loops under greedy decoding; a continuation (a final assistant message to go on from)
-    answers only its continuation, as vLLM and llama-server do."""
+    answers only its continuation, as vLLM and llama-server do. Streamed, the n-th answer's
+    id is chatcmpl-n."""
+    answered = itertools.count(1)
 
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post(CHAT, self.handle)
-        return app
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
+    def answer(request: Received) -> Reply:
+        body = request.json()
+        n = next(answered)
         if body.get("continue_final_message"):
             texts, finish = [" Then the storm came", " and the night ended."], "stop"
         else:
             texts, finish = ["The sea is calm tonight."] + [UNIT] * 30, "length"
         if not body.get("stream"):
             content = "".join(texts)
-            return web.json_response(
+            return Reply.json(
                 {
                     "id": "chatcmpl-x",
                     "choices": [
@@ -137,8 +132,6 @@ class Scripted:
                     },
                 }
             )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         chunks = [role] + [
             {
@@ -148,14 +141,9 @@ class Scripted:
             }
             for i, t in enumerate(texts)
         ]
-        for c in chunks:
-            event = {"id": f"chatcmpl-{len(self.bodies)}", "choices": [c]}
-            try:
-                await resp.write(sse_event(event))
-            except ConnectionResetError:
-                return resp
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return Reply.sse({"id": f"chatcmpl-{n}", "choices": [c]} for c in chunks)
+
+    return answer
 
 
 def ask(stream: bool) -> dict[str, Any]:
@@ -174,10 +162,10 @@ ENV = {
 }
 
 
-def continued_prefix(scripted: Scripted, onset: bool = True) -> str:
+def continued_prefix(upstream: FakeUpstream, onset: bool = True) -> str:
     """The prefix the second attempt continued from (``onset``: cut at the loop's onset and
     one unit, as a non-streamed continuation is)."""
-    (second,) = scripted.bodies[1:]
+    (second,) = upstream.bodies(CHAT)[1:]
     assert second["continue_final_message"] is True and second["add_generation_prompt"] is False
     assert second["presence_penalty"] == 1.5
     assert second["messages"][:-1] == ask(False)["messages"]
@@ -198,16 +186,16 @@ def continued_prefix(scripted: Scripted, onset: bool = True) -> str:
 
 
 async def test_a_non_streamed_loop_is_continued(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    scripted = Scripted()
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    upstream = await fake_upstream(routes={CHAT: scripted()})
+    url = upstream.url
     proxy = await make_proxy(url, env=ENV)
     resp = await proxy.post(CHAT, json=ask(False))
     answer = await resp.json()
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     assert resp.headers["X-Detproxy-Strategy"] == "continue"
-    prefix = continued_prefix(scripted)
+    prefix = continued_prefix(upstream)
     content = answer["choices"][0]["message"]["content"]
     assert content == prefix + " Then the storm came and the night ended."
     assert answer["choices"][0]["finish_reason"] == "stop"
@@ -219,10 +207,10 @@ async def test_a_non_streamed_loop_is_continued(
 
 
 async def test_a_streamed_loop_is_continued_after_what_the_client_has(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    scripted = Scripted()
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    upstream = await fake_upstream(routes={CHAT: scripted()})
+    url = upstream.url
     proxy = await make_proxy(url, env=ENV)
     resp = await proxy.post(CHAT, json=ask(True))
     raw = await resp.read()
@@ -230,7 +218,7 @@ async def test_a_streamed_loop_is_continued_after_what_the_client_has(
     events = sse_chunks(raw)
     assert {e["id"] for e in events} == {"chatcmpl-1"}  # the first attempt's id throughout
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    prefix = continued_prefix(scripted, onset=False)
+    prefix = continued_prefix(upstream, onset=False)
     # What the client had (the start, the loop until it was seen), then the continuation:
     # nothing shown twice.
     shown, _, rest = text.partition(" Then the storm came")
@@ -255,18 +243,18 @@ async def test_a_streamed_loop_is_continued_after_what_the_client_has(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_what_cannot_be_continued_restarts(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry, stream: bool
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry, stream: bool
 ) -> None:
-    scripted = Scripted()
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    upstream = await fake_upstream(routes={CHAT: scripted()})
+    url = upstream.url
     # Streamed, the default goes on from what the client was shown, logprobs or not (the shown
     # tokens had theirs): the ladder's own continue strategy is what restart mode keeps.
     env = ENV | ({"DETPROXY_LOOPS__STREAM_MODE": "restart"} if stream else {})
     proxy = await make_proxy(url, env=env)
     resp = await proxy.post(CHAT, json=ask(stream) | {"logprobs": True})
     await resp.read()
-    assert "continue_final_message" not in scripted.bodies[1]
-    assert scripted.bodies[1]["presence_penalty"] == 1.5
+    assert "continue_final_message" not in upstream.bodies(CHAT)[1]
+    assert upstream.bodies(CHAT)[1]["presence_penalty"] == 1.5
     assert (
         metric(
             registry,
