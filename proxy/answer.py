@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from policies.base import Abort, Retry
-from proxy.attempts import AttemptEnd, Attempts, Stages, run_attempts
+from proxy.attempts import AttemptEnd, Attempts, Generated, Stages, run_attempts
 from proxy.audit.inject import strip_logprobs
 from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.events import UpstreamFailed
@@ -160,15 +160,11 @@ class WholeAnswer:
             payload = orjson.dumps(answer)
         return payload
 
-    def generated_text(self) -> str | None:
-        ex = self.exchange
-        trigger = self.attempts.trigger
+    def generated(self) -> Generated:
+        endpoint, answer, trigger = self.exchange.endpoint, self._answer, self.attempts.trigger
         channel = trigger.channel if trigger is not None else "content"
-        return content_of(ex.endpoint, self._answer, channel)
-
-    def generated_reasoning(self) -> str | None:
-        ex = self.exchange
-        return content_of(ex.endpoint, self._answer, "reasoning")
+        text = content_of(endpoint, answer, channel)
+        return Generated(text, content_of(endpoint, answer, "reasoning"))
 
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         ex, stages = self.exchange, self._stages

@@ -11,8 +11,8 @@ transitions, and ``run_attempts`` is the loop that does:
   recovery budget, and no retry goes past the request's one attempt cap.
 - ``ended(end)``: the attempt ended; its tokens are accounted (the client's own attempt adds to
   what the model generated, a recovery's settles what it reserved).
-- ``retried(decision, text, reasoning)``: the next attempt's body (a restart, or a continuation
-  of the kept prefix: ``proxy.loops.recovery``).
+- ``retried(decision, generated)``: the next attempt's body (a restart, or a continuation of
+  what the attempt that ended generated: ``proxy.loops.recovery``).
 - ``refused()``: the retry could not be sent (its upstream failed or refused it): what it
   reserved is released; the client gets the answer it had, or its own request.
 
@@ -76,6 +76,18 @@ class AttemptEnd:
     answer: dict[str, Any] | None = None  # a whole answer, parsed
 
 
+@dataclass(frozen=True, slots=True)
+class Generated:
+    """What the attempt that ended generated, for the next one to go on from."""
+
+    # In its trigger's channel (a continuation's prefix cut from it); None: not kept.
+    text: str | None
+    reasoning: str | None = None  # its reasoning (a chat answer's, where kept)
+    # The chars of the trigger's channel it generated, shown or not (a stream going on from
+    # what was shown reads the share of its tokens kept against them); 0: not counted.
+    chars: int = 0
+
+
 class Attempts:
     """The upstream attempts of one client request (one, unless a policy retried)."""
 
@@ -106,10 +118,7 @@ class Attempts:
         self.reserved: dict[int, int] = {}
         self.strategy = "restart"  # how the pending (or last) retry recovers
         self.kept_tokens = 0  # the tokens a continuation kept
-        self.generated = 0  # what the last attempt generated (set when it ended)
-        # The chars of the trigger's channel the last streamed attempt generated (shown or
-        # not): the share of ``generated`` a continuation keeps is read against it.
-        self.generated_chars = 0
+        self.generated = 0  # the tokens the last attempt generated (set when it ended)
         self.history: list[str] = []  # the outcome of each policy action, in order
 
     @property
@@ -207,13 +216,10 @@ class Attempts:
             self._account(end.generated)
         return decision
 
-    def retried(
-        self, decision: Retry, text: str | None, reasoning: str | None
-    ) -> tuple[bytes, Continued | None]:
-        """The next attempt's body, and what it continues (None for a restart). ``text``: what
-        the attempt that ended generated in its trigger's channel (None: not kept);
-        ``reasoning``: its reasoning, where kept."""
-        body, continued, kept = self._recovery.next_attempt(self, decision, text, reasoning)
+    def retried(self, decision: Retry, generated: Generated) -> tuple[bytes, Continued | None]:
+        """The next attempt's body, and what it continues (None for a restart), from what the
+        attempt that ended ``generated``."""
+        body, continued, kept = self._recovery.next_attempt(self, decision, generated)
         if continued is None:
             self.strategy = "restart"
         else:
@@ -292,13 +298,8 @@ class Answer(Protocol):
         """Read or relay the current attempt; None when it failed and the answer has what to
         give the client."""
 
-    def generated_text(self) -> str | None:
-        """What the attempt that ended generated in its trigger's channel (a continuation's
-        prefix is cut from it); None when it was not kept."""
-
-    def generated_reasoning(self) -> str | None:
-        """The reasoning of the attempt that ended (a chat answer's, where it was kept): a
-        continued content goes on after it."""
+    def generated(self) -> Generated:
+        """What the attempt that ended generated, for a retry to go on from."""
 
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         """Send the next attempt (``continued``: what it goes on from, None for a restart);
@@ -317,9 +318,7 @@ async def run_attempts(answer: Answer) -> Decision | None:
         decision = attempts.ended(end)
         if not isinstance(decision, Retry):
             return decision
-        body, continued = attempts.retried(
-            decision, answer.generated_text(), answer.generated_reasoning()
-        )
+        body, continued = attempts.retried(decision, answer.generated())
         answer.exchange.ticket = None  # an answer produced under overrides is not audited
         if not await answer.retry(body, continued, decision):
             return None

@@ -16,7 +16,7 @@ import asyncio
 import orjson
 
 from policies.base import Abort, Decision, Retry
-from proxy.attempts import AttemptEnd, Attempts, Stages, run_attempts
+from proxy.attempts import AttemptEnd, Attempts, Generated, Stages, run_attempts
 from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
@@ -202,14 +202,18 @@ class StreamedAnswer:
         info = recovery_info(recovered, attempts.count, attempts.strategy)
         return recovery_chunk(ex.endpoint, self._first_id, ex.view.model, info)
 
-    def generated_text(self) -> str | None:
+    def generated(self) -> Generated:
         result, watch = self._result, self._watch
+        # A continued attempt's answer had its reasoning before it.
+        reasoning = self._prior_reasoning or (
+            watch.kept(0, "reasoning") if watch is not None else None
+        )
         if watch is None or result is None or result.trigger is None:
-            return None
+            return Generated(None, reasoning)
         trigger = result.trigger
         self._missing = ""
         if not self._stages.recovery.stream_continues:
-            return watch.kept(trigger.choice, trigger.channel)
+            return Generated(watch.kept(trigger.choice, trigger.channel), reasoning)
         # What the client was shown: the next attempt goes on from exactly that (what this
         # attempt continued, then its own text); or, where the loop was caught while its
         # repeats were held back, from its onset and one unit, as a non-streamed continuation
@@ -217,11 +221,11 @@ class StreamedAnswer:
         prior = self._prior if trigger.channel == "content" else ""
         shown = watch.shown(trigger.choice, trigger.channel)
         kept = watch.kept(trigger.choice, trigger.channel)
-        self.attempts.generated_chars = len(prior) + (len(kept) if kept else 0)
+        chars = len(prior) + (len(kept) if kept else 0)  # shown or not
         if shown is None:
-            return prior or None
-        content, reasoning = self._unshown
-        held = reasoning if trigger.channel == "reasoning" else content
+            return Generated(prior or None, reasoning, chars)
+        unshown_content, unshown_reasoning = self._unshown
+        held = unshown_reasoning if trigger.channel == "reasoning" else unshown_content
         if held:
             shown = shown[: max(0, len(shown) - held)]
         onset = prefix_of(kept, trigger) if kept is not None else None
@@ -232,14 +236,8 @@ class StreamedAnswer:
             and onset.startswith(shown)
         ):
             self._missing = onset[len(shown) :]
-            return prior + onset
-        return prior + shown
-
-    def generated_reasoning(self) -> str | None:
-        watch = self._watch
-        if self._prior_reasoning:
-            return self._prior_reasoning  # the continued attempt's answer had it before
-        return watch.kept(0, "reasoning") if watch is not None else None
+            return Generated(prior + onset, reasoning, chars)
+        return Generated(prior + shown, reasoning, chars)
 
     # -- the next attempt ----------------------------------------------------------------------
 

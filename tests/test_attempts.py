@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from policies.base import Abort, Continue, Decision, PolicyChain, PolicyContext, Retry, Trigger
 from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
-from proxy.attempts import AttemptEnd, Attempts, run_attempts
+from proxy.attempts import AttemptEnd, Attempts, Generated, run_attempts
 from proxy.config import LadderConfig, LoopConfig
 from proxy.events import (
     EventBus,
@@ -105,7 +105,7 @@ def test_started_watches_each_attempt_unless_loops_are_off_or_it_is_a_fallback()
     attempts, _, _ = lifecycle(stream=True)
     assert isinstance(attempts.started(), LoopWatch), "the client's own attempt is not watched"
     attempts.decided(LOOP)
-    attempts.retried(Retry("loop"), None, None)
+    attempts.retried(Retry("loop"), Generated(None))
     assert isinstance(attempts.started(), LoopWatch), "a retry is not watched"
     attempts.refused(fallback=True)
     assert attempts.started() is None, "a fallback (the client's own request) was watched"
@@ -129,7 +129,7 @@ def test_the_client_attempt_records_what_it_generated_and_a_retry_settles_its_re
     decision = attempts.ended(AttemptEnd(120, decide=True, trigger=LOOP))
     assert isinstance(decision, Retry)
     assert budget.use(MODEL).generated == 120, "the client's own attempt was not recorded"
-    body, continued = attempts.retried(decision, "text", None)
+    body, continued = attempts.retried(decision, Generated("text"))
     assert continued is None and attempts.strategy == "restart" and attempts.count == 2
     assert decision.overrides, "the default ladder's first step has no overrides"
     assert orjson.loads(body) == {**BASE, **decision.overrides}, "not base + overrides"
@@ -143,12 +143,29 @@ def test_the_client_attempt_records_what_it_generated_and_a_retry_settles_its_re
     assert attempts.recovered
 
 
+def test_a_continued_retry_keeps_the_prefix_and_accounts_its_tokens_as_kept() -> None:
+    attempts, budget, seen = lifecycle()
+    decision = attempts.ended(AttemptEnd(40, decide=True, trigger=LOOP))
+    assert isinstance(decision, Retry)
+    looping = "Once upon a time " + "ab, " * 20
+    continue_ = Retry(decision.reason, {}, decision.reserved_tokens, strategy="continue")
+    body, continued = attempts.retried(continue_, Generated(looping))
+    assert continued is not None and looping.startswith(continued.prefix)
+    assert attempts.strategy == "continue" and 0 < attempts.kept_tokens < 40
+    sent = orjson.loads(body)
+    assert sent["messages"][-1] == {"role": "assistant", "content": continued.message}
+    assert sent["max_tokens"] == 200 - attempts.kept_tokens, "the kept tokens were not taken off"
+    attempts.ended(AttemptEnd(25, decide=True))
+    assert seen.of(RecoveryTokens) == [RecoveryTokens(MODEL, "continue", 25, attempts.kept_tokens)]
+    assert budget.use(MODEL).spent == 25
+
+
 def test_a_refused_retry_releases_its_reservation() -> None:
     attempts, budget, seen = lifecycle(stream=True)
     decision = attempts.decided(LOOP)
     assert isinstance(decision, Retry)
     attempts.ended(AttemptEnd(80, decision=decision))
-    attempts.retried(decision, None, None)
+    attempts.retried(decision, Generated(None))
     attempts.refused()
     assert budget.use(MODEL).spent == 0, "a retry never sent kept its reservation"
     assert attempts.reserved == {}
@@ -168,7 +185,7 @@ def test_the_cap_is_the_configured_max_attempts_whatever_the_policy(cap: int) ->
         decisions.append(decision)
         if not isinstance(decision, Retry):
             break
-        attempts.retried(decision, None, None)
+        attempts.retried(decision, Generated(None))
     assert attempts.count == cap, f"{attempts.count} attempts under a cap of {cap}"
     assert decisions[-1] == Abort("attempts_exhausted")
     assert ("abort", "attempts_exhausted", cap) in seen.actions()
@@ -188,7 +205,7 @@ def test_the_ladder_gives_up_its_own_way_at_the_cap_it_is_told() -> None:
 
     attempts, budget, seen = lifecycle(the_ladder, max_attempts=2)
     assert isinstance(attempts.decided(LOOP), Retry)
-    attempts.retried(Retry("loop", {"seed": 1}, 200), None, None)
+    attempts.retried(Retry("loop", {"seed": 1}, 200), Generated(None))
     attempts.ended(AttemptEnd(30, decide=False))
     assert attempts.decided(LOOP) == Continue(), "the cap was not the ladder's to apply"
     assert ladder.exhausted == {"attempts_exhausted": 1}, "the ladder did not see the cap"
@@ -214,11 +231,8 @@ class Looping:
     async def attempt(self) -> AttemptEnd | None:
         return AttemptEnd(10, decide=True, trigger=LOOP)
 
-    def generated_text(self) -> str | None:
-        return None
-
-    def generated_reasoning(self) -> str | None:
-        return None
+    def generated(self) -> Generated:
+        return Generated(None)
 
     async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
         self.sent.append(body)

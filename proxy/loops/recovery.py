@@ -33,7 +33,7 @@ from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.openai import REASONING_KEYS, stream_event
 
 if TYPE_CHECKING:
-    from proxy.attempts import Attempts
+    from proxy.attempts import Attempts, Generated
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
@@ -128,13 +128,11 @@ class Recovery:
         self,
         attempts: Attempts,
         decision: Retry,
-        text: str | None,
-        reasoning: str | None = None,
+        generated: Generated,
     ) -> tuple[dict[str, Any], Continued | None, int]:
         """The body of the attempt a retry sends, what it continues (None for a restart) and
-        the tokens it keeps. ``text`` is what the looping attempt generated in the trigger's
-        channel (None when it was not kept); ``reasoning`` its reasoning (a chat answer's, when
-        it was kept)."""
+        the tokens it keeps, from what the looping attempt ``generated``."""
+        text, reasoning = generated.text, generated.reasoning
         base = attempts.retry_base
         trigger = attempts.trigger
         strategy = decision.strategy
@@ -144,7 +142,7 @@ class Recovery:
         if reasoning and endpoint == "chat" and trigger is not None:
             carried = reasoning if trigger.channel == "content" else ""
         if attempts.stream and self._stream_continues and trigger is not None:
-            return self._from_shown(attempts, decision, base, text, carried)
+            return self._from_shown(attempts, decision, base, text, generated.chars, carried)
         closes = strategy == "close_reasoning"
         if (
             strategy in ("continue", "close_reasoning")
@@ -160,8 +158,8 @@ class Recovery:
             if prefix:
                 # A continued attempt generated the text after its own prefix only; the kept
                 # reasoning's tokens are kept too (generated before the content).
-                generated = attempts.generated + attempts.kept_tokens
-                kept = estimate_tokens(carried + prefix, carried + text, generated)
+                tokens = attempts.generated + attempts.kept_tokens
+                kept = estimate_tokens(carried + prefix, carried + text, tokens)
                 message = self._closed(attempts.model, prefix) if closes else prefix
                 body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
                 if body is not None:
@@ -174,6 +172,7 @@ class Recovery:
         decision: Retry,
         base: dict[str, Any],
         shown: str | None,
+        chars: int,
         reasoning: str = "",
     ) -> tuple[dict[str, Any], Continued | None, int]:
         """A streamed retry under ``stream_mode = "continue"``: ``shown`` is the text of the
@@ -194,7 +193,7 @@ class Recovery:
             # The text the attempt generated until the loop was seen, the triggering chunk
             # included: at least what the loop covered (the base is shorter where the loop's
             # repeats were held back).
-            full = max(len(shown), attempts.generated_chars)
+            full = max(len(shown), chars)
             if trigger.start_offset is not None and trigger.period and trigger.repeats:
                 full = max(full, trigger.start_offset + trigger.period * trigger.repeats)
             # A continued content keeps the reasoning before it, and that reasoning's tokens.
