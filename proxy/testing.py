@@ -13,14 +13,16 @@ Usage, in an async test (pytest-asyncio or pytest-aiohttp)::
                 Reply.sse(chat_stream(["Hel", "lo"]), cut_after=2),  # 1st request: cut short
                 Reply.error(503, "overloaded"),  # 2nd: refused; the 3rd gets "Hello!"
             )
-            ...  # detproxy serve --upstream {upstream.url}; requests sent through it
+            ...  # start detproxy with --upstream upstream.url, send requests through it
             first, *_ = upstream.received("/v1/chat/completions")
             assert first.json()["stream"] is True
 
-What no script answers, a handler does: ``FakeUpstream(handler)`` with a function of the
-``Received`` request that returns a ``Reply`` (or an awaitable of one; ``answers()`` is the
-default), or ``FakeUpstream(forward=url)``, which passes it on to a real server (an engine, the
-emulator) and records it on the way. ``on(path, reply)`` answers every request to a path.
+The server runs in the test's event loop: wait on detproxy (a ``detproxy serve`` child
+process, say) with async calls, never blocking ones. What no script answers, a handler does:
+``FakeUpstream(handler)`` with a function of the ``Received`` request that returns a ``Reply``
+(or an awaitable of one; ``answers()`` is the default), or ``FakeUpstream(forward=url)``, which
+passes it on to a real server (an engine, the emulator) and records it on the way.
+``on(path, reply)``, or ``routes``, answers every request to a path.
 """
 
 from __future__ import annotations
