@@ -101,6 +101,13 @@ class Reply:
         return cls(status, head, orjson.dumps(body), delay_s=delay_s)
 
     @classmethod
+    def text(
+        cls, text: str, status: int = 200, *, content_type: str = "text/plain; charset=utf-8"
+    ) -> Reply:
+        """A whole text answer (a Prometheus page for /metrics, say)."""
+        return cls(status, (("Content-Type", content_type),), text.encode())
+
+    @classmethod
     def error(cls, status: int, message: str, *, kind: str = "BadRequestError") -> Reply:
         """An OpenAI-style error, as vLLM answers a request it refuses."""
         error = {"message": message, "type": kind, "param": None, "code": status}

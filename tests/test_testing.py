@@ -127,6 +127,13 @@ async def test_routes_alone_answer_their_paths_and_404_elsewhere(
             assert resp.status == 404, "a path no route names was answered"
 
 
+async def test_a_text_reply_has_its_content_type(http: aiohttp.ClientSession) -> None:
+    async with FakeUpstream(routes={"/metrics": Reply.text("up 1\n")}) as upstream:
+        resp = await http.get(upstream.url + "/metrics")
+        assert resp.headers["Content-Type"] == "text/plain; charset=utf-8"
+        assert (resp.status, await resp.text()) == (200, "up 1\n")
+
+
 async def test_it_records_each_request_as_it_came(http: aiohttp.ClientSession) -> None:
     async with FakeUpstream() as upstream:
         await post(http, upstream.url + CHAT + "?a=1", headers={"X-Test": "yes"})

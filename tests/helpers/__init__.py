@@ -90,7 +90,7 @@ _MOVED: dict[str, list[str]] = {
         "ScriptedServer",
         "UpstreamScript",
         "replies_with",
-        "scripted_upstream",
+        "scripted_routes",
     ],
     "waiting": ["Unmet", "eventually", "eventually_sync", "settle", "settle_sync"],
 }

@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from proxy.loops.rendered import SENTINEL
-from proxy.testing import FakeUpstream
-from tests.helpers.sse import chat_event, sse_event
+from proxy.testing import FakeUpstream, Handler, Received, Reply
+from tests.helpers.sse import chat_chunk
 
 # A scripted HTTP/1.1 server for the upstream client's tests: it records each request and the
 # connection it came on, and answers with whatever bytes a test's ``ScriptedReply`` writes.
@@ -105,8 +104,8 @@ def replies_with(raw: bytes) -> ScriptedReply:
     return reply
 
 
-# A scripted OpenAI-compatible upstream (aiohttp): a minimal SSE stream and a /version that
-# can change
+# A scripted OpenAI-compatible upstream (routes for a FakeUpstream): a minimal SSE stream and a
+# /version that can change
 
 
 @dataclass
@@ -124,38 +123,34 @@ class UpstreamScript:
     bodies: list[dict[str, Any]] = field(default_factory=list)
 
 
-def scripted_upstream(script: UpstreamScript) -> web.Application:
-    async def version(request: web.Request) -> web.Response:
+def scripted_routes(script: UpstreamScript) -> dict[str, Handler]:
+    """The paths ``script`` answers, for ``FakeUpstream(routes=...)`` (404 elsewhere)."""
+
+    def version(request: Received) -> Reply:
         script.version_calls += 1
         changed = script.change_version and script.version_calls > 1
-        return web.json_response({"version": "0.2.0" if changed else "0.1.0"})
+        return Reply.json({"version": "0.2.0" if changed else "0.1.0"})
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+    def models(request: Received) -> Reply:
+        return Reply.json({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
-    async def chat(request: web.Request) -> web.StreamResponse:
+    def chat(request: Received) -> Reply:
         script.chat_calls += 1
-        script.bodies.append(await request.json())
+        script.bodies.append(request.json())
         if (
             script.fail_every
             and script.chat_calls > 1
             and script.chat_calls % script.fail_every == 0
         ):
-            return web.json_response({"error": {"message": "scripted failure"}}, status=500)
-        delay = script.delay_s
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(chat_event({"role": "assistant", "content": ""}))
-        for _ in range(script.tokens):
-            await asyncio.sleep(delay)
-            await resp.write(chat_event({"content": "x"}))
-        await resp.write(chat_event({}, "length"))
+            return Reply.json({"error": {"message": "scripted failure"}}, 500)
+        events = [chat_chunk({"role": "assistant", "content": ""})]
+        events += [chat_chunk({"content": "x"}) for _ in range(script.tokens)]
+        events.append(chat_chunk({}, "length"))
         usage = {"prompt_tokens": 5, "completion_tokens": script.tokens, "total_tokens": 25}
-        await resp.write(sse_event({"choices": [], "usage": usage}))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        events.append({"choices": [], "usage": usage})
+        return Reply.sse(events, interval_s=script.delay_s)
 
-    async def metrics(request: web.Request) -> web.Response:
+    def metrics(request: Received) -> Reply:
         n = max(0, script.chat_calls - 1)
         lines = [
             'vllm:num_requests_running{engine="0",model_name="m"} 0.0',
@@ -163,15 +158,13 @@ def scripted_upstream(script: UpstreamScript) -> web.Application:
             f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {3 * n}.0',
             f'vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {2 * n}.0',
         ]
-        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+        return Reply.text("\n".join(lines) + "\n")
 
-    app = web.Application()
+    routes: dict[str, Handler] = {"/version": version, "/v1/models": models}
+    routes["/v1/chat/completions"] = chat
     if script.speculative:
-        app.router.add_get("/metrics", metrics)
-    app.router.add_get("/version", version)
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/chat/completions", chat)
-    return app
+        routes["/metrics"] = metrics
+    return routes
 
 
 def probes(upstream: FakeUpstream) -> int:

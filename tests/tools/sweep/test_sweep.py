@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestServer
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.tools.sweep.cli import amain, main
 from tests.helpers.processes import free_port
-from tests.helpers.upstreams import UpstreamScript, scripted_upstream
+from tests.helpers.upstreams import UpstreamScript, scripted_routes
 
 SVG = "{http://www.w3.org/2000/svg}"
-ServerFactory = Callable[[web.Application], Awaitable[TestServer]]
 
 
 async def sweep_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
@@ -32,9 +28,8 @@ def svg_texts(svg: str) -> list[str]:
     return [el.text or "" for el in root.iter(SVG + "text")]
 
 
-async def serve(aiohttp_server: ServerFactory, script: UpstreamScript) -> str:
-    server = await aiohttp_server(scripted_upstream(script))
-    return str(server.make_url("")).rstrip("/")
+async def serve(fake_upstream: Any, script: UpstreamScript) -> str:
+    return str((await fake_upstream(routes=scripted_routes(script))).url)
 
 
 async def test_emulator_report_is_consistent(
@@ -147,10 +142,10 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 async def test_fingerprint_change_exits_1(
-    aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    fake_upstream: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     script = UpstreamScript(change_version=True)
-    url = await serve(aiohttp_server, script)
+    url = await serve(fake_upstream, script)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
     chart = tmp_path / "c.svg"
@@ -182,12 +177,12 @@ async def test_fingerprint_change_exits_1(
 
 
 async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
-    aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
+    fake_upstream: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Its spec-decode counters read 0 after the test request and rise during the sweep: the
     same upstream."""
     script = UpstreamScript(speculative=True)
-    url = await serve(aiohttp_server, script)
+    url = await serve(fake_upstream, script)
     code, report = await sweep_json(
         capsys, "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2",
         "--repeats", "1",
@@ -199,9 +194,9 @@ async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
 
 
 async def test_upstream_change_shows_in_the_table(
-    aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
+    fake_upstream: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = await serve(aiohttp_server, UpstreamScript(change_version=True))
+    url = await serve(fake_upstream, UpstreamScript(change_version=True))
     argv = ["--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2"]
     code = await amain([*argv, "--repeats", "1"])
     out = capsys.readouterr().out
@@ -210,9 +205,9 @@ async def test_upstream_change_shows_in_the_table(
 
 
 async def test_failed_requests_are_counted(
-    aiohttp_server: ServerFactory, capsys: pytest.CaptureFixture[str]
+    fake_upstream: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = await serve(aiohttp_server, UpstreamScript(fail_every=2, tokens=5))
+    url = await serve(fake_upstream, UpstreamScript(fail_every=2, tokens=5))
     code, report = await sweep_json(
         capsys,
         "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.5",
