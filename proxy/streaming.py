@@ -142,12 +142,12 @@ class StreamedAnswer:
         # A fallback after a refused retry is relayed as it comes: nothing to recover to.
         inspected = not attempts.fell_back
         self._watch = attempts.started()
-        if self._watch is not None:
-            found.insert(0, self._watch)  # its triggers go to the policies (on_trigger)
         bus = stages.bus
         self._inspectors = InspectorSet(
             found,
             on_failure=lambda name: bus.publish(InspectionStopped(ex.endpoint, "inspector_error")),
+            # Its triggers go to the policies (on_trigger).
+            watchers=[self._watch] if self._watch is not None else [],
         )
         plan = StreamPlan(
             strip_logprobs=ex.ticket is not None and ex.ticket.injected,
@@ -168,8 +168,6 @@ class StreamedAnswer:
             ex.t0,
             plan,
             stages.clock,
-            # A held-back tail is held event by event: every event parsed.
-            fast_paths=plan.hold_back_chars == 0,
         )
         result = self._result = relay.result
         try:

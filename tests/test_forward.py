@@ -292,8 +292,8 @@ class Collect:
         self.chunks: list[dict[str, Any]] = []
         self.ended: list[bool] = []
 
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
-        self.chunks.append(chunk)
+    def on_delta(self, item: Any) -> None:
+        self.chunks.append(item)
 
     def on_end(self, complete: bool) -> None:
         self.ended.append(complete)

@@ -14,7 +14,7 @@ dropped when the choice finished with "stop", in both paths, so it never reads a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from proxy.audit.logprobs import (
     parse_logprobs,
 )
 from proxy.openai import cached_tokens_of, error_message, reasoning_of, usage_of
+from proxy.relay.inspectors import Delta, Item
 
 __all__ = [
     "NEG_INF_LOGPROB",
@@ -49,24 +50,6 @@ class ChoiceOutcome:
     finish_reason: str | None
     stop_reason: str | int | None = None
 
-    def __init__(
-        self,
-        index: int,
-        content: str,
-        reasoning: str,
-        tokens: tuple[TokenLogprob, ...] | None,
-        finish_reason: str | None,
-        stop_reason: str | int | None = None,
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"). The fields above and these arguments are the same, in order.
-        object.__setattr__(self, "index", index)
-        object.__setattr__(self, "content", content)
-        object.__setattr__(self, "reasoning", reasoning)
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "finish_reason", finish_reason)
-        object.__setattr__(self, "stop_reason", stop_reason)
-
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -76,22 +59,6 @@ class Outcome:
     completion_tokens: int | None = None
     # Prompt tokens the engine said came from its prefix cache (None: not reported).
     cached_tokens: int | None = None
-
-    def __init__(
-        self,
-        choices: tuple[ChoiceOutcome, ...],
-        error: str | None = None,
-        prompt_tokens: int | None = None,
-        completion_tokens: int | None = None,
-        cached_tokens: int | None = None,
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"). The fields above and these arguments are the same, in order.
-        object.__setattr__(self, "choices", choices)
-        object.__setattr__(self, "error", error)
-        object.__setattr__(self, "prompt_tokens", prompt_tokens)
-        object.__setattr__(self, "completion_tokens", completion_tokens)
-        object.__setattr__(self, "cached_tokens", cached_tokens)
 
 
 def _is_chat(endpoint: str) -> bool:
@@ -195,14 +162,14 @@ class _ChoiceState:
 
 
 class StreamAccumulator:
-    """Folds one streamed response into an ``Outcome`` (a ``StreamInspector``).
+    """Folds one streamed response into an ``Outcome`` (a ``StreamInspector``: ``on_delta``;
+    ``on_chunk`` folds one parsed chunk).
 
     Memory is bounded by ``max_chars``: text characters plus one unit per logprob entry and per
     top-k alternative. Past it, nothing more is kept and the outcome's error is "too_large".
     """
 
     name = "accumulate"
-    triggers = False  # said, not left to a failed lookup (an exception) for each response
     __slots__ = ("_budget", "_cached", "_chat", "_choices", "_error", "_full", "_usage")
 
     def __init__(self, endpoint: str, max_chars: int = 4_000_000) -> None:
@@ -281,21 +248,25 @@ class StreamAccumulator:
         if logprobs is not None and not state.broken:
             self._on_logprobs(state, logprobs)
 
-    def on_run(self, index: int, channel: str, texts: Sequence[str]) -> None:
-        """Token chunks that carry only a text (the relay's template path): what
-        ``on_chunk`` would have kept of each."""
-        state = self._choices.get(index)
+    def on_delta(self, item: Item) -> None:
+        """One event of the stream: a token chunk's text, or another chunk, parsed."""
+        if type(item) is not Delta:
+            assert type(item) is dict
+            self.on_chunk(item)
+            return
+        state = self._choices.get(item.index)
         if state is None:
             if len(self._choices) >= _MAX_CHOICES:
                 self._overflow()
                 return
-            state = self._choices[index] = _ChoiceState()
-        if self._full:
+            state = self._choices[item.index] = _ChoiceState()
+        text = item.text
+        if self._full or not text or not self._spend(len(text)):
             return
-        kept = state.reasoning if self._chat and channel == "reasoning" else state.content
-        for text in texts:
-            if text and self._spend(len(text)):
-                kept.append(text)
+        if self._chat and item.channel == "reasoning":
+            state.reasoning.append(text)
+        else:
+            state.content.append(text)
 
     def _on_logprobs(self, state: _ChoiceState, logprobs: Any) -> None:
         try:

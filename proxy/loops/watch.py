@@ -2,21 +2,22 @@
 engine says (finish_reason ``repetition``) and runaways (``length`` with no content after
 reasoning). Reasoning is read by ``proxy.openai.reasoning_of``.
 
-``on_chunk`` takes a fast path for the shape nearly every chunk has (one choice whose delta is a
-dict, for a choice already seen) and walks the general way otherwise. ``on_run`` feeds the text
-deltas of consecutive chunks at once: the detector is split-invariant, so the trigger is the one
-the chunks fed one by one would have given, and the chunk that would have fired it is located
-from the report's check offset.
+A stream inspector (``proxy.relay.inspectors``) that watches: ``on_delta`` takes a token
+chunk's text (a ``Delta``) straight to its choice's detector for that channel, and walks any
+other chunk's choices. Per token that is a few attribute reads and the detector's ``feed``,
+which only keeps the text until its next check is due (``LoopDetector``): a trigger comes with
+the delta whose text reaches the check that finds the loop.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from policies.base import Trigger
 from proxy.loops.detector import DetectorConfig, LoopDetector, LoopReport
 from proxy.openai import reasoning_of
+from proxy.relay.inspectors import Delta, Item
 
 MAX_CHOICES = 128  # n is client-controlled: bound the detectors kept per response
 
@@ -89,13 +90,12 @@ def _trigger(source: str, channel: str, choice: int, report: LoopReport | None =
 
 
 class LoopWatch:
-    """Feed it the parsed chunks of one attempt; it returns the first trigger of each kind.
+    """Feed it the events of one attempt; it returns the first trigger of each kind.
 
-    A ``RunInspector`` (``proxy.relay.inspectors``) whose answers are triggers: the relay runs
-    it first among a response's inspectors, isolated like them."""
+    A watcher (``proxy.relay.inspectors.InspectorSet``): its answers are triggers, which the
+    relay hands to the policies; it is isolated like any inspector."""
 
     name = "loop_watch"
-    triggers = True
 
     def __init__(
         self,
@@ -137,7 +137,34 @@ class LoopWatch:
             return kept
         return kept[: len(kept) - watch.unshown] if watch.unshown else kept
 
-    def on_chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
+    def on_delta(self, item: Item) -> Trigger | None:
+        """One event of a stream: a token chunk's text, or another chunk, parsed."""
+        if type(item) is Delta:
+            index, text = item.index, item.text
+            watch = self._choices.get(index)
+            if watch is None:
+                watch = self._watch(index)
+                if watch is None:
+                    return None
+            if not text:
+                return None
+            if item.channel == "reasoning":
+                return self._feed(watch, index, text, None)
+            # Content, the usual token: what _feed does with it, inline.
+            watch.saw_content = True
+            if self._empty_stop and not watch.answered and text.strip():
+                watch.answered = True
+            if watch.kept is not None:
+                watch.keep(text)
+            report = watch.content.feed(text)
+            if report is None:
+                return None
+            watch.unshown = len(text)
+            return _trigger("proxy", "content", index, report)
+        assert type(item) is dict
+        return self._chunk(item)
+
+    def _chunk(self, chunk: Mapping[str, Any]) -> Trigger | None:
         """One parsed SSE chunk of a stream."""
         choices = chunk.get("choices")
         if self._chat and type(choices) is list and len(choices) == 1:
@@ -162,62 +189,6 @@ class LoopWatch:
         if trigger is None and finish is not None:
             return self._finished(watch, index, finish, raw.get("stop_reason"))
         return trigger
-
-    def on_run(self, index: int, channel: str, texts: Sequence[str]) -> tuple[Trigger, int] | None:
-        """Text deltas of one ``channel`` of choice ``index``, from consecutive chunks that
-        carry nothing else this watch looks at (no other text, no finish_reason).
-
-        Returns the trigger ``on_chunk`` would have returned for one of those chunks, with that
-        chunk's position in ``texts``; ``None`` when none would have triggered.
-        """
-        watch = self._watch(index)
-        if watch is None:
-            return None
-        text = "".join(texts)
-        if not text:
-            return None
-        if channel == "reasoning":
-            watch.saw_reasoning = True
-            if watch.kept_reasoning is not None:
-                watch.keep(text, reasoning=True)
-            detector = watch.reasoning
-        else:
-            watch.saw_content = True
-            if self._empty_stop and not watch.answered and text.strip():
-                watch.answered = True
-            if watch.kept is not None:
-                watch.keep(text)
-            detector = watch.content
-        at = detector.total_chars
-        report = detector.feed(text)
-        if report is None:
-            return None
-        # The detector fires at the check at offset start_offset + covered_chars, during the
-        # feed of the first delta that reaches it.
-        check = report.start_offset + report.covered_chars
-        position = len(texts) - 1
-        for i, delta in enumerate(texts):
-            at += len(delta)
-            if at >= check:
-                position = i
-                break
-        # The chunks after the triggering one are never relayed: not kept either.
-        excess = len(text) - sum(len(t) for t in texts[: position + 1])
-        kept = watch.kept_reasoning if channel == "reasoning" else watch.kept
-        if kept and excess:
-            kept[-1] = kept[-1][: len(kept[-1]) - excess]
-        watch.unshown = len(texts[position])
-        return _trigger("proxy", channel, index, report), position
-
-    def quiet_chars(self, index: int, channel: str) -> int:
-        """How many chars of texts of choice ``index`` in ``channel`` ``on_run`` takes from here
-        without a trigger (it only keeps them): up to its detector's next check. 0 for a choice
-        or channel not watched yet (its first text makes its detector)."""
-        watch = self._choices.get(index)
-        if watch is None:
-            return 0
-        detector = watch._reasoning if channel == "reasoning" else watch.content
-        return 0 if detector is None else detector.quiet_chars()
 
     def on_end(self, complete: bool) -> None:
         """Nothing to finish: a loop is a trigger while the stream runs, or nothing."""

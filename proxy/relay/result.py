@@ -1,20 +1,20 @@
 """What one streamed attempt came to: events, the first id, tokens, usage and their timing.
 
-``StreamResult`` is the one accumulator all three relay paths report into (raw, template and
-general: ``proxy.relay.stream``); the bookkeeping per parsed chunk (``tally_chunk``) and per token
-event (``count_tokens``) lives here, once. Tokens are counted as tokens, not events: a chunk
-can carry several (vLLM's stream interval, speculative decoding), told by usage growth, else
-by logprobs entries, else one an event.
+``StreamResult`` is what the relay reports (``proxy.relay.stream``), on its raw path and its
+inspected one alike: each data event, as the extractor gives it (``proxy.relay.extract``: a
+``Delta`` or a parsed chunk), is counted by ``tally``, here, once. Tokens are counted as tokens,
+not events: a chunk can carry several (vLLM's stream interval, speculative decoding), told by
+usage growth, else by logprobs entries, else one an event.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from policies.base import Abort, Retry, Trigger
 from proxy.openai import choice_text, completion_tokens_of
+from proxy.relay.inspectors import Delta, Item
 
 
 @dataclass(slots=True)
@@ -33,26 +33,9 @@ class StreamResult:
     # The tokens the token events carried (a chunk can carry several: vLLM's stream interval,
     # speculative decoding), from usage growth, else logprobs entries, else one an event.
     tokens: int = 0
-    first_tokens: int = 0  # those of the first token event (read, on the raw path)
+    first_tokens: int = 0  # those of the first token event
     # A decision dropped held reasoning the client never saw: the fields it came in.
     hidden_reasoning_keys: tuple[str, ...] = ()
-
-    def __init__(self) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"). Every field starts at its default above.
-        self.complete = False
-        self.first_event_s = None
-        self.events = 0
-        self.first_id = None
-        self.trigger = None
-        self.decision = None
-        self.token_events = 0
-        self.first_token_s = None
-        self.last_token_s = None
-        self.completion_tokens = None
-        self.tokens = 0
-        self.first_tokens = 0
-        self.hidden_reasoning_keys = ()
 
     def add_events(self, n: int, at: float) -> None:
         """``n`` whole events arrived, ``at`` seconds since the start of the request."""
@@ -83,20 +66,6 @@ class StreamSpeed:
     inter_token_s: float | None  # mean time between the tokens after the first token event
     tokens_per_s: float | None  # decode rate between the first and the last token event
 
-    def __init__(
-        self,
-        ttft_s: float,
-        tokens: int,
-        inter_token_s: float | None,
-        tokens_per_s: float | None,
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted, 6,900
-        # instructions a stream (README "The compiled build"). Same fields, same order.
-        object.__setattr__(self, "ttft_s", ttft_s)
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "inter_token_s", inter_token_s)
-        object.__setattr__(self, "tokens_per_s", tokens_per_s)
-
 
 def _listed(logprobs: Any) -> int:
     """The tokens a chunk's logprobs list: chat's ``content``, completions' ``tokens``."""
@@ -122,16 +91,26 @@ def text_tokens(chunk: dict[str, Any]) -> tuple[bool, int]:
     return found, listed
 
 
-def tally_chunk(result: StreamResult, chunk: dict[str, Any], now: Callable[[], float]) -> None:
-    """Token timing and usage of one parsed chunk (the inspected path's per-event count)."""
-    found, listed = text_tokens(chunk)
+def tally(result: StreamResult, item: Item, at: float) -> None:
+    """Token timing and usage of one data event, ``at`` seconds since the start."""
+    if type(item) is Delta:
+        if item.text:  # one token event, one token: count_tokens(result, 1, at), inline
+            if result.first_token_s is None:
+                result.first_token_s = at
+                result.first_tokens = 1
+            result.last_token_s = at
+            result.token_events += 1
+            result.tokens += 1
+        return
+    assert type(item) is dict
+    found, listed = text_tokens(item)
     before = result.completion_tokens
-    usage = completion_tokens_of(chunk)
+    usage = completion_tokens_of(item)
     if usage is not None:
         result.completion_tokens = usage
     if found:
         grown = usage - (before or 0) if usage is not None else 0
-        count_tokens(result, 1, now(), grown if grown > 0 else listed or 1)
+        count_tokens(result, 1, at, grown if grown > 0 else listed or 1)
 
 
 def count_tokens(result: StreamResult, events: int, at: float, tokens: int | None = None) -> None:

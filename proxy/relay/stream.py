@@ -1,28 +1,28 @@
-"""The streaming relay: upstream SSE bytes -> decoder -> inspectors -> client, event by event.
+"""The streaming relay: upstream SSE bytes -> events -> deltas -> inspectors -> transforms ->
+client, event by event.
 
 Whole events are written as soon as they are complete, byte for byte as they arrived unless a
-stage changes them (logprobs detproxy injected are stripped; a restarted attempt keeps the
-original ``id``), so a stream that breaks mid-event can still be ended cleanly with an
-in-band error. Inspection is best effort: malformed SSE or JSON switches it off for this
-response and the bytes go on; what the client's bytes need (injected logprobs stripped, the
-first id kept, reasoning moved to content) still applies to every event that parses. With
-``hold_reasoning``, reasoning events are held back until reasoning ends (within a bound), so an
-attempt abandoned for a loop is never shown.
+transform changes them, so a stream that breaks mid-event can still be ended cleanly with an
+in-band error. Two paths, one result (the client gets the same bytes, whatever the split of
+the reads, and ``StreamResult`` the same counts):
 
-Three paths, one result (the client gets the same bytes, whatever the split of the reads):
+- raw: when nothing looks at the events (no inspector, nothing rewritten or held), each read's
+  complete events go out in one write, as they came; they are still read for the counts;
+- inspected: each read is cut into events (``SSEDecoder``: a read of plain ``data:`` lines is
+  cut with bytes operations), each event's data becomes a ``Delta`` or a parsed chunk
+  (``proxy.relay.extract``: learned templates read token chunks without parsing them), which
+  is counted (``proxy.relay.result.tally``) and handed to the inspectors (``InspectorSet``: a
+  watcher's trigger goes to ``plan.on_trigger``, and a retry or an abort stops the relay at that
+  event); then the transforms: injected logprobs stripped, a restarted attempt's chunks put
+  under the first id, reasoning moved to content after a closed one (these re-encode a parsed
+  chunk), reasoning held until it ends (``hold_reasoning``, so an attempt abandoned for a loop is
+  never shown), the last chars of text held back (``hold_back_chars``). Unchanged events go out
+  as slices of the read.
 
-- raw: when nothing looks at the events (no inspector, no loop watch, nothing rewritten or
-  held), each read's complete events go out in one write, undecoded; ``RawTally`` counts what
-  ``StreamResult`` reports with bytes searches (see ``proxy.relay.raw`` for its approximations);
-- simple: a read whose complete events are all single ``data: `` lines (what every engine
-  sends) is split with bytes operations (``SSEDecoder.feed_data``); unchanged events go out as
-  slices of the read, never re-encoded. Token chunks that match a learned ``ChunkTemplate``
-  are not parsed at all: their texts are decoded in one call per run and fed to the loop watch
-  at once (``LoopWatch.on_run``), which locates the chunk a trigger belongs to, so a decision
-  stops at the same event as when each chunk is parsed. A read that is one such chunk (a
-  token streamed on its own) is handled whole, not even split, and its text is held with the
-  next ones until the loop watch would look at them (``InspectorSet.on_text``);
-- general: any other read goes through the decoder and is parsed event by event.
+Inspection is best effort: malformed SSE or JSON switches it off for this response and the bytes
+go on; what the client's bytes need (the rewrites) still applies to every event that parses.
+``fast_paths=False`` is the reference the tests compare with: no raw path, no templates, every
+event decoded and parsed.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, cast
 
 import orjson
 
@@ -40,15 +40,14 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, encode_event, ends_with_done
+from proxy.http.sse import SSEDecoder, SSEOverflow, encode_event, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
-from proxy.loops.continuation import move_reasoning_to_content
 from proxy.openai import REASONING_KEYS, reasoning_of
-from proxy.relay.inspectors import InspectorSet
-from proxy.relay.raw import RawTally
-from proxy.relay.result import StreamResult, tally_chunk
-from proxy.relay.simple import SimpleReads
-from proxy.relay.template import Templates
+from proxy.relay.extract import Extractor
+from proxy.relay.inspectors import Delta, InspectorSet, Item
+from proxy.relay.result import StreamResult, tally
+
+_CR: Final = 13  # ``13 in data``: a memchr
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,33 +69,21 @@ class StreamPlan:
     # come and at the stream's end; a loop found while they are held is never shown.
     hold_back_chars: int = 0
 
-    def __init__(
-        self,
-        strip_logprobs: bool = False,
-        id_override: str | None = None,
-        hold_reasoning: bool = False,
-        hold_max_bytes: int = 256 * 1024,
-        on_trigger: Callable[[Trigger], Decision] | None = None,
-        reasoning_as_content: bool = False,
-        *,
-        trailer: Callable[[StreamResult], bytes] | None = None,
-        hold_back_chars: int = 0,
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted (README
-        # "The compiled build"). The fields above and these arguments are the same, in order.
-        object.__setattr__(self, "strip_logprobs", strip_logprobs)
-        object.__setattr__(self, "id_override", id_override)
-        object.__setattr__(self, "hold_reasoning", hold_reasoning)
-        object.__setattr__(self, "hold_max_bytes", hold_max_bytes)
-        object.__setattr__(self, "on_trigger", on_trigger)
-        object.__setattr__(self, "reasoning_as_content", reasoning_as_content)
-        object.__setattr__(self, "trailer", trailer)
-        object.__setattr__(self, "hold_back_chars", hold_back_chars)
+
+def _one_event(read: bytes) -> bytes | None:
+    """The data field of a read that is one event of one ``data: `` line (None: another
+    read, which the decoder cuts)."""
+    if read.startswith(b"data: ") and read.endswith(b"\n\n") and read.find(b"\n") == len(read) - 2:
+        return None if _CR in read else read[6:-2]
+    return None
 
 
-def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
+def _releases_hold(item: Item) -> bool | None:
     """True: reasoning is over; False: a reasoning delta; None: neither (e.g. the role chunk)."""
-    choices = chunk.get("choices")
+    if type(item) is Delta:
+        return (item.channel == "content") if item.text else None
+    assert type(item) is dict
+    choices = item.get("choices")
     if not isinstance(choices, list) or not choices:
         return True  # usage or error chunks end the hold
     reasoning = False
@@ -114,9 +101,16 @@ def _releases_hold(chunk: Mapping[str, Any]) -> bool | None:
     return False if reasoning else None
 
 
-def _texts(chunk: Mapping[str, Any]) -> tuple[int, int] | None:
-    """The chars of a chunk that carries text deltas only (content, reasoning); None for any
-    other chunk (no choices, a finish, tool calls)."""
+def _texts(item: Item) -> tuple[int, int] | None:
+    """The chars (content, reasoning) of an event that carries text deltas only; None for any
+    other (no choices, a finish, tool calls)."""
+    if type(item) is Delta:
+        return (len(item.text), 0) if item.channel == "content" else (0, len(item.text))
+    assert type(item) is dict
+    return _chunk_texts(item)
+
+
+def _chunk_texts(chunk: Mapping[str, Any]) -> tuple[int, int] | None:
     choices = chunk.get("choices")
     if type(choices) is not list or not choices:
         return None
@@ -161,6 +155,7 @@ class StreamRelay:
         self._fast = fast_paths
         self._endpoint = endpoint
         self.inspectors = inspectors
+        self._inspected = bool(inspectors)
         self.inspecting = True
         self._bus = bus
         self._max_event_bytes = max_event_bytes
@@ -172,6 +167,9 @@ class StreamRelay:
         self.rewriting = (
             plan.strip_logprobs or plan.id_override is not None or plan.reasoning_as_content
         )
+        # Whether an event that templates read may still be changed: held, or held back (the
+        # rewrites need a parsed chunk; templates learn none that they would change).
+        self._holds = plan.hold_reasoning or plan.hold_back_chars > 0
         self.held: list[bytes] = []
         self.heldbytes_ = 0
         # The held-back tail (plan.hold_back_chars): each chunk's bytes and its text's chars
@@ -179,24 +177,20 @@ class StreamRelay:
         self.tail: list[tuple[bytes, int, int]] = []
         self.tail_chars = 0
         self.unshown: tuple[int, int] = (0, 0)
-        # Templates need chunks that reach the client unchanged and no inspector (they see
-        # dicts); strip_logprobs changes them, a restarted attempt's id is checked on learning.
-        self._simple = SimpleReads(
-            self,
-            None
-            if plan.strip_logprobs or plan.reasoning_as_content or not fast_paths
-            else Templates(endpoint == "chat"),
+        # Templates: none where every chunk is rewritten (strip_logprobs changes them).
+        self.extractor = Extractor(
+            endpoint == "chat",
+            templates=fast_paths and not plan.strip_logprobs,
+            id_override=plan.id_override,
+            reasoning_as_content=plan.reasoning_as_content,
         )
         self.result = StreamResult()
-
-    @property
-    def templates(self) -> Templates | None:
-        """The chunk templates the simple path learned (None: it learns none)."""
-        return self._simple.templates
+        self._counting = False  # the raw path: events counted, nothing inspected or changed
 
     @property
     def raw(self) -> bool:
-        """Nothing looks at the events: they are relayed undecoded."""
+        """Nothing looks at the events or changes them: each read's complete events go out as
+        they came, and are only counted."""
         plan = self.plan
         return self._fast and not (
             self.inspectors
@@ -218,50 +212,80 @@ class StreamRelay:
     def _stop_inspecting_hold(self) -> None:
         self._bus.publish(InspectionStopped(self._endpoint, "hold_overflow"))
 
-    # -- one event -------------------------------------------------------------------------
+    # -- one event: counted, inspected, transformed ------------------------------------------
 
-    def parse(self, data: bytes | None) -> dict[str, Any] | None:
-        """The chunk of a data field; None for [DONE], no data, or malformed JSON (which stops
-        inspection)."""
+    def _parsed(self, data: bytes | None, raw: bytes, at: float) -> bytes | None:
+        """An event templates did not read; returns the bytes to write now (None: held, or
+        withheld by a decision)."""
         if data is None or data == b"[DONE]":
-            return None
-        chunk = self._chunk(data)
-        if chunk is None:
-            self._stop_inspecting("malformed_json")
-        return chunk
-
-    def _chunk(self, data: bytes) -> dict[str, Any] | None:
-        """A data field as a JSON object (None: it is not one), its reasoning moved to content
-        where the plan says so."""
-        try:
-            chunk = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            return None
-        if type(chunk) is not dict:
-            return None
-        if self.plan.reasoning_as_content:
-            move_reasoning_to_content(chunk)  # seen, counted and relayed as content
-        return chunk
-
-    def _process(self, event: SSEEvent) -> bytes | None:
-        """Inspect one event; return the bytes to write now (None: held or withheld)."""
-        chunk = self.parse(event.data)
-        if chunk is None:  # [DONE], a comment, or malformed: whatever was held goes first
+            # [DONE] or a comment (anything else without data is malformed): whatever was held
+            # goes first.
+            if data is None and not raw.lstrip(b"\r\n").startswith(b":"):
+                self._stop_inspecting("malformed_sse")
+                return self.flush_held(raw)
             self.holding = False
-            return self.flush_held(event.raw)
-        if self.observe(chunk):
+            return self.flush_held(raw)
+        parsed = self._parse(data)
+        if parsed is None:
+            self._stop_inspecting("malformed_json")
+            self.holding = False
+            return self.flush_held(raw)
+        chunk, item = parsed
+        if self.observe(item, at):
             return None
-        return self.transform(chunk, event.raw)
+        return self.transform(item, self.rewrite(chunk, raw))
 
-    def observe(self, chunk: dict[str, Any]) -> bool:
-        """What is measured and detected on one chunk; True when a decision stops the relay."""
+    def _delta(self, delta: Delta, raw: bytes, at: float) -> bytes:
+        """An event templates read: the bytes to write now (empty: held, or withheld by a
+        decision). Its chunk carries nothing the rewrites change."""
+        if self._counting:
+            tally(self.result, delta, at)
+            return raw
+        if self.observe(delta, at):
+            return b""
+        if self._holds:
+            return self.transform(delta, raw) or b""
+        return raw
+
+    def _parse(self, data: bytes) -> tuple[dict[str, Any], Item] | None:
+        """A data field parsed (None: not a JSON object), and what the inspectors see of it."""
+        chunk = self.extractor.parse(data)
+        if chunk is None:
+            return None
         result = self.result
-        if result.first_id is None and isinstance(chunk.get("id"), str):
-            result.first_id = chunk["id"]
-        tally_chunk(result, chunk, self.now)
-        if self.inspectors:
+        if result.first_id is None:
+            first = chunk.get("id")
+            if type(first) is str:
+                result.first_id = first
+        delta = self.extractor.delta_of(chunk)
+        return chunk, chunk if delta is None else delta
+
+    def _count(self, datas: list[bytes | None], at: float) -> None:
+        """The raw path: a read's data fields counted, as the inspected path counts them."""
+        result = self.result
+        extractor = self.extractor
+        i, n = 0, len(datas)
+        while i < n:
+            run = extractor.deltas(datas, i)
+            if run:
+                for delta in run:
+                    tally(result, delta, at)
+                i += len(run)
+                continue
+            data = datas[i]
+            i += 1
+            if data is not None and data != b"[DONE]":
+                parsed = self._parse(data)
+                if parsed is not None:
+                    tally(result, parsed[1], at)
+
+    def observe(self, item: Item, at: float) -> bool:
+        """An event counted and shown to the inspectors; True when a decision stops the relay."""
+        result = self.result
+        tally(result, item, at)
+        if self._inspected:
             # Only the first trigger counts: after it the watchers are not asked again.
-            trigger = self.inspectors.on_chunk(chunk, result.trigger is None)
+            trigger = self.inspectors.on_delta(item, result.trigger is None)
             if trigger is not None:
                 return self.decide(trigger)
         return False
@@ -288,19 +312,18 @@ class StreamRelay:
             return True
         return False
 
-    def transform(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
-        """The bytes one inspected chunk becomes now (None: held)."""
-        raw = self.rewrite(chunk, raw)
+    def transform(self, item: Item, raw: bytes) -> bytes | None:
+        """The bytes an inspected event becomes now (None: held)."""
         if self.holding:
-            return self.hold(_releases_hold(chunk), raw)
+            return self.hold(_releases_hold(item), raw)
         if self.plan.hold_back_chars > 0:
-            return self.hold_back(chunk, raw)
+            return self.hold_back(item, raw)
         return raw
 
-    def hold_back(self, chunk: dict[str, Any], raw: bytes) -> bytes | None:
+    def hold_back(self, item: Item, raw: bytes) -> bytes | None:
         """Hold a text chunk in the tail; release what the tail holds past its bound. Any
         other chunk (a finish, usage, tool calls) releases the whole tail before it."""
-        texts = _texts(chunk)
+        texts = _texts(item)
         if texts is None:
             return self.flush_held(raw)
         content, reasoning = texts
@@ -332,7 +355,7 @@ class StreamRelay:
 
     def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
         """One event after inspection stopped: rewritten if it parses, else as it came."""
-        chunk = None if data is None or data == b"[DONE]" else self._chunk(data)
+        chunk = None if data is None or data == b"[DONE]" else self.extractor.parse(data)
         return raw if chunk is None else self.rewrite(chunk, raw)
 
     def _rewrite_read(self, data: bytes) -> bytes:
@@ -374,52 +397,117 @@ class StreamRelay:
 
     # -- one read ----------------------------------------------------------------------------
 
-    def _relay_events(self, events: list[SSEEvent]) -> bytes:
-        """The general path: decoded events, each parsed."""
-        parts: list[bytes] = []
-        for event in events:
-            if not self.inspecting:
-                parts.append(
-                    self.rewrite_only(event.data, event.raw) if self.rewriting else event.raw
-                )
-            elif event.data is None and not event.raw.lstrip(b"\r\n").startswith(b":"):
-                self._stop_inspecting("malformed_sse")
-                parts.append(self.flush_held(event.raw))
-            else:
-                out = self._process(event)
-                if self.result.decision is not None:
-                    break
-                if out:
-                    parts.append(out)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
     def _read(self, data: bytes) -> bytes:
-        """One upstream read, inspected: the bytes to write now."""
+        """One upstream read: the bytes to write now. Its complete events are cut from it
+        (one plain event: the usual read, without the decoder), read by the extractor, and
+        counted; on the raw path that is all, else they go through ``_events``."""
         if not self.inspecting:
             return self.flush_held(b"") + (self._rewrite_read(data) if self.rewriting else data)
-        simple = self._simple
         decoder = self._decoder
-        templates = simple.templates
-        if templates is not None and templates.active and not decoder.pending:
-            one = simple.relay_one(data) if simple.reads_runs else None
-            if one is not None:
-                return one
-        events: list[SSEEvent] = []
+        if self._fast and not decoder.pending:
+            field = _one_event(data)
+            if field is not None:  # a token streamed on its own (the usual read)
+                delta = self.extractor.delta(field)
+                if delta is not None:
+                    at = self.now()
+                    self.result.add_events(1, at)
+                    return self._delta(delta, data, at)
+        raws: list[bytes] | None = None
         try:
             split = decoder.feed_data(data) if self._fast else None
             if split is None:
                 events = decoder.feed(data)
+                raws = [event.raw for event in events]
+                src = b"".join(raws)
+                datas: list[bytes | None] = [event.data for event in events]
+            else:
+                src = split[0]
+                datas = cast("list[bytes | None]", split[1])  # each a data field
         except SSEOverflow as exc:
+            if self._counting:
+                self.inspecting = False  # nothing was inspected: nothing to report
             self._stop_inspecting("event_too_large")
             return self.flush_held(b"") + exc.pending
-        n = len(split[1]) if split is not None else len(events)
-        if not n:
+        if not datas:
             return b""
-        self.result.add_events(n, self.now())
-        out = simple.relay_simple(*split) if split is not None else self._relay_events(events)
+        at = self.now()
+        self.result.add_events(len(datas), at)
+        if self._counting:
+            self._count(datas, at)
+            return src
+        out = self._events(src, datas, raws, at)
         if not self.inspecting:  # raw from here on, or decoded for rewriting alone
             out += self.flush_held(b"" if self.rewriting else decoder.take_pending())
         return out
+
+    def _events(
+        self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None, at: float
+    ) -> bytes:
+        """A read's complete events (``src``; each ``b"data: " + data + b"\n\n"`` unless
+        ``raws`` says otherwise) through the stages: the bytes to write now. Events that
+        reach the client unchanged stay slices of ``src``."""
+        parts: list[bytes] = []
+        kept = 0  # src[kept:] is relayed unchanged so far
+        offset = 0  # where datas[i]'s event starts in src
+        i, n = 0, len(datas)
+        extractor = self.extractor
+        written: bytes | None
+        while i < n:
+            if not self.inspecting:
+                if self.rewriting:  # the rest is rewritten, not inspected
+                    while i < n:
+                        data = datas[i]
+                        size = len(raws[i]) if raws is not None else len(data or b"") + 8
+                        raw = src[offset : offset + size]
+                        written = self.rewrite_only(data, raw)
+                        if written is not raw:
+                            parts.append(src[kept:offset])
+                            parts.append(written)
+                            kept = offset + size
+                        offset += size
+                        i += 1
+                break  # the rest goes out as it came
+            run = extractor.deltas(datas, i)
+            for delta in run:  # token chunks templates read
+                data = datas[i]
+                size = len(raws[i]) if raws is not None else len(data or b"") + 8
+                if self.observe(delta, at):
+                    return self._take(parts, src, kept, offset)
+                if self._holds:
+                    raw = src if size == len(src) else src[offset : offset + size]
+                    written = self.transform(delta, raw)
+                    if written is not raw:
+                        parts.append(src[kept:offset])
+                        if written:
+                            parts.append(written)
+                        kept = offset + size
+                offset += size
+                i += 1
+            if run:
+                continue
+            data = datas[i]
+            size = len(raws[i]) if raws is not None else len(data or b"") + 8
+            raw = src if size == len(src) else src[offset : offset + size]
+            written = self._parsed(data, raw, at)
+            if self.result.decision is not None:
+                return self._take(parts, src, kept, offset)
+            if written is not raw:
+                parts.append(src[kept:offset])
+                if written:
+                    parts.append(written)
+                kept = offset + size
+            offset += size
+            i += 1
+        return self._take(parts, src, kept, len(src))
+
+    @staticmethod
+    def _take(parts: list[bytes], src: bytes, kept: int, end: int) -> bytes:
+        """``src`` up to ``end``, with the changes in ``parts`` (up to ``src[kept]``)."""
+        if not parts and not kept:
+            return src if end == len(src) else src[:end]
+        if end > kept:
+            parts.append(src[kept:end])
+        return b"".join(parts)
 
     # -- the stream -------------------------------------------------------------------------
 
@@ -427,15 +515,8 @@ class StreamRelay:
         """Relay until the upstream ends or a decision stops it. Client write errors and
         cancellation propagate; ``result.complete`` then tells whether the client had the
         whole stream."""
-        try:
-            if self.raw:
-                return await self._run_raw(upstream, resp)
-            return await self._run_inspected(upstream, resp)
-        finally:
-            # The simple path points back at this relay: cut the cycle, so that the stream's
-            # objects (its exchange, client, inspectors) go when it ends, by reference count,
-            # not in the cyclic collector's next pass, which pauses the loop (issue 16).
-            self._simple.detach()
+        self._counting = self.raw
+        return await self._run(upstream, resp)
 
     def _trailed(self, out: bytes) -> bytes:
         """``out`` with the plan's trailer before its ``[DONE]``, where it ends with one."""
@@ -456,47 +537,7 @@ class StreamRelay:
             self.result.complete = True
             self.inspectors.on_end(True)
 
-    async def _run_raw(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
-        result = self.result
-        tally = RawTally(self._endpoint, result, self._t0, self._max_event_bytes, self._clock)
-
-        last = b""  # the bytes last handed to the client
-        write = resp.write_nowait  # looked up once, not per event
-        trailed = self.plan.trailer is not None
-
-        def relay(data: bytes) -> bool:
-            nonlocal last
-            out = tally.feed(data)
-            if not out:
-                return True
-            if trailed:
-                out = self._trailed(out)
-            more = write(out)
-            last = out  # handed over: the write raised nothing
-            return more
-
-        try:
-            while not await upstream.pump(relay):
-                await resp.drain()
-        except CLIENT_GONE:
-            self._client_left(last)
-            raise
-        except READ_ERRORS as exc:
-            self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
-            # A blank line first ends an unfinished event relayed past the size bound.
-            prefix = b"\n\n" if tally.partial else b""
-            error = inband_error_event(502, "upstream connection lost mid-stream")
-            await resp.write(prefix + error)
-            self.inspectors.on_end(False)
-            return result
-        out = tally.finish()
-        if out:
-            await resp.write(self._trailed(out) if trailed else out)
-        result.complete = True
-        self.inspectors.on_end(True)
-        return result
-
-    async def _run_inspected(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
+    async def _run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         decoder = self._decoder
 
@@ -540,8 +581,11 @@ class StreamRelay:
             final = decoder.flush()
             if final is None:
                 processed: bytes | None = tail
+            elif self._counting:
+                self._count([final.data], self.now())
+                processed = final.raw
             elif self.inspecting:
-                processed = self._process(final)
+                processed = self._parsed(final.data, final.raw, self.now())
             else:
                 processed = self.rewrite_only(final.data, final.raw)
             out += (processed or b"") + self.flush_held(b"")

@@ -43,41 +43,13 @@ class ChunkTemplate:
     prefix: bytes  # the data field up to the text's opening quote, included
     suffix: bytes  # the data field from the text's closing quote, included
     index: int  # the choice index
-    channel: str  # "reasoning" or "content" (LoopWatch's names)
-    releases: bool  # a non-empty text ends a reasoning hold (content or completions text)
-    event_prefix: bytes  # b"data: " + prefix and suffix + b"\n\n": a whole event's ends
-    event_suffix: bytes
+    channel: str  # "content" or "reasoning" (``Delta``'s names)
     middle: bytes | None = None  # between the text's two copies, when it has two
 
-    def __init__(  # noqa: PLR0917 (the generated one took them so: the caller passes them so)
-        self,
-        prefix: bytes,
-        suffix: bytes,
-        index: int,
-        channel: str,
-        releases: bool,
-        event_prefix: bytes,
-        event_suffix: bytes,
-        middle: bytes | None = None,
-    ) -> None:
-        # Written out: mypyc compiles this one; the generated one runs interpreted, 11,600
-        # instructions a stream (README "The compiled build"). Same fields, same order.
-        object.__setattr__(self, "prefix", prefix)
-        object.__setattr__(self, "suffix", suffix)
-        object.__setattr__(self, "index", index)
-        object.__setattr__(self, "channel", channel)
-        object.__setattr__(self, "releases", releases)
-        object.__setattr__(self, "event_prefix", event_prefix)
-        object.__setattr__(self, "event_suffix", event_suffix)
-        object.__setattr__(self, "middle", middle)
-
-    def literal(self, data: bytes, event: bool = False) -> bytes | None:
-        """The text's literal in a data field (``event``: a whole event) of this template's
-        form; not checked to be one JSON string (``decode`` does)."""
-        if event:
-            prefix, suffix = self.event_prefix, self.event_suffix
-        else:
-            prefix, suffix = self.prefix, self.suffix
+    def literal(self, data: bytes) -> bytes | None:
+        """The text's literal in a data field of this template's form; not checked to be one
+        JSON string (``decode`` does)."""
+        prefix, suffix = self.prefix, self.suffix
         if not (data.startswith(prefix) and data.endswith(suffix)):
             return None
         inner = data[len(prefix) - 1 : len(data) - len(suffix) + 1]  # from quote to quote
@@ -106,7 +78,7 @@ def _literal_end(data: bytes, start: int) -> int:
         pos += 1
 
 
-def _shape(
+def plain_shape(
     chunk: dict[str, Any], chat: bool
 ) -> tuple[dict[str, Any], int, tuple[str, ...], str] | None:
     """(choice, index, keys, text) when the chunk has the plain shape."""
@@ -120,6 +92,8 @@ def _shape(
         return None
     if choice.get("logprobs") is not None:
         return None  # they differ from token to token: no later chunk would match
+    if choice.get("stop_reason") is not None:
+        return None
     index = choice.get("index", 0)
     if type(index) is not int:
         return None
@@ -167,7 +141,7 @@ def _span(data: bytes, key: str) -> tuple[int, int] | None:
 
 def learn(chunk: dict[str, Any], data: bytes, chat: bool) -> ChunkTemplate | None:
     """A template from one parsed chunk and its data field, when it has the plain shape."""
-    shape = _shape(chunk, chat)
+    shape = plain_shape(chunk, chat)
     return None if shape is None else _locate(chunk, data, chat, *shape)
 
 
@@ -207,17 +181,8 @@ def _locate(
             return None
     except orjson.JSONDecodeError:
         return None
-    content = keys[0] in ("content", "text")
-    return ChunkTemplate(
-        prefix,
-        suffix,
-        index,
-        "content" if content else "reasoning",
-        content,
-        b"data: " + prefix,
-        suffix + b"\n\n",
-        middle,
-    )
+    channel = "content" if keys[0] in ("content", "text") else "reasoning"
+    return ChunkTemplate(prefix, suffix, index, channel, middle)
 
 
 def decode(literals: list[bytes]) -> list[str] | None:
@@ -263,7 +228,7 @@ class Templates:
 
     def learn(self, chunk: dict[str, Any], data: bytes) -> None:
         """Learn from a parsed chunk of the plain shape (other chunks cost no budget)."""
-        shape = _shape(chunk, self._chat)
+        shape = plain_shape(chunk, self._chat)
         if shape is None:
             return
         if not self.wants():
@@ -275,3 +240,43 @@ class Templates:
         if found is not None:
             kept = [t for t in self.active if (t.index, t.channel) != (found.index, found.channel)]
             self.active = [found, *kept][:MAX_TEMPLATES]
+
+    def match(
+        self, datas: list[bytes | None], start: int
+    ) -> tuple[list[bytes], list[ChunkTemplate]]:
+        """The literals of the template hits from ``datas[start]`` on, up to the first miss,
+        and the template each matched."""
+        literals: list[bytes] = []
+        matched: list[ChunkTemplate] = []
+        active = self.active
+        if not active:
+            return literals, matched
+        tpl = active[0]
+        # The usual case inline: a one-literal template, checked by its prefix and suffix, and
+        # the literal from quote to quote (the suffix is longer than its quote).
+        inline = tpl.middle is None
+        prefix, suffix = tpl.prefix, tpl.suffix
+        cut, end = len(prefix) - 1, 1 - len(suffix)
+        for i in range(start, len(datas)):
+            data = datas[i]
+            if data is None:
+                break
+            if inline and data.startswith(prefix) and data.endswith(suffix):
+                # A data field shorter than prefix + suffix yields a literal too short for
+                # decode().
+                literals.append(data[cut:end])
+                matched.append(tpl)
+                continue
+            for other in active:
+                literal = other.literal(data)
+                if literal is not None:
+                    literals.append(literal)
+                    matched.append(other)
+                    tpl = other
+                    inline = tpl.middle is None
+                    prefix, suffix = tpl.prefix, tpl.suffix
+                    cut, end = len(prefix) - 1, 1 - len(suffix)
+                    break
+            else:
+                break
+        return literals, matched

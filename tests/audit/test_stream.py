@@ -12,6 +12,8 @@ from proxy.audit.outcome import (
     TokenLogprob,
     outcome_from_response,
 )
+from proxy.relay.extract import Extractor
+from proxy.relay.inspectors import Delta
 from tests.helpers.answers import (
     CONTENT,
     REASONING,
@@ -187,3 +189,34 @@ def test_outcome_can_be_read_twice() -> None:
     acc = _run("chat", chunks)
     assert acc.outcome() == acc.outcome()
     assert len(acc.outcome().choices[0].tokens or ()) == 3
+
+
+def test_a_delta_folds_as_the_chunk_it_was_read_from() -> None:
+    """What the relay hands on as a ``Delta`` (a token chunk carrying one text) is kept as the
+    parsed chunk itself would be: content, reasoning, completions' text, empty texts."""
+    for endpoint, chunks in (
+        ("chat", chat_chunks(REASONING, CONTENT)),
+        ("chat", chat_chunks(REASONING, CONTENT, reasoning_field="reasoning_content")),
+        ("completions", completion_chunks(CONTENT)),
+    ):
+        extractor = Extractor(endpoint == "chat", templates=False)
+        as_deltas, as_chunks = StreamAccumulator(endpoint), StreamAccumulator(endpoint)
+        deltas = 0
+        for chunk in chunks:
+            # Without logprobs, as a stream the client did not ask them for.
+            if chunk["choices"]:
+                chunk = {**chunk, "choices": [{**chunk["choices"][0], "logprobs": None}]}
+            delta = extractor.delta_of(chunk)
+            deltas += delta is not None
+            as_deltas.on_delta(delta if delta is not None else chunk)
+            as_chunks.on_delta(chunk)
+        as_deltas.on_end(True)
+        as_chunks.on_end(True)
+        assert deltas == len(chunks) - (3 if endpoint == "chat" else 2)  # (role,) finish, usage
+        assert as_deltas.outcome() == as_chunks.outcome()
+    acc = StreamAccumulator("chat")
+    acc.on_delta(Delta(3, "reasoning", "think"))
+    acc.on_delta(Delta(3, "content", ""))
+    acc.on_delta(Delta(3, "content", "answer"))
+    (choice,) = acc.outcome().choices
+    assert (choice.index, choice.reasoning, choice.content) == (3, "think", "answer")

@@ -6,7 +6,7 @@ Prints figures only (no assertions). Uses detproxy's own modules on vLLM-shaped 
 
 - microseconds per token (= per chunk of one token), best of several repetitions, for each
   stage the relay runs: SSE decode (one event per ``feed``, and the whole stream in 64 KB reads),
-  orjson parse, ``LoopWatch.on_chunk``, ``StreamAccumulator.on_chunk`` (with and without top-5
+  orjson parse, ``LoopWatch.on_delta``, ``StreamAccumulator.on_delta`` (with and without top-5
   logprobs), ``strip_logprobs`` and the re-serialisation of a stripped chunk, xxh3 of the text;
   next to baselines measured in the same run (an empty loop, ``bytes.split``, a no-op call);
 - microseconds per event of the relay itself (``StreamRelay.run`` over an in-memory upstream
@@ -49,6 +49,7 @@ from proxy.audit.outcome import StreamAccumulator  # noqa: E402
 from proxy.http.sse import SSEDecoder, encode_event  # noqa: E402
 from proxy.loops.detector import DetectorConfig  # noqa: E402
 from proxy.loops.watch import LoopWatch  # noqa: E402
+from proxy.relay.inspectors import Delta  # noqa: E402
 from tests.helpers.processes import free_port  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -127,6 +128,7 @@ def micro(tokens: int) -> None:
     stream = b"".join(events)
     datas = [e[6:-2] for e in events]  # the JSON of each event
     parsed = [orjson.loads(d) for d in datas]
+    deltas = [Delta(0, "content", c["choices"][0]["delta"]["content"]) for c in parsed]
     parsed_lp_json = [e[6:-2] for e in events_lp]
     texts = [(c["choices"][0]["delta"].get("content") or "").encode() for c in parsed]
     n = len(events)
@@ -180,13 +182,19 @@ def micro(tokens: int) -> None:
     def loop_watch() -> int:
         watch = LoopWatch("chat", config)
         for c in parsed:
-            watch.on_chunk(c)
+            watch.on_delta(c)
+        return n
+
+    def loop_watch_deltas() -> int:
+        watch = LoopWatch("chat", config)
+        for d in deltas:
+            watch.on_delta(d)
         return n
 
     def accumulate() -> int:
         acc = StreamAccumulator("chat")
         for c in parsed:
-            acc.on_chunk(c)
+            acc.on_delta(c)
         acc.on_end(True)
         return n
 
@@ -199,7 +207,7 @@ def micro(tokens: int) -> None:
     def accumulate_lp() -> int:
         acc = StreamAccumulator("chat")
         for c in lp_sets.pop():
-            acc.on_chunk(c)
+            acc.on_delta(c)
         acc.on_end(True)
         return n
 
@@ -251,8 +259,8 @@ def micro(tokens: int) -> None:
                 if data is None or data == b"[DONE]":
                     continue
                 c = loads(data)
-                watch.on_chunk(c)
-                acc.on_chunk(c)
+                watch.on_delta(c)
+                acc.on_delta(c)
                 text = c["choices"][0]["delta"].get("content")
                 if text:
                     h.update(text.encode())
@@ -283,11 +291,12 @@ def micro(tokens: int) -> None:
         ("SSE decode, whole stream in 64 KB feeds", per_item_us(sse_64k)),
         ("orjson.loads of the event's JSON", per_item_us(parse)),
         ("orjson.loads, chunk with top-5 logprobs", per_item_us(parse_lp)),
-        ("LoopWatch.on_chunk (loop detector)", per_item_us(loop_watch)),
-        ("StreamAccumulator.on_chunk, logprobs null", per_item_us(accumulate)),
+        ("LoopWatch.on_delta, a parsed chunk", per_item_us(loop_watch)),
+        ("LoopWatch.on_delta, a Delta (the chunk's text)", per_item_us(loop_watch_deltas)),
+        ("StreamAccumulator.on_delta, logprobs null", per_item_us(accumulate)),
     ]
     fresh_lp()
-    rows.append(("StreamAccumulator.on_chunk, top-5 logprobs", per_item_us(accumulate_lp)))
+    rows.append(("StreamAccumulator.on_delta, top-5 logprobs", per_item_us(accumulate_lp)))
     fresh_lp()
     rows.append(("strip_logprobs (top-5 -> null)", per_item_us(strip)))
     rows += [
@@ -360,12 +369,10 @@ def relay_rows(events: list[bytes]) -> None:
 
         async def once() -> None:
             found: list[Any] = [StreamAccumulator("chat")] if audit else []
-            if loops:
-                found.insert(0, LoopWatch("chat", config))
+            watchers = [LoopWatch("chat", config)] if loops else []
             plan = StreamPlan(hold_reasoning=hold)
-            relay = StreamRelay(
-                "chat", InspectorSet(found, lambda name: None), EventBus(), 8 << 20, 0.0, plan
-            )
+            inspectors = InspectorSet(found, lambda name: None, watchers)
+            relay = StreamRelay("chat", inspectors, EventBus(), 8 << 20, 0.0, plan)
             await relay.run(_Upstream(reads), _Client())  # type: ignore[arg-type]
 
         def run() -> int:
@@ -413,9 +420,9 @@ def stream_state_kb(tokens: int, top: int, audited: bool) -> tuple[float, float]
             if ev.data is None or ev.data == b"[DONE]":
                 continue
             c = orjson.loads(ev.data)
-            watch.on_chunk(c)
+            watch.on_delta(c)
             if acc is not None:
-                acc.on_chunk(c)
+                acc.on_delta(c)
             del c
     del ev
     gc.collect()
@@ -445,7 +452,7 @@ def memory(tokens: int) -> None:
         base = tracemalloc.get_traced_memory()[0]
         watch = LoopWatch("chat", DetectorConfig())
         for w in _words(n, 3):
-            watch.on_chunk({"choices": [{"index": 0, "delta": {"content": " " + w}}]})
+            watch.on_delta({"choices": [{"index": 0, "delta": {"content": " " + w}}]})
         gc.collect()
         cur = tracemalloc.get_traced_memory()[0] - base
         tracemalloc.stop()

@@ -23,7 +23,7 @@ class ExplodingInspector:
 
     name = "explode"
 
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
+    def on_delta(self, item: Any) -> None:
         raise ValueError("inspector bug")
 
     def on_end(self, complete: bool) -> None:
@@ -84,14 +84,16 @@ def relay(
     decision: Any = None,
     hold: bool = False,
     inspectors: list[Any] | None = None,
+    watch: Any = None,
     fail: bool = False,
     general: bool = False,
     max_event_bytes: int = 1 << 20,
     endpoint: str = "chat",
     **plan: Any,
 ) -> RelayRun:
-    """Relay these upstream reads through a ``StreamRelay`` (``general``: its general path
-    only); ``decision`` answers every trigger of the loop watch (``loops``)."""
+    """Relay these upstream reads through a ``StreamRelay`` (``general``: the reference, every
+    event decoded and parsed: no templates, no raw path); ``decision`` answers every trigger of
+    the loop watch (``loops``), or of ``watch``, a watcher in its place."""
     bus = EventBus()
     decided: list[Any] = []
 
@@ -105,10 +107,11 @@ def relay(
         **plan,
     )
     dropped: list[str] = []
-    watch = [LoopWatch(endpoint, DetectorConfig())] if loops else []
+    if watch is None and loops:
+        watch = LoopWatch(endpoint, DetectorConfig())
     r = StreamRelay(
         endpoint,
-        InspectorSet([*watch, *(inspectors or [])], dropped.append),
+        InspectorSet(inspectors or [], dropped.append, [watch] if watch is not None else []),
         bus,
         max_event_bytes,
         0.0,

@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
+from proxy.relay.extract import Extractor
+from proxy.relay.inspectors import Delta
 
 UNIT = " and then the model says the same thing again."
 
@@ -19,8 +21,8 @@ def test_content_loop_per_choice() -> None:
     watch = LoopWatch("chat", DetectorConfig())
     trigger = None
     for _ in range(40):
-        watch.on_chunk(delta(0, content="ordinary text that varies " + str(_)))
-        trigger = trigger or watch.on_chunk(delta(1, content=UNIT))
+        watch.on_delta(delta(0, content="ordinary text that varies " + str(_)))
+        trigger = trigger or watch.on_delta(delta(1, content=UNIT))
     assert trigger is not None
     assert (trigger.source, trigger.channel, trigger.choice, trigger.period) == (
         "proxy",
@@ -36,7 +38,7 @@ def test_duplicated_reasoning_fields_count_once() -> None:
     fed = 0
     trigger = None
     while trigger is None and fed < 5000:
-        trigger = watch.on_chunk(delta(reasoning=UNIT, reasoning_content=UNIT))
+        trigger = watch.on_delta(delta(reasoning=UNIT, reasoning_content=UNIT))
         fed += len(UNIT)
     assert trigger is not None and trigger.channel == "reasoning"
     assert trigger.start_offset is not None and trigger.start_offset < len(UNIT)
@@ -45,16 +47,16 @@ def test_duplicated_reasoning_fields_count_once() -> None:
 
 def test_engine_repetition_and_runaway() -> None:
     watch = LoopWatch("chat", DetectorConfig())
-    watch.on_chunk(delta(content="hello"))
-    trigger = watch.on_chunk(delta(finish="repetition"))
+    watch.on_delta(delta(content="hello"))
+    trigger = watch.on_delta(delta(finish="repetition"))
     assert trigger is not None and (trigger.source, trigger.channel) == ("engine", "content")
     watch = LoopWatch("chat", DetectorConfig())
-    watch.on_chunk(delta(reasoning_content="thinking and thinking"))
-    trigger = watch.on_chunk(delta(finish="length"))
+    watch.on_delta(delta(reasoning_content="thinking and thinking"))
+    trigger = watch.on_delta(delta(finish="length"))
     assert trigger is not None and (trigger.source, trigger.channel) == ("runaway", "reasoning")
     watch = LoopWatch("chat", DetectorConfig(), runaway=False)
-    watch.on_chunk(delta(reasoning="thinking"))
-    assert watch.on_chunk(delta(finish="length")) is None
+    watch.on_delta(delta(reasoning="thinking"))
+    assert watch.on_delta(delta(finish="length")) is None
 
 
 def test_whole_answers_and_completions() -> None:
@@ -127,7 +129,24 @@ def test_fast_path_triggers_like_the_general_walk(chunks: list[Any], chat: bool)
     endpoint = "chat" if chat else "completions"
     fast, general = LoopWatch(endpoint, DetectorConfig()), LoopWatch(endpoint, DetectorConfig())
     for chunk in chunks:
-        assert fast.on_chunk(chunk) == general._choices_of(chunk, "delta")
+        assert fast.on_delta(chunk) == general._choices_of(chunk, "delta")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(chunk_strategy(), max_size=120), st.booleans())
+def test_a_delta_triggers_as_the_chunk_it_was_read_from(chunks: list[Any], chat: bool) -> None:
+    """What the relay hands on as a ``Delta`` (a chunk carrying one text and nothing else)
+    gives the trigger the chunk itself gives."""
+    endpoint = "chat" if chat else "completions"
+    extractor = Extractor(chat, templates=False)
+    as_deltas, as_chunks = (
+        LoopWatch(endpoint, DetectorConfig()),
+        LoopWatch(endpoint, DetectorConfig()),
+    )
+    for chunk in chunks:
+        item = extractor.delta_of(chunk)
+        assert as_deltas.on_delta(item or chunk) == as_chunks.on_delta(chunk)
+    assert as_deltas.kept() == as_chunks.kept()
 
 
 @st.composite
@@ -141,36 +160,22 @@ def split_text(draw: st.DrawFn) -> list[str]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(split_text(), st.sampled_from(["content", "reasoning"]), st.integers(0, 60))
-def test_a_run_names_the_chunk_that_would_have_fired(
-    texts: list[str], channel: str, prefix: int
-) -> None:
-    one_by_one = LoopWatch("chat", DetectorConfig())
-    at_once = LoopWatch("chat", DetectorConfig())
-    head, tail = texts[:prefix], texts[prefix:]
-    expected = None
-    for i, text in enumerate(texts):
-        trigger = one_by_one.on_chunk(delta(0, **{channel: text}))
-        if trigger is not None:
-            expected = (trigger, i)
+@given(split_text(), st.sampled_from(["content", "reasoning"]))
+def test_a_delta_fires_where_its_chunk_does(texts: list[str], channel: str) -> None:
+    as_chunks = LoopWatch("chat", DetectorConfig(), keep=True)
+    as_deltas = LoopWatch("chat", DetectorConfig(), keep=True)
+    for text in texts:
+        expected = as_chunks.on_delta(delta(0, **{channel: text}))
+        assert as_deltas.on_delta(Delta(0, channel, text)) == expected
+        if expected is not None:
             break
-    found = at_once.on_run(0, channel, head)
-    if found is None:
-        found = at_once.on_run(0, channel, tail)
-        if found is not None:
-            found = (found[0], found[1] + len(head))
-    assert found == expected
-    if expected is None:  # what a later finish chunk sees: the same channels seen
-        finish = delta(0, finish="length")
-        assert at_once.on_chunk(finish) == one_by_one.on_chunk(finish)
+    assert as_deltas.shown(0, channel) == as_chunks.shown(0, channel)
+    finish = delta(0, finish="length")  # what a later finish chunk sees: the same channels seen
+    assert as_deltas.on_delta(finish) == as_chunks.on_delta(finish)
 
 
-def test_a_run_that_loops_fires_at_the_chunk_that_reaches_the_check() -> None:
+def test_a_loop_fires_at_the_delta_that_reaches_the_check() -> None:
     texts = ["intro. "] + [UNIT] * 12
-    one_by_one = LoopWatch("chat", DetectorConfig())
-    fired = next(
-        i for i, t in enumerate(texts) if one_by_one.on_chunk(delta(0, content=t)) is not None
-    )
-    found = LoopWatch("chat", DetectorConfig()).on_run(0, "content", texts)
-    assert found is not None and found[1] == fired < len(texts) - 1
-    assert (found[0].source, found[0].channel, found[0].period) == ("proxy", "content", len(UNIT))
+    watch = LoopWatch("chat", DetectorConfig())
+    fired = [i for i, t in enumerate(texts) if watch.on_delta(Delta(0, "content", t)) is not None]
+    assert len(fired) == 1 and fired[0] < len(texts) - 1

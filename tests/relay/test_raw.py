@@ -7,9 +7,9 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.relay.raw import RawTally
 from proxy.relay.result import StreamResult
 from tests.helpers.answers import grouped_chat_chunks, tokens
+from tests.helpers.relay_run import relay
 from tests.helpers.sse import chat_chunk, sse_event
 
 chunk = partial(chat_chunk, chunk_id="chatcmpl-7")
@@ -28,11 +28,19 @@ def vllm_stream(texts: list[str], key: str = "content", usage: int | None = 42) 
 
 
 def tally(reads: list[bytes], endpoint: str = "chat", max_bytes: int = 1 << 20) -> Any:
-    result = StreamResult()
-    raw = RawTally(endpoint, result, 0.0, max_bytes)
-    relayed = [raw.feed(read) for read in reads]
-    relayed.append(raw.finish())
-    return b"".join(relayed), result, raw, relayed
+    """The raw path's bytes, result and writes; it counts as the reference (every event parsed,
+    the same reads) does, exactly."""
+    run = relay(reads, endpoint=endpoint, max_event_bytes=max_bytes)
+    assert run.relay.raw
+    reference = relay(reads, endpoint=endpoint, max_event_bytes=max_bytes, general=True)
+    assert run.client.body == reference.client.body
+    assert counts(run.result) == counts(reference.result)
+    return run.client.body, run.result, run, run.client.writes
+
+
+def counts(result: StreamResult) -> tuple[Any, ...]:
+    r = result
+    return (r.events, r.first_id, r.token_events, r.tokens, r.first_tokens, r.completion_tokens)
 
 
 def cut(stream: bytes, cuts: list[int]) -> list[bytes]:
@@ -80,13 +88,10 @@ def test_completions_and_python_spacing() -> None:
 def test_a_partial_event_waits_and_an_unterminated_last_one_is_counted() -> None:
     events = vllm_stream(["a", "b"], usage=None)
     stream = b"".join(events)[:-2]  # the last event lacks its blank line
-    result = StreamResult()
-    raw = RawTally("chat", result, 0.0, 1 << 20)
-    assert raw.feed(events[0][:10]) == b""
-    assert raw.feed(events[0][10:] + events[1][:5]) == events[0]
-    rest = stream[len(events[0]) + 5 :]
-    assert raw.feed(rest) == stream[len(events[0]) : -len(b"data: [DONE]")]
-    assert raw.finish() == b"data: [DONE]"
+    reads = [events[0][:10], events[0][10:] + events[1][:5], stream[len(events[0]) + 5 :]]
+    relayed, result, _, writes = tally(reads)
+    assert relayed == stream
+    assert writes == [events[0], stream[len(events[0]) : -len(b"data: [DONE]")], b"data: [DONE]"]
     assert result.events == len(events) - 1  # as the decoder counts: the last had no end
     assert result.token_events == 2
 
@@ -103,24 +108,28 @@ def test_crlf_framing_is_decoded_exactly() -> None:
 def test_an_oversized_event_switches_to_passing_bytes_through() -> None:
     first = vllm_stream(["a"])[0]
     stream = first + sse_event(chunk({"content": "x" * 5000})) + vllm_stream(["b"])[1]
-    relayed, result, raw, parts = tally(cut(stream, [len(first), 2000, 4000]), max_bytes=1000)
+    relayed, result, run, parts = tally(cut(stream, [len(first), 2000, 4000]), max_bytes=1000)
     assert relayed == stream
     assert parts[:2] == [first, stream[len(first) : 2000]]  # past the bound, as it comes
-    assert raw.partial
     assert result.events == 1  # the events before it; nothing counted after
+    assert run.stopped == []  # nothing was inspected: nothing stopped
 
 
-def test_documented_approximations() -> None:
-    # Stray blank lines (runs of four newlines or more) count as events.
+def test_what_byte_searches_used_to_approximate_is_exact() -> None:
+    # Stray blank lines are no events.
     _, result, _, _ = tally([sse_event(chunk({"content": "a"})) + b"\n\n"])
-    assert result.events == 2
-    # One read mixing events with only reasoning and only reasoning_content counts the larger.
+    assert result.events == 1
+    # A read mixing events with only reasoning and only reasoning_content counts both.
     mixed = sse_event(chunk({"reasoning": "a"})) + sse_event(chunk({"reasoning_content": "b"}))
     _, result, _, _ = tally([mixed])
-    assert result.token_events == 1
-    # first_id comes from the first data event only.
+    assert result.token_events == 2
+    # first_id comes from the first event that has one.
     _, result, _, _ = tally([sse_event({"choices": []}) + sse_event(chunk({"content": "a"}))])
-    assert result.first_id is None
+    assert result.first_id == "chatcmpl-7"
+    # One event with both content and reasoning is one token event.
+    both = sse_event(chunk({"reasoning": "a", "content": "b"}))
+    _, result, _, _ = tally([both])
+    assert result.token_events == 1
 
 
 @settings(max_examples=100, deadline=None)
@@ -142,7 +151,7 @@ def test_tokens_of_several_a_chunk_in_any_split(shape: str, cuts: list[int]) -> 
     relayed, result, _, _ = tally(cut(stream, [c for c in cuts if c <= len(stream)]))
     assert relayed == stream
     assert result.token_events == 3 and result.tokens == 12
-    assert result.first_tokens in (4, 8, 12)  # the first read with text: one chunk or more
+    assert result.first_tokens == 4  # those of the first token event
 
 
 def test_completions_logprobs_list_their_tokens() -> None:

@@ -1,5 +1,6 @@
-"""The relay's three paths (raw, simple with templates, general) give the same client bytes,
-triggers and decisions, whatever the split of the upstream reads."""
+"""The relay's paths (raw; inspected, with templates or every event parsed: the reference)
+give the same client bytes, counts, inspected deltas, triggers and decisions, whatever the split
+of the upstream reads."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from policies.base import Abort, Retry
 from proxy.audit.outcome import StreamAccumulator
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
+from proxy.relay.inspectors import Delta, Item
 from proxy.relay.stream import StreamRelay
 from tests.helpers.relay_run import ExplodingInspector, RelayRun, relay
 from tests.helpers.sse import chat_event, sse_blocks, sse_event
@@ -143,7 +145,7 @@ def test_loops_are_found_on_the_fast_path_and_stop_at_the_same_event() -> None:
             general = relay([stream], loops=True, decision=decision, general=True)
             assert fast.result.trigger is not None
             assert fast.result.trigger.channel == channel
-            assert fast.relay.templates is not None and fast.relay.templates.hits > 10
+            assert fast.relay.extractor.hits > 10
             assert summary(fast) == summary(general)
             assert len(fast.client.body) < len(stream)
 
@@ -189,20 +191,21 @@ def test_restarted_attempt_keeps_the_first_id() -> None:
     assert summary(run) == summary(relay([stream], loops=True, id_override=ID, general=True))
     same = relay([CLEAN], loops=True, id_override=ID)
     assert same.client.body == CLEAN
-    assert same.relay.templates is not None and same.relay.templates.hits > 10
+    assert same.relay.extractor.hits > 10
 
 
 class Collect:
     name = "collect"
 
     def __init__(self) -> None:
-        self.chunks: list[dict[str, Any]] = []
+        self.chunks: list[Item] = []
+        self.ended: list[bool] = []
 
-    def on_chunk(self, chunk: dict[str, Any]) -> None:
-        self.chunks.append(chunk)
+    def on_delta(self, item: Item) -> None:
+        self.chunks.append(item)
 
     def on_end(self, complete: bool) -> None:
-        pass
+        self.ended.append(complete)
 
 
 def test_inspectors_see_every_chunk_and_one_that_raises_is_dropped() -> None:
@@ -211,7 +214,15 @@ def test_inspectors_see_every_chunk_and_one_that_raises_is_dropped() -> None:
     assert run.client.body == CLEAN
     assert len(collect.chunks) == 53  # every data event but [DONE]
     assert run.stopped == ["explode"]
-    assert run.relay.templates is not None and run.relay.templates.hits == 0
+    assert run.relay.extractor.hits > 40
+    assert collect.ended == [True]
+    # The token chunks as deltas, the others parsed (the role, the finish, the usage).
+    deltas = [c for c in collect.chunks if isinstance(c, Delta)]
+    assert [(d.channel, d.text) for d in deltas] == [
+        *(("reasoning", w) for w in words(20)),
+        *(("content", w) for w in words(30)),
+    ]
+    assert all(isinstance(c, dict) for c in collect.chunks if c not in deltas)
 
 
 def test_malformed_events_switch_inspection_off_and_bytes_flow() -> None:
@@ -282,7 +293,7 @@ def test_one_event_per_read_is_handled_whole_like_the_general_path() -> None:
                 kw = {"loops": True, "decision": decision, "hold": hold}
                 fast = relay(reads, **kw)
                 assert summary(fast) == summary(relay(reads, general=True, **kw))
-                assert fast.relay.templates is not None and fast.relay.templates.hits > 5
+                assert fast.relay.extractor.hits > 5
     good = chat_event({"content": "fine"})
     reads = [
         chat_event({"role": "assistant", "content": ""}),
@@ -345,44 +356,44 @@ def test_an_audited_stream_accumulates_on_the_template_path_what_the_general_pat
     assert fast_acc.outcome() == general_acc.outcome()
 
 
-def test_the_audit_accumulator_keeps_the_template_path_and_other_inspectors_do_not() -> None:
+def test_the_audit_accumulator_keeps_the_template_path() -> None:
     for stream in (CLEAN, two_choices(40)):
         reads = events_of(stream)
         acc = StreamAccumulator("chat")
         fast = relay(reads, inspectors=[acc])
-        assert fast.relay.templates is not None and fast.relay.templates.hits > 15
+        assert fast.relay.extractor.hits > 15
         outcome = acc.outcome()
         assert outcome.error is None and all(c.content for c in outcome.choices)
 
-    class ChunksOnly:  # an inspector without on_run sees every chunk parsed
-        name = "chunks"
 
-        def __init__(self) -> None:
-            self.chunks: list[dict[str, Any]] = []
-
-        def on_chunk(self, chunk: dict[str, Any]) -> None:
-            self.chunks.append(chunk)
-
-        def on_end(self, complete: bool) -> None:
-            pass
-
-    seen = ChunksOnly()
-    run = relay(events_of(CLEAN), inspectors=[seen])
-    assert run.relay.templates is not None and run.relay.templates.hits == 0
-    assert len(seen.chunks) == CLEAN.count(b"data: {")
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from([*AUDITED, answer(words(4), words(6), "both", usage=False)]),
+    st.lists(st.integers(0, 12000), max_size=12),
+    st.sampled_from(DECISIONS),
+    st.sampled_from([{}, {"hold": True}, {"hold_back_chars": 40}, {"id_override": "x"}]),
+)
+def test_inspectors_see_the_same_items_whether_templates_read_them_or_not(
+    stream: bytes, cuts: list[int], decision: Any, plan: dict[str, Any]
+) -> None:
+    reads = split(stream, cuts)
+    fast_seen, general_seen = Collect(), Collect()
+    kw = {"loops": True, "decision": decision, **plan}
+    fast = relay(reads, inspectors=[fast_seen], **kw)
+    general = relay(reads, inspectors=[general_seen], general=True, **kw)
+    assert summary(fast) == summary(general)
+    assert fast.relay.unshown == general.relay.unshown
+    assert fast_seen.chunks == general_seen.chunks
+    assert fast_seen.ended == general_seen.ended
 
 
 class BrokenWatch:
-    """A loop watch with a bug: it raises on the first text it is given. (Not a subclass of
+    """A loop watch with a bug: it raises on the first event it is given. (Not a subclass of
     ``LoopWatch``: the compiled build's classes take no interpreted subclasses.)"""
 
     name = "loop_watch"  # as LoopWatch's
-    triggers = True
 
-    def on_chunk(self, chunk: Any) -> Any:
-        raise RuntimeError("watch bug")
-
-    def on_run(self, index: int, channel: str, texts: Any) -> Any:
+    def on_delta(self, item: Item) -> Any:
         raise RuntimeError("watch bug")
 
     def on_end(self, complete: bool) -> None:
@@ -394,7 +405,7 @@ def test_a_loop_watch_that_raises_is_dropped_and_the_stream_goes_on(general: boo
     # The watch is an inspector like the others: isolated, reported, the bytes keep flowing.
     collect = Collect()
     watch = BrokenWatch()
-    run = relay([CONTENT_LOOP], decision=Retry("loop"), inspectors=[watch, collect],
+    run = relay([CONTENT_LOOP], decision=Retry("loop"), watch=watch, inspectors=[collect],
                 general=general)  # fmt: skip
     assert run.client.body == CONTENT_LOOP  # the loop it would have caught goes through
     assert run.result.complete and run.result.trigger is None and run.result.decision is None
@@ -405,7 +416,7 @@ def test_a_loop_watch_that_raises_is_dropped_and_the_stream_goes_on(general: boo
 def test_a_trigger_no_policy_decides_on_is_recorded_and_the_stream_goes_on() -> None:
     # The watch with no policy to ask (no on_trigger): the trigger is kept, nothing stops.
     watch = LoopWatch("chat", DetectorConfig())
-    observed = relay([CONTENT_LOOP], inspectors=[watch])
+    observed = relay([CONTENT_LOOP], watch=watch)
     stopped = relay([CONTENT_LOOP], loops=True, decision=Retry("loop"))
     assert observed.result.trigger == stopped.result.trigger is not None
     assert observed.result.decision is None and observed.client.body == CONTENT_LOOP

@@ -27,7 +27,6 @@ def test_a_token_chunk_gives_a_template_that_reads_other_tokens(key: str) -> Non
     tpl = learn(chunk, orjson.dumps(chunk), chat=True)
     assert tpl is not None
     assert tpl.channel == ("content" if key == "content" else "reasoning")
-    assert tpl.releases == (key == "content")
     for text in ["lo", "", 'a "quote" \\ and \n', "é😀", "\x00"]:
         data = orjson.dumps(chat_chunk({key: text}))
         assert data.startswith(tpl.prefix) and data.endswith(tpl.suffix)
@@ -40,12 +39,10 @@ def test_duplicated_reasoning_reads_both_copies() -> None:
 
     tpl = learn(orjson.loads(both("a")), both("a"), chat=True)
     assert tpl is not None and tpl.middle == b',"reasoning_content":'
-    assert (tpl.channel, tpl.releases) == ("reasoning", False)
+    assert tpl.channel == "reasoning"
     for text in ["", "bc", '"', "é😀"]:
         literal = tpl.literal(both(text))
         assert literal is not None and decode([literal]) == [text]
-        event = b"data: " + both(text) + b"\n\n"
-        assert tpl.literal(event, event=True) == literal
     assert tpl.literal(both("ab").replace(b'"ab"}', b'"ba"}')) is None  # copies differ
     assert tpl.literal(orjson.dumps(chat_chunk({"reasoning": "a"}))) is None
 
@@ -53,7 +50,7 @@ def test_duplicated_reasoning_reads_both_copies() -> None:
 def test_completions_and_python_spacing() -> None:
     chunk = {"id": "c", "choices": [{"index": 0, "text": "Hel", "finish_reason": None}]}
     tpl = learn(chunk, json.dumps(chunk).encode(), chat=False)
-    assert tpl is not None and tpl.channel == "content" and tpl.releases
+    assert tpl is not None and tpl.channel == "content"
     other = json.dumps({**chunk, "choices": [{**chunk["choices"][0], "text": "lo"}]}).encode()
     assert decode([tpl.literal(other)]) == ["lo"]
     assert learn(chunk, json.dumps(chunk).encode(), chat=True) is None  # no delta
@@ -67,6 +64,7 @@ def test_completions_and_python_spacing() -> None:
         chat_chunk({"reasoning": "a", "content": "a"}),
         chat_chunk({"content": "a"}, finish_reason="stop"),
         chat_chunk({"content": "a"}, logprobs={"content": []}),
+        chat_chunk({"content": "a"}, stop_reason="x"),
         chat_chunk({"content": "a"}, index=True),
         chat_chunk({"content": 5}),
         chat_chunk({"tool_calls": []}),
