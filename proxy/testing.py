@@ -334,7 +334,8 @@ class FakeUpstream:
     recorded in ``requests``, then answered by the first of: the replies ``script()`` queued
     for its path (one each, in order), the reply ``on()`` (or ``routes``) set for its path, the
     server at ``forward``, the ``handler`` (by default ``answers()``; ``not_found`` where
-    ``routes`` are given without a handler)."""
+    ``routes`` are given without a handler). A handler that raises answers 500, and its
+    error is raised again when the block ends."""
 
     def __init__(
         self,
@@ -347,6 +348,7 @@ class FakeUpstream:
         if handler is not None and forward is not None:
             raise ValueError("FakeUpstream answers with a handler or forwards, not both")
         self.requests: list[Received] = []
+        self.errors: list[Exception] = []  # what handlers raised (answered 500)
         # With routes alone, the paths they name are all it answers (404 elsewhere).
         self._handler = handler or (not_found if routes else answers(model=model))
         self._forward = forward.rstrip("/") if forward else None
@@ -413,6 +415,8 @@ class FakeUpstream:
             await session.close()
         if runner is not None:
             await runner.cleanup()
+        if self.errors and exc is None:
+            raise self.errors[0]
 
     def _next(self, path: str) -> Reply | Handler | None:
         queued = self._scripts.get(path)
@@ -435,8 +439,12 @@ class FakeUpstream:
         if reply is None:
             reply = self._handler
         if not isinstance(reply, Reply):
-            answered = reply(got)
-            reply = await answered if inspect.isawaitable(answered) else answered
+            try:
+                answered = reply(got)
+                reply = await answered if inspect.isawaitable(answered) else answered
+            except Exception as exc:  # a bug of the test's: raised again at the block's end
+                self.errors.append(exc)
+                return web.Response(status=500, text=f"FakeUpstream handler raised {exc!r}")
         return await _send(request, reply)
 
     async def _pass_on(

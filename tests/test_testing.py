@@ -167,6 +167,19 @@ async def test_handlers_may_be_plain_or_async_and_see_the_request(
         assert streamed((await post(http, upstream.url + CHAT))[1]) == "ab"
 
 
+async def test_a_handler_that_raises_answers_500_and_fails_the_block(
+    http: aiohttp.ClientSession,
+) -> None:
+    def broken(request: Received) -> Reply:
+        raise KeyError("no such field")
+
+    with pytest.raises(KeyError, match="no such field"):
+        async with FakeUpstream(broken) as upstream:
+            status, raw = await post(http, upstream.url + CHAT)
+            assert status == 500 and b"KeyError" in raw
+            assert len(upstream.errors) == 1
+
+
 async def test_a_stream_cut_after_n_events_ends_without_its_end(
     http: aiohttp.ClientSession,
 ) -> None:
