@@ -155,12 +155,7 @@ def chat_chunk(
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk`` with one choice."""
     choice = {"index": 0, "delta": dict(delta), "logprobs": logprobs, "finish_reason": finish}
-    return {
-        "id": "chatcmpl-fake",
-        "object": "chat.completion.chunk",
-        "model": model,
-        "choices": [choice],
-    }
+    return _body("chat.completion.chunk", model, [choice])
 
 
 def chat_stream(
@@ -181,15 +176,7 @@ def chat_stream(
             out.append(chat_chunk({field: text}, model=model, logprobs=lp))
     out.append(chat_chunk({}, finish, model=model))
     if usage:
-        out.append(
-            {
-                "id": "chatcmpl-fake",
-                "object": "chat.completion.chunk",
-                "model": model,
-                "choices": [],
-                "usage": _usage(len(reasoning) + len(pieces)),
-            }
-        )
+        out.append(_body("chat.completion.chunk", model, [], len(reasoning) + len(pieces)))
     return out
 
 
@@ -207,13 +194,7 @@ def chat_answer(
         message["reasoning"] = "".join(reasoning)
     lp = {"content": [_logprob(t) for t in [*reasoning, *pieces]]} if logprobs else None
     choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
-    return {
-        "id": "chatcmpl-fake",
-        "object": "chat.completion",
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(len(reasoning) + len(pieces)),
-    }
+    return _body("chat.completion", model, [choice], len(reasoning) + len(pieces))
 
 
 def completion_stream(
@@ -229,20 +210,12 @@ def completion_stream(
 
     def chunk(text: str, finish: str | None, lp: Any) -> dict[str, Any]:
         choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
-        return {"id": "cmpl-fake", "object": "text_completion", "model": model, "choices": [choice]}
+        return _body("text_completion", model, [choice])
 
     out = [chunk(text, None, _legacy([text]) if logprobs else None) for text in pieces]
     out.append(chunk("", finish, None))
     if usage:
-        out.append(
-            {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "model": model,
-                "choices": [],
-                "usage": _usage(len(pieces)),
-            }
-        )
+        out.append(_body("text_completion", model, [], len(pieces)))
     return out
 
 
@@ -250,19 +223,20 @@ def completion_answer(
     pieces: Sequence[str], finish: str = "length", *, model: str = MODEL, logprobs: bool = False
 ) -> dict[str, Any]:
     """The same answer whole."""
-    choice = {
-        "index": 0,
-        "text": "".join(pieces),
-        "finish_reason": finish,
-        "logprobs": _legacy(pieces) if logprobs else None,
-    }
-    return {
-        "id": "cmpl-fake",
-        "object": "text_completion",
-        "model": model,
-        "choices": [choice],
-        "usage": _usage(len(pieces)),
-    }
+    lp = _legacy(pieces) if logprobs else None
+    choice = {"index": 0, "text": "".join(pieces), "logprobs": lp, "finish_reason": finish}
+    return _body("text_completion", model, [choice], len(pieces))
+
+
+def _body(kind: str, model: str, choices: list[Any], tokens: int | None = None) -> dict[str, Any]:
+    """An answer or chunk of this ``object`` kind; with ``usage`` where ``tokens`` is given
+    (the prompt counted as one token)."""
+    name = "chatcmpl-fake" if kind.startswith("chat") else "cmpl-fake"
+    out: dict[str, Any] = {"id": name, "object": kind, "model": model, "choices": choices}
+    if tokens is not None:
+        out["usage"] = {"prompt_tokens": 1, "completion_tokens": tokens,
+                        "total_tokens": 1 + tokens}  # fmt: skip
+    return out
 
 
 def _logprob(token: str) -> dict[str, Any]:
@@ -272,20 +246,8 @@ def _logprob(token: str) -> dict[str, Any]:
 
 def _legacy(tokens: Sequence[str]) -> dict[str, Any]:
     offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    return {
-        "tokens": list(tokens),
-        "token_logprobs": [0.0] * len(tokens),
-        "top_logprobs": [{t: 0.0} for t in tokens],
-        "text_offset": offsets,
-    }
-
-
-def _usage(completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": 1,
-        "completion_tokens": completion_tokens,
-        "total_tokens": 1 + completion_tokens,
-    }
+    return {"tokens": list(tokens), "token_logprobs": [0.0] * len(tokens),
+            "top_logprobs": [{t: 0.0} for t in tokens], "text_offset": offsets}  # fmt: skip
 
 
 def not_found(request: Received) -> Reply:

@@ -73,8 +73,12 @@ async def test_by_default_it_answers_completions_the_model_list_and_404(
     http: aiohttp.ClientSession,
 ) -> None:
     async with FakeUpstream(answers("Once upon a time", model="m")) as upstream:
-        status, raw = await post(http, upstream.url + "/v1/completions", {"prompt": "x"})
-        assert status == 200 and orjson.loads(raw)["choices"][0]["text"] == "Once upon a time"
+        body = {"prompt": "x", "logprobs": 1}
+        status, raw = await post(http, upstream.url + "/v1/completions", body)
+        (choice,) = orjson.loads(raw)["choices"]
+        assert status == 200 and choice["text"] == "Once upon a time"
+        assert choice["logprobs"]["tokens"] == ["Once ", "upon ", "a ", "time"]
+        assert choice["logprobs"]["text_offset"] == [0, 5, 10, 12]
         body = {"prompt": "x", "stream": True}
         status, raw = await post(http, upstream.url + "/v1/completions", body)
         chunks = parse_sse(raw)[:-1]
