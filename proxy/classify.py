@@ -23,6 +23,16 @@ class RequestView:
     deterministic: bool
     well_typed: bool  # every field detproxy reads has the type the API documents
 
+    def __init__(
+        self, endpoint: str, model: str, stream: bool, deterministic: bool, well_typed: bool
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "deterministic", deterministic)
+        object.__setattr__(self, "well_typed", well_typed)
+
 
 def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):

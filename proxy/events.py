@@ -27,6 +27,10 @@ class RequestStarted:
 
     endpoint: str
 
+    def __init__(self, endpoint: str) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+
 
 @dataclass(frozen=True, slots=True)
 class RequestClassified:
@@ -38,6 +42,13 @@ class RequestClassified:
     model: str
     stream: bool
     deterministic: bool
+
+    def __init__(self, endpoint: str, model: str, stream: bool, deterministic: bool) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "deterministic", deterministic)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +64,29 @@ class RequestFinished:
     duration_s: float
     first_byte_s: float | None  # upstream headers (non-stream) or first SSE event (stream)
     request_id: str = ""  # the client's X-Request-Id, else detproxy's own; "" before one was given
+
+    def __init__(  # noqa: PLR0913, PLR0917 (the generated one took them so: callers pass them so)
+        self,
+        endpoint: str,
+        model: str,
+        stream: bool,
+        deterministic: bool,
+        status: int,
+        outcome: str,
+        duration_s: float,
+        first_byte_s: float | None,
+        request_id: str = "",
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "deterministic", deterministic)
+        object.__setattr__(self, "status", status)
+        object.__setattr__(self, "outcome", outcome)
+        object.__setattr__(self, "duration_s", duration_s)
+        object.__setattr__(self, "first_byte_s", first_byte_s)
+        object.__setattr__(self, "request_id", request_id)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +275,25 @@ class StreamTimed:
     inter_token_s: float | None
     tokens: int
     tokens_per_s: float | None
+
+    def __init__(
+        self,
+        endpoint: str,
+        model: str,
+        inflight: int,
+        ttft_s: float,
+        inter_token_s: float | None,
+        tokens: int,
+        tokens_per_s: float | None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per stream, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "inflight", inflight)
+        object.__setattr__(self, "ttft_s", ttft_s)
+        object.__setattr__(self, "inter_token_s", inter_token_s)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "tokens_per_s", tokens_per_s)
 
 
 @dataclass(frozen=True, slots=True)

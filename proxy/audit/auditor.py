@@ -34,7 +34,7 @@ from proxy.tasks import TaskOwner
 SHADOW_HEADER = "X-Detproxy-Shadow"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class AuditTicket:
     """The audit's plan for one request."""
 
@@ -48,6 +48,32 @@ class AuditTicket:
     inflight: int
     authorization: str | None
     started: float
+
+    def __init__(  # noqa: PLR0913 (one argument per field)
+        self,
+        *,
+        request_id: str,
+        view: RequestView,
+        request_key: str,
+        upstream_body: dict[str, Any],
+        raw_path: str,
+        shadow: bool,
+        injected: bool,
+        inflight: int,
+        authorization: str | None,
+        started: float,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "view", view)
+        object.__setattr__(self, "request_key", request_key)
+        object.__setattr__(self, "upstream_body", upstream_body)
+        object.__setattr__(self, "raw_path", raw_path)
+        object.__setattr__(self, "shadow", shadow)
+        object.__setattr__(self, "injected", injected)
+        object.__setattr__(self, "inflight", inflight)
+        object.__setattr__(self, "authorization", authorization)
+        object.__setattr__(self, "started", started)
 
 
 class Auditor:

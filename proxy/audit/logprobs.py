@@ -23,6 +23,14 @@ class TokenLogprob:
     logprob: float | None  # as the engine sent it (-9999.0 kept); None when unknown
     top: tuple[tuple[str, float | None], ...]  # top-k (token, logprob) in the engine's order
 
+    def __init__(
+        self, token: str, logprob: float | None, top: tuple[tuple[str, float | None], ...]
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per audited token, it pays (README).
+        object.__setattr__(self, "token", token)
+        object.__setattr__(self, "logprob", logprob)
+        object.__setattr__(self, "top", top)
+
 
 class MalformedLogprobs(Exception):
     """A logprobs object that fits neither known shape."""

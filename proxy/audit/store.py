@@ -26,6 +26,21 @@ class ChoiceDigest:
     tokens: int | None
     finish_reason: str | None
 
+    def __init__(
+        self,
+        text_hash: str,
+        token_hash: str | None,
+        logprob_hash: str | None,
+        tokens: int | None,
+        finish_reason: str | None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "text_hash", text_hash)
+        object.__setattr__(self, "token_hash", token_hash)
+        object.__setattr__(self, "logprob_hash", logprob_hash)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "finish_reason", finish_reason)
+
 
 def digest_choice(choice: ChoiceOutcome) -> ChoiceDigest:
     text = xxhash.xxh3_128_hexdigest(f"{choice.reasoning}\x00{choice.content}".encode())
