@@ -13,11 +13,9 @@ the reads, and ``StreamResult`` the same counts):
   (``proxy.relay.extract``: learned templates read token chunks without parsing them), which
   is counted (``proxy.relay.result.tally``) and handed to the inspectors (``InspectorSet``: a
   watcher's trigger goes to ``plan.on_trigger``, and a retry or an abort stops the relay at that
-  event); then the transforms: injected logprobs stripped, a restarted attempt's chunks put
-  under the first id, reasoning moved to content after a closed one (these re-encode a parsed
-  chunk), reasoning held until it ends (``hold_reasoning``, so an attempt abandoned for a loop is
-  never shown), the last chars of text held back (``hold_back_chars``). Unchanged events go out
-  as slices of the read.
+  event); then the transforms (``proxy.relay.transform``: the rewrites of a parsed chunk,
+  reasoning held until it ends, the last chars of text held back). Unchanged events go out as
+  slices of the read.
 
 Inspection is best effort: malformed SSE or JSON switches it off for this response and the bytes
 go on; what the client's bytes need (the rewrites) still applies to every event that parses.
@@ -28,24 +26,21 @@ event decoded and parsed.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
-import orjson
-
 from policies.base import Abort, Continue, Decision, Retry, Trigger
-from proxy.audit.inject import strip_logprobs
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import SSEDecoder, SSEOverflow, encode_event, ends_with_done
+from proxy.http.sse import SSEDecoder, SSEOverflow, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
-from proxy.openai import REASONING_KEYS, reasoning_of
 from proxy.relay.extract import Extractor
-from proxy.relay.inspectors import Delta, InspectorSet, Item
+from proxy.relay.inspectors import InspectorSet, Item
 from proxy.relay.result import StreamResult, tally
+from proxy.relay.transform import Transforms
 
 _CR: Final = 13  # ``13 in data``: a memchr
 
@@ -78,62 +73,6 @@ def _one_event(read: bytes) -> bytes | None:
     return None
 
 
-def _releases_hold(item: Item) -> bool | None:
-    """True: reasoning is over; False: a reasoning delta; None: neither (e.g. the role chunk)."""
-    if type(item) is Delta:
-        return (item.channel == "content") if item.text else None
-    assert type(item) is dict
-    choices = item.get("choices")
-    if not isinstance(choices, list) or not choices:
-        return True  # usage or error chunks end the hold
-    reasoning = False
-    for choice in choices:
-        if not isinstance(choice, dict):
-            continue
-        if choice.get("finish_reason") is not None or choice.get("text"):
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, dict):
-            if delta.get("content") or delta.get("tool_calls"):
-                return True
-            if reasoning_of(delta) is not None:
-                reasoning = True
-    return False if reasoning else None
-
-
-def _texts(item: Item) -> tuple[int, int] | None:
-    """The chars (content, reasoning) of an event that carries text deltas only; None for any
-    other (no choices, a finish, tool calls)."""
-    if type(item) is Delta:
-        return (len(item.text), 0) if item.channel == "content" else (0, len(item.text))
-    assert type(item) is dict
-    return _chunk_texts(item)
-
-
-def _chunk_texts(chunk: Mapping[str, Any]) -> tuple[int, int] | None:
-    choices = chunk.get("choices")
-    if type(choices) is not list or not choices:
-        return None
-    content = reasoning = 0
-    for choice in choices:
-        if type(choice) is not dict or choice.get("finish_reason") is not None:
-            return None
-        text = choice.get("text")
-        if type(text) is str:
-            content += len(text)
-        delta = choice.get("delta")
-        if type(delta) is dict:
-            if delta.get("tool_calls"):
-                return None
-            own = delta.get("content")
-            if type(own) is str:
-                content += len(own)
-            thought = reasoning_of(delta)
-            if thought:
-                reasoning += len(thought)
-    return content, reasoning
-
-
 class StreamRelay:
     """Relays one upstream SSE attempt to the client response."""
 
@@ -162,20 +101,21 @@ class StreamRelay:
         self._decoder = SSEDecoder(max_event_bytes)
         self._t0 = t0
         self.plan = plan
-        self.holding = plan.hold_reasoning
         # Changes the client's bytes need: they outlive inspection (see rewrite_only).
         self.rewriting = (
             plan.strip_logprobs or plan.id_override is not None or plan.reasoning_as_content
         )
-        # Whether an event that templates read may still be changed: held, or held back (the
-        # rewrites need a parsed chunk; templates learn none that they would change).
-        self._holds = plan.hold_reasoning or plan.hold_back_chars > 0
-        self.held: list[bytes] = []
-        self.heldbytes_ = 0
-        # The held-back tail (plan.hold_back_chars): each chunk's bytes and its text's chars
-        # (content, reasoning); dropped by a decision, its chars then in ``unshown``.
-        self.tail: list[tuple[bytes, int, int]] = []
-        self.tail_chars = 0
+        self.transforms = Transforms(
+            strip_logprobs=plan.strip_logprobs,
+            id_override=plan.id_override,
+            reasoning_as_content=plan.reasoning_as_content,
+            hold_reasoning=plan.hold_reasoning,
+            hold_max_bytes=plan.hold_max_bytes,
+            hold_back_chars=plan.hold_back_chars,
+            # Not a method of this relay: no reference cycle (it goes by reference counting).
+            on_overflow=lambda: bus.publish(InspectionStopped(endpoint, "hold_overflow")),
+        )
+        # The chars (content, reasoning) of the held-back tail a decision dropped.
         self.unshown: tuple[int, int] = (0, 0)
         # Templates: none where every chunk is rewritten (strip_logprobs changes them).
         self.extractor = Extractor(
@@ -209,9 +149,6 @@ class StreamRelay:
             self.inspecting = False
             self._bus.publish(InspectionStopped(self._endpoint, reason))
 
-    def _stop_inspecting_hold(self) -> None:
-        self._bus.publish(InspectionStopped(self._endpoint, "hold_overflow"))
-
     # -- one event: counted, inspected, transformed ------------------------------------------
 
     def _parsed(self, data: bytes | None, raw: bytes, at: float) -> bytes | None:
@@ -222,30 +159,17 @@ class StreamRelay:
             # goes first.
             if data is None and not raw.lstrip(b"\r\n").startswith(b":"):
                 self._stop_inspecting("malformed_sse")
-                return self.flush_held(raw)
-            self.holding = False
-            return self.flush_held(raw)
+                return self.transforms.release(raw)
+            return self.transforms.end_hold(raw)
         parsed = self._parse(data)
         if parsed is None:
             self._stop_inspecting("malformed_json")
-            self.holding = False
-            return self.flush_held(raw)
+            return self.transforms.end_hold(raw)
         chunk, item = parsed
         if self.observe(item, at):
             return None
-        return self.transform(item, self.rewrite(chunk, raw))
-
-    def _delta(self, delta: Delta, raw: bytes, at: float) -> bytes:
-        """An event templates read: the bytes to write now (empty: held, or withheld by a
-        decision). Its chunk carries nothing the rewrites change."""
-        if self._counting:
-            tally(self.result, delta, at)
-            return raw
-        if self.observe(delta, at):
-            return b""
-        if self._holds:
-            return self.transform(delta, raw) or b""
-        return raw
+        transforms = self.transforms
+        return transforms.hold(item, transforms.rewrite(chunk, raw))
 
     def _parse(self, data: bytes) -> tuple[dict[str, Any], Item] | None:
         """A data field parsed (None: not a JSON object), and what the inspectors see of it."""
@@ -297,66 +221,15 @@ class StreamRelay:
         decision = plan.on_trigger(trigger) if plan.on_trigger else Continue()
         if isinstance(decision, Retry | Abort):
             result.decision = decision
-            if self.held:  # a held looping attempt is never shown
-                held = b"".join(self.held)
-                result.hidden_reasoning_keys = (
-                    tuple(k for k in REASONING_KEYS if b'"' + k.encode() + b'":"' in held)
-                    or REASONING_KEYS[:1]
-                )
-                self.held.clear()
-            if self.tail:  # the held-back tail is never shown either
-                content = sum(c for _, c, _ in self.tail)
-                self.unshown = (content, sum(r for _, _, r in self.tail))
-                self.tail.clear()
-                self.tail_chars = 0
+            # What was held is never shown.
+            result.hidden_reasoning_keys, self.unshown = self.transforms.drop()
             return True
         return False
-
-    def transform(self, item: Item, raw: bytes) -> bytes | None:
-        """The bytes an inspected event becomes now (None: held)."""
-        if self.holding:
-            return self.hold(_releases_hold(item), raw)
-        if self.plan.hold_back_chars > 0:
-            return self.hold_back(item, raw)
-        return raw
-
-    def hold_back(self, item: Item, raw: bytes) -> bytes | None:
-        """Hold a text chunk in the tail; release what the tail holds past its bound. Any
-        other chunk (a finish, usage, tool calls) releases the whole tail before it."""
-        texts = _texts(item)
-        if texts is None:
-            return self.flush_held(raw)
-        content, reasoning = texts
-        self.tail.append((raw, content, reasoning))
-        self.tail_chars += content + reasoning
-        released: list[bytes] = []
-        bound = self.plan.hold_back_chars
-        while self.tail and self.tail_chars > bound:
-            out, c, r = self.tail.pop(0)
-            self.tail_chars -= c + r
-            released.append(out)
-        return b"".join(released) if released else None
-
-    def rewrite(self, chunk: dict[str, Any], raw: bytes) -> bytes:
-        """The bytes of one parsed chunk as the client gets them (``parse`` already moved its
-        reasoning, where the plan says so)."""
-        plan = self.plan
-        changed = False
-        if plan.strip_logprobs and strip_logprobs(chunk):
-            changed = True  # logprobs detproxy injected: the client did not ask
-        if plan.id_override is not None and chunk.get("id") != plan.id_override:
-            chunk["id"] = plan.id_override
-            changed = True
-        if plan.reasoning_as_content:
-            changed = True  # parse moved its reasoning
-        if changed:
-            raw = encode_event(orjson.dumps(chunk))
-        return raw
 
     def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
         """One event after inspection stopped: rewritten if it parses, else as it came."""
         chunk = None if data is None or data == b"[DONE]" else self.extractor.parse(data)
-        return raw if chunk is None else self.rewrite(chunk, raw)
+        return raw if chunk is None else self.transforms.rewrite(chunk, raw)
 
     def _rewrite_read(self, data: bytes) -> bytes:
         """A read after inspection stopped, on a stream whose bytes detproxy must still change:
@@ -370,31 +243,6 @@ class StreamRelay:
             return b""
         return b"".join([self.rewrite_only(event.data, event.raw) for event in events])
 
-    def hold(self, release: bool | None, raw: bytes) -> bytes | None:
-        if release is True:
-            self.holding = False
-            return self.flush_held(raw)
-        if release is False or self.held:
-            self.held.append(raw)
-            self.heldbytes_ += len(raw)
-            if self.heldbytes_ > self.plan.hold_max_bytes:
-                self.holding = False  # past the bound: show what was held, stop holding
-                self._stop_inspecting_hold()
-                return self.flush_held(b"")
-            return None
-        return raw
-
-    def flush_held(self, raw: bytes) -> bytes:
-        if self.tail:
-            raw = b"".join([t[0] for t in self.tail]) + raw
-            self.tail.clear()
-            self.tail_chars = 0
-        if not self.held:
-            return raw
-        held = b"".join(self.held) + raw
-        self.held.clear()
-        return held
-
     # -- one read ----------------------------------------------------------------------------
 
     def _read(self, data: bytes) -> bytes:
@@ -402,16 +250,24 @@ class StreamRelay:
         (one plain event: the usual read, without the decoder), read by the extractor, and
         counted; on the raw path that is all, else they go through ``_events``."""
         if not self.inspecting:
-            return self.flush_held(b"") + (self._rewrite_read(data) if self.rewriting else data)
+            held = self.transforms.release(b"")
+            return held + (self._rewrite_read(data) if self.rewriting else data)
         decoder = self._decoder
         if self._fast and not decoder.pending:
             field = _one_event(data)
             if field is not None:  # a token streamed on its own (the usual read)
                 delta = self.extractor.delta(field)
-                if delta is not None:
-                    at = self.now()
-                    self.result.add_events(1, at)
-                    return self._delta(delta, data, at)
+                if delta is not None:  # counted, inspected, transformed, as in _events
+                    at = self._clock() - self._t0
+                    result = self.result
+                    result.add_events(1, at)
+                    if self._counting:
+                        tally(result, delta, at)
+                        return data
+                    if self.observe(delta, at):
+                        return b""
+                    transforms = self.transforms
+                    return (transforms.hold(delta, data) or b"") if transforms.holds else data
         raws: list[bytes] | None = None
         try:
             split = decoder.feed_data(data) if self._fast else None
@@ -427,7 +283,7 @@ class StreamRelay:
             if self._counting:
                 self.inspecting = False  # nothing was inspected: nothing to report
             self._stop_inspecting("event_too_large")
-            return self.flush_held(b"") + exc.pending
+            return self.transforms.release(b"") + exc.pending
         if not datas:
             return b""
         at = self.now()
@@ -437,7 +293,7 @@ class StreamRelay:
             return src
         out = self._events(src, datas, raws, at)
         if not self.inspecting:  # raw from here on, or decoded for rewriting alone
-            out += self.flush_held(b"" if self.rewriting else decoder.take_pending())
+            out += self.transforms.release(b"" if self.rewriting else decoder.take_pending())
         return out
 
     def _events(
@@ -473,9 +329,9 @@ class StreamRelay:
                 size = len(raws[i]) if raws is not None else len(data or b"") + 8
                 if self.observe(delta, at):
                     return self._take(parts, src, kept, offset)
-                if self._holds:
+                if self.transforms.holds:
                     raw = src if size == len(src) else src[offset : offset + size]
-                    written = self.transform(delta, raw)
+                    written = self.transforms.hold(delta, raw)
                     if written is not raw:
                         parts.append(src[kept:offset])
                         if written:
@@ -569,13 +425,13 @@ class StreamRelay:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
             # Bytes of an unfinished event are dropped; a blank line first ends any partial
             # line already relayed in raw mode, so the error event parses on its own.
-            prefix = self.flush_held(b"") + (b"" if self.inspecting else b"\n\n")
+            prefix = self.transforms.release(b"") + (b"" if self.inspecting else b"\n\n")
             error = inband_error_event(502, "upstream connection lost mid-stream")
             await resp.write(prefix + error)
             self.inspectors.on_end(False)
             return result
         tail = decoder.pending
-        out = self.flush_held(b"")
+        out = self.transforms.release(b"")
         if tail:
             # A last event without its blank line: relayed as it came unless rewritten.
             final = decoder.flush()
@@ -588,7 +444,7 @@ class StreamRelay:
                 processed = self._parsed(final.data, final.raw, self.now())
             else:
                 processed = self.rewrite_only(final.data, final.raw)
-            out += (processed or b"") + self.flush_held(b"")
+            out += (processed or b"") + self.transforms.release(b"")
         if out:
             await resp.write(self._trailed(out) if trailed else out)
         result.complete = result.decision is None
