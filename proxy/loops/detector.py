@@ -96,7 +96,6 @@ _ANCHOR: Final = DETECTOR_ANCHOR_CHARS
 # Length of the tail probe used to reject a candidate before measuring its run.
 _PROBE: Final = 128
 _PREVIEW: Final = 120
-_NEVER: Final = 1 << 62  # ``quiet_chars`` of a detector that reported
 # A letter or a digit (any script): a unit without one is "trivial".
 _ALNUM = re.compile(r"[^\W_]")
 
@@ -177,15 +176,6 @@ class LoopDetector:
         self._runs_at = -1
 
     @property
-    def config(self) -> DetectorConfig:
-        return self._config
-
-    @property
-    def total_chars(self) -> int:
-        """Characters fed so far."""
-        return self._total
-
-    @property
     def report(self) -> LoopReport | None:
         """The loop found so far, if any (``feed`` returns it only once)."""
         return self._report
@@ -194,13 +184,6 @@ class LoopDetector:
     def buffered_chars(self) -> int:
         """Characters held in memory now (window plus pending deltas)."""
         return len(self._buf) + sum(len(p) for p in self._pending)
-
-    def quiet_chars(self) -> int:
-        """How many more chars ``feed`` takes without looking at the text (it keeps it for its
-        next check): no report can come before a feed reaches that check."""
-        if self._report is not None:
-            return _NEVER  # it reported: it never reports again
-        return self._wake_at - self._total - 1
 
     def feed(self, delta: str) -> LoopReport | None:
         """Add one delta; return a report the first time a loop qualifies, else ``None``."""
