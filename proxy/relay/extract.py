@@ -28,6 +28,7 @@ from proxy.relay.template import Templates, decode, plain_shape
 # Bound once: compiled, ``orjson.loads`` would be looked up on the module at every call.
 _loads: Final = orjson.loads
 _CONTENT_KEYS: Final = ("content", "text")
+_LF: Final = 10  # ``10 in data``: a memchr
 
 
 class Extractor:
@@ -53,17 +54,20 @@ class Extractor:
         """Chunks read through a template, not parsed."""
         return 0 if self.templates is None else self.templates.hits
 
-    def delta(self, data: bytes) -> Delta | None:
-        """The delta of one data field that a template reads (None: it must be parsed)."""
+    def delta(self, data: bytes, event: bool = False) -> Delta | None:
+        """The delta of one data field that a template reads (None: it must be parsed);
+        ``event``: ``data`` is a whole read, read as one event if it is one."""
         templates = self.templates
         if templates is None:
             return None
         for tpl in templates.active:
-            literal = tpl.literal(data)
+            literal = tpl.literal(data, event)
             if literal is not None:
                 break
         else:
             return None
+        if event and _LF in literal:
+            return None  # not one event of one line
         try:
             text = _loads(literal)  # it starts and ends with a quote: one string, or junk
         except orjson.JSONDecodeError:

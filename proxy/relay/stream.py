@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, cast
 
 from policies.base import Abort, Continue, Decision, Retry, Trigger
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
@@ -41,8 +41,6 @@ from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
 from proxy.relay.result import StreamResult, tally
 from proxy.relay.transform import Transforms
-
-_CR: Final = 13  # ``13 in data``: a memchr
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,14 +61,6 @@ class StreamPlan:
     # The last chars of text deltas held back from the client (0: none), released as more
     # come and at the stream's end; a loop found while they are held is never shown.
     hold_back_chars: int = 0
-
-
-def _one_event(read: bytes) -> bytes | None:
-    """The data field of a read that is one event of one ``data: `` line (None: another
-    read, which the decoder cuts)."""
-    if read.startswith(b"data: ") and read.endswith(b"\n\n") and read.find(b"\n") == len(read) - 2:
-        return None if _CR in read else read[6:-2]
-    return None
 
 
 class StreamRelay:
@@ -254,20 +244,20 @@ class StreamRelay:
             return held + (self._rewrite_read(data) if self.rewriting else data)
         decoder = self._decoder
         if self._fast and not decoder.pending:
-            field = _one_event(data)
-            if field is not None:  # a token streamed on its own (the usual read)
-                delta = self.extractor.delta(field)
-                if delta is not None:  # counted, inspected, transformed, as in _events
-                    at = self._clock() - self._t0
-                    result = self.result
-                    result.add_events(1, at)
-                    if self._counting:
-                        tally(result, delta, at)
-                        return data
-                    if self.observe(delta, at):
-                        return b""
-                    transforms = self.transforms
-                    return (transforms.hold(delta, data) or b"") if transforms.holds else data
+            # A token streamed on its own (the usual read), read as one event by a template:
+            # counted, inspected and transformed as in _events.
+            delta = self.extractor.delta(data, event=True)
+            if delta is not None:
+                at = self._clock() - self._t0
+                result = self.result
+                result.add_events(1, at)
+                if self._counting:
+                    tally(result, delta, at)
+                    return data
+                if self.observe(delta, at):
+                    return b""
+                transforms = self.transforms
+                return (transforms.hold(delta, data) or b"") if transforms.holds else data
         raws: list[bytes] | None = None
         try:
             split = decoder.feed_data(data) if self._fast else None

@@ -44,12 +44,18 @@ class ChunkTemplate:
     suffix: bytes  # the data field from the text's closing quote, included
     index: int  # the choice index
     channel: str  # "content" or "reasoning" (``Delta``'s names)
+    event_prefix: bytes  # b"data: " + prefix, and suffix + b"\n\n": a whole event's ends
+    event_suffix: bytes
     middle: bytes | None = None  # between the text's two copies, when it has two
 
-    def literal(self, data: bytes) -> bytes | None:
-        """The text's literal in a data field of this template's form; not checked to be one
-        JSON string (``decode`` does)."""
-        prefix, suffix = self.prefix, self.suffix
+    def literal(self, data: bytes, event: bool = False) -> bytes | None:
+        """The text's literal in a data field (``event``: a whole event, ``data: `` line and
+        blank line) of this template's form; not checked to be one JSON string (``decode``
+        does), nor, for an event, to hold no line feed."""
+        if event:
+            prefix, suffix = self.event_prefix, self.event_suffix
+        else:
+            prefix, suffix = self.prefix, self.suffix
         if not (data.startswith(prefix) and data.endswith(suffix)):
             return None
         inner = data[len(prefix) - 1 : len(data) - len(suffix) + 1]  # from quote to quote
@@ -182,7 +188,9 @@ def _locate(
     except orjson.JSONDecodeError:
         return None
     channel = "content" if keys[0] in ("content", "text") else "reasoning"
-    return ChunkTemplate(prefix, suffix, index, channel, middle)
+    return ChunkTemplate(
+        prefix, suffix, index, channel, b"data: " + prefix, suffix + b"\n\n", middle
+    )
 
 
 def decode(literals: list[bytes]) -> list[str] | None:

@@ -43,6 +43,8 @@ def test_duplicated_reasoning_reads_both_copies() -> None:
     for text in ["", "bc", '"', "é😀"]:
         literal = tpl.literal(both(text))
         assert literal is not None and decode([literal]) == [text]
+        event = b"data: " + both(text) + b"\n\n"  # a whole event, read as it came
+        assert tpl.literal(event, event=True) == literal
     assert tpl.literal(both("ab").replace(b'"ab"}', b'"ba"}')) is None  # copies differ
     assert tpl.literal(orjson.dumps(chat_chunk({"reasoning": "a"}))) is None
 
