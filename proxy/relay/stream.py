@@ -296,7 +296,7 @@ class StreamRelay:
         kept = 0  # src[kept:] is relayed unchanged so far
         offset = 0  # where datas[i]'s event starts in src
         i, n = 0, len(datas)
-        extractor = self.extractor
+        extractor, transforms = self.extractor, self.transforms
         written: bytes | None
         while i < n:
             if not self.inspecting:
@@ -319,9 +319,9 @@ class StreamRelay:
                 size = len(raws[i]) if raws is not None else len(data or b"") + 8
                 if self.observe(delta, at):
                     return self._take(parts, src, kept, offset)
-                if self.transforms.holds:
+                if transforms.holds:
                     raw = src if size == len(src) else src[offset : offset + size]
-                    written = self.transforms.hold(delta, raw)
+                    written = transforms.hold(delta, raw)
                     if written is not raw:
                         parts.append(src[kept:offset])
                         if written:
