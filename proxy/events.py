@@ -39,6 +39,13 @@ class RequestClassified:
     stream: bool
     deterministic: bool
 
+    def __init__(self, endpoint: str, model: str, stream: bool, deterministic: bool) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "stream", stream)
+        object.__setattr__(self, "deterministic", deterministic)
+
 
 @dataclass(frozen=True, slots=True)
 class RequestFinished:
