@@ -18,8 +18,8 @@ from proxy.serving import serving
 
 
 class ServedApp(BaseTestServer):
-    """A detproxy app served as ``detproxy serve`` serves it (``proxy.serving``: with the lean
-    front unless ``server.http`` says aiohttp), for aiohttp's ``TestClient``."""
+    """A detproxy app served as ``detproxy serve`` serves it (``proxy.serving``: the lean front),
+    for aiohttp's ``TestClient``."""
 
     def __init__(self, app: web.Application, settings: Settings) -> None:
         super().__init__()
