@@ -7,7 +7,6 @@ bounded: a partial event larger than ``max_event_bytes`` raises ``SSEOverflow``.
 ``feed_data`` is the relay's fast path for the framing every OpenAI-compatible server uses
 (single-line ``data: ...`` events, LF line ends): it splits with bytes operations and hands back
 only the data fields, or declines (``None``, nothing consumed) so the caller uses ``feed``.
-``event_data`` reads the data field of one LF-framed block without a decoder.
 """
 
 from __future__ import annotations
@@ -154,14 +153,6 @@ class SSEDecoder:
         rest, self._buf = self._buf, b""
         lines = [ln for ln in _LINE_END.split(rest) if ln]
         return _parse_block(rest, lines) if lines else None
-
-
-def event_data(block: bytes) -> bytes | None:
-    """The data field of one LF-framed event block (its blank line excluded), as ``feed``
-    would decode it; ``None`` when the block has no data line."""
-    if block[:6] == b"data: " and _LF not in block:
-        return block[6:]
-    return _parse_block(block, [ln for ln in block.split(b"\n") if ln]).data
 
 
 def ends_with_done(relayed: bytes) -> bool:

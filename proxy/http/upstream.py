@@ -66,14 +66,6 @@ def read_error_kind(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "reset"
 
 
-async def pump_chunks(chunks: AsyncIterator[bytes], sink: Sink) -> bool:
-    """``pump`` for a response that can only be iterated: ``chunks`` is kept across calls."""
-    async for data in chunks:
-        if not sink(data):
-            return False
-    return True
-
-
 def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
     """The one ClientSession of an app, for its engine-side reads (``proxy.engine``: the
     fingerprint poller, the load reader), which set their own timeouts per request."""

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, ends_with_done, event_data
+from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, ends_with_done
 
 STREAM = (
     b'data: {"id":"1","choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -165,12 +165,6 @@ def test_feed_data_any_split_matches_feed(data: st.DataObject) -> None:
     events, _ = decode_all([SIMPLE])
     assert relayed == SIMPLE and pending == b""
     assert datas == [e.data for e in events]
-
-
-def test_event_data_reads_one_block() -> None:
-    assert event_data(b'data: {"a":1}') == b'{"a":1}'
-    assert event_data(b"\nevent: x\ndata: a\ndata: b") == b"a\nb"
-    assert event_data(b": comment") is None
 
 
 @pytest.mark.parametrize(
