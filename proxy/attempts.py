@@ -75,6 +75,23 @@ class AttemptEnd:
     status: int = 200
     answer: dict[str, Any] | None = None  # a whole answer, parsed
 
+    def __init__(
+        self,
+        generated: int | None,
+        decision: Decision | None = None,
+        decide: bool = False,
+        trigger: Trigger | None = None,
+        status: int = 200,
+        answer: dict[str, Any] | None = None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per attempt, it pays (README).
+        self.generated = generated
+        self.decision = decision
+        self.decide = decide
+        self.trigger = trigger
+        self.status = status
+        self.answer = answer
+
 
 @dataclass(frozen=True, slots=True)
 class Generated:

@@ -27,6 +27,10 @@ class RequestStarted:
 
     endpoint: str
 
+    def __init__(self, endpoint: str) -> None:
+        # Written out: compiled, unlike a generated one; made per request, it pays (README).
+        object.__setattr__(self, "endpoint", endpoint)
+
 
 @dataclass(frozen=True, slots=True)
 class RequestClassified:

@@ -37,6 +37,23 @@ class StreamResult:
     # A decision dropped held reasoning the client never saw: the fields it came in.
     hidden_reasoning_keys: tuple[str, ...] = ()
 
+    def __init__(self) -> None:
+        # Written out: compiled, unlike a generated one; made per stream, it pays (README).
+        # Every field starts at its default above.
+        self.complete = False
+        self.first_event_s = None
+        self.events = 0
+        self.first_id = None
+        self.trigger = None
+        self.decision = None
+        self.token_events = 0
+        self.first_token_s = None
+        self.last_token_s = None
+        self.completion_tokens = None
+        self.tokens = 0
+        self.first_tokens = 0
+        self.hidden_reasoning_keys = ()
+
     def add_events(self, n: int, at: float) -> None:
         """``n`` whole events arrived, ``at`` seconds since the start of the request."""
         if self.first_event_s is None:
@@ -65,6 +82,19 @@ class StreamSpeed:
     tokens: int  # the usage's completion_tokens when the upstream sent it
     inter_token_s: float | None  # mean time between the tokens after the first token event
     tokens_per_s: float | None  # decode rate between the first and the last token event
+
+    def __init__(
+        self,
+        ttft_s: float,
+        tokens: int,
+        inter_token_s: float | None,
+        tokens_per_s: float | None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per stream, it pays (README).
+        object.__setattr__(self, "ttft_s", ttft_s)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "inter_token_s", inter_token_s)
+        object.__setattr__(self, "tokens_per_s", tokens_per_s)
 
 
 def _listed(logprobs: Any) -> int:

@@ -62,6 +62,28 @@ class StreamPlan:
     # come and at the stream's end; a loop found while they are held is never shown.
     hold_back_chars: int = 0
 
+    def __init__(
+        self,
+        strip_logprobs: bool = False,
+        id_override: str | None = None,
+        hold_reasoning: bool = False,
+        hold_max_bytes: int = 256 * 1024,
+        on_trigger: Callable[[Trigger], Decision] | None = None,
+        reasoning_as_content: bool = False,
+        *,
+        trailer: Callable[[StreamResult], bytes] | None = None,
+        hold_back_chars: int = 0,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per attempt, it pays (README).
+        object.__setattr__(self, "strip_logprobs", strip_logprobs)
+        object.__setattr__(self, "id_override", id_override)
+        object.__setattr__(self, "hold_reasoning", hold_reasoning)
+        object.__setattr__(self, "hold_max_bytes", hold_max_bytes)
+        object.__setattr__(self, "on_trigger", on_trigger)
+        object.__setattr__(self, "reasoning_as_content", reasoning_as_content)
+        object.__setattr__(self, "trailer", trailer)
+        object.__setattr__(self, "hold_back_chars", hold_back_chars)
+
 
 class StreamRelay:
     """Relays one upstream SSE attempt to the client response."""

@@ -48,6 +48,25 @@ class ChunkTemplate:
     event_suffix: bytes
     middle: bytes | None = None  # between the text's two copies, when it has two
 
+    def __init__(
+        self,
+        prefix: bytes,
+        suffix: bytes,
+        index: int,
+        channel: str,
+        event_prefix: bytes,
+        event_suffix: bytes,
+        middle: bytes | None = None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per template, it pays (README).
+        object.__setattr__(self, "prefix", prefix)
+        object.__setattr__(self, "suffix", suffix)
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "channel", channel)
+        object.__setattr__(self, "event_prefix", event_prefix)
+        object.__setattr__(self, "event_suffix", event_suffix)
+        object.__setattr__(self, "middle", middle)
+
     def literal(self, data: bytes, event: bool = False) -> bytes | None:
         """The text's literal in a data field (``event``: a whole event, ``data: `` line and
         blank line) of this template's form; not checked to be one JSON string (``decode``
