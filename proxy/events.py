@@ -163,6 +163,45 @@ class AuditCompleted:
     primary_text: str | None = None
     shadow_text: str | None = None
 
+    def __init__(  # noqa: PLR0913, PLR0917 (one argument per field)
+        self,
+        request_id: str,
+        model: str,
+        endpoint: str,
+        mode: str,
+        choice: int,
+        verdict: Verdict,
+        request_key: str,
+        inflight_primary: int,
+        inflight_shadow: int | None,
+        primary_latency_s: float | None,
+        shadow_latency_s: float | None,
+        target: str,
+        timestamp: float,
+        shadow_overlapped: bool | None = None,
+        prompt: str | None = None,
+        primary_text: str | None = None,
+        shadow_text: str | None = None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per audited choice, it pays (README).
+        object.__setattr__(self, "request_id", request_id)
+        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "endpoint", endpoint)
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "choice", choice)
+        object.__setattr__(self, "verdict", verdict)
+        object.__setattr__(self, "request_key", request_key)
+        object.__setattr__(self, "inflight_primary", inflight_primary)
+        object.__setattr__(self, "inflight_shadow", inflight_shadow)
+        object.__setattr__(self, "primary_latency_s", primary_latency_s)
+        object.__setattr__(self, "shadow_latency_s", shadow_latency_s)
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "timestamp", timestamp)
+        object.__setattr__(self, "shadow_overlapped", shadow_overlapped)
+        object.__setattr__(self, "prompt", prompt)
+        object.__setattr__(self, "primary_text", primary_text)
+        object.__setattr__(self, "shadow_text", shadow_text)
+
 
 @dataclass(frozen=True, slots=True)
 class ShadowDropped:

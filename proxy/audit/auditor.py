@@ -390,6 +390,31 @@ class Compared:
     target: str = "same"
     overlapped: bool | None = None
 
+    def __init__(  # noqa: PLR0913, PLR0917 (one argument per field)
+        self,
+        mode: str,
+        choice: int,
+        verdict: Verdict,
+        primary_latency: float | None,
+        shadow_latency: float | None = None,
+        inflight_shadow: int | None = None,
+        primary: ChoiceOutcome | None = None,
+        other: ChoiceOutcome | None = None,
+        target: str = "same",
+        overlapped: bool | None = None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per audited choice, it pays (README).
+        object.__setattr__(self, "mode", mode)
+        object.__setattr__(self, "choice", choice)
+        object.__setattr__(self, "verdict", verdict)
+        object.__setattr__(self, "primary_latency", primary_latency)
+        object.__setattr__(self, "shadow_latency", shadow_latency)
+        object.__setattr__(self, "inflight_shadow", inflight_shadow)
+        object.__setattr__(self, "primary", primary)
+        object.__setattr__(self, "other", other)
+        object.__setattr__(self, "target", target)
+        object.__setattr__(self, "overlapped", overlapped)
+
 
 @dataclass(frozen=True, slots=True)
 class _Shadowed:

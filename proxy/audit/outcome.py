@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from proxy.audit.logprobs import (
     NEG_INF_LOGPROB,
@@ -38,7 +38,8 @@ __all__ = [
     "usage_of",
 ]
 
-_MAX_CHOICES = 1024  # distinct choice indices one stream may open before it counts as too large
+# Distinct choice indices one stream may open before it counts as too large.
+_MAX_CHOICES: Final = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,23 @@ class ChoiceOutcome:
     finish_reason: str | None
     stop_reason: str | int | None = None
 
+    def __init__(
+        self,
+        index: int,
+        content: str,
+        reasoning: str,
+        tokens: tuple[TokenLogprob, ...] | None,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per audited choice, it pays (README).
+        object.__setattr__(self, "index", index)
+        object.__setattr__(self, "content", content)
+        object.__setattr__(self, "reasoning", reasoning)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "finish_reason", finish_reason)
+        object.__setattr__(self, "stop_reason", stop_reason)
+
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
@@ -59,6 +77,21 @@ class Outcome:
     completion_tokens: int | None = None
     # Prompt tokens the engine said came from its prefix cache (None: not reported).
     cached_tokens: int | None = None
+
+    def __init__(
+        self,
+        choices: tuple[ChoiceOutcome, ...],
+        error: str | None = None,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        cached_tokens: int | None = None,
+    ) -> None:
+        # Written out: compiled, unlike a generated one; made per audited answer, it pays (README).
+        object.__setattr__(self, "choices", choices)
+        object.__setattr__(self, "error", error)
+        object.__setattr__(self, "prompt_tokens", prompt_tokens)
+        object.__setattr__(self, "completion_tokens", completion_tokens)
+        object.__setattr__(self, "cached_tokens", cached_tokens)
 
 
 def _is_chat(endpoint: str) -> bool:

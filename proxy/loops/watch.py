@@ -12,18 +12,18 @@ the delta whose text reaches the check that finds the loop.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from policies.base import Trigger
 from proxy.loops.detector import DetectorConfig, LoopDetector, LoopReport
 from proxy.openai import reasoning_of
 from proxy.relay.inspectors import Delta, Item
 
-MAX_CHOICES = 128  # n is client-controlled: bound the detectors kept per response
+MAX_CHOICES: Final = 128  # n is client-controlled: bound the detectors kept per response
 
 
 # The most content kept per choice for a continuation (chars); past it, a loop restarts.
-MAX_KEPT_CHARS = 4 * 1024 * 1024
+MAX_KEPT_CHARS: Final = 4 * 1024 * 1024
 
 # The source of the trigger an answer that ends ``stop`` with nothing in it makes (a retry's:
 # recovered means an answer, and the ladder goes on). No loop is counted for it.

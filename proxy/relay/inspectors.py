@@ -74,7 +74,7 @@ InspectorFactory = Callable[[RequestView], StreamInspector | None]
 class InspectorSet:
     """A response's inspectors and watchers, each isolated."""
 
-    __slots__ = ("_inspectors", "_on_failure", "_watchers")
+    __slots__ = ("_inspected", "_inspectors", "_on_failure", "_watched", "_watchers")
 
     def __init__(
         self,
@@ -84,6 +84,10 @@ class InspectorSet:
     ) -> None:
         self._inspectors = list(inspectors)
         self._watchers = list(watchers)
+        # Each one's on_delta bound once, called per event: a call through the protocol looks
+        # the method up by name every time (callgrind: ~150 instructions an event each).
+        self._inspected: list[Callable[[Item], object]] = [i.on_delta for i in self._inspectors]
+        self._watched: list[Callable[[Item], Trigger | None]] = [w.on_delta for w in self._watchers]
         self._on_failure = on_failure
 
     def __bool__(self) -> bool:
@@ -92,19 +96,21 @@ class InspectorSet:
     def on_delta(self, item: Item, watch: bool = True) -> Trigger | None:
         """Every inspector sees the item (the watchers only with ``watch``); the first trigger
         a watcher answers with."""
-        for inspector in self._inspectors:
+        inspectors = self._inspectors
+        for i, on_delta in enumerate(self._inspected):
             try:
-                inspector.on_delta(item)
+                on_delta(item)
             except Exception:
-                self._drop(inspector)
+                self._drop(inspectors[i])
         if not watch:
             return None
         first = None
-        for watcher in self._watchers:
+        watchers = self._watchers
+        for i, on_watched in enumerate(self._watched):
             try:
-                found = watcher.on_delta(item)
+                found = on_watched(item)
             except Exception:
-                self._drop(watcher)
+                self._drop(watchers[i])
                 continue
             if first is None:
                 first = found
@@ -123,4 +129,6 @@ class InspectorSet:
         )
         self._inspectors = [i for i in self._inspectors if i is not inspector]
         self._watchers = [i for i in self._watchers if i is not inspector]
+        self._inspected = [i.on_delta for i in self._inspectors]
+        self._watched = [w.on_delta for w in self._watchers]
         self._on_failure(inspector.name)
