@@ -203,13 +203,27 @@ class StreamAccumulator:
     """
 
     name = "accumulate"
-    __slots__ = ("_budget", "_cached", "_chat", "_choices", "_error", "_full", "_usage")
+    __slots__ = (
+        "_budget",
+        "_cached",
+        "_chat",
+        "_choices",
+        "_error",
+        "_full",
+        "_last",
+        "_last_index",
+        "_usage",
+    )
 
     def __init__(self, endpoint: str, max_chars: int = 4_000_000) -> None:
         self._chat = _is_chat(endpoint)
         self._budget = max_chars
         self._full = False
         self._choices: dict[int, _ChoiceState] = {}
+        # The choice of the last delta and its state: a stream's tokens are nearly all one
+        # choice's, and a dict lookup by int is ~120 instructions a token (callgrind).
+        self._last_index = -1
+        self._last: _ChoiceState | None = None
         self._error: str | None = None
         self._usage: tuple[int | None, int | None] = (None, None)
         self._cached: int | None = None
@@ -287,12 +301,16 @@ class StreamAccumulator:
             assert type(item) is dict
             self.on_chunk(item)
             return
-        state = self._choices.get(item.index)
-        if state is None:
-            if len(self._choices) >= _MAX_CHOICES:
-                self._overflow()
-                return
-            state = self._choices[item.index] = _ChoiceState()
+        index = item.index
+        state = self._last
+        if index != self._last_index or state is None:
+            state = self._choices.get(index)
+            if state is None:
+                if len(self._choices) >= _MAX_CHOICES:
+                    self._overflow()
+                    return
+                state = self._choices[index] = _ChoiceState()
+            self._last_index, self._last = index, state
         text = item.text
         if self._full or not text or not self._spend(len(text)):
             return

@@ -113,6 +113,10 @@ class LoopWatch:
         # attempt, where an empty answer is no recovery.
         self._empty_stop = empty_stop
         self._choices: dict[int, _ChoiceWatch] = {}
+        # The choice of the last delta and its watch: a stream's tokens are nearly all one
+        # choice's, and a dict lookup by int is ~120 instructions a token (callgrind).
+        self._last_index = -1
+        self._last: _ChoiceWatch | None = None
 
     def _watch(self, index: int) -> _ChoiceWatch | None:
         watch = self._choices.get(index)
@@ -141,11 +145,14 @@ class LoopWatch:
         """One event of a stream: a token chunk's text, or another chunk, parsed."""
         if type(item) is Delta:
             index, text = item.index, item.text
-            watch = self._choices.get(index)
-            if watch is None:
-                watch = self._watch(index)
+            watch = self._last
+            if index != self._last_index or watch is None:
+                watch = self._choices.get(index)
                 if watch is None:
-                    return None
+                    watch = self._watch(index)
+                    if watch is None:
+                        return None
+                self._last_index, self._last = index, watch
             if not text:
                 return None
             if item.channel == "reasoning":
