@@ -250,7 +250,7 @@ finally:
     profile.dump_stats(sys.argv[1])
 """
 
-DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit off
+DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit 5%
 CONFIGS = {
     "dp-default": DEFAULTS,
     "dp-noloops": "[loops]\nenabled = false\n",
@@ -270,7 +270,7 @@ queue_size = 100000
 WHAT = {
     "direct": "nginx + echo module itself (the paced upstream)",
     "nginx": "nginx reverse proxy, proxy_buffering off, 1 worker",
-    "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit off)",
+    "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit 5%)",
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
     "dp-raw": "detproxy, loops off and passive checks off: no stream is inspected (raw relay)",
     "dp-audit": "detproxy, defaults with every greedy request audited, shadow budgets raised",

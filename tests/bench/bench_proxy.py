@@ -326,7 +326,7 @@ NGINX_PROXY = """\
 """
 
 DETPROXY_CONFIGS = {
-    "dp-default": "",  # detproxy's defaults: loops on, passive checks on, audit off
+    "dp-default": "",  # detproxy's defaults: loops on, passive checks on, audit 5%
     "dp-off": """\
 [audit]
 sample_rate = 0.0
@@ -541,7 +541,7 @@ class Bench:
             )
             wait_port(port, proc, f"detproxy ({name}{suffix})")
             what = {
-                "dp-default": "detproxy, defaults (loops on, passive checks on, audit off)",
+                "dp-default": "detproxy, defaults (loops on, passive checks on, audit 5%)",
                 "dp-off": "detproxy, audit off, passive checks off, loops disabled",
                 "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
                 "dp-loops": "detproxy, audit off, passive checks off, loop inspection on",
