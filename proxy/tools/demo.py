@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import sys
 import tempfile
 import time
@@ -19,12 +20,12 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import build_app
 from proxy.config import load_settings
+from proxy.serving import serving
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
 MODEL = "emulator-model"
@@ -40,14 +41,6 @@ LOOP_KNOBS = [
     {"loop_channel": "content", "loop_after_tokens": 6},
     {"loop_channel": "reasoning", "loop_after_tokens": 4, "reasoning_tokens": 8},
 ]
-
-
-async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
 # What became of one client request, in the order the summary gives them.
@@ -194,10 +187,15 @@ async def run(requests: int, workdir: Path, out: Any) -> int:
         },
         flags={"upstream": upstream},
     )
-    runner, proxy = await _serve(build_app(settings, registry=CollectorRegistry()))
+    app = build_app(settings, registry=CollectorRegistry())
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    proxy = f"http://127.0.0.1:{listener.getsockname()[1]}"
     t0 = time.monotonic()
     try:
-        async with aiohttp.ClientSession() as http:
+        # Served as ``detproxy serve`` serves it: the lean front, /detproxy/* on it too.
+        async with serving(app, settings.server, listener), aiohttp.ClientSession() as http:
             out.write(
                 f"The vLLM emulator (it flips tokens and loops on purpose) is on {upstream},\n"
                 f"detproxy in front of it on {proxy}: every greedy request audited, loops"
@@ -210,7 +208,7 @@ async def run(requests: int, workdir: Path, out: Any) -> int:
             metrics = await (await http.get(proxy + "/detproxy/metrics")).text()
             recent = await (await http.get(proxy + "/detproxy/incidents?limit=1000")).json()
     finally:
-        await runner.cleanup()
+        listener.close()
         await emulator.stop()
     injected = Counter(r["kind"] for r in emulator.injections())
     # What the model did on the client requests and their retries (not the shadows): each

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import statistics
 import time
+from contextlib import AsyncExitStack
 from typing import Any
 
 import aiohttp
@@ -21,7 +23,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
-from proxy.config import load_settings
+from proxy.config import ServerConfig, load_settings
+from proxy.serving import serving
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
 CONFIGS: dict[str, dict[str, str]] = {
@@ -37,13 +40,13 @@ CONFIGS: dict[str, dict[str, str]] = {
 COMMON = {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "100000", "DETPROXY_AUDIT__QUEUE_SIZE": "100000"}
 
 
-async def start(app: web.Application) -> tuple[web.AppRunner, str]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
+async def start(stack: AsyncExitStack, app: web.Application, server: ServerConfig) -> str:
+    """The app served as ``detproxy serve`` serves it (the lean front), until ``stack`` closes."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    stack.callback(listener.close)
+    await stack.enter_async_context(serving(app, server, listener))
+    return f"http://127.0.0.1:{listener.getsockname()[1]}"
 
 
 async def upstream_counts(http: aiohttp.ClientSession, url: str) -> tuple[float, float]:
@@ -76,12 +79,11 @@ async def main() -> None:
     emulator = EmulatorServer(EmulatorConfig(token_latency_s=args.token_latency))
     upstream = await emulator.start()
     proxies: dict[str, str] = {}
-    runners = []
+    served = AsyncExitStack()
     for name, env in CONFIGS.items():
         settings = load_settings(env=COMMON | env, flags={"upstream": upstream})
-        runner, url = await start(build_app(settings, registry=CollectorRegistry()))
-        runners.append(runner)
-        proxies[name] = url
+        app = build_app(settings, registry=CollectorRegistry())
+        proxies[name] = await start(served, app, settings.server)
     latencies: dict[str, list[float]] = {n: [] for n in CONFIGS}
     load: dict[str, list[float]] = {n: [0.0, 0.0] for n in CONFIGS}
     async with aiohttp.ClientSession() as http:
@@ -111,8 +113,7 @@ async def main() -> None:
                 after = await upstream_counts(http, upstream)
                 load[name][0] += after[0] - before[0]
                 load[name][1] += after[1] - before[1]
-    for runner in runners:
-        await runner.cleanup()
+    await served.aclose()
     await emulator.stop()
 
     base = statistics.median(latencies["off"])
