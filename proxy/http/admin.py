@@ -436,6 +436,11 @@ class Admin:
     def add(self, path: str, handler: Handler) -> None:
         self._routes[path] = handler
 
+    @property
+    def paths(self) -> frozenset[str]:
+        """The exact paths answered (GET and HEAD): what a probe or a scrape may name."""
+        return frozenset(self._routes)
+
     def add_under(self, prefix: str, handler: Handler) -> None:
         """``handler`` for ``prefix`` + one more path segment (``request.match``)."""
         self._under.append((prefix, handler))

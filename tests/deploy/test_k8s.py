@@ -26,7 +26,7 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from proxy.app import build_app
+from proxy.app import ADMIN, build_app
 from proxy.config import default_incident_path, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,11 +251,7 @@ def probes(container: Obj) -> Iterator[tuple[str, Obj]]:
 def detproxy_paths() -> frozenset[str]:
     """detproxy's own GET routes (health, metrics, ...), from the app itself."""
     app = build_app(load_settings(), registry=CollectorRegistry())
-    return frozenset(
-        route.resource.canonical
-        for route in app.router.routes()
-        if route.resource is not None and route.resource.canonical.startswith("/detproxy/")
-    )
+    return app[ADMIN].paths
 
 
 def mounted_config(objects: tuple[Obj, ...], container: Obj) -> tuple[Path, str]:
