@@ -260,16 +260,24 @@ class StreamAccumulator:
             if isinstance(raw, dict):
                 self._on_choice(position, raw)
 
-    def _on_choice(self, position: int, raw: dict[str, Any]) -> None:
-        index = _int_or_none(raw.get("index"))
-        if index is None:
-            index = position
+    def _state(self, index: int) -> _ChoiceState | None:
+        """Choice ``index``'s state, made on its first event; None past the bound on choices
+        (the outcome is then too large)."""
         state = self._choices.get(index)
         if state is None:
             if len(self._choices) >= _MAX_CHOICES:
                 self._overflow()
-                return
+                return None
             state = self._choices[index] = _ChoiceState()
+        return state
+
+    def _on_choice(self, position: int, raw: dict[str, Any]) -> None:
+        index = _int_or_none(raw.get("index"))
+        if index is None:
+            index = position
+        state = self._state(index)
+        if state is None:
+            return
         finish = raw.get("finish_reason")
         if isinstance(finish, str):
             state.finish_reason = finish
@@ -304,12 +312,9 @@ class StreamAccumulator:
         index = item.index
         state = self._last
         if index != self._last_index or state is None:
-            state = self._choices.get(index)
+            state = self._state(index)
             if state is None:
-                if len(self._choices) >= _MAX_CHOICES:
-                    self._overflow()
-                    return
-                state = self._choices[index] = _ChoiceState()
+                return
             self._last_index, self._last = index, state
         text = item.text
         if self._full or not text or not self._spend(len(text)):

@@ -329,9 +329,7 @@ class StreamRelay:
                         raw = src[offset : offset + size]
                         written = self.rewrite_only(data, raw)
                         if written is not raw:
-                            parts.append(src[kept:offset])
-                            parts.append(written)
-                            kept = offset + size
+                            kept = _splice(parts, src, kept, offset, size, written)
                         offset += size
                         i += 1
                 break  # the rest goes out as it came
@@ -345,10 +343,7 @@ class StreamRelay:
                     raw = src if size == len(src) else src[offset : offset + size]
                     written = transforms.hold(delta, raw)
                     if written is not raw:
-                        parts.append(src[kept:offset])
-                        if written:
-                            parts.append(written)
-                        kept = offset + size
+                        kept = _splice(parts, src, kept, offset, size, written)
                 offset += size
                 i += 1
             if run:
@@ -360,10 +355,7 @@ class StreamRelay:
             if self.result.decision is not None:
                 return self._take(parts, src, kept, offset)
             if written is not raw:
-                parts.append(src[kept:offset])
-                if written:
-                    parts.append(written)
-                kept = offset + size
+                kept = _splice(parts, src, kept, offset, size, written)
             offset += size
             i += 1
         return self._take(parts, src, kept, len(src))
@@ -462,3 +454,15 @@ class StreamRelay:
         result.complete = result.decision is None
         self.inspectors.on_end(result.complete)
         return result
+
+
+def _splice(
+    parts: list[bytes], src: bytes, kept: int, offset: int, size: int, out: bytes | None
+) -> int:
+    """The event at ``src[offset:offset + size]`` becomes ``out`` (empty or None: withheld):
+    the bytes before it go to ``parts`` unchanged, then ``out``; returns where ``src`` is kept
+    from."""
+    parts.append(src[kept:offset])
+    if out:
+        parts.append(out)
+    return offset + size
