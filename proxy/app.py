@@ -30,6 +30,7 @@ from proxy.engine.load import UpstreamLoad
 from proxy.events import EventBus
 from proxy.forward import Forwarder
 from proxy.http.admin import HEALTH, Admin, AdminRequest, Reply, json_reply
+from proxy.http.admin import METRICS as METRICS_PATH
 from proxy.http.eventloop import loop_name
 from proxy.http.h1 import H1Upstream
 from proxy.http.upstream import Upstream, make_session
@@ -39,7 +40,9 @@ from proxy.observe.incidents import IncidentLog
 from proxy.observe.metrics import Metrics
 from proxy.observe.status import AuditTally
 from proxy.observe.ui.routes import register_ui
+from proxy.redact import mask_secrets, mask_url
 from proxy.relay.inspectors import InspectorFactory
+from proxy.selfloop import new_server_id
 from proxy.tasks import TaskOwner
 from proxy.workers import worker_status
 
@@ -84,13 +87,14 @@ def _duplicate_store(settings: Settings) -> DuplicateStore:
     return MemoryDuplicateStore(audit.duplicate_window_s, audit.duplicate_max_entries)
 
 
-def _make_upstream(config: UpstreamConfig, url: str) -> H1Upstream:
+def _make_upstream(config: UpstreamConfig, url: str, server_id: str) -> H1Upstream:
     return H1Upstream(
         url,
         connect_timeout_s=config.connect_timeout_s,
         read_timeout_s=config.read_timeout_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
         max_connections=config.max_connections,
+        server_id=server_id,
     )
 
 
@@ -147,6 +151,13 @@ def _triage(
     return triage
 
 
+def _shown_target(settings: Settings) -> str:
+    """Where shadows go, as incidents (and so the explorer) say it: the reference engine's URL
+    with its credentials masked, or "same" (the upstream)."""
+    reference = settings.audit.reference_url
+    return mask_url(reference) if reference else "same"
+
+
 def _recovery_budget(settings: Settings) -> RecoveryBudget:
     loops = settings.loops
     return RecoveryBudget(
@@ -172,8 +183,12 @@ def build_app(
     inspector_factories: Sequence[InspectorFactory] = (),
     policies: PolicyChain | None = None,
     clock: Callable[[], float] = time.monotonic,
+    server_id: str | None = None,
 ) -> web.Application:
-    """``clock``: the time request durations and stream speeds are measured on."""
+    """``clock``: the time request durations and stream speeds are measured on.
+    ``server_id``: what this server's upstream requests carry in ``X-Detproxy-Via``, so that
+    one coming back is known (proxy/selfloop.py); a fresh one unless given (``--workers``
+    share their supervisor's)."""
     app = web.Application()
     bus = EventBus()
     metrics = Metrics(
@@ -195,10 +210,11 @@ def build_app(
     app[METRICS] = metrics
     app[STARTED_AT] = time.time()
 
-    incidents = IncidentLog(settings.incidents)
-    incidents.subscribe(bus)
     tally = AuditTally()
     tally.subscribe(bus)
+    # Incidents name the process of the tally lines that count them (detproxy report).
+    incidents = IncidentLog(settings.incidents, process=tally.process)
+    incidents.subscribe(bus)
     app[INCIDENTS] = incidents
     app[TALLY] = tally
 
@@ -213,11 +229,12 @@ def build_app(
         upstream,
         inspector_factories,
         clock,
+        server_id or new_server_id(),
     )
     app.cleanup_ctx.extend(lifetime.contexts())
     admin = app[ADMIN] = Admin(settings.server)
     admin.add(HEALTH, _health)
-    admin.add("/detproxy/metrics", metrics.handle)
+    admin.add(METRICS_PATH, metrics.handle)
     admin.add("/detproxy/status", lambda request: _status(app))
     admin.add("/detproxy/incidents", incidents.handle)
     register_ui(admin, bus, incidents, tally)
@@ -241,6 +258,7 @@ class _Lifetime:
     upstream: Upstream | None  # the caller's, not closed with the app
     inspector_factories: Sequence[InspectorFactory]
     clock: Callable[[], float]
+    server_id: str  # marks what goes upstream: X-Detproxy-Via
 
     def contexts(self) -> list[Callable[[web.Application], AsyncIterator[None]]]:
         return [
@@ -258,7 +276,7 @@ class _Lifetime:
         ]
 
     async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        session = app[SESSION] = make_session(self.settings.upstream)
+        session = app[SESSION] = make_session(self.settings.upstream, self.server_id)
         yield
         await session.close()
 
@@ -268,13 +286,14 @@ class _Lifetime:
             yield
             return
         config = self.settings.upstream
-        target = app[TARGET] = _make_upstream(config, config.url)
+        target = app[TARGET] = _make_upstream(config, config.url, self.server_id)
         yield
         await target.close()
 
     async def reference_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        url = self.settings.audit.reference_url
-        reference = app[REFERENCE] = _make_upstream(self.settings.upstream, url) if url else None
+        url, upstream = self.settings.audit.reference_url, self.settings.upstream
+        reference = _make_upstream(upstream, url, self.server_id) if url else None
+        app[REFERENCE] = reference
         yield
         if reference is not None:
             await reference.close()
@@ -290,7 +309,14 @@ class _Lifetime:
         settings, bus, guard = self.settings, self.bus, self.guard
         session, target, reference = app[SESSION], app[TARGET], app[REFERENCE]
         forwarder = Forwarder(
-            settings, target, bus, self.recovery, self.inspector_factories, guard, self.clock
+            settings,
+            target,
+            bus,
+            self.recovery,
+            self.inspector_factories,
+            guard,
+            self.clock,
+            server_id=self.server_id,
         )
         scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
@@ -303,7 +329,7 @@ class _Lifetime:
                 scheduler,
                 store,  # the auditor's: closed with it
                 forwarder.inflight_now,
-                target=settings.audit.reference_url or "same",
+                target=_shown_target(settings),
                 guard=guard,
                 triage=triage.offer if triage is not None else None,
             )
@@ -393,7 +419,7 @@ async def _status(app: web.Application) -> Reply:
         {
             "version": __version__,
             "worker": worker_status(app),  # which process answered (serve --workers N)
-            "upstream": settings.upstream.url,
+            "upstream": mask_url(settings.upstream.url),
             "uptime_s": round(time.time() - app[STARTED_AT], 3),
             "event_loop": loop_name(asyncio.get_running_loop()),
             "inflight": app[RUNTIME].forwarder.inflight,
@@ -413,7 +439,7 @@ async def _status(app: web.Application) -> Reply:
                 "recorded": len(app[INCIDENTS].recent(10**9)),
                 "written": app[INCIDENTS].written,
             },
-            "config": settings.model_dump(mode="json"),
+            "config": mask_secrets(settings.model_dump(mode="json")),
         }
     )
 

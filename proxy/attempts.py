@@ -210,6 +210,7 @@ class Attempts:
                     self.count,
                     trigger,
                     time.time(),
+                    _action(decision),
                 )
             )
         if isinstance(decision, Retry):
@@ -265,7 +266,14 @@ class Attempts:
         self.generated = tokens
         if self.count > 1:
             recovery.bus.publish(
-                RecoveryTokens(self.model, self.strategy, tokens, self.kept_tokens)
+                RecoveryTokens(
+                    self.model,
+                    self.strategy,
+                    tokens,
+                    self.kept_tokens,
+                    self.request_id,
+                    self.count,
+                )
             )
         budget = recovery.budget
         if budget is None:
@@ -303,6 +311,13 @@ class Attempts:
                 self.strategy if action == "retry" else "",
             )
         )
+
+
+def _action(decision: Decision) -> str:
+    """A decision on a loop as ``PolicyActed`` names its action."""
+    if isinstance(decision, Retry):
+        return "retry"
+    return "abort" if isinstance(decision, Abort) else "observe"
 
 
 class Answer(Protocol):

@@ -17,7 +17,7 @@ from typing import NoReturn
 from aiohttp import web
 
 from proxy import __version__
-from proxy.config import ConfigError, Settings, load_settings
+from proxy.config import SERVER_ID_ENV, ConfigError, Settings, load_settings
 from proxy.http.eventloop import loop_name, new_event_loop
 from proxy.workers import (
     WORKER,
@@ -48,8 +48,10 @@ then these flags. "detproxy config" prints the result without starting a server.
 
 SERVE_EPILOG = """\
 detproxy's own endpoints: /detproxy/health, /detproxy/metrics (Prometheus),
-/detproxy/status, /detproxy/incidents, /detproxy/ui. SIGTERM stops accepting connections and
-lets requests in flight finish for server.shutdown_grace_s seconds.
+/detproxy/status, /detproxy/incidents, /detproxy/ui. On an address other than loopback
+(--host 0.0.0.0), only health and metrics are served without server.admin_token. SIGTERM
+stops accepting connections and lets requests in flight finish for server.shutdown_grace_s
+seconds.
 
 exit status: 0 after a signal, 2 when it cannot start (one line on stderr says why).
 """
@@ -238,51 +240,70 @@ def _listeners(settings: Settings, shared: bool) -> tuple[socket.socket, socket.
         main = _bind(server.host, server.port, shared=shared)
     except OSError as exc:
         raise ConfigError(bind_error(server.host, server.port, exc)) from None
-    if server.admin_port is None:
-        return main, None
-    try:
-        return main, _bind(server.host, server.admin_port, shared=shared)
-    except OSError as exc:
-        main.close()
-        raise ConfigError(
-            bind_error(server.host, server.admin_port, exc, "server.admin_port")
-        ) from None
+    admin = None
+    if server.admin_port is not None:
+        try:
+            admin = _bind(server.admin_address(), server.admin_port, shared=shared)
+        except OSError as exc:
+            main.close()
+            raise ConfigError(
+                bind_error(server.admin_address(), server.admin_port, exc, "server.admin_port")
+            ) from None
+    _refuse_own_address(settings, [s for s in (main, admin) if s is not None])
+    return main, admin
+
+
+def _refuse_own_address(settings: Settings, held: list[socket.socket]) -> None:
+    """An upstream on one of the addresses just bound (port 0 resolved, names too) would be
+    sent every request back: ``ConfigError``, the sockets closed (proxy/selfloop.py)."""
+    from proxy.selfloop import points_back
+
+    why = points_back(settings, [s.getsockname()[:2] for s in held])
+    if why is not None:
+        for sock in held:
+            sock.close()
+        raise ConfigError(why)
 
 
 # ---------------------------------------------------------------------------------------------
 # serve
 
 
-def serve_app(settings: Settings) -> web.Application:
+def serve_app(settings: Settings, server_id: str | None = None) -> web.Application:
     """The app ``serve`` runs: ``build_app``, its events logged, and, once it serves, the
-    collector settled."""
+    collector settled. ``server_id``: what its upstream requests carry (proxy/selfloop.py)."""
     from proxy.app import BUS, build_app
     from proxy.collector import on_serving
     from proxy.observe.log import EventLog
 
-    app = build_app(settings)
+    app = build_app(settings, server_id=server_id)
     EventLog(settings.log, settings.upstream.url).subscribe(app[BUS])
     app.on_startup.append(on_serving(settings.server))
     return app
 
 
-def _log_summary(settings: Settings, app: web.Application) -> None:
+def _log_summary(settings: Settings, app: web.Application, admin: socket.socket) -> None:
+    """What runs, in a few lines; ``admin``: the listener the admin endpoints are on (its
+    bound address says how much of them it serves)."""
     from proxy.app import INCIDENTS
     from proxy.observe.log import startup_lines
 
-    for msg, fields in startup_lines(settings, on_disk=app[INCIDENTS].on_disk):
+    at = admin.getsockname()[:2]
+    for msg, fields in startup_lines(settings, on_disk=app[INCIDENTS].on_disk, admin_at=at):
         log.info("%s", msg, extra={"fields": {"event": "config", **fields}})
 
 
 def _supervise(settings: Settings, serve_argv: list[str]) -> int:
     """``--workers N``: the port bound here first (in use: exit 2; 0: one port for all), then
     N workers started on it and kept running (proxy/workers.py)."""
-    from proxy.observe.log import mask_url
+    from proxy.redact import mask_url
+    from proxy.selfloop import new_server_id
     from proxy.serving import describe_start_error
 
     server = settings.server
+    own = new_server_id()  # the workers' one id: what one sends, another knows as its own
     try:  # what would stop every worker at its start stops here, once (the incident path)
-        app = serve_app(settings)
+        app = serve_app(settings, own)
     except (ConfigError, OSError) as exc:
         return _fail(describe_start_error(exc))
     try:
@@ -291,12 +312,18 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
         return _fail(bind_error(server.host, server.port, exc))
     if server.admin_port is not None:
         try:
-            held.append(reuseport_socket(server.host, server.admin_port))
+            held.append(reuseport_socket(server.admin_address(), server.admin_port))
         except OSError as exc:
             held[0].close()
-            return _fail(bind_error(server.host, server.admin_port, exc, "server.admin_port"))
+            return _fail(
+                bind_error(server.admin_address(), server.admin_port, exc, "server.admin_port")
+            )
+    try:
+        _refuse_own_address(settings, held)
+    except ConfigError as exc:
+        return _fail(str(exc))
     port = held[0].getsockname()[1]
-    env = dict(os.environ) | worker_budgets(settings, server.workers)
+    env = dict(os.environ) | worker_budgets(settings, server.workers) | {SERVER_ID_ENV: own}
     if server.admin_port is not None:
         env["DETPROXY_SERVER__ADMIN_PORT"] = str(held[1].getsockname()[1])
     argv = [sys.executable, "-m", "proxy", *serve_argv, "--port", str(port)]
@@ -309,7 +336,7 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
         mask_url(settings.upstream.url),
         extra={"fields": {"event": "supervising", "workers": server.workers, "port": port}},
     )
-    _log_summary(settings, app)
+    _log_summary(settings, app, held[-1])  # the admin listener, else the main one
     try:
         return Supervisor(argv, server.workers, server.shutdown_grace_s, env).run()
     finally:
@@ -318,7 +345,9 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
 
 
 def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
-    from proxy.observe.log import configure, mask_url
+    from proxy.observe.log import configure
+    from proxy.redact import mask_url
+    from proxy.selfloop import server_id
 
     worker = args.worker_index
     try:
@@ -344,7 +373,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         loop.close()
         return _fail(str(exc))
     try:
-        app = serve_app(settings)
+        app = serve_app(settings, server_id(worker, os.environ))
     except (ConfigError, OSError) as exc:
         from proxy.serving import describe_start_error
 
@@ -361,7 +390,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     def listening() -> None:
         admin = ""
         if admin_sock is not None:
-            admin = f", admin on {server.host}:{admin_sock.getsockname()[1]}"
+            admin = f", admin on {server.admin_address()}:{admin_sock.getsockname()[1]}"
         log.info(
             "detproxy %s listening on %s:%d%s, upstream %s, event loop %s%s",
             __version__,
@@ -384,7 +413,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
             },
         )
         if worker is None:  # with --workers, the supervisor said it once
-            _log_summary(settings, app)
+            _log_summary(settings, app, admin_sock or main_sock)
 
     from proxy.serving import StartError, run
 

@@ -3,21 +3,32 @@
 Precedence, lowest first: defaults, the TOML file, ``DETPROXY_*`` environment variables,
 command-line flags. Nested fields are reachable from the environment as
 ``DETPROXY_<SECTION>__<FIELD>`` (e.g. ``DETPROXY_UPSTREAM__READ_TIMEOUT_S=60``); the common
-ones also have flat names (``DETPROXY_UPSTREAM``, ``DETPROXY_PORT``, ...).
+ones also have flat names (``DETPROXY_UPSTREAM``, ``DETPROXY_PORT``, ...). Any other
+``DETPROXY_*`` variable (but ``OTHER_ENV``, read elsewhere) is refused, naming the closest
+known one: a misspelt setting would otherwise be ignored without a word.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from yarl import URL
 
 # This module is the leaf of detproxy's imports: what it validates lives here (the ladder's
@@ -209,9 +220,10 @@ def _http_url(value: str) -> str:
     return str(url).rstrip("/")
 
 
-def _api_root(value: str) -> str:
+def api_root(value: str) -> str:
     """An upstream's root URL. detproxy adds ``/v1/...`` itself, so the openai SDK's base URL
-    (``http://host:8000/v1``) would send every request to ``/v1/v1/...``, answered 404."""
+    (``http://host:8000/v1``) would send every request to ``/v1/v1/...``, answered 404: a
+    ValueError says so and gives the root (``serve``'s settings and ``probe``'s flag alike)."""
     url = _http_url(value)
     path = URL(url).path
     if path.endswith("/v1"):
@@ -232,6 +244,9 @@ class ServerConfig(_Section):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     admin_token: str | None = Field(default=None, min_length=16)  # bearer token for /detproxy/*
     admin_port: int | None = Field(default=None, ge=0, le=65535)  # a separate admin listener
+    # The admin listener's address (host's when not set): a loopback one serves status,
+    # incidents and the explorer without a token, while host takes clients from anywhere.
+    admin_host: str | None = None
     # How long a browser's login (the admin token exchanged for a cookie) lasts.
     session_ttl_s: int = Field(default=12 * 3600, ge=60, le=30 * 86400)
     # auto: uvloop where it can be imported, else asyncio's own loop.
@@ -245,6 +260,26 @@ class ServerConfig(_Section):
     # a name only, so that a config still setting it is told so (``_removed_http``).
     http: None = Field(default=None, exclude=True, repr=False)
     keepalive_timeout_s: float = Field(default=75.0, gt=0)  # idle client connections
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _blank_token(cls, value: object) -> object:
+        # DETPROXY_SERVER__ADMIN_TOKEN= (a compose file's ${VAR:-}, an empty Secret): not set.
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("admin_host")
+    @classmethod
+    def _admin_host_needs_port(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("admin_port") is None:
+            raise ValueError(
+                "the address of the admin listener: set server.admin_port too (or remove"
+                " admin_host)"
+            )
+        return value
+
+    def admin_address(self) -> str:
+        """The address the admin listener (``admin_port``) binds."""
+        return self.admin_host or self.host
 
     @field_validator("http", mode="before")
     @classmethod
@@ -300,7 +335,7 @@ class UpstreamConfig(_Section):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        return _api_root(value)
+        return api_root(value)
 
     @field_validator("client", mode="before")
     @classmethod
@@ -378,7 +413,7 @@ class AuditConfig(_Section):
     @field_validator("reference_url")
     @classmethod
     def _reference(cls, value: str | None) -> str | None:
-        return None if value is None else _api_root(value)
+        return None if value is None else api_root(value)
 
     @field_validator("answer_extractor")
     @classmethod
@@ -405,12 +440,19 @@ class AttributionConfig(_Section):
     # How a replay runs cold: auto reads the upstream's kind (vLLM: cache_salt; llama.cpp's
     # server: cache_prompt false); "none" says the engine has no way (the evidence says so).
     cold_method: Literal["auto", "cache_salt", "cache_prompt", "none"] = "auto"
-    max_per_minute: float = Field(default=6.0, gt=0)  # triages started
+    # Experiments started per minute at most: a burst waits, paced, instead of being refused.
+    max_per_minute: float = Field(default=6.0, gt=0)
     # Triage tokens (every replay's prompt + completion) at most this share of the tokens of
     # the deterministic requests detproxy saw, plus token_allowance always.
     max_token_share: float = Field(default=0.05, ge=0)
     token_allowance: int = Field(default=32768, ge=0)
-    queue_size: int = Field(default=16, ge=1)
+    queue_size: int = Field(default=64, ge=1)  # experiments waiting (each explains many)
+    # An experiment waits this long for the rate and the token budget; past it, the incidents
+    # it would explain end unknown, naming the budget.
+    max_wait_s: float = Field(default=600.0, gt=0)
+    # An experiment's replays explain later incidents of the same request on the same recipe
+    # (the upstream's identity unchanged) for this long, with no new replay.
+    reuse_s: float = Field(default=600.0, ge=0)
     # Quiet: each replay waits until detproxy has at most this many client requests in flight
     # and no shadow running (and audit.quiet_max_upstream_running, where set), for at most
     # quiet_deadline_s; then the triage gives up (dropped: quiet_deadline).
@@ -594,6 +636,101 @@ FLAT = {
 }
 
 
+# The DETPROXY_* variables that are not settings, and what reads them: accepted as they are
+# (tests/test_config.py checks that every such name in the repository is here or a setting).
+SERVER_ID_ENV = "DETPROXY_VIA_ID"  # a server's id, from the supervisor to its workers
+OTHER_ENV = frozenset(
+    {
+        ENV_PREFIX + "CONFIG",  # the config file (--config)
+        STATE_DIR_ENV,  # where incidents go by default
+        SERVER_ID_ENV,
+        "DETPROXY_API_KEY",  # probe's and diagnose's --api-key
+        "DETPROXY_HEALTHCHECK_URL",  # the image's HEALTHCHECK (deploy/docker/Dockerfile)
+        "DETPROXY_COMPILE",  # setup.py: the compiled build
+        "DETPROXY_IMAGE_CACHE",  # deploy/docker/build_image.sh
+        "DETPROXY_VERSION",  # the image's build arguments
+        "DETPROXY_REVISION",
+        "DETPROXY_CREATED",
+        "DETPROXY_ENGINE_CACHE",  # tests/integration/build_llama_server.sh
+    }
+)
+
+
+def _alternatives(annotation: Any) -> tuple[Any, ...]:
+    """``X | Y`` as ``(X, Y)``; any other type alone (a list's item type is not its own)."""
+    if get_origin(annotation) in (Union, UnionType):
+        return get_args(annotation)
+    return (annotation,)
+
+
+def _section(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds (``X``, or ``X | None``); None for a value."""
+    for candidate in _alternatives(annotation):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _is_table(annotation: Any) -> bool:
+    return any(get_origin(a) is dict for a in _alternatives(annotation))
+
+
+def _is_field(model: type[BaseModel], path: Sequence[str]) -> bool:
+    """``path`` names a field of ``model``, or of a section below it; anything below a table
+    (``loops.detector``) is one of its keys."""
+    field = model.model_fields.get(path[0])
+    if field is None:
+        return False
+    if len(path) == 1:
+        return True
+    section = _section(field.annotation)
+    if section is not None:
+        return _is_field(section, path[1:])
+    return _is_table(field.annotation)
+
+
+def env_path(name: str) -> tuple[str, ...] | None:
+    """The field a ``DETPROXY_*`` variable sets (a flat name, or ``<SECTION>__<FIELD>``);
+    None for any other name."""
+    key = name[len(ENV_PREFIX) :].lower()
+    if key in FLAT:
+        return FLAT[key]
+    path = tuple(key.split("__"))
+    return path if len(path) > 1 and _is_field(Settings, path) else None
+
+
+def _field_names(model: type[BaseModel], prefix: str) -> Iterator[str]:
+    for name, field in model.model_fields.items():
+        if field.exclude:  # a removed setting: refused when set, never suggested
+            continue
+        full = prefix + name.upper()
+        yield full
+        section = _section(field.annotation)
+        if section is not None:
+            yield from _field_names(section, full + "__")
+
+
+def env_names() -> list[str]:
+    """Every ``DETPROXY_*`` name detproxy reads: the settings, then ``OTHER_ENV``."""
+    nested = (n for n in _field_names(Settings, "") if "__" in n)
+    flat = (key.upper() for key in FLAT)
+    return [ENV_PREFIX + n for n in (*flat, *nested)] + sorted(OTHER_ENV)
+
+
+def _unknown_env(name: str) -> str:
+    """What to say of a ``DETPROXY_*`` variable that is nothing detproxy reads: a misspelt
+    setting would otherwise be ignored without a word."""
+    known = [n[len(ENV_PREFIX) :] for n in env_names()]
+    close = difflib.get_close_matches(name[len(ENV_PREFIX) :].upper(), known, n=1)
+    hint = (
+        f"did you mean {ENV_PREFIX}{close[0]}?"
+        if close
+        else "a setting is DETPROXY_<SECTION>__<FIELD> (e.g. DETPROXY_AUDIT__SAMPLE_RATE),"
+        " the sections and fields as 'detproxy config' prints them"
+    )
+    return f"environment variable {name} is not a detproxy setting; {hint} (unset or rename it)"
+
+
 def _set(
     tree: dict[str, Any],
     path: tuple[str, ...],
@@ -637,13 +774,12 @@ def load_settings(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     for name, raw in sorted((env or {}).items()):
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
+        if not name.startswith(ENV_PREFIX) or name in OTHER_ENV:
             continue
-        key = name[len(ENV_PREFIX) :].lower()
-        if key in FLAT:
-            _set(tree, FLAT[key], _env_value(raw), name, origins)
-        elif "__" in key:
-            _set(tree, tuple(key.split("__")), _env_value(raw), name, origins)
+        field = env_path(name)
+        if field is None:
+            raise ConfigError(_unknown_env(name))
+        _set(tree, field, _env_value(raw), name, origins)
     for key, value in (flags or {}).items():
         if value is not None:
             _set(tree, FLAT[key], value, "--" + key.replace("_", "-"), origins)
@@ -659,6 +795,16 @@ def _describe(
     lines = []
     for err in exc.errors():
         loc = tuple(str(p) for p in err["loc"])
-        origin = origins.get(loc) or (str(path) if path else "defaults")
+        origin = _origin(loc, origins) or (str(path) if path else "defaults")
         lines.append(f"{'.'.join(loc)}: {err['msg']} (from {origin})")
     return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+def _origin(loc: tuple[str, ...], origins: dict[tuple[str, ...], str]) -> str | None:
+    """Where the value at ``loc`` came from: the variable or flag that set it, or a table
+    above it (a key inside a table given as JSON)."""
+    for end in range(len(loc), 0, -1):
+        origin = origins.get(loc[:end])
+        if origin is not None:
+            return origin
+    return None

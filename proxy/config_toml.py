@@ -4,7 +4,7 @@ the same ``Settings``, secrets masked.
 A small emitter for the values a configuration holds (tables, arrays, strings, numbers,
 booleans): Python's standard library reads TOML but does not write it. A value that is not
 set (None) has no TOML form: it is written as a comment (``# key = (none)``), and leaving it
-out gives it back.
+out gives it back. Secrets are masked by ``proxy.redact``, as everywhere else.
 """
 
 from __future__ import annotations
@@ -14,12 +14,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from yarl import URL
-
 from proxy.config import Settings
+from proxy.redact import MASK, mask_secrets
 
-MASK = "********"
-_SECRET_KEY = re.compile(r"(token|api_key|password|secret)$")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f"}
 _ESCAPES["\r"] = "\\r"
@@ -95,26 +92,6 @@ def dumps(tree: Mapping[str, Any]) -> str:
     lines: list[str] = []
     _table(lines, (), tree, array=False)
     return "\n".join(lines) + "\n"
-
-
-def mask_secrets(tree: Any, name: str = "") -> Any:
-    """``tree`` with the values of secret keys (``*token``, ``*api_key``, ``*password``,
-    ``*secret``) and the passwords in URLs replaced by ``MASK``."""
-    if isinstance(tree, Mapping):
-        return {k: mask_secrets(v, k) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [mask_secrets(v) for v in tree]
-    if isinstance(tree, str):
-        if _SECRET_KEY.search(name.lower()):
-            return MASK
-        if "://" in tree and "@" in tree:
-            try:
-                url = URL(tree)
-            except (TypeError, ValueError):
-                return tree
-            if url.password is not None:
-                return str(url.with_password(MASK))
-    return tree
 
 
 def effective_toml(settings: Settings, masked: bool = True) -> str:

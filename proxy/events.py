@@ -233,6 +233,7 @@ class LoopDetected:
     attempt: int
     trigger: Trigger
     timestamp: float
+    action: str = ""  # what the policies decided: retry | abort | observe ("" not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,6 +398,8 @@ class RecoveryTokens:
     strategy: str  # restart | continue | close_reasoning
     generated: int
     kept: int
+    request_id: str = ""  # the client request it recovers
+    attempt: int = 0  # the recovery's attempt (2: the first retry)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 CLIENT_GONE = (ConnectionResetError, asyncio.CancelledError)
 
 
+def relayed_outcome(status: int) -> str:
+    """A relayed upstream answer's outcome by its status class: ``ok``, ``client_error`` (4xx:
+    the upstream refused the client's request: an unknown model, a bad field, 401, 429) or
+    ``upstream_error`` (5xx: the upstream failed it, as when its connection breaks)."""
+    if status < 400:
+        return "ok"
+    return "client_error" if status < 500 else "upstream_error"
+
+
 class Exchange:
     """One client request, from its arrival to its last byte.
 
@@ -87,7 +96,10 @@ class Lifecycle:
         )
 
     def finished(self, ex: Exchange, status: int, outcome: str) -> None:
+        """``outcome`` "ok": the upstream's answer was relayed whole, counted by its class."""
         ex.finished = True
+        if outcome == "ok":
+            outcome = relayed_outcome(status)
         if not ex.counted:  # refused or failed before it was classified
             self.classified(ex)
         view = ex.view

@@ -1,10 +1,13 @@
 """Sending a request detproxy altered, with the client's own request as the fallback.
 
-When the upstream answers an error (4xx or 5xx) to the altered request, or its stream fails
-before its first event (ends, breaks, or opens with an error event), the client's original
-bytes go upstream instead and that answer is relayed: the client gets what it would have got
-without detproxy. Nothing has reached the client by then: a streamed answer's first event is
-read before the client's response starts, then handed on with the rest (``Prefetched``).
+When the upstream refuses the altered request because of what detproxy added (a 400 or 422,
+or a stream opening with such an error event, whose message or ``param`` names the addition:
+``proxy.injection.refused_additions``), the client's original bytes go upstream instead and that
+answer is relayed: the client gets what it would have got without detproxy. Any other answer
+(an unknown model's 404, a 401, a 429, a 400 about the messages, a 5xx, a stream that ends or
+breaks before its first event) is the client's request's own: relayed once, as it came. Nothing
+has reached the client by then: what was read to decide (an error body's start, a stream's
+first event) is handed on in front of the rest (``Prefetched``).
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from proxy.http.upstream import (
     Upstream,
     UpstreamResponse,
 )
-from proxy.injection import LOGPROBS, InjectionGuard, error_reason
+from proxy.injection import LOGPROBS, InjectionGuard, error_reason, refused_additions
 
 log = logging.getLogger(__name__)
 
-# An error body longer than this is not read to its end: only its message is wanted.
+# An error body is read this far to decide whose error it is; the rest is relayed as it comes.
 _ERROR_BODY_BYTES = 64 * 1024
 
 
@@ -43,15 +46,26 @@ class Altered:
 
 
 class Prefetched:
-    """An upstream response whose first bytes ``first_event`` already read (it pumped them, so
-    no reader of the response was left half-way): ``chunks`` and ``pump`` hand those over first,
-    then read on from the response."""
+    """An upstream response whose first bytes were read already (pumped, so no reader of the
+    response was left half-way): ``chunks`` and ``pump`` hand those over first, then what came
+    after them: the rest of the response, its end (``ended``), or the error that broke it
+    (``error``), raised again where a reader of the response would have met it."""
 
-    __slots__ = ("_head", "_inner", "_rest", "raw_fields", "status")
+    __slots__ = ("_ended", "_error", "_head", "_inner", "_rest", "raw_fields", "status")
 
-    def __init__(self, inner: UpstreamResponse, head: bytes) -> None:
+    def __init__(
+        self,
+        inner: UpstreamResponse,
+        head: bytes,
+        *,
+        ended: bool = False,
+        error: BaseException | None = None,
+    ) -> None:
         self._inner = inner
         self._head = head
+        # The inner response is done: never read again (its connection went back to the pool).
+        self._ended = ended
+        self._error = error
         self._rest: AsyncIterator[bytes] | None = None
         self.status = inner.status
         self.raw_fields = inner.raw_fields
@@ -72,6 +86,8 @@ class Prefetched:
         if self._head:
             head, self._head = self._head, b""
             return head
+        if self._after_head():
+            raise StopAsyncIteration
         if self._rest is None:
             self._rest = self._inner.chunks()
         return await self._rest.__anext__()
@@ -81,7 +97,17 @@ class Prefetched:
             head, self._head = self._head, b""
             if not sink(head):
                 return False
+        if self._after_head():
+            return True
         return await self._inner.pump(sink)
+
+    def _after_head(self) -> bool:
+        """True where the response ended with its head; raises the error that broke it."""
+        error, self._error = self._error, None
+        if error is not None:
+            self._ended = True
+            raise error
+        return self._ended
 
     async def read(self) -> bytes:
         parts: list[bytes] = []
@@ -95,21 +121,20 @@ class Prefetched:
 
 async def first_event(
     upstream: UpstreamResponse, max_event_bytes: int
-) -> tuple[UpstreamResponse, str | None]:
-    """Read a stream up to its first data event. Returns the response to relay (the bytes read
-    kept in front) and ``None``, or a reason when the stream failed before that event."""
+) -> tuple[UpstreamResponse, bytes | None]:
+    """Read a stream up to its first data event. Returns the response to relay (the bytes
+    read kept in front, then the rest as it comes) and that event's data: None where the
+    stream ended or broke before one, or its first event is over the size bound (the relay
+    decides what to do with it)."""
     decoder = SSEDecoder(max_event_bytes)
     head: list[bytes] = []
     first: list[bytes] = []  # the first data event's data
-    overflow = False
 
     def until_first(data: bytes) -> bool:
-        nonlocal overflow
         head.append(data)
         try:
             events = decoder.feed(data)
         except SSEOverflow:
-            overflow = True  # the relay decides what to do with it
             return False
         for event in events:
             if event.data is not None:  # not a comment or a keep-alive
@@ -118,26 +143,49 @@ async def first_event(
         return True
 
     try:
-        await upstream.pump(until_first)
+        ended = await upstream.pump(until_first)
     except READ_ERRORS as exc:
-        return upstream, f"stream broke before its first event ({type(exc).__name__})"
-    if overflow:
-        return Prefetched(upstream, b"".join(head)), None
-    if first:
-        return Prefetched(upstream, b"".join(head)), _error_event(first[0])
-    return upstream, "stream ended before its first event"
+        return Prefetched(upstream, b"".join(head), error=exc), None
+    return Prefetched(upstream, b"".join(head), ended=ended), first[0] if first else None
 
 
-def _error_event(data: bytes) -> str | None:
+async def _error_start(upstream: UpstreamResponse) -> tuple[UpstreamResponse, bytes]:
+    """An error answer with its body's start read (up to ``_ERROR_BODY_BYTES``): the response
+    to relay (that start in front, then the rest as it comes) and that start."""
+    parts: list[bytes] = []
+    size = 0
+
+    def until_enough(data: bytes) -> bool:
+        nonlocal size
+        parts.append(data)
+        size += len(data)
+        return size < _ERROR_BODY_BYTES
+
+    try:
+        ended = await upstream.pump(until_enough)
+    except READ_ERRORS as exc:
+        head = b"".join(parts)
+        return Prefetched(upstream, head, error=exc), head
+    head = b"".join(parts)
+    return Prefetched(upstream, head, ended=ended), head
+
+
+def _error_event(data: bytes) -> int | None:
+    """The status an error event says (its ``code``; 200 where it has none); None where the
+    event is not an error."""
     if not data.startswith(b"{") or b'"error"' not in data:
         return None
     try:
         chunk = orjson.loads(data)
     except orjson.JSONDecodeError:
         return None
-    if isinstance(chunk, dict) and chunk.get("error") is not None and "choices" not in chunk:
-        return "stream opened with an error event: " + error_reason(200, data)
-    return None
+    if type(chunk) is not dict or "choices" in chunk:
+        return None
+    err = chunk.get("error")
+    if err is None and chunk.get("object") != "error":  # nested since vLLM 0.10.1, flat before
+        return None
+    code = (err if type(err) is dict else chunk).get("code")
+    return code if type(code) is int else 200
 
 
 class FallbackSender:
@@ -160,34 +208,22 @@ class FallbackSender:
         upstream = await self._upstream.send("POST", raw_path, headers, body)
         if altered is None:
             return upstream, False
-        status = upstream.status
-        if status >= 400:
-            reason = error_reason(status, await _read_error(upstream))
-        elif is_event_stream_response(upstream):
-            try:
-                upstream, failure = await first_event(upstream, self._max_event_bytes)
-            except BaseException:  # the client left while the first event was awaited
-                upstream.close()
-                raise
-            if failure is None:
-                # A stream carrying the audit's logprobs does not show that its shadow will
-                # work: shadows are non-streamed, and vLLM refuses NaN logprobs there while it
-                # streams them as null. The shadow's own answer tells (proxy.audit.shadow).
-                worked = [k for k in altered.kinds if k != LOGPROBS]
-                self._guard.succeeded(altered.model, worked)
-                return upstream, False
+        try:
+            upstream, refused, reason = await self._refusal(upstream, altered)
+        except BaseException:  # the client left while the answer's start was awaited
             upstream.close()
-            reason = failure
-        else:
-            self._guard.succeeded(altered.model, altered.kinds)
+            raise
+        if not refused:
             return upstream, False
+        status = upstream.status
+        upstream.close()
         again = await self._upstream.send("POST", raw_path, headers, altered.original)
         if again.status < 400:
             outcome = "recovered"
-            self._guard.failed(altered.model, altered.endpoint, altered.kinds, status, reason)
+            self._guard.failed(altered.model, altered.endpoint, refused, status, reason)
             log.warning(
                 "upstream refused a request with %s added (%s: %s); sent the client's own",
-                "+".join(altered.kinds),
+                "+".join(refused),
                 status,
                 reason,
             )
@@ -196,19 +232,32 @@ class FallbackSender:
         self._bus.publish(FallbackSent(altered.model, altered.endpoint, again.status, outcome))
         return again, True
 
-
-async def _read_error(upstream: UpstreamResponse) -> bytes:
-    """The start of an error body; the connection is closed either way."""
-    parts: list[bytes] = []
-    size = 0
-    try:
-        async for data in upstream.chunks():
-            parts.append(data)
-            size += len(data)
-            if size >= _ERROR_BODY_BYTES:
-                break
-    except READ_ERRORS:
-        pass
-    finally:
-        upstream.close()
-    return b"".join(parts)[:_ERROR_BODY_BYTES]
+    async def _refusal(
+        self, upstream: UpstreamResponse, altered: Altered
+    ) -> tuple[UpstreamResponse, tuple[str, ...], str]:
+        """The response to relay (what was read of it kept in front), the additions the
+        upstream refused (none: relay it, it is the client's request's own answer), and the
+        upstream's reason for refusing them."""
+        kinds = altered.kinds
+        status = upstream.status
+        if status >= 400:
+            upstream, payload = await _error_start(upstream)
+            refused = refused_additions(kinds, status, payload)
+            return upstream, refused, error_reason(status, payload) if refused else ""
+        if not is_event_stream_response(upstream):
+            self._guard.succeeded(altered.model, kinds)
+            return upstream, (), ""
+        upstream, data = await first_event(upstream, self._max_event_bytes)
+        if data is None:  # ended or broke first: relayed as an unaltered request's would be
+            return upstream, (), ""
+        code = _error_event(data)
+        if code is None:
+            # A stream carrying the audit's logprobs does not show that its shadow will
+            # work: shadows are non-streamed, and vLLM refuses NaN logprobs there while it
+            # streams them as null. The shadow's own answer tells (proxy.audit.shadow).
+            self._guard.succeeded(altered.model, [k for k in kinds if k != LOGPROBS])
+            return upstream, (), ""
+        refused = refused_additions(kinds, code, data)
+        if not refused:  # the engine's own error, as it would have opened the client's stream
+            return upstream, (), ""
+        return upstream, refused, "stream opened with an error event: " + error_reason(code, data)

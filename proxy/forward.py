@@ -41,6 +41,7 @@ from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard
 from proxy.loops.continuation import LIMIT_FIELDS
 from proxy.loops.recovery import Recovery
 from proxy.relay.inspectors import InspectorFactory
+from proxy.selfloop import LOOP_MESSAGE, LOOP_STATUS, VIA_NAME, came_back
 from proxy.streaming import StreamedAnswer
 
 
@@ -56,8 +57,13 @@ class Forwarder:
         inspector_factories: Sequence[InspectorFactory] = (),
         guard: InjectionGuard | None = None,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        server_id: str | None = None,
     ) -> None:
+        """``server_id``: the id this server's upstream requests carry (proxy/selfloop.py);
+        one that comes back with it is answered 508. None: no such check."""
         self._clock = clock  # the time of durations and speeds; tests inject theirs
+        self._server_id = server_id
         self._lifecycle = Lifecycle(bus, clock)
         self.guard = guard or InjectionGuard(settings.injection, bus)
         self._sender = FallbackSender(
@@ -94,7 +100,11 @@ class Forwarder:
         ex = Exchange(client, endpoint or "other", self._clock(), self.inflight)
         self._bus.publish(RequestStarted(ex.endpoint))
         try:
-            if endpoint is not None and client.method == "POST":
+            own = self._server_id
+            # A request marked by a detproxy is rare: the usual one costs one field lookup.
+            if own is not None and client.header(VIA_NAME) is not None and came_back(client, own):
+                await self._loop_detected(ex)
+            elif endpoint is not None and client.method == "POST":
                 await self._openai(ex)
             else:
                 await self._passthrough(ex)
@@ -108,6 +118,15 @@ class Forwarder:
             if not ex.finished:
                 # A fault of detproxy's own: still pair every start with one finish.
                 self._lifecycle.finished(ex, 500, "proxy_error")
+
+    async def _loop_detected(self, ex: Exchange) -> None:
+        """A request this server sent upstream came back to it: the upstream leads back here.
+        Answered at once, never forwarded (each hop would forward it again)."""
+        client = ex.client
+        ex.request_id = rid = request_id_of(client.header(b"x-request-id"), self._ids)
+        self._bus.publish(UpstreamFailed(ex.endpoint, "loop", "headers"))
+        self._lifecycle.finished(ex, LOOP_STATUS, "upstream_error")
+        await send_error(client, LOOP_STATUS, LOOP_MESSAGE, request_id=rid)
 
     # -- the OpenAI endpoints ---------------------------------------------------------------
 
@@ -146,8 +165,10 @@ class Forwarder:
         if fell_back:
             retry_base = body  # the upstream refused an addition: none in this request's retries
             if ex.ticket is not None and ex.ticket.injected:
-                # The client's own request carries no logprobs: nothing to compare.
-                self._bus.publish(ShadowDropped(view.model, "injection_failed"))
+                if upstream.status < 400:
+                    # The client's own request carries no logprobs: nothing to compare. (Refused
+                    # too, it is a failed primary: no answer to replay, no drop to count.)
+                    self._bus.publish(ShadowDropped(view.model, "injection_failed"))
                 ex.ticket = None
         recovery = self._recovery
         attempts = Attempts(

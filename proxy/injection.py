@@ -5,17 +5,20 @@ detproxy alters some requests on their way upstream: logprobs injected for an au
 where it would have answered the client's own: vLLM 0.23 answers 400 ("Out of range float values
 are not JSON compliant: nan") when a model's logprobs come out NaN; an older vLLM or another server
 may reject a parameter it does not know. The client must get what it would have got without
-detproxy, so the forwarder sends the client's own request instead (``proxy.forward``), and this
-guard keeps count: after ``failures_to_suspend`` failures in a row for a model, that addition is
-suspended for the model for ``suspend_s`` (doubled at each suspension in a row, up to
-``max_suspend_s``), then tried again. A failure is only the alteration's when the client's own
-request then succeeded: a request the upstream refuses either way is the client's error.
+detproxy, so when the refusal is about an addition (``refused_additions``: a 400 or 422 whose
+message or ``param`` names it) the client's own request goes instead (``proxy.fallback``); any
+other error is the client's request's own, relayed once as it came. This guard keeps count:
+after ``failures_to_suspend`` failures in a row for a model, that addition is suspended for the
+model for ``suspend_s`` (doubled at each suspension in a row, up to ``max_suspend_s``), then
+tried again. A failure is only the alteration's when the client's own request then succeeded:
+a request the upstream refuses either way is the client's error.
 """
 
 from __future__ import annotations
 
+import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,19 @@ KINDS = (LOGPROBS, REPETITION_DETECTION)
 # altered one failed, so this bounds memory against a misbehaving upstream, not clients.
 MAX_TRACKED = 1024
 _REASON_CHARS = 300
+# The statuses a server refuses a request's fields with: vLLM's 400 (it never answers 422),
+# FastAPI's own validation 422 (another server). 404, 401, 429 and 5xx are never an addition's.
+_FIELD_REFUSALS = (400, 422)
+# What names an addition in a refusal (lower case): its fields (logprobs, top_logprobs), vLLM's
+# cap ("Requested sample logprobs of 20, which is greater than max allowed: 5"), and the NaN
+# logprobs vLLM cannot serialise ("Out of range float values are not JSON compliant: nan").
+_NAMED_BY = {
+    LOGPROBS: ("logprob", "out of range float values"),
+    REPETITION_DETECTION: ("repetition_detection",),
+}
+# Where a validation error starts quoting the request back (pydantic's ``input_value=``,
+# FastAPI's ``'input':`` or ``"input":``): the quote holds the additions whatever the error is.
+_ECHO = re.compile(r"input_value=|['\"]input['\"]:")
 
 
 @dataclass
@@ -75,8 +91,9 @@ class InjectionGuard:
     def failed(
         self, model: str, endpoint: str, kinds: Iterable[str], status: int, reason: str
     ) -> None:
-        """The altered request failed with ``status`` where the client's own succeeded."""
-        for kind in blame(tuple(kinds), reason):
+        """The altered request failed with ``status`` where the client's own succeeded:
+        ``kinds`` are the additions the refusal was about."""
+        for kind in kinds:
             state = self._state(model, kind)
             if state is None:
                 continue
@@ -140,13 +157,31 @@ class InjectionGuard:
         return state
 
 
-def blame(kinds: tuple[str, ...], reason: str) -> tuple[str, ...]:
-    """Which of the additions an error names; all of them when it names none."""
-    if len(kinds) < 2:
-        return kinds
-    text = reason.lower()
-    named = tuple(k for k in kinds if k in text or (k == LOGPROBS and "nan" in text))
-    return named or kinds
+def refused_additions(kinds: Sequence[str], status: int, payload: bytes) -> tuple[str, ...]:
+    """The additions an upstream's error (``payload``: its body, or a stream's error event) is
+    about: those its message or ``param`` names, where it refuses the request's fields (400,
+    422). Empty: the error is the client's request's own."""
+    if status not in _FIELD_REFUSALS:
+        return ()
+    text = _refusal_text(payload)
+    return tuple(k for k in kinds if any(name in text for name in _NAMED_BY.get(k, (k,))))
+
+
+def _refusal_text(payload: bytes) -> str:
+    """An error's ``param`` and message, lower case, up to where it quotes the request."""
+    try:
+        body = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        body = None
+    if type(body) is dict:
+        err = body.get("error")
+        param = (err if type(err) is dict else body).get("param")
+        message = error_detail(body) or payload.decode("utf-8", "replace")
+        if type(param) is str:
+            message = param + " " + message
+    else:
+        message = payload.decode("utf-8", "replace")
+    return _ECHO.split(message, 1)[0].lower()
 
 
 def error_reason(status: int, payload: bytes) -> str:

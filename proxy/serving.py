@@ -3,7 +3,9 @@
 Every listener is the lean front (``proxy.http.front``): on the main one the proxied requests
 go straight to the ``Forwarder`` and ``/detproxy/...`` to the app's ``Admin``
 (``proxy.http.admin``); with ``server.admin_port`` the admin endpoints are served on that
-listener only (health stays on both, for probes), and it proxies nothing.
+listener only (health stays on both, for probes), and it proxies nothing. How much of the
+admin surface a listener serves without a token its bound address decides
+(``proxy.http.admin.serves_all``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class Drain:
     seconds: float = 0.0
 
 
+def bound_address(sock: socket.socket) -> str:
+    """The address ``sock`` is bound to (what decides how much of the admin surface it
+    serves: ``proxy.http.admin.serves_all``)."""
+    return str(sock.getsockname()[0])
+
+
 @asynccontextmanager
 async def serving(
     app: web.Application,
@@ -62,12 +70,14 @@ async def serving(
         await runner.setup()  # the app's start: a failure here still cleans up what started
         routes = app[ADMIN]
         keepalive_s = server.keepalive_timeout_s
-        forward, own = routes.main_listener(app[RUNTIME].forwarder.handle)
+        forward, own = routes.main_listener(app[RUNTIME].forwarder.handle, bound_address(main))
         front = FrontServer(forward, own, keepalive_s=keepalive_s)
         fronts.append(front)
         await front.listen(main, LISTEN_BACKLOG)
         if admin is not None:
-            side = FrontServer(*routes.admin_listener(), keepalive_s=keepalive_s)
+            side = FrontServer(
+                *routes.admin_listener(bound_address(admin)), keepalive_s=keepalive_s
+            )
             fronts.append(side)
             await side.listen(admin, LISTEN_BACKLOG)
         yield front

@@ -120,7 +120,7 @@ def test_a_loop_decided_to_retry_reserves_budget_for_the_next_attempt() -> None:
     assert attempts.reserved == {2: 200}, "the reservation is not the next attempt's"
     assert budget.use(MODEL).spent == 200
     assert attempts.looped and attempts.pending_retry and attempts.trigger == LOOP
-    assert [e.attempt for e in seen.of(LoopDetected)] == [1]
+    assert [(e.attempt, e.action) for e in seen.of(LoopDetected)] == [(1, "retry")]
     assert seen.actions() == []  # a retry's outcome is known when its attempt ends
 
 
@@ -138,7 +138,8 @@ def test_the_client_attempt_records_what_it_generated_and_a_retry_settles_its_re
     assert budget.use(MODEL).spent == 50, "spent is not what the retry generated"
     assert budget.use(MODEL).generated == 120, "a retry's tokens counted as the client's"
     assert seen.of(RecoveryBudgetUsed)[-1] == RecoveryBudgetUsed(MODEL, 50, 10_000)
-    assert seen.of(RecoveryTokens) == [RecoveryTokens(MODEL, "restart", 50, 0)]
+    # Named by request and attempt: the loop's incident line carries what its retry cost.
+    assert seen.of(RecoveryTokens) == [RecoveryTokens(MODEL, "restart", 50, 0, "rid", 2)]
     assert seen.actions() == [("retry", "recovered", 2)]
     assert attempts.recovered
 
@@ -156,7 +157,8 @@ def test_a_continued_retry_keeps_the_prefix_and_accounts_its_tokens_as_kept() ->
     assert sent["messages"][-1] == {"role": "assistant", "content": continued.message}
     assert sent["max_tokens"] == 200 - attempts.kept_tokens, "the kept tokens were not taken off"
     attempts.ended(AttemptEnd(25, decide=True))
-    assert seen.of(RecoveryTokens) == [RecoveryTokens(MODEL, "continue", 25, attempts.kept_tokens)]
+    kept = attempts.kept_tokens
+    assert seen.of(RecoveryTokens) == [RecoveryTokens(MODEL, "continue", 25, kept, "rid", 2)]
     assert budget.use(MODEL).spent == 25
 
 
@@ -189,6 +191,8 @@ def test_the_cap_is_the_configured_max_attempts_whatever_the_policy(cap: int) ->
     assert attempts.count == cap, f"{attempts.count} attempts under a cap of {cap}"
     assert decisions[-1] == Abort("attempts_exhausted")
     assert ("abort", "attempts_exhausted", cap) in seen.actions()
+    # Each loop says what was decided about it: the capped one was aborted, not retried.
+    assert [e.action for e in seen.of(LoopDetected)] == ["retry"] * (cap - 1) + ["abort"]
     # Every retry sent spent what it generated; the one at the cap released what it reserved.
     assert budget.use(MODEL).spent == 10 * (cap - 1), "the capped retry's reservation leaked"
     assert attempts.reserved == {}
@@ -211,6 +215,7 @@ def test_the_ladder_gives_up_its_own_way_at_the_cap_it_is_told() -> None:
     assert ladder.exhausted == {"attempts_exhausted": 1}, "the ladder did not see the cap"
     assert budget.use(MODEL).spent == 30, "the ladder reserved a retry past the cap"
     assert seen.actions() == [("retry", "looped_again", 2), ("observe", "observe", 2)]
+    assert [e.action for e in seen.of(LoopDetected)] == ["retry", "observe"]
 
 
 def test_a_retry_a_policy_asks_for_on_a_clean_answer_at_the_cap_is_not_sent() -> None:

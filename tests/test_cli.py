@@ -165,6 +165,43 @@ def test_each_start_up_mistake_is_one_line(
     assert_one_line_error(code, err, *expected)
 
 
+@pytest.mark.parametrize(
+    ("host", "upstream_host", "workers"),
+    [
+        ("127.0.0.1", "127.0.0.1", "1"),
+        ("0.0.0.0", "localhost", "1"),  # every local address, a name that is always loopback
+        ("127.0.0.1", "127.0.0.1", "2"),  # the supervisor's check, before any worker starts
+    ],
+)
+def test_an_upstream_that_is_detproxy_itself_is_one_line(
+    host: str, upstream_host: str, workers: str, tmp_path: Path
+) -> None:
+    """What hung its clients with a thousand requests in flight (each forwarded to itself)."""
+    port = free_port()
+    code, err = run_cli(
+        "serve", "--host", host, "--port", str(port), "--workers", workers,
+        "--upstream", f"http://{upstream_host}:{port}",
+        env={"DETPROXY_STATE_DIR": str(tmp_path)},
+    )  # fmt: skip
+    assert_one_line_error(
+        code, err, f"upstream.url http://{upstream_host}:{port}", "detproxy's own address",
+        f"listens on {host}:{port}", "point upstream.url at the engine",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("command", [("serve", "--port", "0"), ("config", "--check")])
+def test_a_misspelt_variable_stops_serve_and_config_check_naming_it(
+    command: tuple[str, ...], tmp_path: Path
+) -> None:
+    for name, closest in (
+        ("DETPROXY_UPSTREM", "DETPROXY_UPSTREAM"),
+        ("DETPROXY_AUDTI__SAMPLE_RATE", "DETPROXY_AUDIT__SAMPLE_RATE"),
+    ):
+        code, err = run_cli(*command, env={name: "0.5", "DETPROXY_STATE_DIR": str(tmp_path)})
+        assert_one_line_error(code, err, name, f"did you mean {closest}?")
+        assert "from defaults" not in err
+
+
 def test_a_config_file_that_is_not_toml_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "detproxy.toml"
     bad.write_text("[server\nport = 1\n")

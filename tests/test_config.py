@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -7,10 +8,13 @@ from pathlib import Path
 import pytest
 
 from proxy.config import (
+    OTHER_ENV,
     ConfigError,
     Settings,
     default_incident_path,
     default_state_dir,
+    env_names,
+    env_path,
     load_settings,
 )
 
@@ -239,3 +243,83 @@ def test_a_removed_key_in_a_config_file_names_the_file(tmp_path: Path) -> None:
     assert "server.http was removed" in said and "upstream.client was removed" in said, said
     assert str(path) in said
     assert "http" not in load_settings().model_dump()["server"]  # nor shown in status
+
+
+# ---------------------------------------------------------------------------------------------
+# DETPROXY_* variables that are nothing detproxy reads
+
+
+@pytest.mark.parametrize(
+    ("name", "closest"),
+    [
+        ("DETPROXY_UPSTREM", "DETPROXY_UPSTREAM"),
+        ("DETPROXY_AUDTI__SAMPLE_RATE", "DETPROXY_AUDIT__SAMPLE_RATE"),
+        ("DETPROXY_AUDIT_SAMPLE_RATE", "DETPROXY_AUDIT__SAMPLE_RATE"),  # one underscore
+        ("DETPROXY_UPSTREAM__EXPECT__DTYP", "DETPROXY_UPSTREAM__EXPECT__DTYPE"),
+        ("DETPROXY_STATEDIR", "DETPROXY_STATE_DIR"),
+        ("DETPROXY_LOOPS__LADDERS__MODELS", "DETPROXY_LOOPS__LADDERS"),  # a list: set whole
+        ("DETPROXY_AUDIT__", None),
+    ],
+)
+def test_a_misspelt_variable_is_named_with_the_closest_known_one(
+    name: str, closest: str | None
+) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env={name: "0.5"})
+    said = str(exc.value)
+    assert "\n" not in said and f"environment variable {name} is not a detproxy setting" in said
+    if closest is not None:
+        assert f"did you mean {closest}?" in said, said
+    assert "from defaults" not in said
+
+
+def test_every_name_detproxy_reads_is_accepted(tmp_path: Path) -> None:
+    env = dict.fromkeys(OTHER_ENV, "x") | {
+        "DETPROXY_CONFIG": str(tmp_path / "unread.toml"),  # read by the CLI, not here
+        "DETPROXY_STATE_DIR": str(tmp_path),
+        "DETPROXY_LOOPS__DETECTOR__CHECK_EVERY_CHARS": "16",  # a key of a table
+        "DETPROXY_UPSTREAM__EXPECT__DTYPE": "bfloat16",  # a field of a section's section
+        "DETPROXY_LOOPS__ENGINE_DETECTION__MIN_COUNT": "9",  # of an optional one
+        "DETPROXY_log_level": "debug",  # flat names in any case, as before
+        "NOT_DETPROXY_ANYTHING": "x",
+    }
+    s = load_settings(env=env)
+    assert s.loops.detector == {"check_every_chars": 16} and s.upstream.expect.dtype == "bfloat16"
+    assert s.loops.engine_detection is not None and s.loops.engine_detection.min_count == 9
+    assert s.log.level == "debug"
+
+
+BINARY = {".pyc", ".so", ".gz", ".png", ".ico", ".woff2"}
+
+
+def test_every_name_in_the_repository_is_a_setting_or_known() -> None:
+    """Each DETPROXY_* variable the code, deploy files, scripts, benchmarks and docs use is one
+    detproxy accepts: a new one goes into ``OTHER_ENV``, or it would stop detproxy at start.
+    (Test modules are left out: some misspell names on purpose, and a test whose variable is
+    refused fails by itself.)"""
+    root = Path(__file__).resolve().parents[1]
+    # A benchmark's constant, and README's example of the message: no variables.
+    not_variables = {"DETPROXY_CONFIGS", "DETPROXY_UPSTREM"}
+    paths = [root / "README.md", root / "setup.py", root / "pyproject.toml"]
+    for folder in ("proxy", "policies", "tests", "deploy", "docs"):
+        paths += (root / folder).rglob("*")
+    found: dict[str, Path] = {}
+    for path in paths:
+        if path.is_file() and path.suffix not in BINARY and not path.name.startswith("test_"):
+            for name in re.findall(r"\bDETPROXY_[A-Z0-9_]*[A-Z0-9]\b", path.read_text("latin-1")):
+                found.setdefault(name, path)
+    assert len(found) > 30, sorted(found)  # the search found them
+    known = set(env_names())
+    unknown = {
+        name: str(path.relative_to(root))
+        for name, path in found.items()
+        if name not in known and env_path(name) is None and name not in not_variables
+    }
+    assert not unknown, f"DETPROXY_* names detproxy would refuse: {unknown}"
+
+
+def test_a_bad_key_in_a_table_given_as_json_names_its_variable() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(env={"DETPROXY_UPSTREAM__EXPECT": '{"dtpye": "bfloat16"}'})
+    assert "upstream.expect.dtpye" in str(exc.value), str(exc.value)
+    assert "(from DETPROXY_UPSTREAM__EXPECT)" in str(exc.value), str(exc.value)

@@ -2,13 +2,15 @@
 
 The scripted upstream below refuses exactly what real servers refuse: vLLM 0.23 answers 400
 ("Out of range float values are not JSON compliant: nan") to a non-streamed request asking for
-logprobs a model computes as NaN, and streams them as ``null``; a server that fails a stream
-before its first event; a server that rejects ``repetition_detection``. Every client request
-through detproxy must answer as it does without detproxy.
+logprobs a model computes as NaN, and streams them as ``null``; a server that opens a stream with
+an error about logprobs; a server that rejects ``repetition_detection``. Every client request
+through detproxy must answer as it does without detproxy. An error that is not about what
+detproxy added (an unknown model, a 5xx, ...) is the client's: answered once, as it came.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -16,14 +18,24 @@ import pytest
 from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
-from tests.helpers.metrics import metric
+from proxy.app import BUS
+from proxy.config import LogConfig
+from proxy.observe.log import EventLog
+from proxy.testing import Received, Reply
+from tests.helpers.metrics import metric, metric_total
 from tests.helpers.settings import NO_SHADOWS
 from tests.helpers.sse import sse_event
-from tests.helpers.waiting import eventually
+from tests.helpers.waiting import eventually, settle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 NAN = "Out of range float values are not JSON compliant: nan"
+STREAMED_LOGPROBS_REFUSED = {
+    "message": "top_logprobs: streaming logprobs is not supported by this model",
+    "type": "BadRequestError",
+    "param": "top_logprobs",
+    "code": 400,
+}
 AUDIT_ALL = {"DETPROXY_AUDIT__SAMPLE_RATE": "1.0", "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
 
 
@@ -88,12 +100,8 @@ class Refusing:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         if lp and self.mode == "stream_error_first":
-            await resp.write(b'data: {"error": {"message": "internal error", "code": 500}}\n\n')
+            await resp.write(sse_event({"error": STREAMED_LOGPROBS_REFUSED}))
             await resp.write(b"data: [DONE]\n\n")
-            return resp
-        if lp and self.mode == "stream_cut_first":
-            assert request.transport is not None
-            request.transport.close()  # headers sent, then the connection is gone
             return resp
         nan = lp and self.mode == "nan"
         await resp.write(chunk(request.path, " Paris", None, nan))
@@ -119,7 +127,7 @@ def request_body(path: str, stream: bool, model: str = "m") -> dict[str, Any]:
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 @pytest.mark.parametrize(
     ("mode", "stream"),
-    [("nan", False), ("stream_error_first", True), ("stream_cut_first", True)],
+    [("nan", False), ("stream_error_first", True)],
 )
 async def test_audited_requests_answer_as_without_detproxy(
     aiohttp_server: Any,
@@ -240,39 +248,183 @@ async def test_a_client_that_asks_logprobs_itself_is_still_audited_while_suspend
     await eventually(lambda: len(scripted.bodies) == 2, what="the primary and its shadow upstream")
 
 
+MAX_LOGPROBS = "Requested sample logprobs of 20, which is greater than max allowed: 5"
+
+
 async def test_an_error_the_clients_own_request_gets_too_is_relayed_and_not_blamed(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    scripted = Refusing("nan")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=AUDIT_ALL)
-    body = request_body(CHAT, stream=False, model="unknown")
-    expected_status, expected = await direct(url, CHAT, body)
+    """The refusal names logprobs, so the client's own request goes; the upstream refuses
+    that too (a prompt over the context): its error is the client's answer, and neither the
+    injection nor the audit is blamed for it."""
+    upstream = await fake_upstream()
+    too_long = Reply.error(400, "This model's maximum context length is 16 tokens.")
+
+    def refuses(request: Received) -> Reply:
+        return Reply.error(400, MAX_LOGPROBS) if asks_logprobs(request.json()) else too_long
+
+    upstream.on(CHAT, refuses)
+    proxy = await make_proxy(upstream.url, env=AUDIT_ALL)
+    body = request_body(CHAT, stream=False)
+    expected = await direct(upstream.url, CHAT, body)
     for _ in range(4):
         resp = await proxy.post(CHAT, json=body)
-        assert (resp.status, await resp.read()) == (expected_status, expected)
-    assert (
-        metric(
-            registry,
-            "detproxy_fallbacks_total",
-            model="unknown",
-            endpoint="chat",
-            outcome="same_error",
-        )
-        == 4
-    )
-    assert (
-        metric(
-            registry,
-            "detproxy_injection_failures_total",
-            model="unknown",
-            endpoint="chat",
-            kind="logprobs",
-            status="404",
-        )
-        == 0
-    )
+        assert (resp.status, await resp.read()) == expected
+    fallbacks = {"model": "m", "endpoint": "chat"}
+    assert metric(registry, "detproxy_fallbacks_total", outcome="same_error", **fallbacks) == 4
+    assert metric_total(registry, "detproxy_injection_failures_total") == 0
+    assert metric_total(registry, "detproxy_shadow_dropped_total") == 0  # a failed primary
     assert (await (await proxy.get("/detproxy/status")).json())["injection"] == {}
+
+
+def not_json(status: int, text: bytes) -> Reply:
+    return Reply(status, (("Content-Type", "text/plain; charset=utf-8"),), text)
+
+
+# Upstream errors that are not about what detproxy added, as vLLM (and servers in front of it)
+# answer them. vLLM's request validation quotes the request back, injected logprobs and all.
+ECHOED = (
+    "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': 'Field required',"
+    " 'input': {'model': 'm', 'temperature': 0, 'logprobs': True, 'top_logprobs': 5}}]"
+)
+CLIENTS_OWN = {
+    "unknown_model": Reply.error(404, "The model `m` does not exist.", kind="NotFoundError"),
+    "bad_messages": Reply.error(400, ECHOED),
+    "unauthorized": Reply.json({"error": "Unauthorized"}, 401),
+    "other_field": Reply.json(
+        {"detail": [{"loc": ["body", "max_tokens"], "msg": "not an integer", "input": "x"}]}, 422
+    ),
+    "rate_limited": Reply.error(429, "Too many requests", kind="RateLimitError"),
+    "long_body": not_json(400, b"no: " + b"x" * 100_000),  # over what is read to decide
+    "internal": Reply.error(500, "EngineCore died", kind="InternalServerError"),
+    "unavailable": not_json(503, b"upstream overloaded"),
+}
+# Each error on a non-streamed chat request and a streamed completion (vLLM answers a streamed
+# request's refusal before its stream starts); the unknown model on all four.
+SHAPES = [(CHAT, False), (COMPLETIONS, True)]
+CASES = [(case, *shape) for case in CLIENTS_OWN for shape in SHAPES] + [
+    ("unknown_model", CHAT, True),
+    ("unknown_model", COMPLETIONS, False),
+]
+
+
+@pytest.mark.parametrize(("case", "path", "stream"), CASES)
+async def test_an_error_not_about_the_injection_is_answered_once_as_it_came(
+    fake_upstream: Any,
+    make_proxy: Any,
+    registry: CollectorRegistry,
+    caplog: pytest.LogCaptureFixture,
+    case: str,
+    path: str,
+    stream: bool,
+) -> None:
+    refusal = CLIENTS_OWN[case]
+    refusal = Reply(refusal.status, (*refusal.headers, ("X-Upstream", "as-sent")), refusal.body)
+    upstream = await fake_upstream(routes={path: refusal})
+    proxy = await make_proxy(upstream.url, env=AUDIT_ALL)
+    EventLog(LogConfig(repeat_s=0), upstream.url).subscribe(proxy.server.app[BUS])
+    caplog.set_level(logging.DEBUG)
+    resp = await proxy.post(path, json=request_body(path, stream))
+    assert (resp.status, await resp.read()) == (refusal.status, refusal.body)
+    assert resp.headers["X-Upstream"] == "as-sent"
+    assert resp.headers["Content-Type"] == dict(refusal.headers)["Content-Type"]
+    await settle(proxy)
+    (sent,) = upstream.received(path)  # once: no fallback, and no shadow of a failed primary
+    assert asks_logprobs(sent.json()), "the request was not audited with logprobs injected"
+    endpoint = "chat" if path == CHAT else "completions"
+    outcome = "client_error" if refusal.status < 500 else "upstream_error"
+    code = str(refusal.status)
+    responses = {"endpoint": endpoint, "code": code, "outcome": outcome}
+    assert metric(registry, "detproxy_responses_total", **responses) == 1
+    assert metric(registry, "detproxy_responses_total", **responses | {"outcome": "ok"}) == 0
+    for name in ("shadow_dropped", "fallbacks", "injection_failures"):
+        assert metric_total(registry, f"detproxy_{name}_total") == 0, name
+    assert (await (await proxy.get("/detproxy/status")).json())["injection"] == {}
+    said = caplog.text.lower()
+    assert not [w for w in ("refused", "fallback", "client's own", "inject") if w in said], said
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Reply.error(400, MAX_LOGPROBS),
+        Reply.error(400, "when using `top_logprobs`, `logprobs` must be set to true"),
+        Reply.json({"detail": [{"loc": ["body", "logprobs"], "msg": "extra", "input": 1}]}, 422),
+    ],
+    ids=["max_logprobs", "top_logprobs", "fastapi_422"],
+)
+async def test_a_refusal_of_the_injected_logprobs_falls_back_to_the_clients_own(
+    fake_upstream: Any,
+    make_proxy: Any,
+    registry: CollectorRegistry,
+    path: str,
+    stream: bool,
+    refusal: Reply,
+) -> None:
+    upstream = await fake_upstream()  # answers every request it is not scripted for
+    body = request_body(path, stream)
+    expected = await direct(upstream.url, path, body)
+    upstream.requests.clear()
+    upstream.script(path, refusal)
+    proxy = await make_proxy(upstream.url, env=AUDIT_ALL)
+    resp = await proxy.post(path, json=body)
+    assert (resp.status, await resp.read()) == expected  # the fallback's answer, as it came
+    await settle(proxy)
+    # The altered request, then the client's own (no shadow: it carries no logprobs).
+    assert [asks_logprobs(b) for b in upstream.bodies(path)] == [True, False]
+    endpoint = "chat" if path == CHAT else "completions"
+    failures = {"model": "m", "endpoint": endpoint, "kind": "logprobs"}
+    status = str(refusal.status)
+    assert metric(registry, "detproxy_injection_failures_total", **failures, status=status) == 1
+    fallbacks = {"model": "m", "endpoint": endpoint, "outcome": "recovered"}
+    assert metric(registry, "detproxy_fallbacks_total", **fallbacks) == 1
+    assert metric(registry, "detproxy_shadow_dropped_total", reason="injection_failed") == 1
+    responses = {"endpoint": endpoint, "code": "200", "outcome": "ok"}
+    assert metric(registry, "detproxy_responses_total", **responses) == 1
+
+
+async def relayed_alike(
+    fake_upstream: Any, make_proxy: Any, path: str, reply: Reply
+) -> tuple[bytes, bytes, list[bool]]:
+    """The same streamed answer through an audited detproxy and an unaudited one: what each
+    client read, and whether each request the audited one sent asked for logprobs."""
+    upstream = await fake_upstream(routes={path: reply})
+    body = request_body(path, stream=True)
+    proxies = [
+        await make_proxy(upstream.url, env=AUDIT_ALL),
+        await make_proxy(upstream.url, env={"DETPROXY_AUDIT__SAMPLE_RATE": "0"}),
+    ]
+    audited, plain = [await (await p.post(path, json=body)).read() for p in proxies]
+    await settle(proxies[0])
+    *through_audited, _ = upstream.bodies(path)
+    return audited, plain, [asks_logprobs(b) for b in through_audited]
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_a_stream_opening_with_the_engines_own_error_is_relayed_once(
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry, path: str
+) -> None:
+    error = {"message": "EngineCore died", "type": "InternalServerError", "code": 500}
+    reply = Reply.sse([{"error": error}])
+    audited, plain, sent = await relayed_alike(fake_upstream, make_proxy, path, reply)
+    assert audited == plain == b"".join(reply.events or ())
+    assert sent == [True]  # once
+    assert metric_total(registry, "detproxy_fallbacks_total") == 0
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_a_stream_cut_before_its_first_event_is_relayed_once(
+    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry, path: str
+) -> None:
+    reply = Reply.sse([{"choices": []}], cut_after=0)  # headers, then the connection is gone
+    audited, plain, sent = await relayed_alike(fake_upstream, make_proxy, path, reply)
+    assert audited == plain  # the in-band error and [DONE] an unaltered request gets
+    assert audited.endswith(b"data: [DONE]\n\n") and b'"error"' in audited
+    assert sent == [True]
+    assert metric_total(registry, "detproxy_fallbacks_total") == 0
+    assert metric_total(registry, "detproxy_shadow_dropped_total") == 0
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import orjson
+
 from proxy.config import InjectionConfig
 from proxy.events import EventBus, InjectionFailed, InjectionSuspended
-from proxy.injection import LOGPROBS, REPETITION_DETECTION, InjectionGuard, blame, error_reason
+from proxy.injection import (
+    LOGPROBS,
+    REPETITION_DETECTION,
+    InjectionGuard,
+    error_reason,
+    refused_additions,
+)
 
 
 class Clock:
@@ -99,12 +107,54 @@ def test_snapshot_says_what_is_suspended_and_why() -> None:
     }
 
 
-def test_blame_names_the_addition_the_error_names() -> None:
-    both = (LOGPROBS, REPETITION_DETECTION)
-    assert blame(both, "Out of range float values are not JSON compliant: nan") == (LOGPROBS,)
-    assert blame(both, "repetition_detection: extra inputs") == (REPETITION_DETECTION,)
-    assert blame(both, "internal server error") == both
-    assert blame((LOGPROBS,), "whatever") == (LOGPROBS,)
+BOTH = (LOGPROBS, REPETITION_DETECTION)
+
+
+def vllm_400(message: str, param: str | None = None) -> bytes:
+    error = {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    return orjson.dumps({"error": error})
+
+
+def test_a_refusal_naming_an_addition_is_the_additions() -> None:
+    cap = vllm_400("Requested sample logprobs of 20, which is greater than max allowed: 5")
+    assert refused_additions(BOTH, 400, cap) == (LOGPROBS,)
+    needs = vllm_400("Value error, when using `top_logprobs`, `logprobs` must be set to true")
+    assert refused_additions(BOTH, 400, needs) == (LOGPROBS,)
+    nan = vllm_400("Out of range float values are not JSON compliant: nan")
+    assert refused_additions(BOTH, 400, nan) == (LOGPROBS,)
+    assert refused_additions(BOTH, 400, vllm_400("out of range", param="top_logprobs")) == (
+        LOGPROBS,
+    )
+    flat = b'{"object": "error", "message": "repetition_detection: Extra inputs", "code": 400}'
+    assert refused_additions(BOTH, 400, flat) == (REPETITION_DETECTION,)
+    fastapi = orjson.dumps(
+        {"detail": [{"loc": ["body", "repetition_detection"], "msg": "Extra inputs"}]}
+    )
+    assert refused_additions(BOTH, 422, fastapi) == (REPETITION_DETECTION,)
+    assert refused_additions(BOTH, 400, b"unknown field: logprobs") == (LOGPROBS,)  # not JSON
+    assert refused_additions((REPETITION_DETECTION,), 400, cap) == ()  # logprobs not added
+
+
+def test_any_other_error_is_the_clients_requests_own() -> None:
+    # vLLM's request validation quotes the request back, injected fields and all.
+    echo = (
+        "[{'type': 'missing', 'loc': ('body', 'messages'), 'msg': 'Field required',"
+        " 'input': {'model': 'm', 'logprobs': True, 'top_logprobs': 5}}]"
+    )
+    assert refused_additions(BOTH, 400, vllm_400(echo)) == ()
+    pydantic = "1 validation error\nmessages\n  Field required [input_value={'logprobs': True}]"
+    assert refused_additions(BOTH, 400, vllm_400(pydantic)) == ()
+    fastapi = orjson.dumps(
+        {"detail": [{"loc": ["body", "max_tokens"], "msg": "bad", "input": {"logprobs": True}}]}
+    )
+    assert refused_additions(BOTH, 422, fastapi) == ()
+    too_long = vllm_400("This model's maximum context length is 16 tokens.", param="messages")
+    assert refused_additions(BOTH, 400, too_long) == ()
+    # Whatever they say, these statuses are never about a request's fields.
+    for status in (401, 403, 404, 413, 429, 500, 501, 503):
+        assert refused_additions(BOTH, status, vllm_400("logprobs out of range")) == ()
+    unknown = orjson.dumps({"error": {"message": "The model `logprobs-7b` does not exist."}})
+    assert refused_additions(BOTH, 404, unknown) == ()
 
 
 def test_error_reason_reads_every_error_shape() -> None:

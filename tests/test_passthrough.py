@@ -163,3 +163,31 @@ async def test_a_stream_the_client_leaves_on_done_is_whole_not_a_disconnect(
     assert (
         metric(registry, "detproxy_client_disconnects_total", endpoint="other", stream="false") == 0
     )
+
+
+async def test_upstream_errors_passed_through_are_counted_by_their_class(
+    make_proxy: Any, fake_upstream: Any, registry: Any
+) -> None:
+    from proxy.testing import Reply
+
+    upstream = await fake_upstream(
+        routes={"/v1/embeddings": Reply.error(400, "not an embedding model"), "/health": Reply(503)}
+    )
+    client = await make_proxy(upstream.url)
+    for method, path, status in [
+        ("GET", "/v1/models", 404),  # nothing scripted: 404
+        ("POST", "/v1/embeddings", 400),
+        ("GET", "/health", 503),
+    ]:
+        assert (await client.request(method, path)).status == status
+
+    def responses(code: str, outcome: str) -> float:
+        return metric(
+            registry, "detproxy_responses_total", endpoint="other", code=code, outcome=outcome
+        )
+
+    counted = [("404", "client_error"), ("400", "client_error"), ("503", "upstream_error")]
+    await eventually(
+        lambda: [responses(*labels) for labels in counted] == [1, 1, 1], what="each counted"
+    )
+    assert sum(responses(code, "ok") for code in ("400", "404", "503")) == 0

@@ -48,48 +48,57 @@ class Scripted:
         self.closed = True
 
 
-async def relayed(upstream: Scripted, pumped: bool = False) -> tuple[bytes, str | None]:
-    response, failure = await first_event(upstream, 1 << 20)
-    if failure is not None:
-        return b"", failure
+async def relayed(upstream: Scripted, pumped: bool = False) -> tuple[bytes, bytes | None]:
+    """What the relay reads of the response ``first_event`` gives back, and the first event."""
+    response, first = await first_event(upstream, 1 << 20)
     if pumped:  # as the streaming relay reads it
         parts: list[bytes] = []
         assert await response.pump(lambda data: parts.append(data) or True)
-        return b"".join(parts), None
-    return b"".join([part async for part in response.chunks()]), None
+        return b"".join(parts), first
+    return b"".join([part async for part in response.chunks()]), first
 
 
 @pytest.mark.parametrize("pumped", [False, True])
 async def test_the_relay_gets_every_byte_in_order(pumped: bool) -> None:
     parts = [b": ping\n\n", b'data: {"choices"', b": []}\n\nda", b"ta: [DONE]\n\n"]
     upstream = Scripted(parts)
-    body, failure = await relayed(upstream, pumped)
-    assert failure is None
+    body, first = await relayed(upstream, pumped)
+    assert first == b'{"choices": []}'
     assert body == b"".join(parts)
     assert not upstream.closed
 
 
 async def test_an_event_past_the_size_bound_is_left_to_the_relay() -> None:
     parts = [b"data: " + b"x" * 64, b"x" * 64, b"\n\ndata: [DONE]\n\n"]
-    response, failure = await first_event(Scripted(parts), 32)
-    assert failure is None
+    response, first = await first_event(Scripted(parts), 32)
+    assert first is None
     assert b"".join([part async for part in response.chunks()]) == b"".join(parts)
 
 
-async def test_an_error_first_event_is_a_failure() -> None:
-    upstream = Scripted([b'data: {"error": {"message": "boom", "code": 500}}\n\n'])
-    _, failure = await relayed(upstream)
-    assert failure == "stream opened with an error event: boom"
+async def test_an_error_first_event_is_handed_back() -> None:
+    event = b'{"error": {"message": "boom", "code": 500}}'
+    body, first = await relayed(Scripted([b"data: " + event + b"\n\n"]))
+    assert first == event
+    assert body == b"data: " + event + b"\n\n"  # relayed when it is not about an addition
 
 
-async def test_a_chunk_that_mentions_error_is_not_a_failure() -> None:
-    event = b'data: {"choices": [{"delta": {"content": "\\"error\\""}}], "error": null}\n\n'
-    body, failure = await relayed(Scripted([event]))
-    assert failure is None and body == event
+@pytest.mark.parametrize("pumped", [False, True])
+async def test_a_stream_that_ends_before_an_event_is_relayed_as_it_came(pumped: bool) -> None:
+    assert await relayed(Scripted([]), pumped) == (b"", None)
+    assert await relayed(Scripted([b": ping\n\n"]), pumped) == (b": ping\n\n", None)
 
 
-async def test_a_stream_that_ends_or_breaks_before_an_event_is_a_failure() -> None:
-    assert (await relayed(Scripted([])))[1] == "stream ended before its first event"
-    assert (await relayed(Scripted([b": ping\n\n"])))[1] == "stream ended before its first event"
-    broke = await relayed(Scripted([b"data: {", b"x"], error_after=1))
-    assert broke[1] == "stream broke before its first event (UpstreamBodyError)"
+@pytest.mark.parametrize("pumped", [False, True])
+async def test_a_stream_that_breaks_before_an_event_breaks_for_the_relay_too(pumped: bool) -> None:
+    """The bytes read first, then the error that broke the stream, where the relay of an
+    unaltered request meets it (it ends the client's stream with an in-band error)."""
+    response, first = await first_event(Scripted([b"data: {", b"x"], error_after=1), 1 << 20)
+    assert first is None
+    parts: list[bytes] = []
+    with pytest.raises(UpstreamBodyError):
+        if pumped:
+            await response.pump(lambda data: parts.append(data) or True)
+        else:
+            async for part in response.chunks():
+                parts.append(part)
+    assert parts == [b"data: {"]

@@ -49,3 +49,6 @@ class TriageCase:
     shadow_at: float  # wall clock, when the shadow's answer came
     estimated_tokens: int  # one run's prompt + completion tokens
     diverged: tuple[Diverged, ...]
+    # The client's own cache_salt, never sent before by this process (its only worker): the
+    # primary's prefill found nothing of its tenant cached and ran cold.
+    primary_cold_salt: bool = False

@@ -13,9 +13,14 @@ In order, the first that the evidence shows:
   chunked under load: ``unknown``, naming it);
 - ``speculative``: the upstream says it runs speculative decoding, its runs alone agree, the
   reference's agree, and the two differ;
-- ``batch``: the runs alone agree (at least two; the cold ones where warm differs) and a run
-  beside other requests (the primary or the shadow with others in flight) differs from them;
+- ``batch``: a run beside other requests (the primary or the shadow with others in flight)
+  differs from the runs alone in the same cache state (at least two, agreeing); where its
+  cache state is not known, from the runs alone in each state it may have run in;
 - ``unknown`` otherwise, naming the evidence that was missing.
+
+A rule names a cause only from runs that differ in that one switch; a run that is missing can
+only take a rule's evidence away (fewer runs never turn ``unknown`` into a cause), and a
+reference that disagrees with itself names no cause of the upstream's.
 """
 
 from __future__ import annotations
@@ -54,9 +59,7 @@ def _recipe_change(ev: Evidence) -> Attribution | None:
         )
     if primary is None or primary.identity is None or primary.group is None:
         return None
-    replays = [
-        r for r in _answered(ev.runs) if r.target == "same" and r.name not in ("primary", "shadow")
-    ]
+    replays = [r for r in _alone_same(ev) if r.name not in ("primary", "shadow")]
     others = {r.identity for r in replays}
     groups = _groups(replays)
     if (
@@ -66,7 +69,7 @@ def _recipe_change(ev: Evidence) -> Attribution | None:
         and primary.identity not in others
         and len(groups) == 1
         and primary.group not in groups
-        and (shadow is None or shadow.group in groups)
+        and (shadow is None or (shadow.group in groups and shadow.identity != primary.identity))
     ):
         return Attribution(
             "recipe_change",
@@ -104,12 +107,8 @@ def _intrinsic(ev: Evidence) -> Attribution | None:
             f"runs alone disagree ({_names(alone)}: {len(_groups(alone))} distinct outputs) "
             "while cold and warm runs agree",
         )
-    reference = [r for r in _answered(ev.runs) if r.target == "reference" and r.alone is True]
-    if len(_groups(reference)) > 1:
-        return Attribution(
-            "intrinsic",
-            f"the reference's runs alone disagree with each other ({_names(reference)})",
-        )
+    # The reference disagreeing with itself is the reference's noise: it names no cause of the
+    # upstream's (``_unknown`` says so).
     return None
 
 
@@ -170,25 +169,44 @@ def _speculative(ev: Evidence) -> Attribution | None:
     return None
 
 
+def _states(r: Run) -> tuple[str, ...]:
+    """The cache states ``r`` may have run in."""
+    return (r.cache,) if r.cache in ("cold", "warm") else ("cold", "warm")
+
+
+def _peers(alone: list[Run], state: str) -> set[int] | None:
+    """The one output of the runs alone in cache ``state``, where at least two agree on it;
+    None where they do not say (fewer than two, or they disagree)."""
+    runs = [r for r in alone if r.cache == state]
+    groups = _groups(runs)
+    return groups if len(runs) >= 2 and len(groups) == 1 else None
+
+
+def _odd_in_company(alone: list[Run], r: Run) -> bool:
+    """``r`` ran beside other requests and differs from the runs alone in every cache state it
+    may have run in: the company is the one switch left. A run of unknown cache state needs
+    both cold and warm runs alone (each self-consistent), so a missing warm run can never
+    turn ``unknown`` into ``batch``."""
+    for state in _states(r):
+        peers = _peers(alone, state)
+        if peers is None or r.group in peers:
+            return False
+    return True
+
+
 def _batch(ev: Evidence) -> Attribution | None:
     alone = _alone_same(ev)
-    cold = [r for r in alone if r.cache == "cold"]
-    if len(_groups(alone)) > 1 and len(cold) >= 2:
-        alone = cold  # warm differs from cold: the crowded runs are held against the cold ones
-    groups = _groups(alone)
-    if len(alone) < 2 or len(groups) != 1:
-        return None
     crowded = [r for r in _answered(ev.runs) if r.target == "same" and r.alone is False]
-    odd = [r for r in crowded if r.group not in groups]
+    odd = [r for r in crowded if _odd_in_company(alone, r)]
     if not odd:
         return None
-    _, warm, _, n_warm = _cache_split(_alone_same(ev))
-    if n_warm >= 2 and any(r in odd for r in _crowded_as_warm(ev, warm)):
-        return None  # it may have run warm: unknown says so
+    states = {state for r in odd for state in _states(r)}
+    n_alone = len([r for r in alone if r.cache in states])
     company = ", ".join(f"{r.name} with {r.inflight} in flight" for r in odd)
     return Attribution(
         "batch",
-        f"{len(alone)} runs alone agree; the runs beside other requests differ ({company})",
+        f"{n_alone} runs alone agree ({' and '.join(sorted(states))}); the runs beside other "
+        f"requests differ ({company})",
     )
 
 
@@ -221,6 +239,21 @@ def _unknown(ev: Evidence) -> Attribution:
                     )
                 else:
                     missing.append(f"the {r.name} differs from the replays in the same condition")
+    for r in _answered(ev.runs):
+        if r.target == "same" and r.alone is False and r.cache not in ("cold", "warm"):
+            short = [s for s in ("cold", "warm") if _peers(alone, s) is None]
+            if short and r.group not in _groups(alone):
+                missing.append(
+                    f"the {r.name}'s cache state is not known (no cached-token count from the "
+                    f"engine, no new cache_salt of the client's), and the {' and '.join(short)} "
+                    "runs alone that would rule the cache out (2 agreeing each) are missing"
+                )
+    reference = [r for r in _answered(ev.runs) if r.target == "reference" and r.alone is not False]
+    if len(_groups(reference)) > 1:
+        missing.append(
+            f"the reference disagrees with itself ({_names(reference)}): its noise names no "
+            "cause of the upstream's"
+        )
     _, warm, _, n_warm = _cache_split(alone)
     for r in _crowded_as_warm(ev, warm) if n_warm >= 2 else ():
         missing.append(

@@ -70,12 +70,19 @@ def cold_body(body: Mapping[str, Any], method: str | None) -> dict[str, Any]:
     return out
 
 
-def warm_body(body: Mapping[str, Any], method: str | None) -> dict[str, Any]:
-    """The request as a client sends it: no salt of triage's (the client's own stays), the
-    prompt cache on."""
+def warm_body(
+    body: Mapping[str, Any], method: str | None, salt: str | None = None
+) -> dict[str, Any]:
+    """The request with the prompt cache on. On a salted engine, under ``salt``: one of the
+    experiment's own, shared by its priming run and its warm replays, so they read the cache
+    the priming run wrote alone, never what the primary's prefill left in the client's
+    tenant (a batched primary's cache read back warm reproduces the primary: real vLLM 0.23,
+    H100, 2026-12-07)."""
     out = dict(body)
     if method == "cache_prompt":
         out["cache_prompt"] = True
+    elif method == "cache_salt" and salt is not None:
+        out["cache_salt"] = salt
     return out
 
 
@@ -254,13 +261,16 @@ def disagree_already(
 def observed_of_audit(
     case: TriageCase, primary_identity: str | None, shadow_identity: str | None
 ) -> list[Observed]:
-    """The primary and the shadow as runs: the primary's cache state is known only where the
-    engine reported its cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``: it ran
-    as the client sent it), and whether others shared its batch only when they were in flight
-    as it started or ended (alone between the two is not known)."""
+    """The primary and the shadow as runs: the primary's cache state is known where the engine
+    reported its cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``: it ran as the
+    client sent it), or, cold, where the client's own ``cache_salt`` had never been sent
+    before; whether others shared its batch only when they were in flight as it started or
+    ended (alone between the two is not known)."""
     reference = case.target != "same"
     crowd = max(case.primary_inflight, case.primary_inflight_end)
     cached = case.primary.cached_tokens
+    if cached is None and case.primary_cold_salt:
+        cached = 0
     return [
         Observed(
             "primary",
@@ -313,9 +323,14 @@ async def run_experiments(
             ):
                 return done, ()  # intrinsic: the other experiments cannot change that
         if plan.cold_method is not None and plan.warm_replays > 0:
-            done.append(await runner.run("prime", "same", "unknown", warm_body(request, None)))
+            salt = uuid.uuid4().hex
+            # Under a salt of its own the priming run is cold; llama.cpp's slot may hold the
+            # prompt from the cold replays, so there it is of unknown state.
+            prime_state = "cold" if plan.cold_method == "cache_salt" else "unknown"
+            prime = warm_body(request, plan.cold_method, salt)
+            done.append(await runner.run("prime", "same", prime_state, prime))
             for i in range(plan.warm_replays):
-                body = warm_body(request, plan.cold_method)
+                body = warm_body(request, plan.cold_method, salt)
                 done.append(await runner.run(f"warm-{i + 1}", "same", "warm", body))
         if plan.reference:
             for i in range(plan.reference_replays):

@@ -1,16 +1,22 @@
 """Triage: which divergent audits get follow-up experiments, when, and at what cost.
 
-The auditor offers each shadow that diverged (``offer``). A share (``triage_rate``) is taken;
-budgets like the shadows' bound what it costs: one triage at a time (serial replays are the
-experiment), a rate per minute, a share of the deterministic primaries' tokens plus an
-allowance, a bounded queue. Each replay waits for a quiet moment (few or no client requests in
-flight, no shadow running), up to a deadline; one right after a replay that ran alone goes at
-once while it is still quiet (the settle held through that replay). Replays stop
+The auditor offers each shadow that diverged (``offer``). A share (``triage_rate``) is taken.
+One experiment explains every incident of the same request on the same recipe (the request
+less its ``cache_salt``, the upstream's identity when the primary ran): a case joins the
+experiment that is waiting or running for it, or reads the replays of one that ran within
+``reuse_s``; a burst of divergences usually comes from a handful of prompts. Experiments run
+one at a time (serial replays are the experiment), in the order they came, paced by
+``max_per_minute`` and held to a token budget (a share of the deterministic primaries' tokens
+plus an allowance): a burst waits in the queue instead of being refused, up to
+``max_wait_s``; only what still does not fit then (or finds ``queue_size`` experiments
+already waiting) is dropped and counted (``TriageDropped``), and its incident still gets a
+cause: decided from the primary and the shadow alone (a recipe change needs no replay), else
+``unknown`` naming the budget. Each replay waits for a quiet moment (few or no client requests
+in flight, no shadow running), up to a deadline; one right after a replay that ran alone goes
+at once while it is still quiet (the settle held through that replay). Replays stop
 ``replay_margin_tokens`` past the audit's first divergent token (``experiments.replay_limit``),
-and the token budget counts them so. What does not fit is dropped and counted
-(``TriageDropped``), and its incident still gets a cause: decided from the primary and the
-shadow alone (a recipe change needs no replay), else ``unknown`` naming the budget. A triage
-that fails is logged, counted (reason ``error``) and never reaches a client request.
+and the token budget counts them so. A triage that fails is logged, counted (reason
+``error``) and never reaches a client request.
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import bisect
 import logging
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.attribution.case import TriageCase
@@ -42,12 +49,39 @@ from proxy.audit.shadow import ProxyLoad, ShadowScheduler, TokenBucket, replay, 
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.engine.identity import Fingerprint
 from proxy.events import CauseAttributed, EventBus, TriageDropped, UpstreamFingerprinted
+from proxy.hashing import canonical_request_key
 from proxy.http.upstream import Upstream
 from proxy.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
 
 _READINGS = 256  # identity readings kept to say which identity a past run ran on
+_CASES_PER_EXPERIMENT = 1024  # incidents one experiment explains at most (bounded memory)
+_KEPT_EXPERIMENTS = 256  # finished experiments kept for reuse_s, newest last
+_BUDGET_POLL_S = 1.0  # how often a waiting experiment looks at the token budget again
+
+Key = tuple[str, str, str | None]  # (mode, the request less its salt, upstream identity)
+
+
+@dataclass(slots=True)
+class _Experiment:
+    """One request's replays on one recipe, and the incidents they explain."""
+
+    key: Key
+    cases: list[TriageCase]
+    queued_at: float  # monotonic
+    limit: int | None = None  # the replays' token limit, fixed as it starts
+    started: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Finished:
+    """An experiment's replays, kept to explain later incidents of the same request."""
+
+    replays: tuple[Observed, ...]
+    missing: tuple[str, ...]
+    plan: Plan
+    at: float  # monotonic
 
 
 class Triage:
@@ -73,13 +107,17 @@ class Triage:
         self._scheduler = scheduler
         self._upstream_running = upstream_running
         self._rng = rng or random.Random()
-        self._queue: asyncio.Queue[TriageCase] = asyncio.Queue(maxsize=config.queue_size)
+        self._waiting: OrderedDict[Key, _Experiment] = OrderedDict()  # in the order they came
+        self._wake = asyncio.Event()
+        self._current_run: _Experiment | None = None
+        self._finished: OrderedDict[Key, _Finished] = OrderedDict()
         self._bucket = TokenBucket(config.max_per_minute / 60.0)
         self._tasks = TaskOwner("triage")
         self._readings: deque[tuple[float, Fingerprint]] = deque(maxlen=_READINGS)
         self.running = False
-        self.tokens = 0  # spent (reserved when a triage is queued)
-        self.triaged = 0  # triages whose experiments ran
+        self.tokens = 0  # spent (reserved as an experiment starts)
+        self.triaged = 0  # experiments whose replays ran
+        self.explained = 0  # incidents decided with an experiment's replays (shared or reused)
         self.offered = 0
 
     # -- wiring -------------------------------------------------------------------------------
@@ -94,20 +132,27 @@ class Triage:
         self._tasks.spawn(self._worker(), name="worker")
 
     async def close(self) -> None:
-        dropped = self._queue.qsize()
         await self._tasks.close()
-        for _ in range(dropped):
-            self._bus.publish(TriageDropped("", "shutdown"))
+        left = [c for e in self._waiting.values() for c in e.cases]
+        running = self._current_run
+        if running is not None:
+            left += running.cases
+        self._waiting.clear()
+        for c in left:
+            self._bus.publish(TriageDropped(c.model, "shutdown"))
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Experiments waiting to start."""
+        return len(self._waiting)
 
     def status(self) -> dict[str, Any]:
         return {
             "offered": self.offered,
             "triaged": self.triaged,
+            "explained": self.explained,
             "queued": self.queued,
+            "waiting_incidents": sum(len(e.cases) for e in self._waiting.values()),
             "running": self.running,
             "tokens": self.tokens,
             "token_budget": self.token_budget,
@@ -120,21 +165,47 @@ class Triage:
         primary = self._scheduler.primary_tokens if self._scheduler is not None else 0
         return self._config.token_allowance + self._config.max_token_share * primary
 
-    def _plan(self, case: TriageCase | None = None) -> Plan:
-        """What to run; for ``case``, replays cut to its ``replay_limit``."""
+    def _plan(self, case: TriageCase | None = None, limit: int | None = None) -> Plan:
+        """What to run; for ``case``, replays cut to its ``replay_limit`` (or to ``limit``,
+        an experiment's, where given)."""
         cfg = self._config
+        if case is not None and limit is None:
+            limit = replay_limit(case, cfg.replay_margin_tokens)
         return Plan(
             cfg.cold_replays,
             cfg.warm_replays,
             cfg.reference_replays,
             self._cold_method(),
             self._reference is not None,
-            replay_limit(case, cfg.replay_margin_tokens) if case is not None else None,
+            limit,
         )
 
     def _runs_planned(self, plan: Plan) -> int:
         warm = 1 + plan.warm_replays if plan.cold_method and plan.warm_replays else 0
         return plan.cold_replays + warm + (plan.reference_replays if plan.reference else 0)
+
+    def _cost(self, case: TriageCase, plan: Plan) -> int:
+        per_run = case.estimated_tokens
+        prompt = case.primary.prompt_tokens
+        if plan.limit is not None and prompt is not None:
+            per_run = min(per_run, prompt + plan.limit)  # replays cut short cost less
+        return per_run * self._runs_planned(plan)
+
+    def _key(self, case: TriageCase) -> Key:
+        """The same request on the same recipe: the salt is left out (triage sets its own on
+        every replay, so the client's changes nothing the experiment measures)."""
+        body = {k: v for k, v in case.body.items() if k != "cache_salt"}
+        return (case.mode, canonical_request_key(body), self._identity_at(case.primary_at))
+
+    def _case_limit(self, case: TriageCase) -> int | None:
+        return replay_limit(case, self._config.replay_margin_tokens)
+
+    def _covers(self, limit: int | None, case: TriageCase) -> bool:
+        """Replays cut at ``limit`` (None: whole) reach past where ``case`` diverged."""
+        if limit is None:
+            return True
+        own = self._case_limit(case)
+        return own is not None and own <= limit
 
     def offer(self, case: TriageCase) -> None:
         """From the auditor (a shadow worker, off the request path): take it or drop it,
@@ -149,24 +220,49 @@ class Triage:
         if self._config.triage_rate < 1.0 and self._rng.random() >= self._config.triage_rate:
             return  # not sampled: the incident has no cause
         self.offered += 1
-        plan = self._plan(case)
-        per_run = case.estimated_tokens
-        prompt = case.primary.prompt_tokens
-        if plan.limit is not None and prompt is not None:
-            per_run = min(per_run, prompt + plan.limit)  # replays cut short cost less
-        cost = per_run * self._runs_planned(plan)
-        reason = None
-        if self.tokens + cost > self.token_budget:
-            reason = "token_budget"
-        elif self._queue.full():
-            reason = "queue_full"
-        elif not self._bucket.take():
-            reason = "rate_limit"
-        if reason is not None:
-            self._give_up(case, reason, f"triage budget: {reason}")
+        runs = self._audit_runs(case)
+        primary, shadow = runs[0].identity, runs[1].identity
+        if primary is not None and shadow is not None and primary != shadow:
+            self._attribute(case, runs, (), self._plan())  # a recipe change: no replay needed
             return
-        self.tokens += cost
-        self._queue.put_nowait(case)
+        key = self._key(case)
+        if self._reuse(key, case):
+            return
+        running = self._current_run
+        if running is not None and running.key == key and self._joins(running, case):
+            return
+        waiting = self._waiting.get(key)
+        if waiting is not None and self._joins(waiting, case):
+            return
+        if len(self._waiting) >= self._config.queue_size:
+            self._give_up(case, "queue_full", "triage budget: queue_full")
+            return
+        self._waiting[key] = _Experiment(key, [case], time.monotonic())
+        self._wake.set()
+
+    def _joins(self, experiment: _Experiment, case: TriageCase) -> bool:
+        if len(experiment.cases) >= _CASES_PER_EXPERIMENT:
+            return False
+        if experiment.started and not self._covers(experiment.limit, case):
+            return False
+        experiment.cases.append(case)
+        return True
+
+    def _reuse(self, key: Key, case: TriageCase) -> bool:
+        """Decide ``case`` from the replays of an experiment on the same request and recipe
+        that finished within ``reuse_s``."""
+        finished = self._finished.get(key)
+        if finished is None:
+            return False
+        if time.monotonic() - finished.at > self._config.reuse_s:
+            del self._finished[key]
+            return False
+        if not self._covers(finished.plan.limit, case):
+            return False
+        self.explained += 1
+        runs = self._audit_runs(case) + list(finished.replays)
+        self._attribute(case, runs, finished.missing, finished.plan)
+        return True
 
     # -- the experiment -----------------------------------------------------------------------
 
@@ -241,32 +337,75 @@ class Triage:
         self._bus.publish(TriageDropped(case.model, reason))
         self._attribute(case, self._audit_runs(case), (missing,), self._plan())
 
+    def _give_up_all(self, experiment: _Experiment, reason: str, missing: str) -> None:
+        for c in experiment.cases:
+            self._give_up(c, reason, missing)
+
+    async def _next(self) -> _Experiment:
+        while not self._waiting:
+            self._wake.clear()
+            await self._wake.wait()
+        _, experiment = self._waiting.popitem(last=False)
+        return experiment
+
     async def _worker(self) -> None:
         while True:
-            case = await self._queue.get()
-            self.running = True
+            experiment = await self._next()
+            self._current_run = experiment
             try:
-                await self._triage(case)
+                if await self._admitted(experiment):
+                    self.running = True
+                    await self._triage(experiment)
             except Exception as exc:
-                log.exception("triage of %s failed", case.request_id)
-                self._give_up(case, "error", f"triage failed: {type(exc).__name__}")
+                log.exception("triage of %s failed", experiment.cases[0].request_id)
+                self._give_up_all(experiment, "error", f"triage failed: {type(exc).__name__}")
             finally:
                 self.running = False
+                self._current_run = None
 
-    async def _triage(self, case: TriageCase) -> None:
-        runs = self._audit_runs(case)
-        primary, shadow = runs[0].identity, runs[1].identity
-        if primary is not None and shadow is not None and primary != shadow:
-            self._attribute(case, runs, (), self._plan())  # a recipe change: no replay needed
-            return
-        plan = self._plan(case)
+    def _fix_limit(self, experiment: _Experiment) -> int | None:
+        """The replays' limit: the furthest any of its incidents needs (None: whole)."""
+        limits = [self._case_limit(c) for c in experiment.cases]
+        return None if any(x is None for x in limits) else max(x for x in limits if x is not None)
+
+    async def _admitted(self, experiment: _Experiment) -> bool:
+        """Wait for the rate and the token budget, up to ``max_wait_s`` from when the
+        experiment was queued; past it, every incident it would explain ends ``unknown``
+        naming the budget it waited for."""
+        deadline = experiment.queued_at + self._config.max_wait_s
+        while True:
+            limit = self._fix_limit(experiment)
+            cost = self._cost(experiment.cases[0], self._plan(limit=limit))
+            over_budget = self.tokens + cost > self.token_budget
+            if not over_budget and self._bucket.take():
+                experiment.limit, experiment.started = limit, True
+                self.tokens += cost
+                return True
+            wait = _BUDGET_POLL_S if over_budget else self._bucket.wait_s()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = "token_budget" if over_budget else "rate_limit"
+                self._give_up_all(experiment, reason, f"triage budget: {reason}")
+                return False
+            await asyncio.sleep(min(wait, left))
+
+    async def _triage(self, experiment: _Experiment) -> None:
+        first = experiment.cases[0]
+        plan = self._plan(limit=experiment.limit)
         try:
-            replays, missing = await run_experiments(case, plan, _Runner(self, case))
+            replays, missing = await run_experiments(first, plan, _Runner(self, first))
         except GaveUp as exc:
-            self._give_up(case, exc.reason, f"no quiet moment: {exc.reason}")
+            self._give_up_all(experiment, exc.reason, f"no quiet moment: {exc.reason}")
             return
         self.triaged += 1
-        self._attribute(case, runs + replays, missing, plan)
+        finished = _Finished(tuple(replays), missing, plan, time.monotonic())
+        self._finished[experiment.key] = finished
+        self._finished.move_to_end(experiment.key)
+        while len(self._finished) > _KEPT_EXPERIMENTS:
+            self._finished.popitem(last=False)
+        for c in experiment.cases:
+            self.explained += 1
+            self._attribute(c, self._audit_runs(c) + replays, missing, plan)
 
     def _still_quiet(self) -> bool:
         """Quiet now, by what detproxy counts itself (no upstream reading configured)."""

@@ -21,6 +21,7 @@ from proxy.audit.compare import UNKNOWN_LOGPROBS, Verdict, compare_choices, outp
 from proxy.audit.extract import AnswerExtractor, build_extractor
 from proxy.audit.inject import needs_injection, plan_logprobs
 from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.audit.salts import SaltsSeen
 from proxy.audit.sampling import Sampler
 from proxy.audit.shadow import ShadowJob, ShadowResult, ShadowScheduler
 from proxy.audit.store import ChoiceDigest, DuplicateStore, MemoryDuplicateStore, digest_outcome
@@ -48,6 +49,7 @@ class AuditTicket:
     inflight: int
     authorization: str | None
     started: float
+    cold_salt: bool  # the client's own cache_salt, never sent before: the primary ran cold
 
     def __init__(  # noqa: PLR0913 (one argument per field)
         self,
@@ -62,6 +64,7 @@ class AuditTicket:
         inflight: int,
         authorization: str | None,
         started: float,
+        cold_salt: bool = False,
     ) -> None:
         # Written out: compiled, unlike a generated one; made per request, it pays (README).
         object.__setattr__(self, "request_id", request_id)
@@ -74,6 +77,7 @@ class AuditTicket:
         object.__setattr__(self, "inflight", inflight)
         object.__setattr__(self, "authorization", authorization)
         object.__setattr__(self, "started", started)
+        object.__setattr__(self, "cold_salt", cold_salt)
 
 
 class Auditor:
@@ -100,6 +104,10 @@ class Auditor:
         self._inflight = inflight
         self._target = target
         self._sampler = Sampler(settings.audit)
+        # Salts are read for the primary's cache state only where this process sees every
+        # request of the server: one worker (with several, a salt may have reached the engine
+        # through another).
+        self._salts = SaltsSeen() if settings.server.workers == 1 else None
         self._tasks = TaskOwner("passive")
         self._extractor: AnswerExtractor | None = (
             build_extractor(settings.audit.answer_extractor)
@@ -115,6 +123,7 @@ class Auditor:
         raw_path: str,
         authorization: str | None,
     ) -> AuditTicket | None:
+        cold_salt = self._first_salt(body)
         if not view.deterministic:
             return None
         key = canonical_request_key(body)
@@ -147,7 +156,14 @@ class Auditor:
             inflight=self._inflight(),
             authorization=authorization,
             started=time.monotonic(),
+            cold_salt=cold_salt,
         )
+
+    def _first_salt(self, body: dict[str, Any]) -> bool:
+        """Every request's own salt is recorded (a sampled one warms its tenant too)."""
+        salt = body.get("cache_salt")
+        salts = self._salts
+        return salts is not None and isinstance(salt, str) and salts.first_use(salt)
 
     def _injection_allowed(self, view: RequestView, body: dict[str, Any]) -> bool:
         """A shadow needs the primary's logprobs: where the upstream lately refused them for
@@ -315,7 +331,7 @@ class Auditor:
         if salt is None:
             replay.pop("cache_salt", None)
         else:
-            replay["cache_salt"] = salt  # the client's tenant: warm runs stay in it
+            replay["cache_salt"] = salt  # the client's; a salted engine's replays set their own
         cold = audit.cache_salt or audit.shadow_extra_body.get("cache_prompt") is False
         alone: bool | None = None
         if result.overlapped:
@@ -343,6 +359,7 @@ class Auditor:
             shadow_at=now,
             estimated_tokens=seen.estimate,
             diverged=diverged,
+            primary_cold_salt=ticket.cold_salt,
         )
 
     def _shadow_request(

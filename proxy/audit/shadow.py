@@ -24,7 +24,7 @@ from proxy.config import AuditConfig
 from proxy.events import EventBus, ShadowDropped, ShadowQueue
 from proxy.http.errors import UpstreamError
 from proxy.http.upstream import Upstream
-from proxy.injection import LOGPROBS, InjectionGuard, error_reason
+from proxy.injection import LOGPROBS, InjectionGuard, error_reason, refused_additions
 from proxy.tasks import TaskOwner
 
 log = logging.getLogger(__name__)
@@ -68,14 +68,22 @@ class TokenBucket:
         self._clock = clock
         self._last = clock()
 
-    def take(self) -> bool:
+    def _refill(self) -> None:
         now = self._clock()
         self._tokens = min(self._capacity, self._tokens + (now - self._last) * self._rate)
         self._last = now
+
+    def take(self) -> bool:
+        self._refill()
         if self._tokens >= 1.0:
             self._tokens -= 1.0
             return True
         return False
+
+    def wait_s(self) -> float:
+        """How long until ``take`` succeeds (0: now): what a caller that paces itself waits."""
+        self._refill()
+        return max(0.0, (1.0 - self._tokens) / self._rate)
 
 
 class ShadowScheduler:
@@ -211,10 +219,11 @@ class ShadowScheduler:
         latency, inflight, overlapped = sent.latency_s, sent.inflight, sent.overlapped
         if resp_status != 200 or not isinstance(parsed, dict):
             self._bus.publish(ShadowDropped(job.model, "upstream_error"))
-            if self._guard is not None and 400 <= resp_status < 500 and resp_status != 429:
+            if self._guard is not None and refused_additions([LOGPROBS], resp_status, payload):
                 # The same request with its primary's logprobs was answered; replayed
-                # non-streamed it is refused (vLLM: NaN logprobs). Shadows cannot work for the
-                # model: the guard suspends them rather than spend a generation on each.
+                # non-streamed it is refused for them (vLLM: NaN logprobs). Shadows cannot work
+                # for the model: the guard suspends them rather than spend a generation on
+                # each. Any other refusal (a model gone, a key revoked) blames no addition.
                 reason = error_reason(resp_status, payload)
                 self._guard.failed(job.model, job.endpoint, [LOGPROBS], resp_status, reason)
             return

@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from proxy.engine.facts import EngineFacts
+from proxy.redact import mask_secrets
 
 MAX_LIST = 64  # unknown/deprecated/fallback entries kept at most
 MAX_ITEM = 300  # characters kept of one deprecation/fallback text
@@ -227,7 +228,9 @@ class EngineLogReader:
             args = _safe_literal(v["d"])
             if isinstance(args, dict):
                 self._set("engine", "vllm")
-                self._set("non_default_args", {str(k): a for k, a in args.items()})
+                # vLLM lists --api-key (and any token, password in a URL) among them
+                shown = mask_secrets({str(k): a for k, a in args.items()})
+                self._set("non_default_args", shown)
                 return True
             return False
         if (v := _INIT.search(msg)) is not None:

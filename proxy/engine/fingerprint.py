@@ -45,6 +45,7 @@ from yarl import URL
 from proxy.engine.identity import Fingerprint
 from proxy.engine.promtext import samples
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
+from proxy.redact import mask_url
 
 if TYPE_CHECKING:
     from proxy.engine.facts import EngineFacts
@@ -296,11 +297,6 @@ def _error(exc: BaseException, timeout_s: float | None) -> str:
     return type(exc).__name__
 
 
-def _plain_url(url: str) -> str:
-    """The URL as logged: without user and password."""
-    return str(URL(url).with_user(None)).rstrip("/")
-
-
 class FingerprintPoller:
     """Reads the upstream's fingerprint now and every ``interval_s``; publishes what it finds.
 
@@ -328,7 +324,7 @@ class FingerprintPoller:
         self._recipe: dict[str, Any] = {}  # the recipe's facts at the last identity
         self._salt = ""  # the recipe digest hashed in since its last move ("" before any)
         self._base = base_url.rstrip("/")
-        self._shown = _plain_url(self._base)
+        self._shown = mask_url(self._base)  # as logged and shown in status
         self._bus = bus
         self._interval = interval_s
         self._timeout_s = timeout_s
@@ -501,7 +497,7 @@ class FingerprintPoller:
             return
         alt = await self._get("/models")
         if alt.status == 200 and says_what_runs("/v1/models", alt.body):
-            root = _plain_url(self._base[: self._base.rstrip("/").rfind("/")])
+            root = mask_url(self._base[: self._base.rstrip("/").rfind("/")])
             self.hint = (
                 f"upstream URL {self._shown} looks like an API base URL: {self._shown}/models"
                 f" answers but {self._shown}/v1/models is 404; detproxy adds /v1/... itself:"

@@ -9,6 +9,7 @@ import logging
 import aiohttp
 
 from proxy.engine.promtext import sum_samples
+from proxy.redact import mask_url
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class UpstreamLoad:
                     return None
                 text = await resp.text(errors="replace")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            log.debug("cannot read %s: %r", self._url, exc)
+            log.debug("cannot read %s: %r", mask_url(self._url), exc)
             return None
         value = parse_running(text)
         return None if value is None else int(value)

@@ -9,6 +9,13 @@ With ``server.admin_token`` set, every admin endpoint but health asks for
 config). With ``server.admin_port`` set, the admin endpoints are served only on that listener
 (health stays on both, for probes), and that listener serves nothing else.
 
+Nothing is open by accident: without a token, a listener bound to an address other machines
+can reach (a wildcard such as 0.0.0.0 or ::, or any address but loopback) serves only health
+and metrics, for probes and scrapes; status, incidents and the explorer answer 403, saying how
+to open them (``server.admin_token``, or ``server.admin_port`` on a loopback
+``server.admin_host``). The listener's bound address decides, not the client's: a connection
+forwarded to it from this machine (``kubectl port-forward``, a sidecar) comes from loopback.
+
 A browser cannot send a bearer header from the address bar, so it logs in instead: a request
 for the explorer (``/detproxy/ui``) with neither header nor session is sent to
 ``/detproxy/login``, where the operator pastes the token; the right token is exchanged for a
@@ -37,6 +44,7 @@ import base64
 import collections
 import hashlib
 import hmac
+import ipaddress
 import posixpath
 import secrets
 import time
@@ -56,6 +64,15 @@ from proxy.observe.ui.page import LOGIN_PATH, LOGOUT_PATH, UI_PATH
 
 ADMIN_PREFIX = "/detproxy/"
 HEALTH = "/detproxy/health"
+METRICS = "/detproxy/metrics"
+# What a listener others can reach serves without a token: probes and scrapes need no more.
+OPEN_PATHS = frozenset({HEALTH, METRICS})
+CLOSED = (
+    "only /detproxy/health and /detproxy/metrics are served here: this listener's address is"
+    " not loopback and server.admin_token is not set; set server.admin_token"
+    " (DETPROXY_SERVER__ADMIN_TOKEN) and send it as 'Authorization: Bearer <token>', or serve"
+    " the admin endpoints on server.admin_port with server.admin_host a loopback address"
+)
 
 SESSION_COOKIE = "detproxy_session"
 LOGIN_COOKIE = "detproxy_login"  # the login form's double-submit nonce
@@ -415,6 +432,25 @@ class Login:
         return reply
 
 
+def is_loopback(address: str) -> bool:
+    """Whether only this machine can connect to a listener bound to ``address`` (an IP as the
+    socket reports it): 127.0.0.0/8, ::1 and their IPv4-mapped forms. A wildcard (0.0.0.0,
+    ::) takes connections on every address this machine has: not loopback."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])  # an IPv6 scope: not the address
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+def serves_all(admin_token: str | None, address: str) -> bool:
+    """Whether a listener bound to ``address`` serves every admin endpoint: the token guards
+    them, or only this machine can connect. Otherwise only ``OPEN_PATHS``."""
+    return bool(admin_token) or is_loopback(address)
+
+
 def _is_ui(path: str) -> bool:
     return path == UI_PATH or path.startswith(UI_PATH + "/")
 
@@ -422,10 +458,11 @@ def _is_ui(path: str) -> bool:
 class Admin:
     """detproxy's own endpoints: GET routes (HEAD answered as GET), behind the guard the
     configuration asks for (``server.admin_token``); the listeners they are served on decide
-    ``server.admin_port`` (``main_listener``, ``admin_listener``)."""
+    ``server.admin_port`` (``main_listener``, ``admin_listener``), and how much each serves
+    its bound address (``serves_all``)."""
 
     def __init__(self, config: ServerConfig) -> None:
-        token = config.admin_token
+        token = self._token = config.admin_token
         self._expected = ("Bearer " + token).encode() if token else None
         self._sessions = Sessions(token, config.session_ttl_s) if token else None
         self._login = Login(self._sessions, LoginThrottle()) if self._sessions else None
@@ -499,12 +536,27 @@ class Admin:
             return error_reply(404, f"no detproxy endpoint at {path}")
         return await handler(request)
 
-    def main_listener(self, forward: ClientHandler) -> tuple[ClientHandler, ClientHandler]:
-        """The main listener's two handlers: the proxied routes (``forward``) and
-        ``/detproxy/...`` (only health there when the admin endpoints have a listener of
-        their own)."""
+    def _for(self, address: str) -> ClientHandler:
+        """The ``/detproxy/...`` handler of a listener bound to ``address`` (``serves_all``)."""
+        if serves_all(self._token, address):
+            return self.serve
+
+        async def open_paths_only(client: ClientSide) -> None:
+            if client.path in OPEN_PATHS:
+                await self.serve(client)
+            else:
+                await send_error(client, 403, CLOSED)
+
+        return open_paths_only
+
+    def main_listener(
+        self, forward: ClientHandler, address: str
+    ) -> tuple[ClientHandler, ClientHandler]:
+        """The main listener's two handlers (it is bound to ``address``): the proxied routes
+        (``forward``) and ``/detproxy/...`` (only health there when the admin endpoints have a
+        listener of their own)."""
         if not self._separate:
-            return forward, self.serve
+            return forward, self._for(address)
 
         async def health_only(client: ClientSide) -> None:
             if client.path == HEALTH:
@@ -514,10 +566,11 @@ class Admin:
 
         return forward, health_only
 
-    def admin_listener(self) -> tuple[ClientHandler, ClientHandler]:
-        """``server.admin_port``'s two handlers: nothing proxied, and ``/detproxy/...``."""
+    def admin_listener(self, address: str) -> tuple[ClientHandler, ClientHandler]:
+        """``server.admin_port``'s two handlers (it is bound to ``address``): nothing proxied,
+        and ``/detproxy/...``."""
 
         async def nothing_here(client: ClientSide) -> None:
             await send_error(client, 404, f"nothing at {client.path} on this listener")
 
-        return nothing_here, self.serve
+        return nothing_here, self._for(address)

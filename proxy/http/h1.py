@@ -35,7 +35,7 @@ from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamFailure
 from proxy.http.h1conn import HIGH_WATER, Closed, Conn, UpstreamBodyError, forget
-from proxy.http.headers import EncodedFields, HeaderFields, decode_field, encode_head
+from proxy.http.headers import EncodedFields, HeaderFields, decode_field, encode_head, via_field
 from proxy.http.upstream import Body, Sink
 
 __all__ = ["HIGH_WATER", "H1Response", "H1Upstream", "UpstreamBodyError"]
@@ -165,16 +165,20 @@ class H1Upstream:
         keepalive_timeout_s: float,
         max_connections: int,
         connector: Callable[[], Awaitable[Conn]] | None = None,
+        server_id: str | None = None,
     ) -> None:
         """``connector``: how a new connection is made (a benchmark makes them in memory);
-        by default, TCP (TLS for https) to the base URL's host and port."""
+        by default, TCP (TLS for https) to the base URL's host and port. ``server_id``: the
+        ``X-Detproxy-Via`` every request carries, after the fields it is given."""
         parts = urlsplit(base_url)
         self._tls = parts.scheme == "https"
         self._host = parts.hostname or "127.0.0.1"
         self._port = parts.port or (443 if self._tls else 80)
         netloc = parts.netloc.rsplit("@", 1)[-1]
         host = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
-        self._host_line = b"Host: " + host + b"\r\n"
+        # Written after Host on every request: the client's own X-Detproxy-Via fields (a
+        # detproxy in front of this one) pass on beside it.
+        self._host_line = b"Host: " + host + b"\r\n" + via_field(server_id)
         self._prefix = parts.path.rstrip("/")
         self._connect_timeout = connect_timeout_s
         self._read_timeout = read_timeout_s
@@ -282,7 +286,7 @@ class H1Upstream:
         # A proxied request's fields are the client's own bytes, written as they came.
         fields = headers.lines if isinstance(headers, EncodedFields) else _encoded(headers)
         line = encode_head(f"{method} {self._prefix}{raw_path} HTTP/1.1\r\n")
-        return line + self._host_line + fields + framing  # Host second, idna-encoded
+        return line + self._host_line + fields + framing  # Host second, idna-encoded; Via
 
     async def send(
         self, method: str, raw_path: str, headers: HeaderFields, body: Body

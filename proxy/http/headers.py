@@ -34,6 +34,10 @@ _TO_CLIENT = HOP_BY_HOP | {"content-length"}
 _TO_CLIENT_KEEP_LENGTH = HOP_BY_HOP
 
 REQUEST_ID = "X-Request-Id"
+# On every request detproxy sends upstream: the sending server's id (proxy/selfloop.py), one
+# field per detproxy the request went through, so that one whose upstream leads back to it
+# knows its own requests when they come back.
+VIA = "X-Detproxy-Via"
 REQUEST_ID_BATCH: Final = 256  # request ids minted from one read of random bytes
 
 
@@ -287,6 +291,11 @@ def encode_head(text: str) -> bytes:
         return text.encode("utf-8", "surrogateescape")
     except UnicodeEncodeError:
         return text.encode("utf-8", "replace")
+
+
+def via_field(server_id: str | None) -> bytes:
+    """The ``X-Detproxy-Via`` field a server's upstream requests carry (none without an id)."""
+    return b"" if not server_id else encode_head(f"{VIA}: {server_id}\r\n")
 
 
 def new_request_id() -> str:

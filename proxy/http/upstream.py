@@ -16,7 +16,7 @@ import aiohttp
 
 from proxy.config import UpstreamConfig
 from proxy.http.errors import UpstreamError
-from proxy.http.headers import HeaderFields
+from proxy.http.headers import VIA, HeaderFields
 
 Body = bytes | AsyncIterable[bytes] | None
 # Takes one body piece; False: stop (``pump`` returns, the rest is read by the next call).
@@ -66,9 +66,10 @@ def read_error_kind(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "reset"
 
 
-def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
+def make_session(config: UpstreamConfig, server_id: str | None = None) -> aiohttp.ClientSession:
     """The one ClientSession of an app, for its engine-side reads (``proxy.engine``: the
-    fingerprint poller, the load reader), which set their own timeouts per request."""
+    fingerprint poller, the load reader), which set their own timeouts per request; marked
+    with ``X-Detproxy-Via`` as the proxied requests are (proxy/selfloop.py)."""
     timeout = aiohttp.ClientTimeout(
         total=None,
         sock_connect=config.connect_timeout_s,
@@ -87,4 +88,5 @@ def make_session(config: UpstreamConfig) -> aiohttp.ClientSession:
         auto_decompress=False,  # relay encoded bytes untouched
         cookie_jar=aiohttp.DummyCookieJar(),
         skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+        headers={VIA: server_id} if server_id else None,
     )

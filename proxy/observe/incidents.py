@@ -1,10 +1,18 @@
 """The incident log: every non-identical audit and every loop as one JSON line, and a ring.
 
-A subscriber of ``AuditCompleted``. Lines go to a size-rotated file (``path``,
-``path.1``, ... ``path.N``) and to a bounded in-memory ring served newest first at
-``/detproxy/incidents`` (filtered by ``kind``, ``verdict``, ``mode`` and ``model``; a value
-the endpoint does not know is a 400 that lists the known ones). Prompts and outputs are kept
-only when ``store_text`` is on; hashes always are.
+A subscriber of ``AuditCompleted``, ``LoopDetected`` and the upstream's events. Lines go to a
+size-rotated file (``path``, ``path.1``, ... ``path.N``) and to a bounded in-memory ring served
+newest first at ``/detproxy/incidents`` (filtered by ``kind``, ``verdict``, ``mode`` and
+``model``; a value the endpoint does not know is a 400 that lists the known ones: the kinds of
+``proxy.observe.kinds``, which this module writes). Prompts and outputs are kept only when
+``store_text`` is on; hashes always are. Each incident names the ``process`` that wrote it (its
+tally lines' id), so ``detproxy report`` can tell which incidents a tally has counted.
+
+A loop's line says what was done about it (``action``, ``strategy``, ``outcome``, ``attempts``,
+the retry's tokens). A retry's outcome is known only when the attempt after the loop ends, so
+the loop is in the ring at once and its line is written when its outcome is known, when its
+request ends without one (``outcome: unfinished``), or when detproxy stops: one line per loop,
+none left unwritten.
 
 The file's folder is created at start. A path the configuration names that cannot be written
 stops the start (``ConfigError``); the default one (the state directory, e.g. a read-only home
@@ -16,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -30,24 +38,39 @@ from proxy.events import (
     EngineFactsRead,
     EventBus,
     LoopDetected,
+    PolicyActed,
+    RecoveryTokens,
+    RequestFinished,
     UpstreamFingerprinted,
     UpstreamRestarted,
 )
 from proxy.http.admin import AdminRequest, Reply, error_reply, json_reply
+from proxy.observe.kinds import (
+    AUDIT,
+    CAUSE,
+    ENGINE_MISMATCH,
+    INCIDENT_KINDS,
+    LOOP,
+    UPSTREAM_CHANGE,
+    UPSTREAM_RESTART,
+)
 from proxy.observe.ui.filters import MAX_MODEL_CHARS, MODES, VERDICT_CHOICES
 
 log = logging.getLogger(__name__)
 
-KINDS = ("audit", "loop", "upstream_change", "engine_mismatch")
+KINDS = INCIDENT_KINDS  # what ``kind=`` accepts: every kind this module writes
 DEFAULT_LIMIT = 100
 QUERY_PARAMS = ("limit", "kind", "verdict", "mode", "model")
+# Requests whose loops wait for their outcome; past it, the oldest is written as it stands.
+MAX_PENDING_REQUESTS = 1024
+UNFINISHED = "unfinished"  # a loop's outcome when its request ended before one was known
 
 
 def audit_incident(ev: AuditCompleted) -> dict[str, Any]:
     verdict = ev.verdict
     divergence = asdict(verdict.divergence) if verdict.divergence is not None else None
     record: dict[str, Any] = {
-        "kind": "audit",
+        "kind": AUDIT,
         "ts": ev.timestamp,
         "request_id": ev.request_id,
         "model": ev.model,
@@ -83,7 +106,7 @@ def cause_record(ev: CauseAttributed) -> dict[str, Any]:
     """The file's follow-up line for an audit incident: ``audit_ts`` (the incident's ``ts``),
     ``request_id``, ``mode`` and ``choice`` name it (``detproxy report`` merges it in)."""
     return {
-        "kind": "cause",
+        "kind": CAUSE,
         "ts": ev.timestamp,
         "audit_ts": ev.audit_ts,
         "request_id": ev.request_id,
@@ -98,9 +121,11 @@ def cause_record(ev: CauseAttributed) -> dict[str, Any]:
 
 
 def loop_incident(ev: LoopDetected, store_text: bool) -> dict[str, Any]:
+    """A loop as detected; ``outcome`` (and a retry's ``strategy``, ``attempts`` and tokens)
+    are filled in as they become known (``PendingLoops``)."""
     trigger = ev.trigger
     record: dict[str, Any] = {
-        "kind": "loop",
+        "kind": LOOP,
         "ts": ev.timestamp,
         "request_id": ev.request_id,
         "model": ev.model,
@@ -113,16 +138,98 @@ def loop_incident(ev: LoopDetected, store_text: bool) -> dict[str, Any]:
         "period": trigger.period,
         "repeats": trigger.repeats,
         "start_offset": trigger.start_offset,
+        "action": ev.action or None,
+        "strategy": None,  # a retry's: restart | continue | close_reasoning
+        "outcome": None,
+        "attempts": ev.attempt,  # the request's attempts when the outcome was known
+        "retry_tokens": None,  # what the retry made the engine generate
+        "kept_tokens": None,  # what a continuation kept of the looping attempt
     }
     if store_text:
         record["unit_preview"] = trigger.preview
     return record
 
 
+def acted(record: dict[str, Any], ev: PolicyActed) -> None:
+    """What the policy did about a loop, and how it came out."""
+    record["action"] = ev.action
+    record["outcome"] = ev.outcome
+    record["attempts"] = ev.attempt
+    if ev.strategy:
+        record["strategy"] = ev.strategy
+
+
+class PendingLoops:
+    """Loop records whose outcome is not known yet, by request id and attempt (bounded).
+
+    ``settled`` is called with each record once nothing more will be learnt of it."""
+
+    def __init__(self, settled: Callable[[dict[str, Any]], None]) -> None:
+        self._settled = settled
+        self._requests: dict[str, dict[int, dict[str, Any]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add(self, request_id: str, attempt: int, record: dict[str, Any]) -> None:
+        loops = self._requests.get(request_id)
+        if loops is None:
+            if len(self._requests) >= MAX_PENDING_REQUESTS:
+                self.finish(next(iter(self._requests)))  # the oldest: written as it stands
+            loops = self._requests[request_id] = {}
+        elif attempt in loops:  # two requests under one id (ids come from clients)
+            self._settle(request_id, attempt)
+            loops = self._requests.setdefault(request_id, {})
+        loops[attempt] = record
+
+    def on_acted(self, ev: PolicyActed) -> None:
+        # A retry's outcome comes with the attempt after the loop; abort and observe at once.
+        looped = ev.attempt - 1 if ev.action == "retry" else ev.attempt
+        record = self._requests.get(ev.request_id, {}).get(looped)
+        if record is None:
+            return
+        acted(record, ev)
+        if ev.action != "retry" or ev.outcome == "error":  # no retry ran: no tokens to wait for
+            self._settle(ev.request_id, looped)
+
+    def on_tokens(self, ev: RecoveryTokens) -> None:
+        """The retry after a loop ended: its tokens; the loop is settled once its outcome is
+        known too (it usually is: the attempt's end decided it)."""
+        looped = ev.attempt - 1
+        record = self._requests.get(ev.request_id, {}).get(looped)
+        if record is None:
+            return
+        record["retry_tokens"] = ev.generated
+        record["kept_tokens"] = ev.kept
+        record["strategy"] = ev.strategy
+        if record["outcome"] is not None:
+            self._settle(ev.request_id, looped)
+
+    def finish(self, request_id: str) -> None:
+        """The request ended: its loops are written with what is known."""
+        for attempt in sorted(self._requests.get(request_id, {})):
+            self._settle(request_id, attempt)
+
+    def finish_all(self) -> None:
+        for request_id in list(self._requests):
+            self.finish(request_id)
+
+    def _settle(self, request_id: str, attempt: int) -> None:
+        loops = self._requests[request_id]
+        record = loops.pop(attempt)
+        if not loops:
+            del self._requests[request_id]
+        if record["outcome"] is None:
+            record["outcome"] = UNFINISHED
+        self._settled(record)
+
+
 class IncidentLog:
-    def __init__(self, config: IncidentConfig) -> None:
+    def __init__(self, config: IncidentConfig, process: str = "") -> None:
         self._config = config
+        self._process = process  # the id of this process's tally lines ("" none)
         self._ring: deque[dict[str, Any]] = deque(maxlen=config.ring_size)
+        self._loops = PendingLoops(self.write)
         self._file: IO[bytes] | None = None
         self._size = 0
         self.written = 0
@@ -165,6 +272,9 @@ class IncidentLog:
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(AuditCompleted, self._on_audit)
         bus.subscribe(LoopDetected, self._on_loop)
+        bus.subscribe(PolicyActed, self._loops.on_acted)
+        bus.subscribe(RecoveryTokens, self._loops.on_tokens)
+        bus.subscribe(RequestFinished, self._on_finished)
         bus.subscribe(UpstreamFingerprinted, self._on_fingerprint)
         bus.subscribe(UpstreamRestarted, self._on_restart)
         bus.subscribe(EngineFactsRead, self._on_engine_facts)
@@ -178,7 +288,7 @@ class IncidentLog:
         line = cause_record(ev)
         for record in reversed(self._ring):
             if (
-                record.get("kind") == "audit"
+                record.get("kind") == AUDIT
                 and record.get("ts") == ev.audit_ts
                 and record.get("request_id") == ev.request_id
                 and record.get("mode") == ev.mode
@@ -199,7 +309,7 @@ class IncidentLog:
             return
         self.record(
             {
-                "kind": "engine_mismatch",
+                "kind": ENGINE_MISMATCH,
                 "ts": ev.read_at,
                 "mismatches": [
                     {"field": m.field, "expected": m.expected, "loaded": m.loaded}
@@ -217,7 +327,7 @@ class IncidentLog:
         if ev.changed and ev.previous is not None:
             self.record(
                 {
-                    "kind": "upstream_change",
+                    "kind": UPSTREAM_CHANGE,
                     "ts": ev.fingerprint.read_at,
                     "before": ev.previous.summary() | {"identity": ev.previous.identity},
                     "after": self._upstream | {"identity": ev.fingerprint.identity},
@@ -229,7 +339,7 @@ class IncidentLog:
         # against it. Only a change of identity is an "upstream_change".
         self.record(
             {
-                "kind": "upstream_restart",
+                "kind": UPSTREAM_RESTART,
                 "ts": ev.fingerprint.read_at,
                 "down_s": ev.down_s,
                 "evidence": ev.evidence,
@@ -237,7 +347,13 @@ class IncidentLog:
         )
 
     def _on_loop(self, ev: LoopDetected) -> None:
-        self.record(loop_incident(ev, self._config.store_text))
+        record = loop_incident(ev, self._config.store_text)
+        self.remember(record)  # in the ring now; its line once its outcome is known
+        self._loops.add(ev.request_id, ev.attempt, record)
+
+    def _on_finished(self, ev: RequestFinished) -> None:
+        if len(self._loops):  # per request: nothing more unless a loop waits
+            self._loops.finish(ev.request_id)
 
     def _on_audit(self, ev: AuditCompleted) -> None:
         if ev.verdict.verdict != "identical":
@@ -263,10 +379,16 @@ class IncidentLog:
         self._open()
 
     def record(self, incident: dict[str, Any]) -> None:
-        if self._upstream is not None and "upstream" not in incident:
-            incident["upstream"] = self._upstream  # which configuration produced it
-        self._ring.append(incident)
+        self.remember(incident)
         self.write(incident)
+
+    def remember(self, incident: dict[str, Any]) -> None:
+        """Into the ring, with which configuration produced it and which process saw it."""
+        if self._upstream is not None and "upstream" not in incident:
+            incident["upstream"] = self._upstream
+        if self._process and "process" not in incident:
+            incident["process"] = self._process
+        self._ring.append(incident)
 
     def write(self, incident: dict[str, Any]) -> None:
         """Append one line to the file (the ring is for incidents only, not tallies)."""
@@ -292,6 +414,7 @@ class IncidentLog:
         return items
 
     def close(self) -> None:
+        self._loops.finish_all()  # loops still waiting for an outcome: written as they stand
         self._closed = True
         if self._file is not None:
             self._file.flush()

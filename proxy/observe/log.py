@@ -19,9 +19,8 @@ from datetime import UTC, datetime
 from typing import Any, TextIO
 
 import orjson
-from yarl import URL
 
-from proxy.config import LogConfig, Settings
+from proxy.config import LogConfig, ServerConfig, Settings
 from proxy.events import (
     AuditCompleted,
     CauseAttributed,
@@ -43,6 +42,8 @@ from proxy.events import (
     UpstreamFailed,
     UpstreamFingerprinted,
 )
+from proxy.http.admin import serves_all
+from proxy.redact import mask_url
 
 EVENTS = "detproxy.events"
 ACCESS = "detproxy.access"
@@ -63,17 +64,6 @@ def clean(value: str) -> str:
     if not value.isprintable():
         value = value.encode("unicode_escape").decode("ascii")
     return value
-
-
-def mask_url(url: str) -> str:
-    """``url`` with its password (``user:secret@host``) hidden."""
-    try:
-        parsed = URL(url)
-    except (TypeError, ValueError):
-        return url
-    if parsed.password is None:
-        return url
-    return str(parsed.with_password("***"))
 
 
 class JsonFormatter(logging.Formatter):
@@ -126,10 +116,42 @@ def _share(rate: float) -> str:
     return f"{rate * 100:g}%"
 
 
-def startup_lines(settings: Settings, on_disk: bool = True) -> list[tuple[str, dict[str, Any]]]:
+def _host_port(address: str, port: int) -> str:
+    """``address:port``, an IPv6 address in brackets."""
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"
+
+
+def _admin_line(server: ServerConfig, at: tuple[str, int] | None) -> tuple[str, str, bool]:
+    """What the listener of the admin endpoints serves, in words; where it is bound; whether
+    it serves all of them (``proxy.http.admin.serves_all``)."""
+    separate = server.admin_port is not None
+    if at is None and server.admin_port is not None:  # as configured: a name is not resolved
+        at = (server.admin_address(), server.admin_port)
+    elif at is None:
+        at = (server.host, server.port)
+    where = _host_port(*at)
+    if not serves_all(server.admin_token, at[0]):
+        return (
+            f"admin endpoints: health and metrics only on {where} (not loopback, no"
+            " server.admin_token); set it to open status, incidents and the explorer, or serve"
+            " them on server.admin_port at a loopback server.admin_host",
+            where,
+            False,
+        )
+    on = f"on {where}" if separate else f"under /detproxy/ on the main port ({where})"
+    if server.admin_token:
+        return f"admin endpoints {on}, token required", where, True
+    return f"admin endpoints {on}, no token (loopback: only this machine connects)", where, True
+
+
+def startup_lines(
+    settings: Settings, on_disk: bool = True, admin_at: tuple[str, int] | None = None
+) -> list[tuple[str, dict[str, Any]]]:
     """What the effective configuration does, in a few lines (message, structured fields),
     with no secret in them: logged once detproxy listens. ``on_disk``: whether the incident
-    log could open its file (the default path falls back to memory when it cannot)."""
+    log could open its file (the default path falls back to memory when it cannot);
+    ``admin_at``: the address and port the admin endpoints' listener is bound to (as
+    configured when not given)."""
     audit, loops, inc, server = settings.audit, settings.loops, settings.incidents, settings.server
     per_model = ", ".join(f"{clean(k)} {_share(v)}" for k, v in audit.model_rates.items())
     share = _share(audit.sample_rate) + (f" (per model: {per_model})" if per_model else "")
@@ -174,11 +196,7 @@ def startup_lines(settings: Settings, on_disk: bool = True) -> list[tuple[str, d
         )
     else:
         incidents_msg = f"incidents: memory only (the last {inc.ring_size}), no file"
-    if server.admin_port is not None:
-        admin = f"admin endpoints on {server.host}:{server.admin_port}"
-    else:
-        admin = "admin endpoints under /detproxy/ on the main port"
-    admin += ", token required" if server.admin_token else ", no token"
+    admin, admin_where, admin_all = _admin_line(server, admin_at)
     log_msg = f"log: {settings.log.level}, {settings.log.format}" + (
         ", access log on" if settings.log.access_log else ""
     )
@@ -211,6 +229,8 @@ def startup_lines(settings: Settings, on_disk: bool = True) -> list[tuple[str, d
             {
                 "admin_port": server.admin_port,
                 "admin_token": bool(server.admin_token),
+                "admin_address": admin_where,
+                "admin_all": admin_all,  # false: health and metrics only
                 "log_level": settings.log.level,
                 "access_log": settings.log.access_log,
             },
@@ -286,9 +306,9 @@ CAUSE_ADVICE = {
     "unknown": "the evidence does not decide",
 }
 TRIAGE_DROPS = {
-    "queue_full": "the triage queue is full (attribution.queue_size)",
-    "rate_limit": "attribution.max_per_minute reached",
-    "token_budget": "attribution.max_token_share reached",
+    "queue_full": "the triage queue is full (attribution.queue_size experiments waiting)",
+    "rate_limit": "attribution.max_per_minute left no start within attribution.max_wait_s",
+    "token_budget": "attribution.max_token_share did not free within attribution.max_wait_s",
     "quiet_deadline": "no quiet moment within attribution.quiet_deadline_s",
     "error": "triage failed (a bug: please report it)",
     "shutdown": "detproxy stopped first",
@@ -365,6 +385,9 @@ class EventLog:
     # -- the handlers -----------------------------------------------------------------------
 
     def _upstream_failed(self, ev: UpstreamFailed) -> None:
+        if ev.kind == "loop":
+            self._upstream_loop(ev)
+            return
         what = UPSTREAM_FAILURES.get(ev.kind, ev.kind)
         when = "before its response headers" if ev.stage == "headers" else "mid-response"
         self._emit(
@@ -375,6 +398,20 @@ class EventLog:
             endpoint=ev.endpoint,
             kind=ev.kind,
             stage=ev.stage,
+        )
+
+    def _upstream_loop(self, ev: UpstreamFailed) -> None:
+        """A request this detproxy sent came back to it (proxy/selfloop.py): a configuration
+        that cannot work, said once (then once per ``repeat_s``, with the count)."""
+        self._emit(
+            logging.ERROR,
+            ("upstream_loop",),
+            f"upstream {self._upstream} points back at this detproxy: a request it sent there"
+            f" came back ({ev.endpoint} request), answered 508 Loop Detected and not forwarded"
+            " again; point upstream.url at the engine",
+            event="upstream_loop",
+            endpoint=ev.endpoint,
+            upstream=self._upstream,
         )
 
     def _inspection_stopped(self, ev: InspectionStopped) -> None:

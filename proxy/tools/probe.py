@@ -25,6 +25,8 @@ import aiohttp
 import orjson
 
 from proxy.audit.outcome import outcome_from_response
+from proxy.config import api_root
+from proxy.redact import mask_url
 from proxy.tasks import TaskOwner
 
 Vector = tuple[str, tuple[tuple[str, float | None], ...]]  # None: an unknown (NaN) logprob
@@ -81,6 +83,7 @@ class Prober:
         self._url = args.upstream.rstrip("/") + (
             "/v1/chat/completions" if self._chat else "/v1/completions"
         )
+        self._shown = mask_url(self._url)  # in messages: no password
 
     def _body(self, prompt: str, max_tokens: int, logprobs: bool) -> dict[str, Any]:
         args = self._args
@@ -103,21 +106,21 @@ class Prober:
                 if resp.status in (401, 403):
                     given = "the API key given was refused" if self._args.api_key else "no API key"
                     raise ProbeError(
-                        f"{self._url} answered {resp.status} ({given}): pass the key the server"
+                        f"{self._shown} answered {resp.status} ({given}): pass the key the server"
                         f" was started with (--api-key, or {' or '.join(API_KEY_ENV)})"
                     )
                 if resp.status != 200:
                     raise ProbeError(
-                        f"{self._url} answered {resp.status}: "
+                        f"{self._shown} answered {resp.status}: "
                         f"{payload[:300].decode(errors='replace')}"
                     )
         except aiohttp.ClientError as exc:
-            raise ProbeError(f"cannot reach {self._url}: {exc}") from exc
+            raise ProbeError(f"cannot reach {self._shown}: {exc}") from exc
         outcome = outcome_from_response(
             "chat" if self._chat else "completions", orjson.loads(payload)
         )
         if outcome.error or not outcome.choices or not outcome.choices[0].tokens:
-            raise ProbeError(f"no logprobs in the answer of {self._url}: {outcome.error or ''}")
+            raise ProbeError(f"no logprobs in the answer of {self._shown}: {outcome.error or ''}")
         first = outcome.choices[0].tokens[0]
         return first.token, tuple(first.top)
 
@@ -278,6 +281,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.api_key is None:
         args.api_key = next((os.environ[n] for n in API_KEY_ENV if os.environ.get(n)), None)
+    try:  # what serve says of the same URL (an openai SDK base URL, .../v1, included)
+        args.upstream = api_root(args.upstream)
+    except ValueError as exc:
+        parser.error(f"--upstream: {exc}")  # the URL not repeated: it may hold a password
     try:
         args.levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
         args.extra_body = orjson.loads(args.extra_body)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from proxy.attribution.case import Diverged, TriageCase
@@ -325,3 +326,13 @@ def test_the_primary_runs_warm_or_cold_where_the_engine_reported_its_cached_toke
     assert primary_cache(None) == "unknown", "not reported: not known"
     assert primary_cache(0) == "cold"
     assert primary_cache(16) == "warm"
+
+
+def test_the_primary_runs_cold_where_the_clients_salt_was_new() -> None:
+    c = case(choice(at(5)), choice(BASE))
+    assert observed_of_audit(c, "fp", "fp")[0].cache == "unknown"
+    new_salt = replace(c, primary_cold_salt=True)
+    assert observed_of_audit(new_salt, "fp", "fp")[0].cache == "cold"
+    # The engine's own count wins: a new salt, yet cached tokens (a shared-prefix tenant).
+    counted = replace(new_salt, primary=Outcome(c.primary.choices, None, 30, 104, 16))
+    assert observed_of_audit(counted, "fp", "fp")[0].cache == "warm"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, cast
 
 import orjson
@@ -68,7 +69,7 @@ def case(i: int = 0, primary: str = "a", shadow: str = "b") -> TriageCase:
         model="m",
         endpoint="chat",
         raw_path="/v1/chat/completions",
-        body={"model": "m", "messages": [], "temperature": 0},
+        body={"model": "m", "messages": [{"role": "user", "content": f"q{i}"}], "temperature": 0},
         headers={},
         mode="full",
         target="same",
@@ -107,7 +108,7 @@ def drops(seen: list[object]) -> list[str]:
     return [e.reason for e in seen if isinstance(e, TriageDropped)]
 
 
-async def test_cold_replays_each_get_a_fresh_salt_and_warm_ones_none() -> None:
+async def test_cold_replays_each_get_a_fresh_salt_and_warm_ones_one_of_their_own() -> None:
     upstream = Scripted(lambda n: "b")
     t, seen = triage(upstream, cold_replays=3, warm_replays=2)
     t.start()
@@ -117,7 +118,9 @@ async def test_cold_replays_each_get_a_fresh_salt_and_warm_ones_none() -> None:
     salts = [b.get("cache_salt") for b in upstream.bodies]
     assert len(salts) == 6, upstream.bodies  # 3 cold, the prime, 2 warm
     assert len(set(salts[:3])) == 3 and None not in salts[:3]
-    assert salts[3:] == [None, None, None]
+    # The prime and the warm replays share one salt of their own, none of the cold ones': they
+    # read what the prime wrote alone, never the primary's tenant.
+    assert len(set(salts[3:])) == 1 and salts[3] is not None and salts[3] not in salts[:3]
     evidence = causes(seen)[0].evidence
     assert [r["name"] for r in evidence["runs"]] == [
         "primary",
@@ -144,31 +147,93 @@ async def test_cold_replays_stop_once_they_disagree() -> None:
     assert found.evidence["parted"] and found.evidence["groups"] == 3
 
 
-async def test_over_the_rate_it_is_dropped_counted_and_unknown_with_the_budget_named() -> None:
-    t, seen = triage(Scripted(lambda n: "b"), max_per_minute=0.001)  # one, then none
+async def test_a_burst_over_the_rate_waits_paced_instead_of_being_refused() -> None:
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream, max_per_minute=600.0, cold_replays=2, warm_replays=0)
+    for i in range(4):  # four prompts at once: one experiment now, then one every 0.1 s
+        t.offer(case(i))
+    assert drops(seen) == [] and causes(seen) == [] and t.queued == 4
+    t.start()
+    await eventually(lambda: len(causes(seen)) == 4, timeout_s=20, what="four causes")
+    await t.close()
+    assert drops(seen) == []
+    for found in causes(seen):  # each decided with its own experiment's replays
+        assert [r["name"] for r in found.evidence["runs"]][2:] == ["cold-1", "cold-2"], found
+    assert len(upstream.bodies) == 8
+
+
+async def test_past_its_wait_a_case_ends_unknown_naming_the_budget() -> None:
+    t, seen = triage(Scripted(lambda n: "b"), max_per_minute=0.001, max_wait_s=0.05)
+    t.start()
+    t.offer(case(1))  # the bucket's one token
+    t.offer(case(2))  # waits for the next, a thousand minutes away: past its wait
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="two causes")
+    await t.close()
+    assert drops(seen) == ["rate_limit"]
+    dropped = next(c for c in causes(seen) if c.request_id == "r2")
+    assert dropped.cause == "unknown"
+    assert dropped.evidence["missing"][0] == "triage budget: rate_limit"
+
+
+async def test_the_token_budget_holds_an_experiment_until_its_wait_ends() -> None:
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream, token_allowance=100, max_token_share=0.0, max_wait_s=0.05)
+    t.start()
+    t.offer(case(1))  # 10 tokens x 7 runs fits 100; the next does not
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="one cause")
+    t.offer(case(2))
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="two causes")
+    await t.close()
+    assert drops(seen) == ["token_budget"]
+    assert len(upstream.bodies) == 7
+
+
+async def test_more_requests_waiting_than_the_queue_holds_are_dropped() -> None:
+    t, seen = triage(Scripted(lambda n: "b"), queue_size=1)
     t.offer(case(1))
     t.offer(case(2))
-    assert drops(seen) == ["rate_limit"]
-    dropped = causes(seen)
-    assert [c.request_id for c in dropped] == ["r2"]
-    assert dropped[0].cause == "unknown"
-    assert dropped[0].evidence["missing"][0] == "triage budget: rate_limit"
-    assert t.queued == 1
+    assert drops(seen) == ["queue_full"]
+    assert causes(seen)[0].evidence["missing"][0] == "triage budget: queue_full"
     await t.close()
-    assert drops(seen) == ["rate_limit", "shutdown"]
+    assert drops(seen) == ["queue_full", "shutdown"]
 
 
-async def test_the_token_budget_and_the_queue_bound_what_waits() -> None:
-    t, seen = triage(Scripted(lambda n: "b"), token_allowance=100, max_token_share=0.0)
-    t.offer(case(1))  # 10 tokens x 7 runs fits 100; the next does not
-    t.offer(case(2))
-    assert drops(seen) == ["token_budget"]
-    t2, seen2 = triage(Scripted(lambda n: "b"), queue_size=1)
-    t2.offer(case(1))
-    t2.offer(case(2))
-    assert drops(seen2) == ["queue_full"]
+async def test_one_experiment_explains_every_incident_of_the_same_request() -> None:
+    """A burst from one prompt, each request with its own cache_salt: one experiment's
+    replays decide all of them, and a later incident reads the replays it left."""
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream, cold_replays=2, warm_replays=2)
+    salted = [replace(case(0), request_id=f"s{i}", body={**case(0).body, "cache_salt": f"t{i}"})
+              for i in range(5)]  # fmt: skip
+    for c in salted[:4]:
+        t.offer(c)
+    assert t.queued == 1 and t.status()["waiting_incidents"] == 4
+    t.start()
+    await eventually(lambda: len(causes(seen)) == 4, interval_s=0.005, what="four causes")
+    assert len(upstream.bodies) == 5  # 2 cold, the prime, 2 warm: once
+    t.offer(salted[4])  # later: decided at once from the finished experiment's replays
+    assert len(causes(seen)) == 5 and len(upstream.bodies) == 5
     await t.close()
-    await t2.close()
+    assert {c.request_id for c in causes(seen)} == {f"s{i}" for i in range(5)}
+    for found in causes(seen):
+        names = [r["name"] for r in found.evidence["runs"]]
+        assert names == ["primary", "shadow", "cold-1", "cold-2", "prime", "warm-1", "warm-2"]
+    assert t.status()["triaged"] == 1 and t.status()["explained"] == 5
+
+
+async def test_replays_cut_short_do_not_explain_an_incident_that_parted_later() -> None:
+    text = "a" * 500
+    early = long_case("b" + text[1:], text)  # parted at token 0: replays of 17 tokens
+    late = replace(long_case(text[:300] + "b" + text[301:], text), request_id="late")
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream, cold_replays=2, warm_replays=0)
+    t.start()
+    t.offer(early)
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="one cause")
+    t.offer(late)  # parted at token 300: the 17-token replays cannot say
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="two causes")
+    await t.close()
+    assert [b["max_tokens"] for b in upstream.bodies] == [17, 17, 317, 317]
 
 
 async def test_no_quiet_moment_gives_up_after_its_deadline() -> None:
@@ -316,17 +381,24 @@ def long_case(primary: str, shadow: str) -> TriageCase:
     return TriageCase(**fields)
 
 
-def test_the_token_budget_counts_replays_cut_short_at_their_limit() -> None:
+async def test_the_token_budget_counts_replays_cut_short_at_their_limit() -> None:
     text = "a" * 500
     diverged = long_case("b" + text[1:], text)  # parted at token 0: replays of 17 tokens
     cut, seen = triage(Scripted(lambda n: "b"), token_allowance=1000, max_token_share=0.0)
+    cut.start()
     cut.offer(diverged)  # 7 runs of 100 + 17 tokens: 819
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
+    await cut.close()
     assert drops(seen) == [] and cut.tokens == 7 * 117, (drops(seen), cut.tokens)
     whole, seen_whole = triage(
         Scripted(lambda n: "b"),
         token_allowance=1000,
         max_token_share=0.0,
         replay_margin_tokens=100000,
+        max_wait_s=0.05,
     )
-    whole.offer(diverged)  # 7 runs of 600 tokens
+    whole.start()
+    whole.offer(diverged)  # 7 runs of 600 tokens: never fits
+    await eventually(lambda: len(causes(seen_whole)) == 1, interval_s=0.005, what="a cause")
+    await whole.close()
     assert drops(seen_whole) == ["token_budget"]

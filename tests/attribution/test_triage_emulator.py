@@ -198,6 +198,36 @@ async def test_warm_cache_answers_are_attributed_to_prefix_cache(
         check_cut(incidents, long)
 
 
+async def test_salted_requests_all_at_once_on_a_caching_engine_are_attributed_to_batch(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    """The batch-invariant recipe's burst as real vLLM showed it (2026-12-07): each request
+    with the client's own fresh cache_salt, all at once, on an engine whose warm answers also
+    differ for half the prompts. The new salt says each primary ran cold, and the warm replays
+    read what their own priming run cached: the company is the one switch left."""
+    config = EmulatorConfig(
+        batch_divergence_slope=0.3, warm_cache_divergence=0.5, token_latency_s=0.004, seed=5
+    )
+    async with EmulatorServer(config) as emu:
+        client = await make_proxy(emu.url, env=FAST | {"DETPROXY_AUDIT__SCHEDULE": "quiet"})
+        for wave in range(8):
+            bodies = [chat(f"{wave}-{i} {LONG}") | {"cache_salt": f"c{wave}-{i}"} for i in range(8)]
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for body in bodies)
+            )
+            for resp in answers:
+                assert resp.status == 200
+                await resp.read()
+            await idle(client)
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("salted burst:", dict(got), "of", len(incidents))
+        assert len(incidents) >= 25, f"too few divergences to measure: {len(incidents)}"
+        assert got["batch"] / len(incidents) >= 0.9, got
+        for i in incidents:
+            assert i["cause_evidence"]["runs"][0]["cache"] == "cold", i["cause_evidence"]
+
+
 @CUT
 async def test_speculative_against_a_plain_reference_is_attributed_to_speculative(
     make_proxy: Any, registry: CollectorRegistry, long: bool

@@ -71,3 +71,34 @@ async def test_a_store_that_must_be_awaited_is_checked_off_the_request_path() ->
     duplicates = [e for e in seen if e.mode == "duplicate"]
     assert len(duplicates) == 1 and duplicates[0].verdict.verdict == "identical"
     await auditor.close()
+
+
+def salted(salt: str | None, temperature: float = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {**BODY, "temperature": temperature}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return body
+
+
+def plan_of(auditor: Auditor, body: dict[str, Any]) -> Any:
+    return auditor.plan(classify("chat", body), body, "r", "/v1/chat/completions", None)
+
+
+async def test_a_clients_salt_never_sent_before_says_the_primary_ran_cold() -> None:
+    auditor, _ = auditor_with(MemoryDuplicateStore(60, 100))
+    assert plan_of(auditor, salted("tenant-1")).cold_salt is True
+    assert plan_of(auditor, salted("tenant-1")).cold_salt is False  # its tenant is warm now
+    assert plan_of(auditor, salted(None)).cold_salt is False  # no salt: not known
+    # A sampled request (not audited) warms its tenant too.
+    assert plan_of(auditor, salted("tenant-2", temperature=0.7)) is None
+    assert plan_of(auditor, salted("tenant-2")).cold_salt is False
+    await auditor.close()
+
+
+async def test_with_several_workers_a_salt_says_nothing_of_the_cache() -> None:
+    settings = load_settings(env={}, flags={"upstream": "http://127.0.0.1:8000", "workers": 2})
+    auditor = Auditor(settings, EventBus(), None, MemoryDuplicateStore(60, 100), lambda: 1)
+    assert (
+        plan_of(auditor, salted("tenant-1")).cold_salt is False
+    )  # another worker may have sent it
+    await auditor.close()

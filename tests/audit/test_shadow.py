@@ -111,6 +111,8 @@ async def test_shadow_request_shape(make_proxy: Any, upstream: Any, capture: Cap
     assert primary["logprobs"] is True and primary["top_logprobs"] == 7  # bounded by max_logprobs
     assert ph["Authorization"] == "Bearer client"
     assert sh["X-Detproxy-Shadow"] == "1" and sh["X-Request-Id"] == "r1-shadow"
+    # Marked as the primary is, by the same server (proxy/selfloop.py): a loop is caught.
+    assert sh["X-Detproxy-Via"] == ph["X-Detproxy-Via"] and len(ph["X-Detproxy-Via"]) == 16
     assert sh["Authorization"] == "Bearer svc-key"  # not the client's credentials
     assert shadow["request_id"] == "body-id-shadow"
     assert "stream" not in shadow and "stream_options" not in shadow
@@ -372,3 +374,55 @@ async def test_a_primary_beyond_the_rate_limit_goes_out_untouched(
     assert len(bodies) == 4 and len(asked) == 2  # the audited primary and its shadow
     untouched = [b for b in bodies if "logprobs" not in b]
     assert sorted(b["messages"][0]["content"] for b in untouched) == ["r1", "r2"]
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "blamed"),
+    [
+        (404, "The model `emulator-model` does not exist.", False),
+        (401, "Unauthorized", False),
+        (400, "Out of range float values are not JSON compliant: nan", True),
+    ],
+    ids=["model_gone", "key_revoked", "nan_logprobs"],
+)
+async def test_a_refused_shadow_blames_the_logprobs_only_where_the_engine_names_them(
+    make_proxy: Any,
+    upstream: Any,
+    upstream_app: web.Application,
+    status: int,
+    message: str,
+    blamed: bool,
+) -> None:
+    """The primary was answered; its shadow refused: only a refusal about the logprobs counts
+    against their injection (three in a row suspend it for the model)."""
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.json()
+        if request.headers.get("X-Detproxy-Shadow") == "1":
+            error = {"object": "error", "message": message, "type": "BadRequestError"}
+            return web.json_response({"error": error | {"code": status}}, status=status)
+        answer = {
+            "id": "x",
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "Hi"},
+                    "logprobs": {"content": []} if body.get("logprobs") else None,
+                }
+            ],
+        }
+        return web.json_response(answer)
+
+    upstream_app.router.add_post("/v1/chat/completions", handle)
+    client = await make_proxy(await upstream(), env=AUDIT_ALL)
+    for i in range(3):
+        resp = await client.post("/v1/chat/completions", json=chat(f"refused {i}"))
+        assert resp.status == 200
+        await resp.read()
+        await settle(client)
+    registry_status = await (await client.get("/detproxy/status")).json()
+    suspended = bool(registry_status["injection"])
+    assert suspended is blamed, registry_status["injection"]

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from proxy.config import default_incident_path, load_settings
+from proxy.http.admin import OPEN_PATHS
 from tests.deploy.promql import rules
 from tests.helpers.processes import free_port
 from tests.helpers.waiting import eventually_sync
@@ -477,6 +478,27 @@ def test_prometheus_scrapes_detproxy_and_engine_and_loads_the_rules(filename: st
     ]
     assert hostname_port(am_target) == ("alertmanager", 9093)
     assert "alertmanager" in services
+
+
+@pytest.mark.parametrize("filename", list(STACKS))
+def test_the_admin_token_comes_from_where_compose_runs_and_scrapes_need_none(
+    filename: str,
+) -> None:
+    """detproxy listens on 0.0.0.0 in the stacks, where without a token it serves only health
+    and metrics: the token, if any, comes from the environment compose runs in (never written
+    in a file; empty: none), and what Prometheus and the HEALTHCHECK ask for needs none."""
+    raw = yaml.safe_load((DOCKER / filename).read_text(encoding="utf-8"))
+    given = raw["services"]["detproxy"]["environment"]["DETPROXY_SERVER__ADMIN_TOKEN"]
+    assert given == "${DETPROXY_SERVER__ADMIN_TOKEN:-}"
+    detproxy = load_compose(DOCKER / filename)["services"]["detproxy"]
+    env = env_of(detproxy)
+    settings = load_settings(host_file(detproxy, env["DETPROXY_CONFIG"]), env, {})
+    assert settings.server.admin_token is None and settings.server.host == "0.0.0.0"
+    config = yaml.safe_load(PROMETHEUS_YML.read_text(encoding="utf-8"))
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["detproxy"]["metrics_path"] in OPEN_PATHS
+    (health,) = re.findall(r"http://[^'\" ]+", healthcheck_command()[2])
+    assert urlsplit(health).path in OPEN_PATHS
 
 
 @pytest.mark.parametrize("filename", list(STACKS))

@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import ADMIN, build_app
 from proxy.config import default_incident_path, load_settings
+from proxy.http.admin import OPEN_PATHS
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -345,6 +346,31 @@ def test_the_state_dir_is_a_mounted_volume_holding_the_incident_log(layout: str)
     default = default_incident_path(env)
     for path in {settings.incidents.path or default, default}:
         assert str(Path(str(path)).parent) == state, f"{layout}: incident log at {path}"
+
+
+MONITORS = {"sidecar": "podmonitor.yaml", "central": "servicemonitor.yaml"}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_admin_token_comes_from_an_optional_secret_and_probes_need_none(layout: str) -> None:
+    """detproxy listens on every address, where without a token it serves only health and
+    metrics: the token comes from a Secret (never a literal in a file), optional so that the
+    pod starts without one; what the kubelet probes and Prometheus scrapes needs none."""
+    docs = yaml.safe_load_all((K8S / layout / "deployment.yaml").read_text(encoding="utf-8"))
+    deployment = next(d for d in docs if d and d["kind"] == "Deployment")
+    detproxy = containers(deployment["spec"]["template"]["spec"])["detproxy"]
+    env = {e["name"]: e for e in detproxy["env"]}
+    token = env["DETPROXY_SERVER__ADMIN_TOKEN"]
+    assert "value" not in token, f"{layout}: an admin token written in the manifest"
+    ref = token["valueFrom"]["secretKeyRef"]
+    assert (ref["name"], ref["key"], ref.get("optional")) == ("detproxy-admin", "token", True)
+    assert load_settings(K8S / layout / "detproxy.toml", {}, {}).server.admin_token is None
+    for kind, probe in probes(detproxy):
+        assert probe["httpGet"]["path"] in OPEN_PATHS, f"{layout} {kind}: closed without a token"
+    monitor = yaml.safe_load((K8S / layout / MONITORS[layout]).read_text(encoding="utf-8"))
+    spec = monitor["spec"]
+    for endpoint in spec.get("endpoints", spec.get("podMetricsEndpoints")):
+        assert endpoint["path"] in OPEN_PATHS
 
 
 # ---------------------------------------------------------------- rendered

@@ -134,6 +134,26 @@ def test_prefixes_and_colour_give_the_same_facts() -> None:
         assert read(name, "vllm-1  | ", ansi=True).facts == plain
 
 
+def test_the_engine_s_secrets_in_its_non_default_args_are_masked() -> None:
+    """vLLM lists --api-key among its non-default args: it goes no further (status,
+    incidents), nor does a token or a password in a URL."""
+    reader = EngineLogReader()
+    line = (
+        "(APIServer pid=1) INFO 12-04 04:41:38 [api_utils.py:273] non-default args: {'model':"
+        " 'Qwen/Qwen3-0.6B', 'api_key': ['sk-engine-key'], 'hf_token': 'hf_secret',"
+        " 'kv_transfer_url': 'redis://:pw-in-url@h:6379/0', 'port': 8001}"
+    )
+    assert reader.feed(line + "\n")
+    args = reader.facts.values["non_default_args"]
+    assert args == {
+        "model": "Qwen/Qwen3-0.6B",
+        "api_key": ["********"],
+        "hf_token": "********",
+        "kv_transfer_url": "redis://:********@h:6379/0",
+        "port": 8001,
+    }
+
+
 def test_junk_long_and_binary_lines_are_ignored_and_counted_in_bounded_memory() -> None:
     reader = EngineLogReader(max_line_chars=4096)
     assert reader.feed("hello, this is not a log line") is False

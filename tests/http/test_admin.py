@@ -1,10 +1,12 @@
 """Who may see /detproxy/*: a bearer token, a browser's session cookie, a separate admin
-listener."""
+listener, and, without a token, the address a listener is bound to."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import signal
 import socket
 from collections.abc import AsyncIterator
 from html import unescape
@@ -18,9 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import load_settings
+from proxy.http.admin import is_loopback
 from proxy.serving import serving
 from proxy.tools.emulator import EmulatorServer
-from tests.helpers.processes import detproxy_serve, free_port
+from tests.helpers.processes import EXE, bare_env, detproxy_serve, free_port, wait_healthy
 
 TOKEN = "s3cret-admin-token-0123"
 AUTH_HEADER = {"Authorization": f"Bearer {TOKEN}"}
@@ -51,6 +54,21 @@ async def test_a_short_token_is_a_config_error() -> None:
         assert "server.admin_token" in str(exc)
     else:
         raise AssertionError("a 5-character admin token was accepted")
+
+
+def test_an_empty_token_is_no_token_and_admin_host_needs_admin_port() -> None:
+    """``DETPROXY_SERVER__ADMIN_TOKEN=`` (a compose file's ``${VAR:-}``, an empty Secret)
+    leaves the token unset; ``server.admin_host`` alone would move nothing: refused."""
+    from proxy.config import ConfigError
+
+    assert load_settings(env={"DETPROXY_SERVER__ADMIN_TOKEN": ""}).server.admin_token is None
+    with pytest.raises(ConfigError, match=r"server\.admin_host: .*admin_port"):
+        load_settings(env={"DETPROXY_SERVER__ADMIN_HOST": "127.0.0.1"})
+    server = load_settings(
+        env={"DETPROXY_SERVER__ADMIN_HOST": "127.0.0.1", "DETPROXY_SERVER__ADMIN_PORT": "9090"},
+        flags={"host": "0.0.0.0"},
+    ).server
+    assert (server.host, server.admin_address()) == ("0.0.0.0", "127.0.0.1")
 
 
 async def test_separate_admin_listener() -> None:
@@ -407,3 +425,173 @@ async def test_header_bytes_that_are_not_utf8_are_refused_never_a_fault(make_pro
             head = await asyncio.wait_for(reader.read(), 5)
             writer.close()
             assert head.startswith(b"HTTP/1.1 %d " % status), f"{field!r} answered {head[:30]!r}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing open by accident: without a token, a listener others can reach serves only health and
+# metrics; its bound address decides (SPEC 1.20)
+
+
+@pytest.mark.parametrize(
+    ("address", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.3.2.1", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("192.168.1.20", False),
+        ("fe80::1%eth0", False),
+        ("::ffff:10.0.0.5", False),
+        ("localhost", False),  # a name, not what a socket reports: never trusted
+    ],
+)
+def test_which_addresses_are_loopback(address: str, loopback: bool) -> None:
+    assert is_loopback(address) is loopback
+
+
+@contextlib.asynccontextmanager
+async def listening(
+    env: dict[str, str], host: str, admin_host: str | None = None
+) -> AsyncIterator[tuple[str, str | None]]:
+    """detproxy in process on its real listeners, the main one bound to ``host`` (and an
+    admin listener to ``admin_host``): the URLs to reach them (from this machine)."""
+    main = socket.socket()
+    main.bind((host, 0))
+    side = None
+    if admin_host is not None:
+        side = socket.socket()
+        side.bind((admin_host, 0))
+        env = {**env, "DETPROXY_SERVER__ADMIN_PORT": str(side.getsockname()[1])}
+    async with EmulatorServer() as emu:
+        env = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0", **env}
+        settings = load_settings(env=env, flags={"upstream": emu.url})
+        app = build_app(settings, registry=CollectorRegistry())
+        async with serving(app, settings.server, main, side):
+            yield (
+                f"http://127.0.0.1:{main.getsockname()[1]}",
+                None if side is None else f"http://127.0.0.1:{side.getsockname()[1]}",
+            )
+
+
+ADMIN_PATHS = ("/detproxy/status", "/detproxy/incidents", "/detproxy/ui", "/detproxy/login")
+
+
+async def _statuses(
+    base: str, paths: tuple[str, ...], headers: dict[str, str] | None = None
+) -> dict[str, int]:
+    async with aiohttp.ClientSession() as http:
+        found = {}
+        for path in paths:
+            async with http.get(base + path, headers=headers, allow_redirects=False) as resp:
+                found[path] = resp.status
+        return found
+
+
+async def test_a_wildcard_address_without_a_token_serves_only_health_and_metrics() -> None:
+    async with listening({}, "0.0.0.0") as (base, _), aiohttp.ClientSession() as http:
+        assert await _statuses(base, ("/detproxy/health", "/detproxy/metrics")) == {
+            "/detproxy/health": 200,
+            "/detproxy/metrics": 200,
+        }
+        assert await _statuses(base, ADMIN_PATHS) == dict.fromkeys(ADMIN_PATHS, 403)
+        async with http.get(base + "/detproxy/status") as resp:
+            error = (await resp.json())["error"]
+        assert error["code"] == 403
+        # It says why, and how to open it.
+        assert "not loopback" in error["message"]
+        assert "server.admin_token" in error["message"]
+        assert "server.admin_port" in error["message"]
+        async with http.head(base + "/detproxy/metrics") as resp:
+            assert resp.status == 200
+        async with http.get(base + "/v1/models") as resp:
+            assert resp.status == 200  # the proxied API is not the admin surface's business
+
+
+async def test_a_loopback_address_without_a_token_serves_everything() -> None:
+    async with listening({}, "127.0.0.1") as (base, _):
+        assert await _statuses(base, ("/detproxy/status", "/detproxy/incidents")) == {
+            "/detproxy/status": 200,
+            "/detproxy/incidents": 200,
+        }
+
+
+async def test_a_wildcard_address_with_a_token_serves_everything_to_the_token() -> None:
+    env = {"DETPROXY_SERVER__ADMIN_TOKEN": TOKEN}
+    async with listening(env, "0.0.0.0") as (base, _):
+        paths = ("/detproxy/status", "/detproxy/incidents", "/detproxy/metrics")
+        assert await _statuses(base, paths, AUTH_HEADER) == dict.fromkeys(paths, 200)
+        assert await _statuses(base, paths) == dict.fromkeys(paths, 401)
+
+
+async def test_an_admin_listener_on_loopback_serves_everything_without_a_token() -> None:
+    async with listening({}, "0.0.0.0", admin_host="127.0.0.1") as (main, side):
+        assert side is not None
+        paths = ("/detproxy/status", "/detproxy/incidents", "/detproxy/ui", "/detproxy/metrics")
+        assert await _statuses(side, paths) == dict.fromkeys(paths, 200)
+        # The main listener, which clients reach: health alone, as with any admin listener.
+        assert await _statuses(main, ("/detproxy/health", "/detproxy/status")) == {
+            "/detproxy/health": 200,
+            "/detproxy/status": 404,
+        }
+
+
+async def test_an_admin_listener_others_can_reach_is_closed_without_a_token() -> None:
+    async with listening({}, "127.0.0.1", admin_host="0.0.0.0") as (_, side):
+        assert side is not None
+        assert await _statuses(side, ("/detproxy/metrics", "/detproxy/status")) == {
+            "/detproxy/metrics": 200,
+            "/detproxy/status": 403,
+        }
+
+
+async def test_serve_on_all_addresses_without_a_token_says_what_it_serves(tmp_path: Path) -> None:
+    """``detproxy serve --host 0.0.0.0``: its start-up summary says status is closed and how
+    to open it; status answers 403, metrics 200."""
+    port = free_port()
+    async with EmulatorServer() as emu:
+        proc = await asyncio.create_subprocess_exec(
+            EXE, "serve", "--upstream", emu.url, "--host", "0.0.0.0", "--port", str(port),
+            env=bare_env(DETPROXY_STATE_DIR=str(tmp_path)),
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await wait_healthy(base + "/detproxy/health")
+            found = await _statuses(base, ("/detproxy/metrics", "/detproxy/status"))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert found == {"/detproxy/metrics": 200, "/detproxy/status": 403}
+    text = err.decode()
+    assert f"admin endpoints: health and metrics only on 0.0.0.0:{port}" in text, text
+    assert "set it to open status, incidents and the explorer" in text, text
+
+
+async def test_serve_with_its_admin_listener_on_loopback_opens_it_there(tmp_path: Path) -> None:
+    """``--host 0.0.0.0`` with ``server.admin_port`` on a loopback ``server.admin_host``: the
+    admin listener serves everything without a token; the start-up summary says so."""
+    port, admin = free_port(), free_port()
+    env = bare_env(
+        DETPROXY_STATE_DIR=str(tmp_path),
+        DETPROXY_SERVER__ADMIN_PORT=str(admin),
+        DETPROXY_SERVER__ADMIN_HOST="127.0.0.1",
+    )
+    async with EmulatorServer() as emu:
+        proc = await asyncio.create_subprocess_exec(
+            EXE, "serve", "--upstream", emu.url, "--host", "0.0.0.0", "--port", str(port),
+            env=env, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        side = f"http://127.0.0.1:{admin}"
+        try:
+            await wait_healthy(side + "/detproxy/health")
+            found = await _statuses(side, ("/detproxy/status", "/detproxy/ui"))
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert found == {"/detproxy/status": 200, "/detproxy/ui": 200}
+    text = err.decode()
+    assert f"admin on 127.0.0.1:{admin}" in text, text
+    assert f"admin endpoints on 127.0.0.1:{admin}, no token (loopback" in text, text

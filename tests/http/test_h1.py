@@ -71,6 +71,26 @@ async def test_content_length_answers_reuse_one_connection(scripted: Any) -> Non
     assert srv.eofs == 1  # closing the client closes its idle connections
 
 
+async def test_every_request_carries_the_servers_via_beside_the_clients_own(
+    scripted: Any,
+) -> None:
+    """proxy/selfloop.py: the server's id on every request, after Host; a detproxy in front
+    of this one marked the request too, and its field is passed on, not replaced."""
+    srv = await scripted(replies_with(JSON_REPLY))
+    up = client(srv.url, server_id="0123abcd")
+    theirs = b"X-Detproxy-Via: ffff0000\r\n"
+    for headers in ({"X-Detproxy-Via": "ffff0000"}, EncodedFields(theirs)):
+        assert await (await up.send("POST", "/v1/completions", headers, b"{}")).read()
+        vias = [line for line in srv.requests[-1].lines if line.lower().startswith(b"x-detproxy")]
+        assert vias == [b"X-Detproxy-Via: 0123abcd", b"X-Detproxy-Via: ffff0000"]
+        assert srv.requests[-1].lines[1].lower().startswith(b"host:")
+    plain = client(srv.url)  # no id (the tools' clients): no field
+    assert await (await plain.send("GET", "/v1/models", {}, None)).read()
+    assert srv.requests[-1].header(b"x-detproxy-via") is None
+    await up.close()
+    await plain.close()
+
+
 async def test_chunked_body_is_decoded_and_streamed(scripted: Any) -> None:
     parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
 

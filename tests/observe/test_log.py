@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import orjson
 import pytest
@@ -33,7 +34,6 @@ from proxy.observe.log import (
     Repeats,
     clean,
     configure,
-    mask_url,
     startup_lines,
 )
 
@@ -105,6 +105,21 @@ def test_a_repeating_failure_is_one_line_per_window_then_says_how_many_were_left
     warnings = lines.at(logging.WARNING)
     assert len(warnings) == 2 and "(4 more like it since the last such line)" in warnings[1]
     assert bus.failures == {}
+
+
+def test_an_upstream_that_leads_back_is_one_error_naming_it(lines: Lines) -> None:
+    """proxy/selfloop.py: each returning request is one event; the operator reads one ERROR
+    naming the upstream (its password masked), then one per window with the count."""
+    bus, clock = event_log(repeat_s=60)
+    for _ in range(5):
+        bus.publish(UpstreamFailed("chat", "loop", "headers"))
+    errors = lines.at(logging.ERROR)
+    assert len(errors) == 1 and not lines.at(logging.WARNING), lines.text()
+    assert "upstream http://u:" in errors[0] and "@engine:8000 points back at" in errors[0]
+    assert "pw@" not in errors[0] and "508 Loop Detected" in errors[0]
+    clock.now += 61
+    bus.publish(UpstreamFailed("other", "loop", "headers"))
+    assert "(4 more like it" in lines.at(logging.ERROR)[1]
 
 
 def test_repeats_left_out_go_to_debug_and_other_kinds_have_their_own_window(
@@ -187,7 +202,7 @@ def test_the_first_identity_of_the_upstream_is_said_once(lines: Lines) -> None:
     bus.publish(UpstreamFingerprinted(fp, None, False))
     bus.publish(UpstreamFingerprinted(fp, fp, False))
     assert lines.at(logging.INFO) == [
-        "upstream http://u:***@engine:8000 is vllm 0.23.0, serving qwen"
+        "upstream http://u:********@engine:8000 is vllm 0.23.0, serving qwen"
     ]
 
 
@@ -266,14 +281,39 @@ def test_the_startup_summary_says_what_runs_and_no_secret() -> None:
     assert (
         "25% of deterministic requests (and one per model every 60s at least) replayed to" in text
     )
-    assert "replayed to http://ref:***@ref:8000" in text
+    assert "replayed to http://ref:********@ref:8000" in text
     assert "incidents: memory only" in text
     assert "admin endpoints on 127.0.0.1:9090, token required" in text
 
 
-def test_mask_url_hides_only_the_password() -> None:
-    assert mask_url("http://a:b@h:1/x") == "http://a:***@h:1/x"
-    assert mask_url("http://h:1") == "http://h:1"
+def _admin_line(settings: Settings, at: tuple[str, int]) -> tuple[str, dict[str, Any]]:
+    (line,) = [x for x in startup_lines(settings, admin_at=at) if "admin endpoints" in x[0]]
+    return line
+
+
+def test_the_summary_says_what_the_admin_listener_serves_by_its_address() -> None:
+    """Decided by the address the listener is bound to: all of it with a token or on
+    loopback; else health and metrics only, and how to open the rest."""
+    bare = Settings()
+    closed, fields = _admin_line(bare, ("0.0.0.0", 8080))
+    assert closed.startswith(
+        "admin endpoints: health and metrics only on 0.0.0.0:8080 (not loopback, no"
+        " server.admin_token); set it to open status, incidents and the explorer"
+    ), closed
+    assert (fields["admin_address"], fields["admin_all"]) == ("0.0.0.0:8080", False)
+    assert "only on [::]:8080" in _admin_line(bare, ("::", 8080))[0]
+    local, fields = _admin_line(bare, ("127.0.0.1", 8080))
+    assert "under /detproxy/ on the main port (127.0.0.1:8080), no token (loopback" in local
+    assert fields["admin_all"] is True
+    token = Settings.model_validate({"server": {"admin_token": "t" * 16}})
+    guarded, fields = _admin_line(token, ("0.0.0.0", 8080))
+    assert "on the main port (0.0.0.0:8080), token required" in guarded
+    assert fields["admin_all"] is True
+    side = Settings.model_validate(
+        {"server": {"host": "0.0.0.0", "admin_port": 9090, "admin_host": "127.0.0.1"}}
+    )
+    separate, _ = _admin_line(side, ("127.0.0.1", 9090))
+    assert "admin endpoints on 127.0.0.1:9090, no token" in separate
 
 
 def test_the_summary_says_when_the_default_incident_file_fell_back_to_memory() -> None:

@@ -41,5 +41,6 @@ def test_dropped_triages_are_said_once_per_repeat_window(lines: Lines) -> None: 
     for _ in range(3):
         bus.publish(TriageDropped("m", "rate_limit"))
     assert lines.at(logging.INFO) == [
-        "triage of a divergent audit dropped: attribution.max_per_minute reached"
+        "triage of a divergent audit dropped: attribution.max_per_minute left no start within"
+        " attribution.max_wait_s"
     ]

@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.config import api_root
 from proxy.tools.probe import main
 from tests.helpers.processes import EXE, free_port, wait_http
 
@@ -119,6 +120,18 @@ def test_usage_and_connection_errors_exit_2(capsys: pytest.CaptureFixture[str]) 
     assert (
         main(["--upstream", "http://x", "--model", "m", "--prompt", "x", "--concurrency", "0"]) == 2
     )
+
+
+def test_an_openai_base_url_gets_the_hint_serve_gives(capsys: pytest.CaptureFixture[str]) -> None:
+    """Not ".../v1/v1/chat/completions answered 404": what serve says of the same URL."""
+    port = free_port()
+    url = f"http://user:pw@127.0.0.1:{port}/v1"
+    assert main(["--upstream", url, "--model", "m", "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    with pytest.raises(ValueError) as serve_says:
+        api_root(url)  # what serve's configuration says of it
+    assert f"--upstream: {serve_says.value}" in err and "v1/v1" not in err, err
+    assert "ends in /v1" in err and f"127.0.0.1:{port}" in err and "pw@" not in err
 
 
 def test_a_server_started_with_an_api_key_is_probed_with_it(

@@ -8,9 +8,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from proxy.audit.verdict import VERDICTS
+from proxy.observe.kinds import AUDIT, INCIDENT_KINDS
 from proxy.observe.ui.incident import IncidentRow
 
-VERDICT_CHOICES = (*VERDICTS, "loop", "upstream_change", "engine_mismatch", "upstream_restart")
+# An audit's verdict, or the kind of any other incident (as the list's verdict column has it).
+VERDICT_CHOICES = (*VERDICTS, *(k for k in INCIDENT_KINDS if k != AUDIT))
 MODES = ("full", "prefill", "n_choices", "duplicate")
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 10_000

@@ -12,10 +12,11 @@ from typing import Any
 import orjson
 import xxhash
 
+from proxy.observe.kinds import INCIDENT_KINDS
 from proxy.observe.ui.fields import flag, integer, mapping, number, text
 from proxy.tools.report.stats import NEAR_TIE_NATS
 
-KINDS = ("audit", "loop", "upstream_change", "engine_mismatch", "upstream_restart")
+KINDS = INCIDENT_KINDS
 MINUS_INF = -9999.0  # vLLM's stand-in for minus infinity in logprobs
 CONTEXT_CHARS = 400  # of the common prefix, shown before the sides part
 TAIL_CHARS = 4000  # of each side after the divergence
@@ -54,6 +55,7 @@ class IncidentRow:
     summary: str  # one line: where it diverged, what looped, what changed
     cause: str = ""  # an audit's cause as triage attributed it; "" not (yet) triaged
     recipe: str = ""  # the digest of what the engine loaded when it was recorded; "" unknown
+    attempt: int | None = None  # a loop's attempt (1: the client's request, 2: its first retry)
 
 
 def _token(value: str | None) -> str:
@@ -76,12 +78,27 @@ def _audit_summary(record: dict[str, Any]) -> str:
     return f"{where} vs {_token(text(div, 'shadow_token'))}"
 
 
+def loop_outcome(record: dict[str, Any]) -> str:
+    """What was done about a loop and how it came out, in words ("" where the line does not
+    say: an older detproxy's)."""
+    action = text(record, "action")
+    if action is None:
+        return ""
+    strategy, outcome = text(record, "strategy"), text(record, "outcome")
+    done = f"{action} ({strategy})" if strategy else action
+    if outcome is None:
+        return f"{done}: outcome pending"
+    return done if outcome == action else f"{done}: {outcome.replace('_', ' ')}"
+
+
 def _loop_summary(record: dict[str, Any]) -> str:
     source, channel = text(record, "source") or "?", text(record, "channel") or "?"
     period, repeats = integer(record, "period"), integer(record, "repeats")
-    if period is None or repeats is None:
-        return f"{source} loop in {channel}"
-    return f"{source} loop in {channel}: {period} chars x {repeats}"
+    what = f"{source} loop in {channel}"
+    if period is not None and repeats is not None:
+        what += f": {period} chars x {repeats}"
+    done = loop_outcome(record)
+    return f"{what}; {done}" if done else what
 
 
 def _change_summary(record: dict[str, Any]) -> str:
@@ -166,6 +183,7 @@ def row_of(record: dict[str, Any]) -> IncidentRow | None:
         summary=summary,
         cause=(text(record, "cause") or "") if kind == "audit" else "",
         recipe=recipe_of(record),
+        attempt=integer(record, "attempt") if kind == "loop" else None,
     )
 
 
@@ -251,6 +269,13 @@ class LoopDetail:
     repeats: int | None
     start_offset: int | None  # where the repeats start in the channel's text
     unit: str | None  # the first <= 120 chars of the unit, with store_text only
+    # What was done about it (None: not said, an older detproxy's line; outcome None: pending)
+    action: str | None = None  # retry | abort | observe
+    strategy: str | None = None  # a retry's: restart | continue | close_reasoning
+    outcome: str | None = None  # recovered | looped_again | empty | error | unfinished | ...
+    attempts: int | None = None  # the request's attempts when the outcome was known
+    retry_tokens: int | None = None  # what the retry made the engine generate
+    kept_tokens: int | None = None  # what a continuation kept of the looping attempt
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +450,12 @@ def loop_detail(record: dict[str, Any], row: IncidentRow) -> LoopDetail:
         repeats=integer(record, "repeats"),
         start_offset=integer(record, "start_offset"),
         unit=text(record, "unit_preview"),
+        action=text(record, "action"),
+        strategy=text(record, "strategy"),
+        outcome=text(record, "outcome"),
+        attempts=integer(record, "attempts"),
+        retry_tokens=integer(record, "retry_tokens"),
+        kept_tokens=integer(record, "kept_tokens"),
     )
 
 

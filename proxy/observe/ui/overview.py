@@ -39,6 +39,7 @@ class Inputs:
     upstream: Sequence[str] = ()  # the live upstream's state in words (down, restarts)
     # What the engine loaded: /detproxy/status's ``engine`` object (live), or None
     engine: Mapping[str, Any] | None = None
+    notes: Sequence[str] = ()  # what the counts cover, where the source says (a report's files)
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,7 +304,7 @@ def build_overview(inputs: Inputs, wanted: IncidentFilter) -> Overview:
         for key, n in (counter or {}).items():
             activity[key[0]] += n
     models = sorted(activity, key=lambda m: (-activity[m], m))
-    notes = list(inputs.upstream)
+    notes = [*inputs.upstream, *inputs.notes]
     if wanted.model is not None:
         models = [wanted.model]
     elif len(models) > MAX_MODELS:

@@ -196,20 +196,33 @@ def _row(row: IncidentRow, links: Links) -> str:
     )
     href = esc(links.incident(row.id))
     cause = cause_badge(row.cause) if _triageable(row) else ""
+    # A request's retry can loop too: its attempt tells the rows of one request apart.
+    attempt = "" if row.attempt is None else str(row.attempt)
     return (
         f"<tr{attrs}><td>{_time(row.ts)}</td><td>{esc(row.model)}</td><td>{badge(row.verdict)}</td>"
         f'<td>{esc(row.mode)}</td><td>{cause}</td><td class="sum"><a class="incident-link"'
         f' href="{href}">{esc(row.summary)}</a></td><td class="small">{esc(row.request_id)}</td>'
+        f'<td class="n attempt">{attempt}</td>'
         f'<td class="small">{esc(row.fingerprint[:8])}</td></tr>'
     )
 
 
+LIST_COLUMNS = (
+    "time (UTC)",
+    "model",
+    "verdict",
+    "mode",
+    "cause",
+    "what",
+    "request",
+    "attempt",
+    "upstream",
+)
+
+
 def incident_list(ov: Overview, links: Links) -> str:
     shown = f"{len(ov.rows)} shown of {ov.matching} matching ({ov.recorded} recorded)"
-    head = "".join(
-        f"<th>{h}</th>"
-        for h in ("time (UTC)", "model", "verdict", "mode", "cause", "what", "request", "upstream")
-    )
+    head = "".join(f"<th>{h}</th>" for h in LIST_COLUMNS)
     rows = "".join(_row(r, links) for r in ov.rows)
     empty = "" if ov.rows else '<p class="muted" id="none">No incidents match.</p>'
     return (
@@ -295,9 +308,16 @@ def overview_body(ov: Overview, links: Links) -> str:
             ],
             (False, False, False, False, False),
         )
+    # The summary first (per model: rates, causes, charts), then what the upstream ran, and
+    # the incident list last: a long list must not push the figures out of sight.
+    jump = (
+        f'<p class="small" id="to-list"><a href="#list">the incidents: {ov.matching} matching,'
+        " below</a></p>"
+    )
     return (
-        f'<div id="overview"><h1>Determinism audit</h1>{notes}{engine_section(ov.engine)}'
-        f"{incident_list(ov, links)}{models}{spans}{fingerprint_causes(ov)}</div>"
+        f'<div id="overview"><h1>Determinism audit</h1>{notes}{jump}{models}'
+        f"{fingerprint_causes(ov)}{engine_section(ov.engine)}{spans}"
+        f"{incident_list(ov, links)}</div>"
     )
 
 
@@ -424,6 +444,30 @@ def _cause_cell(cause: str, evidence: dict[str, Any] | None) -> str:
     return cell
 
 
+def _yes_no(value: bool | None) -> str:
+    if value is None:
+        return '<span class="muted">unknown</span>'
+    return "yes" if value else "no"
+
+
+def _done(d: LoopDetail) -> list[tuple[str, str]]:
+    """What the policy did about the loop and how it came out."""
+    if d.action is None:
+        return [("what was done", '<span class="muted">not recorded (an older detproxy)</span>')]
+    outcome = '<span class="muted">pending: the retry is running</span>'
+    if d.outcome is not None:
+        outcome = esc(d.outcome.replace("_", " "))
+    facts = [("action", esc(d.action))]
+    if d.action == "retry":
+        facts.append(("strategy", esc(d.strategy) if d.strategy else _num(None)))
+    facts += [("outcome", outcome), ("attempts of the request", _num(d.attempts))]
+    if d.action == "retry":
+        facts.append(("tokens the retry generated", _num(d.retry_tokens)))
+        if d.kept_tokens:
+            facts.append(("tokens kept from the looping attempt", _num(d.kept_tokens)))
+    return facts
+
+
 def loop_body(d: LoopDetail) -> str:
     row = d.row
     covered = d.period * d.repeats if d.period is not None and d.repeats is not None else None
@@ -434,7 +478,9 @@ def loop_body(d: LoopDetail) -> str:
         ("request id", esc(row.request_id)),
         ("source / channel / choice", f"{esc(d.source)} / {esc(d.channel)} / {_num(d.choice)}"),
         ("attempt", _num(d.attempt)),
-        ("endpoint / stream", f"{esc(d.endpoint)} / {esc(d.stream)}"),
+        *_done(d),
+        ("endpoint", esc(d.endpoint)),
+        ("streamed", _yes_no(d.stream)),
         ("unit length (period)", _num(d.period, " chars")),
         ("repeats", _num(d.repeats)),
         ("loop starts at", _num(d.start_offset, " chars")),

@@ -12,17 +12,17 @@ from typing import Any
 
 import orjson
 
+from proxy.observe.kinds import AUDIT, CAUSE, INCIDENT_KINDS, LOOP, TALLY, UPSTREAM_KINDS
 from proxy.observe.ui.filters import IncidentFilter
-from proxy.observe.ui.incident import KINDS, Detail, detail_of
+from proxy.observe.ui.incident import Detail, detail_of
 from proxy.observe.ui.overview import Inputs, Key3, build_overview
 from proxy.observe.ui.page import new_nonce
 from proxy.observe.ui.render import report_page
 from proxy.observe.ui.timeline import points_from_tallies
 from proxy.tools.report.load import Tally, iter_lines, parse_tally
-from proxy.tools.report.summary import latest_tallies
+from proxy.tools.report.summary import Coverage, coverage_of, iso, latest_tallies
 
 MAX_INCIDENTS = 1000  # pages in one file, the newest
-UPSTREAM_KINDS = ("upstream_change", "upstream_restart", "engine_mismatch")  # of no model
 
 
 @dataclass(slots=True)
@@ -49,18 +49,18 @@ def read_records(paths: Sequence[str]) -> Records:
                 out.skipped += 1
                 continue
             kind = obj.get("kind") if isinstance(obj, dict) else None
-            if kind == "tally":
+            if kind == TALLY:
                 tally = parse_tally(obj)
                 if tally is None:
                     out.skipped += 1
                 else:
                     out.tallies.append(tally)
-            elif kind in KINDS:
+            elif kind in INCIDENT_KINDS:
                 digest = hashlib.blake2b(line, digest_size=16).digest()
                 if digest not in seen:
                     seen.add(digest)
                     out.incidents.append(obj)
-            elif kind == "cause":
+            elif kind == CAUSE:
                 causes.append(obj)
             else:
                 out.skipped += 1
@@ -98,6 +98,25 @@ def _summed(
 def _ts(record: dict[str, Any]) -> float:
     ts = record.get("ts")
     return float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else float("-inf")
+
+
+def _after_note(incidents: Sequence[dict[str, Any]], coverage: Coverage) -> list[str]:
+    """The incidents newer than the tallies: listed, but not yet in the counts and rates."""
+    if coverage.newest is None:
+        return []
+    after = 0
+    for r in incidents:
+        process = r.get("process")
+        if r.get("kind") in (AUDIT, LOOP) and not coverage.counts(
+            _ts(r), process if isinstance(process, str) else ""
+        ):
+            after += 1
+    if not after:
+        return []
+    return [
+        f"{after} incident(s) came after the newest tally ({iso(coverage.newest)}): they are in"
+        " the list, not yet in the counts and rates (the next tally counts them)"
+    ]
 
 
 def html_report(paths: Sequence[str], model_glob: str | None = None) -> str:
@@ -138,6 +157,7 @@ def html_report(paths: Sequence[str], model_glob: str | None = None) -> str:
         readings=(),
         now=None,
         source=", ".join(paths),
+        notes=_after_note(incidents, coverage_of(latest)),
     )
     overview = build_overview(inputs, IncidentFilter(limit=MAX_INCIDENTS))
     details: list[Detail] = [

@@ -16,6 +16,12 @@ from proxy.observe.ui.timeline import Column, Span
 
 UNSTABLE = ("logprob_drift", "text_divergence", "answer_divergence", "incomparable")
 MAX_LOOP_MARKS = 100
+TICK_PX = 10  # the tick labels' font size (CSS .chart .tick)
+# Widths of the labels' characters in ems, a little over those of common sans-serif fonts
+# (the page names no font: the widest it may get); any other character: GLYPH_EM.
+GLYPH_EMS = {".": 0.35, ",": 0.35, ":": 0.35, " ": 0.35, "%": 1.0, "+": 0.75}
+GLYPH_EM = 0.65
+MIN_LEFT = 44  # the plots' left edge when every label is narrower
 
 
 def _clock(ts: float, span: float) -> str:
@@ -31,6 +37,17 @@ def pct(rate: float | None) -> str:
     return "n/a" if rate is None else f"{100 * rate:.2f}%"
 
 
+def label_px(label: str) -> float:
+    """How wide a tick label may be drawn, in px (an upper estimate)."""
+    return TICK_PX * sum(GLYPH_EMS.get(c, GLYPH_EM) for c in label)
+
+
+def left_edge(*labels: str) -> int:
+    """The plot's left edge: room for the widest y-axis label, drawn right-aligned 4 px before
+    it (a narrow fixed margin cut ``100.00%`` off at the chart's left side)."""
+    return max(MIN_LEFT, math.ceil(max(map(label_px, labels), default=0.0)) + 8)
+
+
 def timeline(
     cols: Sequence[Column],
     spans: Sequence[Span],
@@ -40,11 +57,12 @@ def timeline(
 ) -> str:
     """Non-identical audits per column (stacked by verdict), the rate line where identical
     audits are counted too, and under it the upstream's fingerprint band."""
-    width, height, left, top, plot_h, band_h = 760, 210, 44, 10, 130, 22
+    width, height, top, plot_h, band_h = 760, 210, 10, 130, 22
+    peak = max((sum(c.count(v) for v in UNSTABLE) for c in cols), default=0) or 1
+    left = left_edge(str(peak), "0")
     plot_w = width - left - 10
     n = max(len(cols), 1)
     col_w = plot_w / n
-    peak = max((sum(c.count(v) for v in UNSTABLE) for c in cols), default=0) or 1
     rates = [c.rate for c in cols] if with_denominators else []
     rate_peak = max((r for r in rates if r is not None), default=0.0) or 1.0
     out = [
@@ -119,13 +137,14 @@ def timeline(
 def inflight_curve(points: Sequence[InflightPoint]) -> str:
     """Per number of requests in flight at the primary: the non-identical rate (or, without
     denominators, the count of incidents), with the sample size on each bar."""
-    width, height, left, top, plot_h = 760, 170, 44, 14, 120
-    plot_w = width - left - 10
+    width, height, top, plot_h = 760, 170, 14, 120
     known = all(p.comparable is not None for p in points)
     values = [(p.rate or 0.0) if known else float(p.unstable) for p in points]
     peak = max(values, default=0.0) or 1.0
-    bar_w = min(plot_w / max(len(points), 1), 60.0)
     head = pct(peak) if known else f"{peak:.0f}"
+    left = left_edge(head, "0")
+    plot_w = width - left - 10
+    bar_w = min(plot_w / max(len(points), 1), 60.0)
     out = [
         f'<svg class="chart inflight" viewBox="0 0 {width} {height}" role="img"'
         ' aria-label="divergence rate by requests in flight">',

@@ -22,8 +22,10 @@ from typing import Any, TextIO
 import aiohttp
 import orjson
 
+from proxy.config import api_root
 from proxy.engine.fingerprint import FingerprintPoller
 from proxy.events import EventBus
+from proxy.redact import mask_url
 from proxy.tools.diagnose import render
 from proxy.tools.diagnose.experiments import DiagnoseError, Experiments, Settings, Upstream
 from proxy.tools.diagnose.verdicts import decide
@@ -109,6 +111,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.api_key is None:
         args.api_key = next((os.environ[n] for n in API_KEY_ENV if os.environ.get(n)), None)
+    try:  # what serve and probe say of the same URL (.../v1 included)
+        args.upstream = api_root(args.upstream)
+    except ValueError as exc:
+        parser.error(f"--upstream: {exc}")  # the URL not repeated: it may hold a password
     try:
         args.levels = tuple(sorted({int(x) for x in args.concurrency.split(",") if x.strip()}))
         args.extra_body = orjson.loads(args.extra_body)
@@ -201,7 +207,7 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         "max_tokens": args.max_tokens,
         "top_logprobs": primary.top_k,
         "concurrency": list(args.levels),
-        "reference": args.reference,
+        "reference": mask_url(args.reference) if args.reference else None,  # CI logs keep it
     }
     if args.json:
         out.write(render.as_json(diagnosis, engine, shown, recipe) + "\n")

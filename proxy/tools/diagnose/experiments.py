@@ -20,6 +20,7 @@ import orjson
 
 from proxy.audit.outcome import ChoiceOutcome, outcome_from_response
 from proxy.engine import fingerprint
+from proxy.redact import mask_url
 from proxy.tasks import TaskOwner
 from proxy.tools.diagnose.engine import Engine, identify
 from proxy.tools.probe import API_KEY_ENV, BACKGROUND_TOKENS, ProbeError, Vector
@@ -79,6 +80,7 @@ class Upstream:
         self._s = settings
         self._chat = settings.endpoint == "chat"
         self._url = self.base + ("/v1/chat/completions" if self._chat else "/v1/completions")
+        self._shown_base, self._shown = mask_url(self.base), mask_url(self._url)  # in messages
         self._api_key = api_key
         self.top_k = settings.top_logprobs
         self.engine: Engine | None = None
@@ -101,7 +103,8 @@ class Upstream:
                 models = orjson.loads(await resp.read()) if resp.status == 200 else None
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DiagnoseError(f"cannot reach {self.base}: {exc or type(exc).__name__}") from exc
+            why = exc or type(exc).__name__
+            raise DiagnoseError(f"cannot reach {self._shown_base}: {why}") from exc
         except orjson.JSONDecodeError:
             models, status = None, 200
         if status in (401, 403):
@@ -139,7 +142,7 @@ class Upstream:
     def _refused(self, status: int) -> DiagnoseError:
         given = "the API key given was refused" if self._api_key else "no API key"
         return DiagnoseError(
-            f"{self.base} answered {status} ({given}): pass the key the server was started"
+            f"{self._shown_base} answered {status} ({given}): pass the key the server was started"
             f" with (--api-key, or {' or '.join(API_KEY_ENV)})"
         )
 
@@ -161,7 +164,7 @@ class Upstream:
             async with self._http.post(self._url, json=body) as resp:
                 return resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise DiagnoseError(f"cannot reach {self._url}: {exc or type(exc).__name__}") from exc
+            raise DiagnoseError(f"cannot reach {self._shown}: {exc or type(exc).__name__}") from exc
 
     async def negotiate(self, prompt: str) -> int:
         """The largest top-k of (asked, 5, 1, 0) the engine accepts; 0: no logprobs at all."""
@@ -175,7 +178,7 @@ class Upstream:
             if status != 400:
                 break
         raise DiagnoseError(
-            f"{self._url} answered {status}: {payload[:300].decode(errors='replace')}"
+            f"{self._shown} answered {status}: {payload[:300].decode(errors='replace')}"
         )
 
     async def ask(self, prompt: str, max_tokens: int, extra: dict[str, Any]) -> Answer:
@@ -184,15 +187,15 @@ class Upstream:
             raise self._refused(status)
         if status != 200:
             raise DiagnoseError(
-                f"{self._url} answered {status}: {payload[:300].decode(errors='replace')}"
+                f"{self._shown} answered {status}: {payload[:300].decode(errors='replace')}"
             )
         try:
             body = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
-            raise DiagnoseError(f"{self._url} answered something that is not JSON") from exc
+            raise DiagnoseError(f"{self._shown} answered something that is not JSON") from exc
         outcome = outcome_from_response("chat" if self._chat else "completions", body)
         if outcome.error or not outcome.choices:
-            raise DiagnoseError(f"{self._url} answered no choice: {outcome.error or ''}")
+            raise DiagnoseError(f"{self._shown} answered no choice: {outcome.error or ''}")
         return Answer(outcome.choices[0], outcome.prompt_tokens)
 
     async def filler(self, prompt: str, stop: asyncio.Event, cold: Callable[[], Any]) -> None:

@@ -6,6 +6,7 @@ object with the same field names), validated the same way as the config itself.
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 import orjson
@@ -162,7 +163,19 @@ class EmulatorConfig(BaseModel):
 
 def _describe(exc: ValidationError) -> str:
     parts = []
+    unknown = False
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{loc}: {err['msg']}")
+        if err["type"] == "extra_forbidden":
+            unknown = True
+            parts.append(f"{loc}: not a knob{_closest(loc)}")
+        else:
+            parts.append(f"{loc}: {err['msg']}")
+    if unknown:  # a misspelt name: the whole list, as --help lists the flags
+        parts.append("the knobs: " + ", ".join(EmulatorConfig.model_fields))
     return "; ".join(parts)
+
+
+def _closest(name: str) -> str:
+    close = difflib.get_close_matches(name, list(EmulatorConfig.model_fields), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""

@@ -28,8 +28,10 @@ ACTION = {
     "speculative": "switch speculative decoding off, or accept that it is not greedy-equivalent",
     "recipe_change": "check what loaded (detproxy report's engine section, /detproxy/status"
     " engine) against what was declared",
-    "unknown": "supply the missing evidence named on each incident (quiet time, budget, a"
-    " reference upstream) and let triage run again",
+    "unknown": "supply the missing evidence named on each incident (a quiet moment, a longer"
+    " [attribution] max_wait_s or a larger budget, the engine's cached-token count, a reference"
+    " upstream); later incidents of the same request are triaged with it, or run detproxy"
+    " diagnose",
     UNTRIAGED: "raise [attribution] triage_rate or its budgets to reach more incidents",
 }
 

@@ -13,6 +13,7 @@ import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TextIO
 
 import orjson
 
@@ -64,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--html",
         metavar="OUT",
-        help="also write the incident explorer's views to OUT: one self-contained HTML file",
+        help="write the incident explorer's views to OUT (one self-contained HTML file) and say"
+        " where, instead of the text report (--json or --markdown still print theirs)",
     )
     return p
 
@@ -113,6 +115,24 @@ def default_logs(config: str | None, env: Mapping[str, str]) -> list[str]:
     return files
 
 
+def write_html(out: str, files: list[str], model_glob: str | None, say: TextIO) -> int:
+    """Write the explorer's views to ``out`` and say where in one line to ``say``; the exit
+    status."""
+    try:
+        page = html_report(files, model_glob)
+    except LogReadError as exc:
+        print(f"detproxy report: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with open(out, "w", encoding="utf-8") as sink:
+            sink.write(page)
+    except OSError as exc:
+        print(f"detproxy report: cannot write {out}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"detproxy report: wrote {os.path.abspath(out)} (opens offline in a browser)", file=say)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -131,17 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = build_report(data, args.files, args.model, args.top)
     if args.html is not None:
-        try:
-            page = html_report(args.files, args.model)
-        except LogReadError as exc:
-            print(f"detproxy report: {exc}", file=sys.stderr)
-            return 2
-        try:
-            with open(args.html, "w", encoding="utf-8") as sink:
-                sink.write(page)
-        except OSError as exc:
-            print(f"detproxy report: cannot write {args.html}: {exc.strerror}", file=sys.stderr)
-            return 2
+        # With --json or --markdown, stdout is theirs: the line saying where goes to stderr.
+        printing = args.json or args.markdown
+        status = write_html(
+            args.html, args.files, args.model, sys.stderr if printing else sys.stdout
+        )
+        if status or not printing:
+            return status
     if args.json:
         out = orjson.dumps(report, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
         sys.stdout.write(out + "\n")

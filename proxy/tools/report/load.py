@@ -14,8 +14,10 @@ from typing import Any
 
 import orjson
 
+from proxy.observe.kinds import LINE_KINDS, UPSTREAM_CHANGE
+
 GZIP_MAGIC = b"\x1f\x8b"
-KNOWN_KINDS = ("audit", "loop", "tally", "cause", "engine_mismatch", "upstream_restart")
+KNOWN_KINDS = LINE_KINDS
 
 Key3 = tuple[str, str, str]
 
@@ -45,6 +47,7 @@ class AuditLine:
     cause_evidence: dict[str, Any] | None = None
     fingerprint: str = ""  # the upstream's fingerprint when it was measured ("" unknown)
     recipe: str = ""  # the digest of what the engine loaded then ("" unknown)
+    process: str = ""  # the detproxy process that wrote it (its tallies' id; "" not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +83,12 @@ class RestartLine:
 
 @dataclass(frozen=True, slots=True)
 class LoopLine:
-    ts: float
+    ts: float  # when it was detected
     request_id: str
     model: str
     channel: str
     source: str
+    process: str = ""  # the detproxy process that wrote it ("" not said)
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +204,7 @@ def parse_audit(obj: dict[str, Any]) -> AuditLine | None:
         cause_evidence=evidence if isinstance(evidence, dict) else None,
         fingerprint=_str(upstream.get("fingerprint")) or "",
         recipe=_str(upstream.get("recipe")) or "",
+        process=_str(obj.get("process")) or "",
     )
 
 
@@ -268,7 +273,8 @@ def parse_loop(obj: dict[str, Any]) -> LoopLine | None:
     source = _str(obj.get("source"))
     if ts is None or model is None or channel is None or source is None:
         return None
-    return LoopLine(ts, _str(obj.get("request_id")) or "", model, channel, source)
+    request_id, process = _str(obj.get("request_id")) or "", _str(obj.get("process")) or ""
+    return LoopLine(ts, request_id, model, channel, source, process)
 
 
 def parse_tally(obj: dict[str, Any]) -> Tally | None:
@@ -332,7 +338,7 @@ def read_into(data: LogData, path: str, seen: set[bytes]) -> None:
             data.malformed += 1
             continue
         kind = obj.get("kind")
-        if kind == "upstream_change":
+        if kind == UPSTREAM_CHANGE:  # counted, not summarised here
             data.upstream_changes += 1
             continue
         if kind not in KNOWN_KINDS:

@@ -110,10 +110,7 @@ def _counts(sec: dict[str, Any]) -> list[Block]:
     logged = sec["incident_lines"]["audit"]
     if sec["counts_from"] == "tally":
         column = "audits"
-        lead = (
-            f"{plural(total, 'audit')}, counted by the tallies; the log holds a line for each one"
-            f" that was not identical ({logged} here)."
-        )
+        lead = _tallied_lead(sec, total, logged)
     else:
         column = "lines"
         lead = (
@@ -126,6 +123,25 @@ def _counts(sec: dict[str, Any]) -> list[Block]:
     if legend:
         out.append(Para(f"Modes: {legend}."))
     return out
+
+
+def _tallied_lead(sec: dict[str, Any], total: int, logged: int) -> str:
+    """The audits the tallies counted, and how the incident lines read stand against them."""
+    unstable = total - sec["verdicts"].get("identical", 0)
+    lead = f"{plural(total, 'audit')}, counted by the tallies; {unstable} of them not identical"
+    if logged == unstable:
+        lead += ": each of those has its incident line here."
+    elif logged < unstable:
+        lead += (
+            f": {logged} of their incident lines are here (the others are in files not read,"
+            " or rotated away)."
+        )
+    else:
+        lead += f", yet {logged} incident lines here are within the tallies' time (see the notes)."
+    after = sec.get("lines_after_tallies", {}).get("audit", 0)
+    if after:
+        lead += f" {plural(after, 'audit line')} came after the newest tally: not counted here yet."
+    return lead
 
 
 def _rates(sec: dict[str, Any]) -> list[Block]:
@@ -422,9 +438,45 @@ def _header(report: dict[str, Any]) -> list[Block]:
         if first[:10] == last[:10]:
             last = last[11:]
         out.append(Para(f"From {first} to {last} UTC."))
+    coverage = report.get("coverage")
+    if coverage is not None:
+        out.append(Para(_coverage(coverage)))
     if report["model_filter"] is not None:
         out.append(Para(f"Models matching: {report['model_filter']}"))
     return out
+
+
+def _coverage(coverage: dict[str, Any]) -> str:
+    """Which period the counts cover, and what came after it (a live log's newest lines)."""
+    tallies = coverage["tallies"]
+    if not tallies:
+        return (
+            "Counts: of incident lines only (no tally in these files: identical audits have no"
+            " line, so there are no shares)."
+        )
+    if len(tallies) == 1:
+        (only,) = tallies
+        text = (
+            f"Counts and shares are the tally's of {when(only['last'])} UTC (detproxy process"
+            f" {only['process'][:8]}, started {when(only['started'])} UTC): every audit up to"
+            " then, identical ones too, and the incident lines up to then."
+        )
+    else:
+        text = (
+            f"Counts and shares are the tallies' of {len(tallies)} detproxy processes, each up"
+            f" to its newest tally (the latest at {when(coverage['until'])} UTC), and the"
+            " incident lines up to then."
+        )
+    after = coverage["after_tallies"]
+    if not coverage["tally_behind"]:
+        return text + " No incident line read is newer."
+    parts = [plural(after["audit"], "audit line"), plural(after["loop"], "loop line")]
+    newest = coverage["newest_line"]
+    return text + (
+        f" {' and '.join(p for p in parts if not p.startswith('0 '))} came after (the newest at"
+        f" {when(newest) if newest else 'n/a'} UTC): not in the counts or shares yet (the next"
+        " tally counts them), only among the worst items."
+    )
 
 
 def blocks(report: dict[str, Any]) -> list[Block]:
@@ -462,7 +514,9 @@ def blocks(report: dict[str, Any]) -> list[Block]:
     else:
         out.append(Para("None."))
     worst = report["worst"]
-    out.append(Heading(f"Worst items ({len(worst)}, most serious first)", 2))
+    later = sum(1 for w in worst if not w.get("counted", True))
+    after = f"; {later} after the newest tally" if later else ""
+    out.append(Heading(f"Worst items ({len(worst)}, most serious first{after})", 2))
     out += _worst(worst, len(models) == 1)
     notes = [n for n in report["notes"] if not n.startswith(IGNORED_NOTE)]  # in the header
     if notes:

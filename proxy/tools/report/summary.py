@@ -1,21 +1,32 @@
 """From the records of incident logs to one report (a plain dict: what ``--json`` prints).
 
 Denominators come from tallies: for each process its last tally line (highest ``ts``), summed
-over processes. Positions, deltas and the worst items come from the audit lines read.
+over processes. A tally counts what its process saw up to its ``ts``; on a live log the newest
+incidents come after it. So that every figure covers the same period as the counts (and agrees
+with ``/detproxy/status`` read then), the figures drawn from incident lines (positions, deltas,
+causes, the note on lines against counts) use only the lines a tally has counted: a line of a
+process up to that process's newest tally (a line that names no process, from an older detproxy:
+up to the newest tally of any). The lines after are counted in ``coverage`` and each model's
+``lines_after_tallies``, and stay in the worst items (``counted: false``). Without tallies,
+every line is used.
 
 The ``--json`` object (keys sorted; ``P`` = a proportion ``{count, denominator, of, rate,
 ci_low, ci_high}`` with a 95% Wilson interval, rate and bounds null when the denominator is 0):
 ``schema``, ``files``, ``model_filter``, ``lines {read, audit, loop, tally, upstream_change,
 malformed, unknown_kind, duplicate}`` (they add up to ``read``), ``time_range {first, last} |
-null``, ``processes`` (ids whose last tally counted), ``denominators_known``, ``models {name:
-S}``, ``all_models S``,
+null``, ``processes`` (ids whose last tally counted), ``denominators_known``, ``coverage
+{counts_from (tally|incidents), until (the newest tally's time) | null, tallies [{process,
+started, last}], newest_line | null, after_tallies {audit, loop}, tally_behind (bool: an
+incident line is newer than its process's newest tally)}``, ``models {name: S}``,
+``all_models S``,
 ``shadows_dropped {reason: n} | null``, ``worst [{request_id, model, mode, choice, verdict, index,
 primary_token, shadow_token, margin, delta, ts, time}]``, ``notes [str]``. ``S``: ``counts_from``
 (tally|incidents), ``audited``, ``audited_by_mode`` (null without tallies), ``verdicts``,
 ``verdicts_by_mode``, ``comparable``, ``rates {verdict: P}``, ``tar_r P``, ``tar_a P`` (null
 without tallies, and null with ``tar_a_note`` when no audit line carries an extracted answer),
 ``answers_extracted`` (audit lines with an extracted answer, plus answer divergences),
-``incident_lines {audit, loop}``, ``positions {count, divergent_lines, min, median, p90, max,
+``incident_lines {audit, loop}`` (the lines the figures use: those the tallies counted),
+``lines_after_tallies {audit, loop}``, ``positions {count, divergent_lines, min, median, p90, max,
 histogram [{bucket, count}], near_tie {threshold_nats, count, with_margin, share}}``,
 ``logprob_delta {count, null, p50, p90, p99, max}``, ``loops {counts_from, total,
 by_channel_source}``, ``recovery_strategies {strategy: {retried, recovered, looped_again,
@@ -23,8 +34,9 @@ recovery P, generated_tokens, generated_per_retry, kept_tokens}}`` (null without
 ``policy_actions {by_action, retried, recovered, recovery P, aborts,
 observed} | null``, ``causes {cause: {count, meaning, action}}`` (triage's verdicts on the audit
 lines, SPEC 1.14; ``untriaged`` for those it has not decided) and ``unknown_missing {what: n}``.
-Worst items carry ``cause`` (null: untriaged). ``causes_by_upstream [{fingerprint, recipe,
-causes {cause: n}}]``: the same per upstream the audits were measured on.
+Worst items carry ``cause`` (null: untriaged) and ``counted`` (false: after the tallies).
+``causes_by_upstream [{fingerprint, recipe, causes {cause: n}}]``: the same per upstream the
+audits were measured on.
 ``engine {recipes [digest], mismatches [{ts, time, recipe, fields [{field, declared,
 loaded}]}], loaded {fact: value} | null, restarts {count, last, longest_down_s}}``: what the
 engine loaded (SPEC 1.15), from the ``engine_mismatch`` and ``upstream_restart`` lines and the
@@ -36,6 +48,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from typing import Any
@@ -69,6 +82,28 @@ def latest_tallies(tallies: Iterable[Tally]) -> list[Tally]:
         if prev is None or (t.ts, t.weight) > (prev.ts, prev.weight):
             last[t.process] = t
     return [last[p] for p in sorted(last)]
+
+
+@dataclass(frozen=True, slots=True)
+class Coverage:
+    """Which incident lines the tallies have counted."""
+
+    until: dict[str, float]  # process -> the ts of its newest tally
+    newest: float | None  # the newest tally's ts; None: no tally (every line is used)
+
+    def counts(self, ts: float, process: str) -> bool:
+        """A line at ``ts`` of ``process`` ("" not named) is in the tallies' counts."""
+        if self.newest is None:
+            return True
+        if not process:  # an older detproxy's line: the newest tally of any process
+            return ts <= self.newest
+        last = self.until.get(process)
+        return last is not None and ts <= last
+
+
+def coverage_of(tallies: list[Tally]) -> Coverage:
+    """From each process's newest tally (``latest_tallies``)."""
+    return Coverage({t.process: t.ts for t in tallies}, max((t.ts for t in tallies), default=None))
 
 
 def _sum(tallies: list[Tally], part: Callable[[Tally], dict[Key3, int]]) -> Counter[Key3]:
@@ -166,9 +201,11 @@ def model_section(
     audits: list[AuditLine],
     loops: list[LoopLine],
     tally: tuple[Counter[Key3], ...] | None,
+    after: tuple[int, int] = (0, 0),
 ) -> dict[str, Any]:
-    """One model's (or all models') figures; ``tally``: summed audits, loops, actions,
-    recoveries and recovery tokens."""
+    """One model's (or all models') figures; ``audits`` and ``loops``: the lines the tallies
+    counted (all of them without tallies); ``tally``: summed audits, loops, actions,
+    recoveries and recovery tokens; ``after``: the audit and loop lines after the tallies."""
     strategies: dict[str, Any] | None = None
     if tally is not None:
         by_mode = _nest(((mode, v), n) for (_, mode, v), n in tally[0].items())
@@ -199,6 +236,7 @@ def model_section(
         "tar_r": None,
         "tar_a": None,
         "incident_lines": {"audit": len(audits), "loop": len(loops)},
+        "lines_after_tallies": {"audit": after[0], "loop": after[1]},
         "positions": position_summary(
             [a.index for a in diverged if a.index is not None], [a.margin for a in diverged]
         ),
@@ -293,7 +331,7 @@ def _worst_key(a: AuditLine) -> tuple[Any, ...]:
     return (WORST_RANK[a.verdict], index, -delta, a.ts, a.request_id, a.choice)
 
 
-def worst(audits: list[AuditLine], top: int) -> list[dict[str, Any]]:
+def worst(audits: list[AuditLine], top: int, coverage: Coverage) -> list[dict[str, Any]]:
     ranked = sorted((a for a in audits if a.verdict in WORST_RANK), key=_worst_key)
     return [
         {
@@ -310,9 +348,29 @@ def worst(audits: list[AuditLine], top: int) -> list[dict[str, Any]]:
             "cause": a.cause,
             "ts": a.ts,
             "time": iso(a.ts),
+            "counted": coverage.counts(a.ts, a.process),
         }
         for a in ranked[:top]
     ]
+
+
+def coverage_section(
+    tallies: list[Tally], coverage: Coverage, audits: list[AuditLine], loops: list[LoopLine]
+) -> dict[str, Any]:
+    """What the counts cover: the tallies they come from, and the incident lines after them."""
+    after_audits = sum(1 for a in audits if not coverage.counts(a.ts, a.process))
+    after_loops = sum(1 for lp in loops if not coverage.counts(lp.ts, lp.process))
+    stamps = [a.ts for a in audits] + [lp.ts for lp in loops]
+    return {
+        "counts_from": "tally" if tallies else "incidents",
+        "until": iso(coverage.newest) if coverage.newest is not None else None,
+        "tallies": [
+            {"process": t.process, "started": iso(t.started), "last": iso(t.ts)} for t in tallies
+        ],
+        "newest_line": iso(max(stamps)) if stamps else None,
+        "after_tallies": {"audit": after_audits, "loop": after_loops},
+        "tally_behind": bool(after_audits or after_loops),
+    }
 
 
 def _notes(data: LogData, tallies: list[Tally], sections: dict[str, dict[str, Any]]) -> list[str]:
@@ -328,14 +386,16 @@ def _notes(data: LogData, tallies: list[Tally], sections: dict[str, dict[str, An
             " tallies), so no rates; the counts are of incident lines"
         )
         return notes
-    seen = Counter((a.model, a.verdict) for a in data.audits)
+    coverage = coverage_of(tallies)
+    seen = Counter((a.model, a.verdict) for a in data.audits if coverage.counts(a.ts, a.process))
     for model, sec in sections.items():
         for verdict in sec["verdicts"]:
             lines, counted = seen[(model, verdict)], sec["verdicts"][verdict]
             if lines > counted:
                 notes.append(
-                    f"{model}: {lines} {verdict} incident line(s) but the tallies count {counted}"
-                    " (a tally predates later incidents, or a process wrote none)"
+                    f"{model}: {lines} {verdict} incident line(s) up to the tallies' time but"
+                    f" the tallies count {counted} (lines of another log, or of a process whose"
+                    " tallies are not in these files)"
                 )
     return notes
 
@@ -352,9 +412,12 @@ def build_report(
     def keep(model: str) -> bool:
         return model_glob is None or fnmatchcase(model, model_glob)
 
-    audits = [a for a in data.audits if keep(a.model)]
-    loops = [lp for lp in data.loops if keep(lp.model)]
+    every_audit = [a for a in data.audits if keep(a.model)]
+    every_loop = [lp for lp in data.loops if keep(lp.model)]
     tallies = latest_tallies(data.tallies)
+    coverage = coverage_of(tallies)
+    audits = [a for a in every_audit if coverage.counts(a.ts, a.process)]
+    loops = [lp for lp in every_loop if coverage.counts(lp.ts, lp.process)]
     summed = (
         _sum(tallies, lambda t: t.audits),
         _sum(tallies, lambda t: t.loops),
@@ -363,7 +426,9 @@ def build_report(
         _sum(tallies, lambda t: t.recovery_tokens),
     )
     models = sorted(
-        {a.model for a in audits} | {lp.model for lp in loops} | {k[0] for c in summed for k in c}
+        {a.model for a in every_audit}
+        | {lp.model for lp in every_loop}
+        | {k[0] for c in summed for k in c}
     )
     models = [m for m in models if keep(m)]
 
@@ -373,7 +438,12 @@ def build_report(
         if tallies:
             tally = tuple(Counter({k: n for k, n in c.items() if pick(k[0])}) for c in summed)
         mine = [a for a in audits if pick(a.model)]
-        return model_section(mine, [lp for lp in loops if pick(lp.model)], tally)
+        my_loops = [lp for lp in loops if pick(lp.model)]
+        after = (
+            sum(1 for a in every_audit if pick(a.model)) - len(mine),
+            sum(1 for lp in every_loop if pick(lp.model)) - len(my_loops),
+        )
+        return model_section(mine, my_loops, tally, after)
 
     sections = {m: section(m) for m in models}
     dropped: Counter[str] = Counter()
@@ -399,10 +469,11 @@ def build_report(
         "time_range": _time_range(data),
         "processes": [t.process for t in tallies],
         "denominators_known": bool(tallies),
+        "coverage": coverage_section(tallies, coverage, every_audit, every_loop),
         "models": sections,
         "all_models": section(None),
         "shadows_dropped": dict(sorted(dropped.items())) if tallies else None,
-        "worst": worst(audits, top),
+        "worst": worst(every_audit, top, coverage),
         "engine": engine_section(data),
         "causes_by_upstream": causes_by_upstream(audits),
         "notes": _notes(data, tallies, sections),

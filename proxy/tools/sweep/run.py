@@ -15,6 +15,7 @@ from proxy.engine.fingerprint import FingerprintPoller
 from proxy.engine.follow import moved
 from proxy.engine.identity import Fingerprint
 from proxy.events import EventBus
+from proxy.redact import mask_url
 from proxy.tools.sweep.load import Clock, RequestRecord, Target, Window, run_window, stream_request
 from proxy.tools.sweep.recipe import RecipeReader
 from proxy.tools.sweep.stats import SCHEMA, level_summary, warnings_for
@@ -143,7 +144,7 @@ async def _sweep(
     warnings = warnings_for(levels, fingerprint, config.spread_warn)
     return {
         "schema": SCHEMA,
-        "upstream": target.base_url,
+        "upstream": mask_url(target.base_url),  # a result file is shared: no password
         "model": target.model,
         "started_at": started.isoformat(timespec="seconds"),
         "elapsed_s": round(clock() - t0, 3),

@@ -6,8 +6,8 @@ from typing import Any
 
 from policies.base import Trigger
 from proxy.audit.verdict import Divergence, Verdict
-from proxy.events import AuditCompleted, LoopDetected
-from proxy.observe.incidents import audit_incident, loop_incident
+from proxy.events import AuditCompleted, LoopDetected, PolicyActed
+from proxy.observe.incidents import acted, audit_incident, loop_incident
 
 UPSTREAM = {"fingerprint": "0123456789abcdef", "kind": "vllm", "version": "0.17.1", "models": []}
 
@@ -76,10 +76,22 @@ def loop(
     period: int = 35,
     repeats: int = 6,
     start_offset: int = 20,
+    attempt: int = 1,
+    action: str = "",
+    outcome: str | None = None,
+    strategy: str = "",
+    retry_tokens: int | None = None,
 ) -> dict[str, Any]:
+    """A loop as detected (``action``: what was decided), with ``outcome`` as the policy's
+    ``PolicyActed`` gives it where known."""
     trigger = Trigger("proxy", "content", 0, period, repeats, start_offset, unit)
-    ev = LoopDetected(rid, model, "chat", True, 1, trigger, ts)
-    return loop_incident(ev, store_text=unit is not None)
+    ev = LoopDetected(rid, model, "chat", True, attempt, trigger, ts, action)
+    record = loop_incident(ev, store_text=unit is not None)
+    if outcome is not None:
+        attempts = attempt + 1 if action == "retry" else attempt
+        acted(record, PolicyActed(rid, model, action, outcome, attempts, strategy))
+        record["retry_tokens"] = retry_tokens
+    return record
 
 
 def change(

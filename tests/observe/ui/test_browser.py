@@ -187,3 +187,31 @@ async def test_a_browser_logs_in_with_the_admin_token_and_out(
         assert await page.js("location.pathname") == "/detproxy/login", "log-out went elsewhere"
         await page.goto(ui)
         assert await page.js("location.pathname") == "/detproxy/login", "still logged in"
+
+
+async def test_no_chart_label_is_cut_off_at_the_left(tmp_path: Path) -> None:
+    """A rate of 100% by requests in flight: its label ``100.00%`` is drawn inside the chart."""
+    log = tmp_path / "incidents.jsonl"
+    line = {
+        "kind": "tally",
+        "process": "p1",
+        "started": 1_700_000_000.0,
+        "ts": 1_700_000_060.0,
+        "audits": {"m": {"full": {"text_divergence": 3}}},
+        "audits_by_inflight": {"m": {"1": {"text_divergence": 3}}},
+        "loops": {},
+        "policy_actions": {},
+        "shadows_dropped": {},
+    }
+    log.write_text(json.dumps(line) + "\n")
+    out = tmp_path / "report.html"
+    assert report_main(["--html", str(out), str(log)]) == 0
+    async with chromium(tmp_path / "profile") as page:
+        await page.goto(out.as_uri())
+        boxes = await page.js(
+            "[...document.querySelectorAll('svg.chart text.tick')]"
+            ".map(t => [t.textContent, t.getBBox().x])"
+        )
+        assert ["100.00%"] in [[text] for text, _ in boxes], boxes
+        cut = [(text, x) for text, x in boxes if x < 0]
+        assert cut == [], f"labels drawn left of their chart: {cut}"

@@ -82,3 +82,54 @@ def test_links_point_at_the_live_pages_or_at_anchors_in_a_file() -> None:
     row_id = ov.rows[0].id
     assert f'href="/detproxy/ui/incident/{row_id}"' in overview_page(ov, Links(), "N")
     assert f'href="#i-{row_id}"' in overview_page(ov, Links(base=None), "N")
+
+
+def test_a_loop_page_says_what_was_done_and_how_it_came_out() -> None:
+    record = loop(action="retry", strategy="continue", outcome="recovered", retry_tokens=120)
+    detail = detail_of(record)
+    assert detail is not None
+    facts = dict(
+        re.findall(
+            r"<tr><th>([^<]*)</th><td>(.*?)</td></tr>", incident_page(detail, Links(), "N", "live")
+        )
+    )
+    assert (facts["action"], facts["strategy"], facts["outcome"]) == (
+        "retry",
+        "continue",
+        "recovered",
+    )
+    assert (facts["attempts of the request"], facts["tokens the retry generated"]) == ("2", "120")
+    # A boolean as a person reads it, not Python's repr.
+    assert facts["streamed"] == "yes" and "False" not in facts.values()
+    pending = detail_of(loop(action="retry"))
+    assert pending is not None
+    assert "pending: the retry is running" in incident_page(pending, Links(), "N", "live")
+    older = detail_of(loop())  # a line of a detproxy that did not say what it did
+    assert older is not None
+    assert "not recorded (an older detproxy)" in incident_page(older, Links(), "N", "live")
+
+
+def test_the_list_tells_a_requests_attempts_apart() -> None:
+    first = loop("r1", ts=100.0, action="retry", outcome="looped_again", strategy="restart")
+    second = loop("r1", ts=101.0, attempt=2, action="abort", outcome="attempts_exhausted")
+    ov = build_overview(
+        Inputs([second, first], None, None, None, None, (), (), None, "x"), IncidentFilter()
+    )
+    page = overview_page(ov, Links(), "N")
+    head = re.search(r'<table id="incidents"><thead><tr>(.*?)</tr>', page)
+    assert head is not None and "<th>attempt</th>" in head[1]
+    attempts = re.findall(r'<td class="n attempt">(\d*)</td>', page)
+    assert attempts == ["2", "1"]
+    assert "retry (restart): looped again" in page and "abort: attempts exhausted" in page
+
+
+def test_the_overview_leads_with_the_summary_and_lists_incidents_after() -> None:
+    records = [audit(f"r{i}", ts=1_700_000_000.0 + i) for i in range(120)]
+    tally = {("m1", "full", "identical"): 900, ("m1", "full", "text_divergence"): 120}
+    ov = build_overview(Inputs(records, tally, {}, {}, None, (), (), None, "x"), IncidentFilter())
+    page = overview_page(ov, Links(), "N")
+    summary, charts = page.index('<section class="model"'), page.index('<svg class="chart')
+    listing = page.index('<h2 id="list">')
+    assert summary < charts < listing, "the incident list comes before the summary"
+    assert "Non-identical rate: 11.76%" in page[:listing]
+    assert page.index('href="#list"') < summary  # a way down to the list, at the top

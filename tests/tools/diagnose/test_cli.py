@@ -141,6 +141,8 @@ def cli(*argv: str) -> subprocess.CompletedProcess[str]:
         (("--upstream", "http://127.0.0.1:1"), "--model"),
         (("--model", "m", "--upstream", "http://x", "--concurrency", "a"), "--concurrency"),
         (("--model", "m", "--upstream", "http://x", "--runs", "1"), "--runs"),
+        # An openai SDK base URL: serve's hint, not ".../v1/v1/... answered 404".
+        (("--model", "m", "--upstream", "http://127.0.0.1:1/v1"), "ends in /v1"),
     ],
 )
 def test_usage_errors_exit_2(argv: tuple[str, ...], says: str) -> None:

@@ -71,6 +71,14 @@ def test_knobs_header_validation() -> None:
         cfg.with_knobs_header('{"token_latency_s": -1}')
 
 
+def test_a_misspelt_knob_is_named_with_every_valid_one() -> None:
+    with pytest.raises(KnobsError) as exc:
+        EmulatorConfig().with_knobs_header('{"flip_prob": 1}')
+    said = str(exc.value)
+    assert "flip_prob: not a knob (did you mean flip_probability?)" in said, said
+    assert all(name in said for name in EmulatorConfig.model_fields), said
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.text(max_size=40), st.integers(0, 300), st.integers(0, 2**63))
 def test_drift_keeps_a_greedy_argmax_and_is_gpu_sized(prompt: str, pos: int, seed: int) -> None:

@@ -46,9 +46,9 @@ def logs(tmp_path: Path) -> list[Path]:
     current = write(
         tmp_path / "incidents.jsonl",
         [
-            tally(
+            tally(  # each process's newest tally: after every incident line below
                 "p1",
-                300.0,
+                2000.0,
                 QWEN_TALLY,
                 loops={
                     "qwen3-8b": {"reasoning": {"proxy": 3, "runaway": 1}, "content": {"engine": 1}}
@@ -61,7 +61,7 @@ def logs(tmp_path: Path) -> list[Path]:
                 },
                 shadows_dropped={"queue_full": 2, "rate": 1},
             ),
-            tally("p2", 250.0, P2_TALLY, shadows_dropped={"queue_full": 4}),
+            tally("p2", 1950.0, P2_TALLY, shadows_dropped={"queue_full": 4}),
             audit("a1", "text_divergence", ts=1000, index=0, margin=0.02, delta=0.5),
             audit("a2", "text_divergence", ts=1001, index=2, margin=0.3, delta=1.25),
             audit("a3", "text_divergence", ts=1002, index=17, margin=0.05, delta=None),
@@ -340,19 +340,20 @@ def test_without_tallies(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert "3 audit lines" not in text and "2 audit lines (no tally in the log" in text
 
 
-def test_tally_behind_incidents_is_noted(
+def test_a_line_within_the_tallies_time_that_they_do_not_count_is_noted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write(
         tmp_path / "incidents.jsonl",
         [
             tally("p1", 10, {"m": {"full": {"identical": 3}}}),
-            audit("x1", "text_divergence", ts=11, model="m", index=1),
+            audit("x1", "text_divergence", ts=9, model="m", index=1),
         ],
     )
     report = run_json(capsys, str(path))
     assert any(
-        "1 text_divergence incident line(s) but the tallies count 0" in n for n in report["notes"]
+        "1 text_divergence incident line(s) up to the tallies' time but the tallies count 0" in n
+        for n in report["notes"]
     )
 
 
