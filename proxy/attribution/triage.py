@@ -56,7 +56,7 @@ from proxy.tasks import TaskOwner
 log = logging.getLogger(__name__)
 
 _READINGS = 256  # identity readings kept to say which identity a past run ran on
-_CASES_PER_EXPERIMENT = 1024  # incidents one experiment explains at most (bounded memory)
+CASES_PER_EXPERIMENT = 1024  # incidents one experiment explains at most (bounded memory)
 _KEPT_EXPERIMENTS = 256  # finished experiments kept for reuse_s, newest last
 _BUDGET_POLL_S = 1.0  # how often a waiting experiment looks at the token budget again
 
@@ -232,7 +232,9 @@ class Triage:
         if running is not None and running.key == key and self._joins(running, case):
             return
         waiting = self._waiting.get(key)
-        if waiting is not None and self._joins(waiting, case):
+        if waiting is not None:
+            if not self._joins(waiting, case):  # it holds all it may: this one does not fit
+                self._give_up(case, "queue_full", "triage budget: queue_full")
             return
         if len(self._waiting) >= self._config.queue_size:
             self._give_up(case, "queue_full", "triage budget: queue_full")
@@ -241,7 +243,7 @@ class Triage:
         self._wake.set()
 
     def _joins(self, experiment: _Experiment, case: TriageCase) -> bool:
-        if len(experiment.cases) >= _CASES_PER_EXPERIMENT:
+        if len(experiment.cases) >= CASES_PER_EXPERIMENT:
             return False
         if experiment.started and not self._covers(experiment.limit, case):
             return False

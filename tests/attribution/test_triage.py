@@ -14,7 +14,7 @@ import pytest
 
 from proxy.attribution.case import Diverged, TriageCase
 from proxy.attribution.experiments import run_experiments
-from proxy.attribution.triage import Triage
+from proxy.attribution.triage import CASES_PER_EXPERIMENT, Triage
 from proxy.audit.outcome import ChoiceOutcome, Outcome, TokenLogprob
 from proxy.audit.shadow import wait_quiet
 from proxy.config import AttributionConfig, AuditConfig
@@ -402,3 +402,13 @@ async def test_the_token_budget_counts_replays_cut_short_at_their_limit() -> Non
     await eventually(lambda: len(causes(seen_whole)) == 1, interval_s=0.005, what="a cause")
     await whole.close()
     assert drops(seen_whole) == ["token_budget"]
+
+
+async def test_an_experiment_full_of_incidents_keeps_them_and_refuses_the_next() -> None:
+    t, seen = triage(Scripted(lambda n: "b"))
+    same = case(0)
+    for i in range(CASES_PER_EXPERIMENT + 1):
+        t.offer(replace(same, request_id=f"d{i}"))
+    assert drops(seen) == ["queue_full"]
+    assert t.status()["waiting_incidents"] == CASES_PER_EXPERIMENT and t.queued == 1
+    await t.close()
