@@ -49,7 +49,7 @@ class AuditTicket:
     inflight: int
     authorization: str | None
     started: float
-    cold_salt: bool  # the client's own cache_salt, never sent before: the primary ran cold
+    cold_salt: bool = False  # the client's own cache_salt, never sent before: it ran cold
 
     def __init__(  # noqa: PLR0913 (one argument per field)
         self,
