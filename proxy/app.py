@@ -26,6 +26,7 @@ from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.config import Settings, UpstreamConfig
 from proxy.engine.fingerprint import FingerprintPoller
 from proxy.engine.follow import EngineLogFollower, EngineTruth
+from proxy.engine.invariance import BatchInvarianceCheck
 from proxy.engine.load import UpstreamLoad
 from proxy.events import EventBus
 from proxy.forward import Forwarder
@@ -69,6 +70,7 @@ class Runtime:
     recovery_budget: RecoveryBudget
     engine: EngineTruth | None = None  # what the engine says it loaded, against [upstream.expect]
     triage: Triage | None = None  # follow-up experiments on divergent audits: their causes
+    invariance: BatchInvarianceCheck | None = None  # declared batch invariance, checked
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -132,8 +134,11 @@ def _triage(
     forwarder: Forwarder,
     scheduler: ShadowScheduler | None,
 ) -> Triage | None:
-    """Triage needs shadows to follow (it reads their divergences) and a rate above 0."""
-    if scheduler is None or settings.attribution.triage_rate <= 0:
+    """Triage needs divergences to follow (shadows', or the passive duplicate checks') and a
+    rate above 0."""
+    if settings.attribution.triage_rate <= 0:
+        return None
+    if scheduler is None and not settings.audit.passive_checks:
         return None
     audit = settings.audit
     load = UpstreamLoad(session, settings.upstream.url)
@@ -146,9 +151,48 @@ def _triage(
         reference=reference,
         scheduler=scheduler,
         upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
+        engine_running=load.running,
+        sees_all=settings.server.workers == 1,
     )
     triage.subscribe(bus)
     return triage
+
+
+def _invariance(  # noqa: PLR0913 (what it reuses of the app, one argument each)
+    settings: Settings,
+    session: aiohttp.ClientSession,
+    upstream: Upstream,
+    bus: EventBus,
+    forwarder: Forwarder,
+    engine: EngineTruth,
+    *,
+    poller: FingerprintPoller | None,
+    scheduler: ShadowScheduler | None,
+    triage: Triage | None,
+) -> BatchInvarianceCheck | None:
+    """Only where ``[upstream.expect] batch_invariant = true`` is declared."""
+    if settings.upstream.expect.batch_invariant is not True:
+        return None
+    audit = settings.audit
+    load = UpstreamLoad(session, settings.upstream.url)
+
+    def busy() -> bool:
+        return (scheduler is not None and scheduler.running > 0) or (
+            triage is not None and triage.running
+        )
+
+    check = BatchInvarianceCheck(
+        engine,
+        upstream,
+        forwarder,
+        audit,
+        settings.attribution,
+        follows_identity=poller is not None,
+        busy=busy,
+        upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
+    )
+    check.subscribe(bus)
+    return check
 
 
 def _shown_target(settings: Settings) -> str:
@@ -270,6 +314,7 @@ class _Lifetime:
             self.auditor_ctx,
             self.scheduler_ctx,
             self.triage_ctx,
+            self.invariance_ctx,
             self.fingerprint_ctx,
             self.tally_ctx,
             self.budget_sync_ctx,
@@ -343,7 +388,20 @@ class _Lifetime:
             poller = FingerprintPoller(
                 session, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
             )
-        app[RUNTIME] = Runtime(forwarder, scheduler, auditor, poller, self.budget, engine, triage)
+        invariance = _invariance(
+            settings,
+            session,
+            target,
+            bus,
+            forwarder,
+            engine,
+            poller=poller,
+            scheduler=scheduler,
+            triage=triage,
+        )
+        app[RUNTIME] = Runtime(
+            forwarder, scheduler, auditor, poller, self.budget, engine, triage, invariance
+        )
         yield
 
     async def auditor_ctx(self, app: web.Application) -> AsyncIterator[None]:
@@ -367,6 +425,14 @@ class _Lifetime:
         yield
         if triage is not None:
             await triage.close()
+
+    async def invariance_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        check = app[RUNTIME].invariance
+        if check is not None:
+            check.start()
+        yield
+        if check is not None:
+            await check.close()
 
     async def fingerprint_ctx(self, app: web.Application) -> AsyncIterator[None]:
         poller = app[RUNTIME].fingerprint

@@ -1,6 +1,8 @@
 """Triage: which divergent audits get follow-up experiments, when, and at what cost.
 
-The auditor offers each shadow that diverged (``offer``). A share (``triage_rate``) is taken.
+The auditor offers each shadow that diverged, and each duplicate request whose answer
+differed from the earlier one's (``offer``; mode ``duplicate``, the earlier answer known by
+its digests, its replays run whole). A share (``triage_rate``) is taken.
 One experiment explains every incident of the same request on the same recipe (the request
 less its ``cache_salt``, the upstream's identity when the primary ran): a case joins the
 experiment that is waiting or running for it, or reads the replays of one that ran within
@@ -45,7 +47,14 @@ from proxy.attribution.experiments import (
     run_experiments,
 )
 from proxy.audit.outcome import outcome_from_response
-from proxy.audit.shadow import ProxyLoad, ShadowScheduler, TokenBucket, replay, wait_quiet
+from proxy.audit.shadow import (
+    ProxyLoad,
+    Replayed,
+    ShadowScheduler,
+    TokenBucket,
+    replay,
+    wait_quiet,
+)
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.engine.identity import Fingerprint
 from proxy.events import CauseAttributed, EventBus, TriageDropped, UpstreamFingerprinted
@@ -59,6 +68,7 @@ _READINGS = 256  # identity readings kept to say which identity a past run ran o
 CASES_PER_EXPERIMENT = 1024  # incidents one experiment explains at most (bounded memory)
 _KEPT_EXPERIMENTS = 256  # finished experiments kept for reuse_s, newest last
 _BUDGET_POLL_S = 1.0  # how often a waiting experiment looks at the token budget again
+_ENGINE_READ_AFTER_S = 0.02  # a replay's company is read this long after it was sent
 
 Key = tuple[str, str, str | None]  # (mode, the request less its salt, upstream identity)
 
@@ -96,6 +106,8 @@ class Triage:
         reference: Upstream | None = None,
         scheduler: ShadowScheduler | None = None,
         upstream_running: Callable[[], Awaitable[int | None]] | None = None,
+        engine_running: Callable[[], Awaitable[int | None]] | None = None,
+        sees_all: bool = True,
         rng: random.Random | None = None,
     ) -> None:
         self._config = config
@@ -106,6 +118,12 @@ class Triage:
         self._load = load
         self._scheduler = scheduler
         self._upstream_running = upstream_running
+        # The engine's own count of requests running (vLLM, llama-server --metrics), read
+        # while each replay runs: what detproxy does not see (other workers, other clients)
+        # shares a batch too. ``sees_all``: this process is the engine's only detproxy
+        # client (one worker), so its own counts can say "alone" where the engine cannot.
+        self._engine_running = engine_running
+        self._sees_all = sees_all
         self._rng = rng or random.Random()
         self._waiting: OrderedDict[Key, _Experiment] = OrderedDict()  # in the order they came
         self._wake = asyncio.Event()
@@ -193,7 +211,8 @@ class Triage:
 
     def _key(self, case: TriageCase) -> Key:
         """The same request on the same recipe: the salt is left out (triage sets its own on
-        every replay, so the client's changes nothing the experiment measures)."""
+        every replay, so the client's changes nothing the experiment measures). The mode is
+        kept: a duplicate's replays run whole, a shadow's may be cut short."""
         body = {k: v for k, v in case.body.items() if k != "cache_salt"}
         return (case.mode, canonical_request_key(body), self._identity_at(case.primary_at))
 
@@ -298,9 +317,11 @@ class Triage:
         return value if isinstance(value, bool) else None
 
     def _audit_runs(self, case: TriageCase) -> list[Observed]:
-        return observed_of_audit(
-            case, self._identity_at(case.primary_at), self._identity_at(case.shadow_at)
-        )
+        other_at: float | None = case.shadow_at
+        if case.earlier is not None:
+            other_at = case.earlier.at  # None: the store did not record when it ran
+        other = self._identity_at(other_at) if other_at is not None else None
+        return observed_of_audit(case, self._identity_at(case.primary_at), other)
 
     def _attribute(
         self, case: TriageCase, runs: list[Observed], missing: tuple[str, ...], plan: Plan
@@ -461,18 +482,58 @@ class Triage:
         if target == "same":
             fp = self._current()
             identity = fp.fingerprint if fp is not None else None
-        sent = await replay(
-            upstream, self._load, case.raw_path, headers, body, self._config.replay_timeout_s
+        sent, engine_count = await self._replay_counted(
+            upstream, case.raw_path, headers, body, target == "same"
         )
         if isinstance(sent, str):
             return Observed(name, target, cache, None, None, identity, None, sent)
         shadows = scheduler is not None and (scheduler.sent != shadows_before or shadows_running)
-        alone = not sent.overlapped and not shadows
+        alone = self._alone(not sent.overlapped and not shadows, engine_count)
         if sent.status != 200 or not isinstance(sent.parsed, dict):
             error = f"HTTP {sent.status}"
             return Observed(name, target, cache, alone, sent.inflight, identity, None, error)
         outcome = outcome_from_response(case.endpoint, sent.parsed)
         return Observed(name, target, cache, alone, sent.inflight, identity, outcome)
+
+    async def _replay_counted(
+        self,
+        upstream: Upstream,
+        raw_path: str,
+        headers: Mapping[str, str],
+        body: Mapping[str, Any],
+        count: bool,
+    ) -> tuple[Replayed | str, int | None]:
+        """The replay, and the engine's running count read once while it runs (None: not
+        read, or not exported)."""
+        timeout = self._config.replay_timeout_s
+        sending = self._tasks.spawn(
+            replay(upstream, self._load, raw_path, headers, body, timeout), name="replay"
+        )
+        reading: int | None = None
+        try:
+            if count and self._engine_running is not None:
+                try:
+                    await asyncio.wait({sending}, timeout=_ENGINE_READ_AFTER_S)
+                    if not sending.done():
+                        reading = await self._engine_running()
+                except Exception:
+                    log.debug("the engine's running count could not be read", exc_info=True)
+                if sending.done():
+                    reading = None  # read after the replay ended: nothing of its company
+            return await sending, reading
+        finally:
+            if not sending.done():  # cancelled (shutdown): the replay goes with it
+                sending.cancel()
+
+    def _alone(self, by_own_counts: bool, engine_count: int | None) -> bool | None:
+        """Alone by detproxy's counts and by the engine's, read while the replay ran: more
+        than one running there is company detproxy did not see. Without a reading, detproxy's
+        counts stand only where it sees all the engine's traffic of its own (one worker)."""
+        if not by_own_counts or (engine_count is not None and engine_count > 1):
+            return False
+        if engine_count == 1:
+            return True
+        return True if self._sees_all else None
 
 
 class _Runner:

@@ -43,7 +43,7 @@ info)
   python3 -m pip list 2>/dev/null | grep -iE '^(typing.extensions|aiohttp|uvloop|xxhash|prometheus.client|numpy|safetensors|anyio|httpx|idna|h11|click) ' | tr -s ' ' | tr '\n' ';'; echo
   nproc; free -g | head -2
   ;;
-setup)
+setup|setup-causes)
   t0=$(date +%s)
   (cd "$P" && ls part-* >/dev/null) || { echo "no parts in $P"; exit 1; }
   got=$(cat "$P"/part-? | sha256sum | cut -d' ' -f1)
@@ -59,6 +59,16 @@ setup)
   [ -f "$M/model.safetensors" ] || { echo "conversion failed"; exit 1; }
   echo "converted in $(( $(date +%s) - t0 )) s"
   bf16=(--model "$M" --tokenizer "$M" --dtype bfloat16)
+  if [ "$1" = setup-causes ]; then
+    # Issue 48: stock and batch-invariant, each also with --enable-prompt-tokens-details
+    # (each answer then reports its cached prompt tokens).
+    start stock 8001 "X=1" "${bf16[@]}" --enforce-eager
+    start bi 8002 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager
+    start stock_ptd 8007 "X=1" "${bf16[@]}" --enforce-eager --enable-prompt-tokens-details
+    start bi_ptd 8008 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager \
+      --enable-prompt-tokens-details
+    left='{"stock": 8001, "bi": 8002, "stock_ptd": 8007, "bi_ptd": 8008}'
+  else
   start stock 8001 "X=1" "${bf16[@]}" --enforce-eager
   start bi 8002 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager
   start spec 8003 "X=1" "${bf16[@]}" --enforce-eager --speculative-config \
@@ -70,12 +80,14 @@ setup)
     start think 8006 "X=1" --model "$T" --tokenizer "$T" --dtype bfloat16 --enforce-eager \
       --reasoning-parser deepseek_r1 --chat-template "$repo/tests/integration/think.jinja"
   echo "6 vLLM instances starting ($(( $(date +%s) - t0 )) s): stock :8001, batch-invariant :8002, ngram :8003, gguf :8004, graphs (CUDA graphs, torch.compile) :8005, think (deepseek_r1 parser) :8006"
-  python3 - "$W" <<'PY'
-import os, sys, time, urllib.request
+  # graphs compiles for a while: the validation waits for it in its own step
+  left='{"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004, "think": 8006}'
+  fi
+  python3 - "$W" "$left" <<'PY'
+import json, os, sys, time, urllib.request
 work = sys.argv[1]
 t0 = time.time()
-# graphs compiles for a while: the validation waits for it in its own step
-left = {"stock": 8001, "bi": 8002, "spec": 8003, "gguf": 8004, "think": 8006}
+left = json.loads(sys.argv[2])
 while left and time.time() - t0 < 150:
     for name, port in list(left.items()):
         try:
@@ -107,5 +119,12 @@ validate)
     --gguf http://127.0.0.1:8004 --graphs http://127.0.0.1:8005 --think http://127.0.0.1:8006 \
     --logs "$W" "$@"
   ;;
-*) echo "usage: $0 receive|info|setup|validate" >&2; exit 2 ;;
+causes)  # after setup-causes: issue 48's step alone (spec and gguf are not running)
+  shift
+  python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
+    --stock http://127.0.0.1:8001 --bi http://127.0.0.1:8002 --spec http://127.0.0.1:9 \
+    --gguf http://127.0.0.1:9 --stock-ptd http://127.0.0.1:8007 --bi-ptd http://127.0.0.1:8008 \
+    --logs "$W" --steps causes "$@"
+  ;;
+*) echo "usage: $0 receive|info|setup|setup-causes|validate|causes" >&2; exit 2 ;;
 esac

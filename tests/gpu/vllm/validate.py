@@ -493,6 +493,9 @@ class Ctx:
             self.url["graphs"] = args.graphs
         if args.think:
             self.url["think"] = args.think
+        for name in ("stock_ptd", "bi_ptd"):  # --enable-prompt-tokens-details (issue 48)
+            if getattr(args, name, None):
+                self.url[name] = getattr(args, name)
         self.work: Path = args.work
         self.deadline: float = time.monotonic() + args.deadline_s
         state = args.work / "results.json"
@@ -1189,6 +1192,143 @@ async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
             {k: i.get(k) for k in ("request_id", "verdict", "cause", "cause_evidence")}
             for i in incidents[:60]  # all of them: decide() can be re-read offline
         ],
+    }
+
+
+CAUSES_BURST = 16  # salted requests at once, per wave (issue 48's burst)
+CAUSES_WAVES = 2
+CAUSES_WARM = 8  # one long prompt, one request at a time, no salt: warm from the second
+CAUSES_CONTROL = 8  # distinct prompts, one at a time, each with a fresh salt
+
+
+async def causes_idle(proxy: Detproxy, http: aiohttp.ClientSession, until: float) -> float:
+    """Until no shadow or triage is queued or running and every non-identical audit has a
+    cause (or ``until``): the seconds it took."""
+    t0 = time.monotonic()
+    calm = 0
+    while time.monotonic() < until:
+        status = await proxy.status(http)
+        shadow, triage = status["shadow"], status["triage"]
+        busy = shadow["queued"] or shadow["running"] or triage["queued"] or triage["running"]
+        incidents = [i for i in await proxy.incidents(http) if i.get("kind") == "audit"]
+        open_ = [i for i in incidents if i.get("verdict") in UNSTABLE and "cause" not in i]
+        calm = calm + 1 if not busy and not open_ else 0
+        if calm >= 3:
+            break
+        await asyncio.sleep(0.5)
+    return time.monotonic() - t0
+
+
+async def causes_one(ctx: Ctx, name: str) -> dict[str, Any]:
+    """Issue 48's measure on one instance, with [attribution] at its defaults (every request
+    audited by a quiet cold shadow, so there are divergences to attribute): workloads whose
+    cause is known by construction, one after another, on one detproxy."""
+    http = ctx.http
+    cfg = audit_config(1.0)
+    proxy = Detproxy(ctx.url[name], cfg, ctx.work, f"causes-{name}")
+    phases: dict[str, dict[str, Any]] = {}
+    long = PROMPTS[min(5, len(PROMPTS) - 1)]
+    try:
+        await proxy.ready(http)
+
+        async def phase(label: str, send: Callable[[], Awaitable[list[str]]]) -> None:
+            before = (await proxy.status(http))["triage"]
+            t0 = time.monotonic()
+            rids = await send()
+            traffic_s = time.monotonic() - t0
+            wait_s = await causes_idle(proxy, http, time.monotonic() + max(20.0, ctx.left() - 20))
+            after = (await proxy.status(http))["triage"]
+            mine = set(rids)
+            incidents = [
+                i for i in await proxy.incidents(http)
+                if i.get("kind") == "audit" and i.get("request_id") in mine
+            ]  # fmt: skip
+            divergent = [i for i in incidents if i.get("verdict") in UNSTABLE]
+            causes: dict[str, int] = {}
+            for i in divergent:
+                key = str(i.get("cause", "none"))
+                causes[key] = causes.get(key, 0) + 1
+            primary_cache: dict[str, int] = {}
+            for i in divergent:
+                runs = (i.get("cause_evidence") or {}).get("runs") or [{}]
+                key = str(runs[0].get("cache"))
+                primary_cache[key] = primary_cache.get(key, 0) + 1
+            experiments = after["triaged"] - before["triaged"]
+            phases[label] = {
+                "requests": len(rids),
+                "traffic_s": round(traffic_s, 1),
+                "settle_s": round(wait_s, 1),
+                "divergent": len(divergent),
+                "causes": causes,
+                "with_cause": sum(1 for i in divergent if "cause" in i),
+                "primary_cache": primary_cache,
+                "experiments": experiments,
+                "explained": after["explained"] - before["explained"],
+                "triage_tokens": after["tokens"] - before["tokens"],
+                "s_per_experiment": round(wait_s / experiments, 2) if experiments else None,
+                "unknown_missing": sorted(
+                    {m for i in divergent if i.get("cause") == "unknown"
+                     for m in (i.get("cause_evidence") or {}).get("missing", [])}
+                )[:8],
+            }  # fmt: skip
+
+        async def control() -> list[str]:
+            rids = []
+            for k in range(CAUSES_CONTROL):
+                rid = f"causes-{name}-control-{k}"
+                await chat(http, proxy.base, PROMPTS[k % len(PROMPTS)], cache_salt=salt(), rid=rid)
+                rids.append(rid)
+                await causes_idle(proxy, http, time.monotonic() + 120)
+            return rids
+
+        async def warm() -> list[str]:
+            rids = []
+            for k in range(CAUSES_WARM):
+                rid = f"causes-{name}-warm-{k}"
+                await chat(http, proxy.base, long, rid=rid)  # no salt: warm from the second
+                rids.append(rid)
+                await causes_idle(proxy, http, time.monotonic() + 120)
+            return rids
+
+        async def burst() -> list[str]:
+            rids = []
+            for wave in range(CAUSES_WAVES):
+                batch = [
+                    (f"causes-{name}-burst-{wave}-{k}", PROMPTS[(2 + k % 4) % len(PROMPTS)])
+                    for k in range(CAUSES_BURST)
+                ]
+                await asyncio.gather(
+                    *(chat(http, proxy.base, prompt, cache_salt=salt(), rid=rid)
+                      for rid, prompt in batch)
+                )  # fmt: skip
+                rids += [rid for rid, _ in batch]
+            return rids
+
+        await phase("control", control)
+        await phase("warm_served", warm)
+        await phase("salted_burst", burst)
+        status = await proxy.status(http)
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    return {
+        "phases": phases,
+        "triage": status.get("triage"),
+        "attribution": "defaults",
+        "primary_tokens": (status.get("shadow") or {}).get("primary_tokens"),
+        "triage_dropped": series(m, "detproxy_triage_dropped_total"),
+    }
+
+
+async def step_causes(ctx: Ctx) -> dict[str, Any]:
+    """Issue 48: stock and batch-invariant, each with and without
+    --enable-prompt-tokens-details where those instances run, all at once (separate engines
+    on one GPU share no batch)."""
+    names = [n for n in ("stock", "bi", "stock_ptd", "bi_ptd") if n in ctx.url]
+    got = await asyncio.gather(*(causes_one(ctx, n) for n in names), return_exceptions=True)
+    return {
+        n: (g if not isinstance(g, BaseException) else {"status": "error", "error": repr(g)})
+        for n, g in zip(names, got, strict=True)
     }
 
 
@@ -2155,6 +2295,7 @@ def est_audit(ctx: Ctx, conc: int, n: int = N_LOAD, share: float = 1.0) -> float
 STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx], float]]] = [
     ("spec_fresh", step_spec_fresh, lambda c: 30),
     ("engine_truth", step_engine_truth, lambda c: 40),
+    ("causes", step_causes, lambda c: 240),
     ("triage", step_triage, lambda c: 200),
     ("diagnose_spec", step_diagnose_spec, lambda c: 60),
     ("diagnose", step_diagnose, lambda c: 180),
@@ -2363,6 +2504,8 @@ async def main() -> None:
         ap.add_argument(f"--{name}", required=True, help=f"{name} vLLM base URL")
     ap.add_argument("--graphs", help="vLLM base URL: CUDA graphs and torch.compile (optional)")
     ap.add_argument("--think", help="vLLM base URL: the stand-in reasoning model (optional)")
+    ap.add_argument("--stock-ptd", help="stock with --enable-prompt-tokens-details (optional)")
+    ap.add_argument("--bi-ptd", help="batch-invariant, --enable-prompt-tokens-details (optional)")
     ap.add_argument("--work", type=Path, required=True, help="state and logs (kept)")
     ap.add_argument("--out", type=Path, required=True, help="results.json, results.md")
     ap.add_argument("--logs", type=Path, help="vLLM logs to copy tails of into --out")
@@ -2374,7 +2517,7 @@ async def main() -> None:
     if args.quick:
         quick()
     if args.logs:
-        for name in ("stock", "bi", "spec", "gguf", "graphs", "think"):
+        for name in ("stock", "bi", "spec", "gguf", "graphs", "think", "stock_ptd", "bi_ptd"):
             if getattr(args, name):
                 PIDS[getattr(args, name)] = args.logs / f"vllm-{name}.pid"
     args.work.mkdir(parents=True, exist_ok=True)
