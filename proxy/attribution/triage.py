@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.attribution.case import TriageCase
+from proxy.attribution.cold import cold_method
 from proxy.attribution.decide import decide
 from proxy.attribution.evidence import evidence_record
 from proxy.attribution.experiments import (
@@ -295,21 +296,7 @@ class Triage:
         return self._readings[-1][1] if self._readings else None
 
     def _cold_method(self) -> str | None:
-        chosen = self._config.cold_method
-        if chosen == "none":
-            return None
-        if chosen != "auto":
-            return chosen
-        fp = self._current()
-        if fp is not None and fp.kind == "vllm":
-            return "cache_salt"
-        if fp is not None and fp.kind == "llama.cpp":
-            return "cache_prompt"
-        if self._audit.cache_salt:
-            return "cache_salt"  # the operator says the engine takes a salt
-        if self._audit.shadow_extra_body.get("cache_prompt") is False:
-            return "cache_prompt"
-        return None
+        return cold_method(self._config.cold_method, self._current(), self._audit)
 
     def _speculative(self) -> bool | None:
         fp = self._current()

@@ -412,3 +412,50 @@ async def test_an_experiment_full_of_incidents_keeps_them_and_refuses_the_next()
     assert drops(seen) == ["queue_full"]
     assert t.status()["waiting_incidents"] == CASES_PER_EXPERIMENT and t.queued == 1
     await t.close()
+
+
+class Slow(Scripted):
+    """Answers after ``delay_s``: long enough for the engine's count to be read meanwhile."""
+
+    def __init__(self, texts: Callable[[int], str], delay_s: float) -> None:
+        super().__init__(texts)
+        self.delay_s = delay_s
+
+    async def send(self, method: str, raw_path: str, headers: Any, body: bytes) -> Answer:
+        await asyncio.sleep(self.delay_s)
+        return await super().send(method, raw_path, headers, body)
+
+
+@pytest.mark.parametrize(
+    ("engine_count", "sees_all", "alone"),
+    [
+        (3, True, False),  # company detproxy did not see: another client, another worker
+        (1, False, True),  # the engine says the replay ran alone, whatever detproxy sees
+        (None, True, True),  # no reading: one worker's own counts stand
+        (None, False, None),  # no reading, several workers: not known
+    ],
+)
+async def test_a_replay_is_alone_only_where_the_engines_running_count_agrees(
+    engine_count: int | None, sees_all: bool, alone: bool | None
+) -> None:
+    reads = 0
+
+    async def running() -> int | None:
+        nonlocal reads
+        reads += 1
+        return engine_count
+
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(CauseAttributed, seen.append)
+    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
+    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
+    upstream = cast(Upstream, Slow(lambda n: "b", delay_s=0.2))
+    t = Triage(config, audit, bus, upstream, Load(), engine_running=running, sees_all=sees_all)
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
+    await t.close()
+    replays = causes(seen)[0].evidence["runs"][2:]
+    assert [r["alone"] for r in replays] == [alone, alone], replays
+    assert reads == 2
