@@ -45,7 +45,7 @@ from proxy.redact import mask_secrets, mask_url
 from proxy.relay.inspectors import InspectorFactory
 from proxy.selfloop import new_server_id
 from proxy.tasks import TaskOwner
-from proxy.workers import worker_status
+from proxy.workers import WORKER, worker_status
 
 if TYPE_CHECKING:
     from proxy.loops.budget_sync import RedisBudgetSync
@@ -428,7 +428,10 @@ class _Lifetime:
 
     async def invariance_ctx(self, app: web.Application) -> AsyncIterator[None]:
         check = app[RUNTIME].invariance
-        if check is not None:
+        worker = app.get(WORKER)
+        if check is not None and worker is not None and worker.index != 0:
+            check.state = "in_worker_0"  # one check per server: N at once would batch each other
+        elif check is not None:
             check.start()
         yield
         if check is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import Any
 
 from proxy.engine.facts import EngineFacts
@@ -48,6 +49,9 @@ class Mismatch:
     field: str
     expected: Any
     loaded: Any
+    # What a measurement saw (an active check's account, proxy.engine.invariance), where the
+    # fact came from one; not part of what the mismatch is.
+    evidence: Mapping[str, Any] | None = _field(default=None, compare=False, hash=False)
 
 
 def norm_text(value: Any) -> str:
@@ -94,3 +98,12 @@ def check(
         elif not _same(key, expected, loaded):
             mismatches.append(Mismatch(key, expected, loaded))
     return tuple(mismatches), tuple(unknown)
+
+
+def mismatch_record(m: Mismatch) -> dict[str, Any]:
+    """A mismatch as status, incidents and log lines show it (with the evidence of a measured
+    one)."""
+    record: dict[str, Any] = {"field": m.field, "expected": m.expected, "loaded": m.loaded}
+    if m.evidence is not None:
+        record["evidence"] = dict(m.evidence)
+    return record

@@ -39,6 +39,10 @@ FIELDS: tuple[str, ...] = (
 # What decides stability (and so the upstream's identity); the model and version are already in
 # the fingerprint, the operator's arguments are how, not what.
 RECIPE: tuple[str, ...] = tuple(f for f in FIELDS if f not in ("non_default_args",))
+# The source of a fact detproxy measured (an active check, proxy.engine.invariance) rather than
+# read from the engine's own account: what the engine does, not what it loaded, so not part of
+# the recipe's digest.
+CHECKED = "active_check"
 
 
 def _union(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -99,9 +103,14 @@ class EngineFacts:
         }
 
     def digest(self) -> str:
-        """xxh3-64 (hex) over the recipe's known values, the unknown variables, the fallbacks
-        and a failed start: equal recipes, equal digests, whatever order they were read in."""
-        parts = [f"{k}={_canon(self.values[k])}" for k in RECIPE if self.values.get(k) is not None]
+        """xxh3-64 (hex) over the recipe's known values (not those measured: ``CHECKED``), the
+        unknown variables, the fallbacks and a failed start: equal recipes, equal digests,
+        whatever order they were read in."""
+        parts = [
+            f"{k}={_canon(self.values[k])}"
+            for k in RECIPE
+            if self.values.get(k) is not None and self.sources.get(k) != CHECKED
+        ]
         parts.append("unknown_env=" + ",".join(sorted(self.unknown_env)))
         parts.append("fallbacks=" + ",".join(sorted(self.fallbacks)))
         parts.append(f"start_failed={self.start_failed}")

@@ -415,7 +415,7 @@ class FingerprintPoller:
         truth = self._truth
         if truth is None:
             return fp, []
-        values = dict(truth.facts.values)
+        values = dict(truth.said.values)
         recipe = truth.digest()
         from proxy.engine.follow import moved  # the parsers load with the first reading
 

@@ -23,11 +23,12 @@ import os
 import sys
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
 from proxy.engine.engine_log import EngineLogReader
-from proxy.engine.expect import check, norm_text
-from proxy.engine.facts import RECIPE, EngineFacts
+from proxy.engine.expect import check, mismatch_record, norm_text
+from proxy.engine.facts import CHECKED, RECIPE, EngineFacts
 from proxy.events import EngineFactsRead, EventBus
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,20 @@ def merge(log_facts: EngineFacts, endpoint: EngineFacts) -> EngineFacts:
     )
 
 
+def with_checks(said: EngineFacts, checked: Mapping[str, bool]) -> EngineFacts:
+    """What the engine said, with what detproxy measured of it (source ``CHECKED``): a
+    failed check wins over what the engine said (it does not do what it says); a passed one
+    fills in only where the engine said nothing."""
+    if not checked:
+        return said
+    values, sources = dict(said.values), dict(said.sources)
+    for key, value in checked.items():
+        if value is False or values.get(key) is None:
+            values[key] = value
+            sources[key] = CHECKED
+    return replace(said, values=values, sources=sources)
+
+
 def _differ(a: Any, b: Any) -> bool:
     """Two known values that say different things (``torch.bfloat16`` and ``bfloat16`` do
     not; a method and ``True`` for speculative decoding do not)."""
@@ -88,7 +103,10 @@ def moved(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
 
 
 class EngineTruth:
-    """The engine's two accounts of itself, merged and checked; see the module's docstring."""
+    """The engine's two accounts of itself, merged and checked; see the module's docstring.
+    ``said`` is what the engine says (the recipe, part of the upstream's identity); ``facts``
+    adds what detproxy measured (``check_read``: an active check, ``proxy.engine.invariance``),
+    held against ``[upstream.expect]`` like the rest."""
 
     def __init__(self, bus: EventBus, expect: Mapping[str, Any], engine_log: str | None) -> None:
         self._bus = bus
@@ -96,7 +114,11 @@ class EngineTruth:
         self.engine_log = engine_log
         self.from_log = _empty()
         self.from_endpoints = _empty()
+        self.said = _empty()
         self.facts = _empty()
+        # field -> (value, evidence): what an active check measured on the current upstream
+        self.checked: dict[str, tuple[bool, Mapping[str, Any] | None]] = {}
+        self.checks: dict[str, Any] = {}  # field -> the check (its ``status()``), where one runs
         self.mismatches: tuple[Any, ...] = ()
         self.unknown: tuple[str, ...] = ()
         self.follower: EngineLogFollower | None = None
@@ -104,7 +126,7 @@ class EngineTruth:
 
     @property
     def known(self) -> bool:
-        return bool(self.facts.values) or self.facts.start_failed or bool(self.facts.unknown_env)
+        return bool(self.said.values) or self.said.start_failed or bool(self.said.unknown_env)
 
     def log_read(self, facts: EngineFacts) -> None:
         self.from_log = facts
@@ -114,9 +136,27 @@ class EngineTruth:
         self.from_endpoints = facts
         self._update()
 
+    def check_read(
+        self, field: str, value: bool | None, evidence: Mapping[str, Any] | None = None
+    ) -> None:
+        """An active check's result for ``field`` (None: not measured on this upstream)."""
+        if value is None:
+            if self.checked.pop(field, None) is None:
+                return
+        else:
+            self.checked[field] = (value, evidence)
+        self._update()
+
     def _update(self) -> None:
-        self.facts = merge(self.from_log, self.from_endpoints)
-        self.mismatches, self.unknown = check(self.expect, self.facts)
+        self.said = merge(self.from_log, self.from_endpoints)
+        self.facts = with_checks(self.said, {k: v for k, (v, _) in self.checked.items()})
+        mismatches, self.unknown = check(self.expect, self.facts)
+        self.mismatches = tuple(
+            replace(m, evidence=self.checked[m.field][1])
+            if self.facts.sources.get(m.field) == CHECKED and m.field in self.checked
+            else m
+            for m in mismatches
+        )
         key = (self.facts.digest(), self.mismatches, self.unknown)
         if key == self._published:
             return
@@ -129,7 +169,7 @@ class EngineTruth:
 
     def digest(self) -> str | None:
         """The recipe's digest, None while nothing is known of it."""
-        return self.facts.digest() if self.known else None
+        return self.said.digest() if self.known else None
 
     def status(self) -> dict[str, Any]:
         """``/detproxy/status``'s ``engine`` object."""
@@ -138,12 +178,10 @@ class EngineTruth:
             "loaded": self.facts.as_dict(),
             "recipe": self.digest(),
             "expect": self.expect,
-            "mismatches": [
-                {"field": m.field, "expected": m.expected, "loaded": m.loaded}
-                for m in self.mismatches
-            ],
+            "mismatches": [mismatch_record(m) for m in self.mismatches],
             "unknown": list(self.unknown),
             "engine_log": None if follower is None else follower.state(),
+            "checks": {name: c.status() for name, c in self.checks.items()},
         }
 
 

@@ -32,6 +32,7 @@ from typing import IO, Any
 import orjson
 
 from proxy.config import STATE_DIR_ENV, ConfigError, IncidentConfig
+from proxy.engine.expect import mismatch_record
 from proxy.events import (
     AuditCompleted,
     CauseAttributed,
@@ -311,10 +312,7 @@ class IncidentLog:
             {
                 "kind": ENGINE_MISMATCH,
                 "ts": ev.read_at,
-                "mismatches": [
-                    {"field": m.field, "expected": m.expected, "loaded": m.loaded}
-                    for m in ev.mismatches
-                ],
+                "mismatches": [mismatch_record(m) for m in ev.mismatches],
                 "loaded": ev.facts.as_dict(),
                 "recipe": ev.facts.digest(),
             }

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import orjson
 
 from proxy.config import LogConfig, ServerConfig, Settings
+from proxy.engine.expect import mismatch_record
 from proxy.events import (
     AuditCompleted,
     CauseAttributed,
@@ -620,10 +621,7 @@ class EventLog:
             None,
             f"engine does not run what [upstream.expect] declares: {said}",
             event="engine_mismatch",
-            mismatches=[
-                {"field": m.field, "expected": m.expected, "loaded": m.loaded}
-                for m in ev.mismatches
-            ],
+            mismatches=[mismatch_record(m) for m in ev.mismatches],
         )
 
     def _fingerprinted(self, ev: UpstreamFingerprinted) -> None:
