@@ -18,6 +18,10 @@ In order, the first that the evidence shows:
   cache state is not known, from the runs alone in each state it may have run in;
 - ``unknown`` otherwise, naming the evidence that was missing.
 
+The audit's two sides are the primary and the shadow, or, for a duplicate request, the
+primary and the ``earlier`` client answer it repeated (known by its digests, in conditions the
+store may not have recorded): each rule reads the other side the same way, whichever it is.
+
 A rule names a cause only from runs that differ in that one switch; a run that is missing can
 only take a rule's evidence away (fewer runs never turn ``unknown`` into a cause), and a
 reference that disagrees with itself names no cause of the upstream's.
@@ -28,6 +32,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from proxy.attribution.evidence import Attribution, Evidence, Run
+
+# The run that stands against the primary: a shadow replay, or a duplicate's earlier answer.
+OTHER_SIDES = ("shadow", "earlier")
+
+
+def _other(ev: Evidence) -> Run | None:
+    """The audit's other side (the shadow, or the earlier answer a duplicate repeated)."""
+    for name in OTHER_SIDES:
+        found = ev.run(name)
+        if found is not None:
+            return found
+    return None
 
 
 def _groups(runs: Iterable[Run]) -> set[int]:
@@ -43,7 +59,7 @@ def _names(runs: Iterable[Run]) -> str:
 
 
 def _recipe_change(ev: Evidence) -> Attribution | None:
-    primary, shadow = ev.run("primary"), ev.run("shadow")
+    primary, shadow = ev.run("primary"), _other(ev)
     if (
         primary is not None
         and shadow is not None
@@ -55,11 +71,11 @@ def _recipe_change(ev: Evidence) -> Attribution | None:
         return Attribution(
             "recipe_change",
             f"the upstream's identity changed between the primary ({primary.identity}) "
-            f"and the shadow ({shadow.identity})",
+            f"and the {shadow.name} ({shadow.identity})",
         )
     if primary is None or primary.identity is None or primary.group is None:
         return None
-    replays = [r for r in _alone_same(ev) if r.name not in ("primary", "shadow")]
+    replays = [r for r in _alone_same(ev) if r.name not in ("primary", *OTHER_SIDES)]
     others = {r.identity for r in replays}
     groups = _groups(replays)
     if (
@@ -74,7 +90,8 @@ def _recipe_change(ev: Evidence) -> Attribution | None:
         return Attribution(
             "recipe_change",
             f"the replays ran on identity {others.pop()} and agree with each other and with "
-            f"the shadow, not with the primary, which ran on {primary.identity}",
+            f"the {shadow.name if shadow is not None else 'shadow'}, not with the primary, "
+            f"which ran on {primary.identity}",
         )
     return None
 
@@ -113,10 +130,9 @@ def _intrinsic(ev: Evidence) -> Attribution | None:
 
 
 def _audited(ev: Evidence) -> list[Run]:
-    """The primary and the shadow that answered: the divergence being explained."""
-    return [
-        r for r in (ev.run("primary"), ev.run("shadow")) if r is not None and r.group is not None
-    ]
+    """The audit's two sides that answered (the primary, and the shadow or the earlier answer
+    a duplicate repeated): the divergence being explained."""
+    return [r for r in (ev.run("primary"), _other(ev)) if r is not None and r.group is not None]
 
 
 def _prefix_cache(ev: Evidence) -> Attribution | None:
@@ -219,10 +235,11 @@ def _unknown(ev: Evidence) -> Attribution:
         missing.append(f"serial replays alone: {len(alone)} answered, 2 needed")
     groups = _groups(alone)
     if len(alone) >= 2 and len(groups) == 1:
-        primary, shadow = ev.run("primary"), ev.run("shadow")
+        primary, shadow = ev.run("primary"), _other(ev)
         odd = [r for r in (primary, shadow) if r is not None and r.group not in groups]
         if not odd:
-            missing.append("replays agreed with both primary and shadow")
+            other = shadow.name if shadow is not None else "shadow"
+            missing.append(f"replays agreed with both primary and {other}")
         else:
             for r in odd:
                 if r.alone is None:

@@ -15,6 +15,10 @@ its limit agrees with a longer one that is the same over the tokens it has, whil
 stopped (end of sequence) inside the window still differs from one that went on. Variation that
 begins only past the window is not seen: the cause found is that of the divergence the audit
 saw, and the evidence names the window.
+
+A duplicate request's earlier answer is known by its digests only (``Earlier``): the replays
+are grouped with it by their own digests at the audit's level (token or text hash, the logprob
+hash too for a logprob drift), so they run whole (a digest is not compared with a prefix).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from typing import Any, Protocol
 
 from proxy.attribution.case import Diverged, TriageCase
 from proxy.attribution.evidence import Evidence, Parted, Run
+from proxy.audit.auditor import compare_digests
 from proxy.audit.compare import Verdict, compare_choices
 from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.audit.store import ChoiceDigest, digest_choice
 
 # The fields that bound a request's generation (chat takes either; completions max_tokens).
 LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
@@ -35,7 +41,8 @@ LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
 
 @dataclass(frozen=True, slots=True)
 class Observed:
-    """One run as it went: its answer (None: ``error`` says why none came)."""
+    """One run as it went: its answer (None: ``error`` says why none came, or, for a run known
+    by its digests only, a duplicate's earlier answer, ``digests`` stand for it)."""
 
     name: str
     target: str  # same | reference
@@ -45,6 +52,7 @@ class Observed:
     identity: str | None
     outcome: Outcome | None
     error: str | None = None
+    digests: tuple[ChoiceDigest, ...] | None = None  # per choice, in order
 
 
 class GaveUp(Exception):
@@ -126,8 +134,8 @@ def replay_limit(case: TriageCase, margin: int) -> int | None:
     choices' first divergent tokens, where that is below the request's own limit. None: the
     replays run whole (a prefill audit, already one token; an answer divergence, decided by
     the whole answer; a position not known, or not one max_tokens counts to; a request limit
-    as short or not an integer)."""
-    if case.mode == "prefill" or not case.diverged:
+    as short or not an integer; a duplicate, whose earlier answer is a digest of the whole)."""
+    if case.mode == "prefill" or case.earlier is not None or not case.diverged:
         return None
     if not (_lists_every_token(case.primary) and _lists_every_token(case.shadow)):
         return None
@@ -265,22 +273,41 @@ def observed_of_audit(
     reported its cached prompt tokens (vLLM's ``--enable-prompt-tokens-details``: it ran as the
     client sent it), or, cold, where the client's own ``cache_salt`` had never been sent
     before; whether others shared its batch only when they were in flight as it started or
-    ended (alone between the two is not known)."""
+    ended (alone between the two is not known). A duplicate's earlier answer stands where the
+    shadow would (``earlier``), known by its digests, in what conditions the store recorded
+    (``shadow_identity``: the upstream's identity when it ran, None where not known)."""
     reference = case.target != "same"
     crowd = max(case.primary_inflight, case.primary_inflight_end)
     cached = case.primary.cached_tokens
     if cached is None and case.primary_cold_salt:
         cached = 0
+    primary = Observed(
+        "primary",
+        "same",
+        "unknown" if cached is None else "warm" if cached > 0 else "cold",
+        False if crowd > 1 else None,
+        crowd,
+        primary_identity,
+        case.primary,
+    )
+    earlier = case.earlier
+    if earlier is not None:
+        crowded = earlier.inflight is not None and earlier.inflight > 1
+        return [
+            primary,
+            Observed(
+                "earlier",
+                "same",
+                earlier.cache,
+                False if crowded else None,
+                earlier.inflight,
+                shadow_identity,
+                None,
+                digests=earlier.digests,
+            ),
+        ]
     return [
-        Observed(
-            "primary",
-            "same",
-            "unknown" if cached is None else "warm" if cached > 0 else "cold",
-            False if crowd > 1 else None,
-            crowd,
-            primary_identity,
-            case.primary,
-        ),
+        primary,
         Observed(
             "shadow",
             "reference" if reference else "same",
@@ -343,6 +370,52 @@ async def run_experiments(
     return done, ()
 
 
+def _digest(run: Observed, index: int) -> ChoiceDigest | None:
+    """A run known by its digests: the one of choice ``index`` (digests are in choice order)."""
+    digests = run.digests
+    if run.outcome is not None or digests is None or not 0 <= index < len(digests):
+        return None
+    return digests[index]
+
+
+def agree_digests(a: ChoiceDigest, b: ChoiceDigest, level: str) -> bool:
+    """Two outputs known by digests agree at ``level`` as the duplicate check would call them
+    identical (text) or identical but for their logprobs (text level only). Same tokens with
+    a logprob not known agree on the text only."""
+    found = compare_digests(a, b).verdict
+    if found == "identical":
+        return True
+    return level == "text" and found in ("logprob_drift", "incomparable")
+
+
+def _agree_any(
+    a: ChoiceOutcome | ChoiceDigest,
+    b: ChoiceOutcome | ChoiceDigest,
+    level: str,
+    first_token_only: bool,
+    window: int | None,
+) -> bool:
+    """``agree`` where both are outputs; by digests where either is known by its digest only
+    (never over a window: a digest is of the whole output)."""
+    if isinstance(a, ChoiceOutcome) and isinstance(b, ChoiceOutcome):
+        return agree(a, b, level, first_token_only, window)
+    assert window is None, "a digest is compared whole"
+    da = a if isinstance(a, ChoiceDigest) else digest_choice(a)
+    db = b if isinstance(b, ChoiceDigest) else digest_choice(b)
+    return agree_digests(da, db, level)
+
+
+def _position_any(
+    a: ChoiceOutcome | ChoiceDigest,
+    b: ChoiceOutcome | ChoiceDigest,
+    first_token_only: bool,
+    window: int | None,
+) -> int | None:
+    if isinstance(a, ChoiceOutcome) and isinstance(b, ChoiceOutcome):
+        return _position(a, b, first_token_only, window)
+    return None  # a digest says they differ, not where
+
+
 def build_evidence(
     runs: list[Observed],
     diverged: Diverged,
@@ -358,15 +431,15 @@ def build_evidence(
     it) over the replays' ``limit`` tokens (None: whole) and say where each group parts from
     the first. ``request_limit``: the limit the request itself set, for the record."""
     level = level_of(diverged.verdict)
-    representatives: list[ChoiceOutcome] = []
+    representatives: list[ChoiceOutcome | ChoiceDigest] = []
     out: list[Run] = []
     for r in runs:
-        choice = _choice(r.outcome, diverged.choice)
+        choice = _choice(r.outcome, diverged.choice) or _digest(r, diverged.choice)
         group: int | None = None
         error = r.error
         if choice is not None:
             for g, rep in enumerate(representatives):
-                if agree(rep, choice, level, first_token_only, limit):
+                if _agree_any(rep, choice, level, first_token_only, limit):
                     group = g
                     break
             else:
@@ -376,7 +449,7 @@ def build_evidence(
             error = f"no choice {diverged.choice}" if r.outcome is not None else "no answer"
         out.append(Run(r.name, r.target, r.cache, r.alone, group, r.inflight, r.identity, error))
     parted = tuple(
-        Parted(0, g, _position(representatives[0], rep, first_token_only, limit))
+        Parted(0, g, _position_any(representatives[0], rep, first_token_only, limit))
         for g, rep in enumerate(representatives[1:], start=1)
     )
     return Evidence(

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from proxy.attribution.case import TRIAGED, Diverged, TriageCase
+from proxy.attribution.case import TRIAGED, Diverged, Earlier, TriageCase
 from proxy.audit.compare import UNKNOWN_LOGPROBS, Verdict, compare_choices, output_hash
 from proxy.audit.extract import AnswerExtractor, build_extractor
 from proxy.audit.inject import needs_injection, plan_logprobs
@@ -24,7 +24,13 @@ from proxy.audit.outcome import ChoiceOutcome, Outcome
 from proxy.audit.salts import SaltsSeen
 from proxy.audit.sampling import Sampler
 from proxy.audit.shadow import ShadowJob, ShadowResult, ShadowScheduler
-from proxy.audit.store import ChoiceDigest, DuplicateStore, MemoryDuplicateStore, digest_outcome
+from proxy.audit.store import (
+    Answered,
+    ChoiceDigest,
+    DuplicateStore,
+    MemoryDuplicateStore,
+    digest_outcome,
+)
 from proxy.classify import RequestView
 from proxy.config import Settings
 from proxy.events import AuditCompleted, EventBus, ShadowDropped
@@ -194,15 +200,17 @@ class Auditor:
         if self._passive_checks:
             self._compare_choices(ticket, outcome, latency)
             store = self._store
-            if isinstance(store, MemoryDuplicateStore):  # in-process: checked inline
+            now = _Answer(outcome, latency, self._inflight()) if store is not None else None
+            if isinstance(store, MemoryDuplicateStore) and now is not None:  # checked inline
                 digests = digest_outcome(outcome)
-                previous = store.swap(_duplicate_key(ticket), digests)
-                self._duplicates(ticket, digests, previous, latency)
-            elif store is not None:
-                # Off the request path: the store is a network away (Redis).
-                self._tasks.spawn(
-                    self._check_duplicate(ticket, outcome, latency), name="duplicate-check"
+                found = store.swap_answered(
+                    _duplicate_key(ticket), digests, self._answered(ticket, now)
                 )
+                if found is not None:
+                    self._duplicates(ticket, now, digests, *found)
+            elif store is not None and now is not None:
+                # Off the request path: the store is a network away (Redis).
+                self._tasks.spawn(self._check_duplicate(ticket, now), name="duplicate-check")
         if self._scheduler is not None:
             # Every deterministic primary the audit saw is the token budget's base.
             self._scheduler.count_primary_tokens(_tokens_of(outcome))
@@ -254,24 +262,75 @@ class Auditor:
             )
             self._emit(ticket, seen)
 
-    async def _check_duplicate(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> None:
+    async def _check_duplicate(self, ticket: AuditTicket, now: _Answer) -> None:
         assert self._store is not None
-        digests = digest_outcome(outcome)
+        digests = digest_outcome(now.outcome)
         previous = await self._store.check_and_put(_duplicate_key(ticket), digests)
-        self._duplicates(ticket, digests, previous, latency)
+        if previous is not None:
+            self._duplicates(ticket, now, digests, previous, None)  # a shared store: no context
+
+    def _answered(self, ticket: AuditTicket, now: _Answer) -> Answered:
+        """How this answer ran, for the in-process store to keep beside its digests."""
+        crowd = max(ticket.inflight, now.inflight_end)
+        return Answered(_wall(ticket), crowd, _cache_state(ticket, now.outcome))
 
     def _duplicates(
         self,
         ticket: AuditTicket,
+        now: _Answer,
         digests: tuple[ChoiceDigest, ...],
-        previous: tuple[ChoiceDigest, ...] | None,
-        latency: float,
+        previous: tuple[ChoiceDigest, ...],
+        answered: Answered | None,
     ) -> None:
-        if previous is None:
-            return
-        for index, (now, before) in enumerate(zip(digests, previous, strict=False)):
-            verdict = compare_digests(before, now)
-            self._emit(ticket, Compared("duplicate", index, verdict, latency))
+        diverged: list[Diverged] = []
+        for index, (mine, before) in enumerate(zip(digests, previous, strict=False)):
+            verdict = compare_digests(before, mine)
+            ts = self._emit(ticket, Compared("duplicate", index, verdict, now.latency))
+            if verdict.verdict in TRIAGED:
+                diverged.append(Diverged(index, verdict.verdict, ts))
+        if diverged and self._triage is not None:
+            earlier = Earlier(previous)
+            if answered is not None:
+                earlier = Earlier(previous, answered.inflight, answered.cache, answered.at)
+            self._triage(self._duplicate_case(ticket, now, earlier, tuple(diverged)))
+
+    def _duplicate_case(
+        self, ticket: AuditTicket, now: _Answer, earlier: Earlier, diverged: tuple[Diverged, ...]
+    ) -> TriageCase:
+        """A duplicate that differed from the earlier answer, for triage: replayed as the
+        primary was sent (the client's salt kept, a shadow's headers and extra body), the
+        earlier answer standing where the shadow would."""
+        body, headers = self._shadow_request(ticket, prefill=False)
+        salt = ticket.upstream_body.get("cache_salt")
+        if salt is None:
+            body.pop("cache_salt", None)
+        else:
+            body["cache_salt"] = salt
+        outcome = now.outcome
+        started = _wall(ticket)
+        return TriageCase(
+            request_id=ticket.request_id,
+            model=ticket.view.model,
+            endpoint=ticket.view.endpoint,
+            raw_path=ticket.raw_path,
+            body=body,
+            headers=headers,
+            mode="duplicate",
+            target="same",
+            primary=outcome,
+            shadow=Outcome(()),
+            primary_inflight=ticket.inflight,
+            primary_inflight_end=now.inflight_end,
+            shadow_inflight=0,
+            shadow_cold=False,
+            shadow_alone=None,
+            primary_at=started,
+            shadow_at=started,
+            estimated_tokens=_tokens_of(outcome),
+            diverged=diverged,
+            primary_cold_salt=ticket.cold_salt,
+            earlier=earlier,
+        )
 
     def _shadow_job(self, ticket: AuditTicket, outcome: Outcome, latency: float) -> ShadowJob:
         prefill = self._audit.shadow_mode == "prefill"
@@ -434,6 +493,15 @@ class Compared:
 
 
 @dataclass(frozen=True, slots=True)
+class _Answer:
+    """A primary's answer as the duplicate check sees it."""
+
+    outcome: Outcome
+    latency: float
+    inflight_end: int  # detproxy's client requests in flight as it ended (itself included)
+
+
+@dataclass(frozen=True, slots=True)
 class _Shadowed:
     """A shadow as it was sent and answered, for triage."""
 
@@ -450,6 +518,20 @@ def _completion_tokens(outcome: Outcome) -> int:
     if outcome.completion_tokens is not None:
         return outcome.completion_tokens
     return sum(len(c.tokens) if c.tokens else len(c.content) // 4 + 1 for c in outcome.choices)
+
+
+def _wall(ticket: AuditTicket) -> float:
+    """The wall clock when the request started."""
+    return time.time() - (time.monotonic() - ticket.started)
+
+
+def _cache_state(ticket: AuditTicket, outcome: Outcome) -> str:
+    """The primary's prefill as detproxy knows it: the engine's cached-token count, else cold
+    for a client's salt never sent before (as triage reads a primary's)."""
+    cached = outcome.cached_tokens
+    if cached is None and ticket.cold_salt:
+        cached = 0
+    return "unknown" if cached is None else "warm" if cached > 0 else "cold"
 
 
 def _duplicate_key(ticket: AuditTicket) -> str:

@@ -42,6 +42,16 @@ class ChoiceDigest:
         object.__setattr__(self, "finish_reason", finish_reason)
 
 
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """How a stored answer ran, kept beside its digests by the in-process store only (a shared
+    one holds digests alone): for triage of a duplicate that differs from it."""
+
+    at: float  # wall clock, when the request started
+    inflight: int  # detproxy's client requests in flight as it started or ended (itself too)
+    cache: str  # cold | warm | unknown: its prefill, as detproxy knows it
+
+
 def digest_choice(choice: ChoiceOutcome) -> ChoiceDigest:
     text = xxhash.xxh3_128_hexdigest(f"{choice.reasoning}\x00{choice.content}".encode())
     if choice.tokens is None:
@@ -83,7 +93,9 @@ class MemoryDuplicateStore:
         self._window = window_s
         self._max = max_entries
         self._clock = clock
-        self._entries: OrderedDict[str, tuple[float, tuple[ChoiceDigest, ...]]] = OrderedDict()
+        self._entries: OrderedDict[str, tuple[float, tuple[ChoiceDigest, ...], Answered | None]] = (
+            OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -95,14 +107,21 @@ class MemoryDuplicateStore:
 
     def swap(self, key: str, digests: tuple[ChoiceDigest, ...]) -> tuple[ChoiceDigest, ...] | None:
         """``check_and_put`` at once: an in-process store need not be awaited."""
+        found = self.swap_answered(key, digests, None)
+        return found[0] if found is not None else None
+
+    def swap_answered(
+        self, key: str, digests: tuple[ChoiceDigest, ...], answered: Answered | None
+    ) -> tuple[tuple[ChoiceDigest, ...], Answered | None] | None:
+        """``swap``, keeping how this answer ran and giving back how the previous one did."""
         now = self._clock()
         previous = self._entries.pop(key, None)
-        self._entries[key] = (now, digests)
+        self._entries[key] = (now, digests, answered)
         while len(self._entries) > self._max:
             self._entries.popitem(last=False)
         if previous is None or now - previous[0] > self._window:
             return None
-        return previous[1]
+        return previous[1], previous[2]
 
     async def close(self) -> None:
         self._entries.clear()
