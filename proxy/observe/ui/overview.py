@@ -12,13 +12,14 @@ from typing import Any
 
 import orjson
 
+from proxy.attribution.case import TRIAGED
 from proxy.audit.verdict import VERDICTS
 from proxy.observe.status import INFLIGHT_CAP
 from proxy.observe.ui.fields import integer, mapping, number, text
 from proxy.observe.ui.filters import MODES, VERDICT_CHOICES, IncidentFilter
 from proxy.observe.ui.incident import IncidentRow, mismatches_of, row_of
 from proxy.observe.ui.timeline import Column, Observation, Point, Span, columns, spans
-from proxy.tools.report.causes import TRIAGED, UNTRIAGED, cause_order
+from proxy.tools.report.causes import UNTRIAGED, cause_order
 
 Key3 = tuple[str, str, str]  # (model, x, y): the keys of the tally's counters
 MAX_MODELS = 12  # model sections drawn; the rest are named in a note

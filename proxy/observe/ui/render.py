@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from proxy.attribution.case import TRIAGED
 from proxy.observe.ui.incident import (
     AuditDetail,
     ChangeDetail,
@@ -23,7 +24,7 @@ from proxy.observe.ui.incident import (
 from proxy.observe.ui.overview import EngineView, ModelView, Overview
 from proxy.observe.ui.page import Links, document, esc
 from proxy.observe.ui.svg import inflight_curve, loop_strip, pct, timeline, topk_bars
-from proxy.tools.report.causes import ACTION, MEANING, TRIAGED, UNTRIAGED, missing_evidence
+from proxy.tools.report.causes import ACTION, MEANING, UNTRIAGED, missing_evidence
 from proxy.tools.report.summary import iso
 
 SHOWN_REPEATS = 3  # a loop's unit is written out this many times, marked

@@ -1,19 +1,21 @@
-"""Which engine answers, and how to ask it for a cold or a warm prefill.
+"""Which engine answers: its kind and version, as ``proxy.engine.fingerprint`` reads them
+(``/version``, ``/props``), else the kind from ``/v1/models``' ``owned_by``.
 
-vLLM (and the emulator): a fresh ``cache_salt`` makes a request share no prefix-cache block;
-without one, a replay after a priming request hits the cache. llama.cpp's server:
-``cache_prompt: false`` recomputes the whole prompt, ``true`` reuses the slot's KV. The kind is
-read as ``proxy.engine.fingerprint`` reads it (``/version``, ``/props``), else from
-``/v1/models``' ``owned_by``.
+How to run it cold is the triage's one choice (``proxy.attribution.cold.cold_method``, auto):
+vLLM (and the emulator) a fresh ``cache_salt`` per request, llama.cpp's server
+``cache_prompt: false``; the request fields are ``proxy.attribution.experiments``'
+``cold_body``/``warm_body``.
 """
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from proxy.attribution.cold import cold_method
+from proxy.config import AuditConfig
 from proxy.engine import fingerprint
+from proxy.engine.identity import Fingerprint
 
 VLLM, LLAMA_CPP, UNKNOWN = "vllm", "llama.cpp", "unknown"
 
@@ -25,29 +27,23 @@ class Engine:
     fingerprint: str  # the fingerprint's identity digest: what runs, as the endpoints say it
     identity: dict[str, Any]
 
+    reading: Fingerprint  # what was read, its kind as told above
+
+    @property
+    def cold_method(self) -> str | None:
+        """cache_salt, cache_prompt or None: the triage's choice (auto) for this engine."""
+        return cold_method("auto", self.reading, AuditConfig())
+
     @property
     def can_run_cold(self) -> bool:
-        return self.kind in (VLLM, LLAMA_CPP)
-
-    def cold(self) -> dict[str, Any]:
-        """Fields that make one request miss every cache (a fresh salt each call)."""
-        if self.kind == VLLM:
-            return {"cache_salt": f"detproxy-diagnose-{uuid.uuid4().hex}"}
-        if self.kind == LLAMA_CPP:
-            return {"cache_prompt": False}
-        return {}
-
-    def warm(self) -> dict[str, Any]:
-        """Fields that let a request reuse what an identical earlier one cached."""
-        if self.kind == LLAMA_CPP:
-            return {"cache_prompt": True}
-        return {}
+        return self.cold_method is not None
 
     @property
     def how_cold(self) -> str:
-        if self.kind == VLLM:
+        method = self.cold_method
+        if method == "cache_salt":
             return "a fresh cache_salt per request"
-        if self.kind == LLAMA_CPP:
+        if method == "cache_prompt":
             return "cache_prompt: false"
         return "no way known (engine not recognised from /version, /props or /v1/models)"
 
@@ -70,4 +66,4 @@ def identify(version: Any, models: Any, props: Any) -> Engine:
             kind = VLLM
         elif owner in ("llamacpp", "llama.cpp", "llama-cpp"):
             kind = LLAMA_CPP
-    return Engine(kind, fp.version, fp.fingerprint, dict(fp.identity))
+    return Engine(kind, fp.version, fp.fingerprint, dict(fp.identity), replace(fp, kind=kind))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from proxy.attribution.experiments import cold_body, warm_body
 from proxy.audit.outcome import ChoiceOutcome, outcome_from_response
 from proxy.engine import fingerprint
 from proxy.redact import mask_url
@@ -65,6 +67,7 @@ class PromptEvidence:
     prefill: list[Vector] = field(default_factory=list)
     serial: list[ChoiceOutcome] = field(default_factory=list)
     concurrent: dict[int, list[ChoiceOutcome]] = field(default_factory=dict)
+    prime: ChoiceOutcome | None = None  # the warm group's priming run (cold, its own salt)
     warm: list[ChoiceOutcome] | None = None  # None: not run
     reference: list[ChoiceOutcome] | None = None
 
@@ -236,21 +239,23 @@ class Experiments:
         assert upstream.engine is not None
         return upstream.engine
 
+    def _cold(self, upstream: Upstream) -> dict[str, Any]:
+        """Fields of one cold request (a fresh salt each call), as triage's replays send."""
+        return cold_body({}, self._engine(upstream).cold_method)
+
     async def _replays(self, up: Upstream, ev: PromptEvidence, cold: bool) -> list[ChoiceOutcome]:
-        engine = self._engine(up)
         out = []
         for _ in range(self.s.runs):
-            answer = await up.ask(ev.prompt, self.s.max_tokens, engine.cold() if cold else {})
+            answer = await up.ask(ev.prompt, self.s.max_tokens, self._cold(up) if cold else {})
             if ev.prompt_tokens is None:
                 ev.prompt_tokens = answer.prompt_tokens
             out.append(answer.choice)
         return out
 
     async def prefill(self, evidence: Sequence[PromptEvidence]) -> None:
-        engine = self._engine(self.primary)
         for i, ev in enumerate(evidence):
             for _ in range(self.s.runs):
-                answer = await self.primary.ask(ev.prompt, 1, engine.cold())
+                answer = await self.primary.ask(ev.prompt, 1, self._cold(self.primary))
                 ev.prefill.append(vector_of(answer.choice))
             self.say(
                 f"prefill probe (batch 1, cold, max_tokens 1): prompt {i + 1}/{len(evidence)},"
@@ -267,7 +272,6 @@ class Experiments:
             )
 
     async def concurrent(self, evidence: Sequence[PromptEvidence]) -> None:
-        engine = self._engine(self.primary)
         for level in self.s.levels:
             if level <= 1:
                 continue
@@ -276,7 +280,9 @@ class Experiments:
             fillers = [
                 owner.spawn(
                     self.primary.filler(
-                        FILLER_PROMPTS[i % len(FILLER_PROMPTS)] + f" ({i})", stop, engine.cold
+                        FILLER_PROMPTS[i % len(FILLER_PROMPTS)] + f" ({i})",
+                        stop,
+                        lambda: self._cold(self.primary),
                     ),
                     name=f"filler-{i}",
                 )
@@ -304,15 +310,21 @@ class Experiments:
         if not engine.can_run_cold:
             self.say(f"cold against warm: not tested ({engine.how_cold})")
             return
+        method = engine.cold_method
         for i, ev in enumerate(evidence):
-            await self.primary.ask(ev.prompt, self.s.max_tokens, engine.warm())  # the prime
+            # The experiment's own salt (salted engines), shared by the prime and the warm
+            # replays: they read what the prime wrote, as triage's warm group does.
+            salt = uuid.uuid4().hex
+            warm = warm_body({}, method, salt)
+            ev.prime = (await self.primary.ask(ev.prompt, self.s.max_tokens, warm)).choice
             ev.warm = [
-                (await self.primary.ask(ev.prompt, self.s.max_tokens, engine.warm())).choice
+                (await self.primary.ask(ev.prompt, self.s.max_tokens, warm)).choice
                 for _ in range(self.s.runs)
             ]
             same = sum(1 for c in ev.warm if c == ev.serial[0])
+            how = "cache_prompt: true" if method == "cache_prompt" else "the prime's own salt"
             self.say(
-                f"warm replays (primed, {'cache_prompt: true' if engine.warm() else 'no salt'}):"
+                f"warm replays (primed, {how}):"
                 f" prompt {i + 1}/{len(evidence)}, {same} of {self.s.runs} equal the cold replay"
             )
 

@@ -1,27 +1,35 @@
 """From the evidence to one verdict per cause (pure).
 
-A prompt counts for a cause only when the switch that cause names is the one difference:
-``intrinsic`` when serial cold replays at batch 1 (or the prefill probe) differ; ``batch`` when
-they agree and replays beside fillers differ from them; ``prefix_cache`` when cold agrees with
-cold and warm replays differ from cold; ``speculative`` when the upstream and the reference each
-agree with themselves and differ from each other; ``recipe_change`` when the upstream's identity
-moved while diagnose ran. A divergence no switch explains is ``unknown``, with what was missing.
+A prompt counts for a cause only when the switch that cause names is the one difference, as
+live triage decides it: per prompt and per switch, the runs that differ in that switch alone
+are expressed as triage's ``Run``s, grouped with its comparator (``agree``, at the logprobs
+level: diagnose compares outputs bit for bit) and read by its decider
+(``proxy.attribution.decide``). ``intrinsic``: the serial cold replays at batch 1 (or the
+prefill probe's vectors) alone; ``batch``: those and the replays beside fillers at one level;
+``prefix_cache``: those, the priming run (cold, its own salt) and the warm replays alone;
+``speculative``: those and the reference's replays (the operator's --reference is this recipe
+without speculation). ``recipe_change`` when the upstream's identity moved while diagnose ran.
+A divergence no switch explains is ``unknown``, with what was missing. The numbers (spreads,
+margins, positions) are diagnose's own.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from proxy.attribution.decide import decide as decide_switch
+from proxy.attribution.evidence import CAUSES, Attribution, Evidence, Run
+from proxy.attribution.experiments import agree
 from proxy.audit.compare import compare_choices
 from proxy.audit.outcome import ChoiceOutcome
 from proxy.tools.diagnose.engine import Engine
 from proxy.tools.diagnose.experiments import PromptEvidence
 from proxy.tools.probe import Vector, summarise
 
-CAUSES = ("intrinsic", "batch", "prefix_cache", "speculative", "recipe_change", "unknown")
 FOUND, NOT_FOUND, NOT_TESTED, UNDECIDED = "found", "not_found", "not_tested", "unknown"
 
 RECOMMENDATIONS = {
@@ -240,11 +248,44 @@ def _prefill_spread(vectors: Sequence[Vector], prompt: str) -> Spread:
     )
 
 
-class _Decider:
-    """Walks the prompts once, each tally taking what its switch shows."""
+# One run as diagnose made it: name, target, cache, alone, requests in flight, its output.
+_Made = tuple[str, str, str, bool, int | None, Any]
+LEVEL = "logprobs"  # diagnose tells outputs apart bit for bit: tokens and their logprobs
 
-    def __init__(self, engine: Engine) -> None:
+
+def _agree(a: ChoiceOutcome, b: ChoiceOutcome) -> bool:
+    return agree(a, b, LEVEL, first_token_only=False)
+
+
+def switch(
+    made: Sequence[_Made],
+    cold_method: str | None,
+    speculative: bool | None = None,
+    same: Callable[[Any, Any], bool] = _agree,
+) -> Attribution:
+    """Triage's decider on the runs of one switch: outputs grouped as triage groups them (the
+    first run of a group stands for it)."""
+    representatives: list[Any] = []
+    runs: list[Run] = []
+    for name, target, cache, alone, inflight, output in made:
+        group = next((g for g, rep in enumerate(representatives) if same(rep, output)), None)
+        if group is None:
+            group = len(representatives)
+            representatives.append(output)
+        runs.append(Run(name, target, cache, alone, group, inflight))
+    return decide_switch(Evidence("logprob_drift", LEVEL, tuple(runs), cold_method, speculative))
+
+
+class _Decider:
+    """Walks the prompts once, each tally taking what its switch shows (triage's decider on
+    the runs that differ in that switch alone)."""
+
+    def __init__(self, engine: Engine, reference_given: bool = False) -> None:
         self.engine = engine
+        self.method = engine.cold_method
+        # --reference is the same recipe without speculation: the operator's word that the
+        # upstream speculates where the reference does not.
+        self.speculative = True if reference_given else None
         self.intrinsic = _Tally("intrinsic")
         self.batch = _Tally("batch")
         self.cache = _Tally("prefix_cache")
@@ -270,20 +311,26 @@ class _Decider:
                 }
             )
         ser = self_spread(ev.serial)
-        if self.engine.can_run_cold:
-            if not ser.agrees:
-                self.intrinsic.add(i, "serial cold replays", ser)
-                return True
-            if pre is not None and not pre.agrees:
+        cold = self.engine.can_run_cold
+        if switch(self._alone(ev), self.method).cause == "intrinsic":
+            # Without a way to run cold, the first replay may have prefilled cold and the rest
+            # warm: only the later ones, among themselves, show a race.
+            later = ser if cold or len(ev.serial) <= 2 else self_spread(ev.serial[1:])
+            self.intrinsic.add(
+                i, "serial cold replays" if cold else "serial replays after the first", later
+            )
+            return True
+        if cold:
+            probe = [
+                (f"prefill-{k + 1}", "same", "cold", True, None, v)
+                for k, v in enumerate(ev.prefill)
+            ]
+            if pre is not None and switch(probe, self.method, same=operator.eq).cause == (
+                "intrinsic"
+            ):
                 self.intrinsic.add(i, "prefill probe", pre)
                 return True
             return False
-        # Without a way to run cold, the first replay may have prefilled cold and the rest
-        # warm: only the later ones, among themselves, show a race.
-        later = self_spread(ev.serial[1:]) if len(ev.serial) > 2 else ser
-        if not later.agrees:
-            self.intrinsic.add(i, "serial replays after the first", later)
-            return True
         if not ser.agrees:
             self.unknown.add(i, "the first serial replay differs from the later ones", ser)
             self.unknown_missing.append(
@@ -292,15 +339,43 @@ class _Decider:
             return True
         return False
 
+    def _alone(self, ev: PromptEvidence) -> list[_Made]:
+        """The serial replays, alone, one at a time: cold; without a way to run cold, the
+        first of unknown cache state and the later ones after it (warm, where it caches)."""
+        cold = self.engine.can_run_cold
+        return [
+            (
+                f"cold-{k + 1}" if cold else f"replay-{k + 1}",
+                "same",
+                "cold" if cold else ("unknown" if k == 0 else "warm"),
+                True,
+                None,
+                c,
+            )
+            for k, c in enumerate(ev.serial)
+        ]
+
+    def _other(self, i: int, what: str, found: Attribution, s: Spread) -> None:
+        """Runs of one switch that differ where the decider names another cause (or none)."""
+        self.unknown.add(i, f"{what} ({found.cause}: {found.reason})", s)
+        why = "; ".join(found.missing) or found.reason
+        self.unknown_missing.append(f"prompt {i + 1}: {what}: {why}")
+
     def concurrent(self, i: int, ev: PromptEvidence) -> None:
         if not ev.concurrent:
             return
         self.batch.tested += 1
         worst: Spread | None = None
         parted: list[int] = []
+        # Without a way to run cold, they are sent as the later serial replays are.
+        cache = "cold" if self.engine.can_run_cold else "warm"
         for level, group in sorted(ev.concurrent.items()):
+            crowded: list[_Made] = [
+                (f"crowded-{level}-{k + 1}", "same", cache, False, level, c)
+                for k, c in enumerate(group)
+            ]
             s = spread(ev.serial[0], group)
-            if not s.agrees:
+            if switch(self._alone(ev) + crowded, self.method).cause == "batch":
                 parted.append(level)
                 worst = s if worst is None or s.distinct > worst.distinct else worst
         if worst is not None:
@@ -311,14 +386,17 @@ class _Decider:
         if ev.warm is None:
             return
         self.cache.tested += 1
+        made = self._alone(ev)
+        if ev.prime is not None:  # cold under the experiment's own salt, else not known
+            cold = "cold" if self.method == "cache_salt" else "unknown"
+            made.append(("prime", "same", cold, True, None, ev.prime))
+        made += [(f"warm-{k + 1}", "same", "warm", True, None, c) for k, c in enumerate(ev.warm)]
+        found = switch(made, self.method)
         s = spread(ev.serial[0], ev.warm)
-        if not s.agrees:
-            also = (
-                ""
-                if self_spread(ev.warm).agrees
-                else " (warm replays also differ among themselves)"
-            )
-            self.cache.add(i, "warm replays against cold" + also, s)
+        if found.cause == "prefix_cache":
+            self.cache.add(i, "warm replays against cold", s)
+        elif not s.agrees or not self_spread(ev.warm).agrees:
+            self._other(i, "warm replays against cold", found, s)
 
     def reference(self, i: int, ev: PromptEvidence) -> None:
         if ev.reference is None:
@@ -329,9 +407,16 @@ class _Decider:
             self.unknown_missing.append(f"prompt {i + 1}: a reference that agrees with itself")
             return
         self.spec.tested += 1
+        made = self._alone(ev) + [
+            (f"reference-{k + 1}", "reference", "cold", True, None, c)
+            for k, c in enumerate(ev.reference)
+        ]
+        found = switch(made, self.method, self.speculative)
         s = spread(ev.serial[0], ev.reference[:1])
-        if not s.agrees:
+        if found.cause == "speculative":
             self.spec.add(i, "upstream against reference", s)
+        elif not s.agrees:
+            self._other(i, "upstream against reference", found, s)
 
 
 def decide(
@@ -341,7 +426,7 @@ def decide(
     identity_after: Engine | None = None,
     reference_given: bool = False,
 ) -> Diagnosis:
-    d = _Decider(engine)
+    d = _Decider(engine, reference_given)
     for i, ev in enumerate(evidence):
         if d.serial(i, ev):
             continue  # the other switches need serial replays that agree
@@ -379,6 +464,7 @@ def decide(
     ]
     d.unknown.tested = len(evidence)
     verdicts.append(d.unknown.verdict("; ".join(d.unknown_missing) or None))
+    verdicts.sort(key=lambda v: CAUSES.index(v.cause))  # triage's one list, in its order
     return Diagnosis(tuple(verdicts), len(evidence))
 
 

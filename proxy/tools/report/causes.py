@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-CAUSES = ("intrinsic", "batch", "prefix_cache", "speculative", "recipe_change", "unknown")
-TRIAGED = ("logprob_drift", "text_divergence", "answer_divergence")  # what triage looks at
+from proxy.attribution.evidence import CAUSES
+
 UNTRIAGED = "untriaged"  # an audit incident that triage has not decided (yet, or ever)
 
 MEANING = {

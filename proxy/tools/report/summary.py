@@ -53,11 +53,11 @@ from datetime import UTC, datetime
 from fnmatch import fnmatchcase
 from typing import Any
 
+from proxy.attribution.case import TRIAGED
 from proxy.audit.verdict import VERDICTS
 from proxy.tools.report.causes import (
     ACTION,
     MEANING,
-    TRIAGED,
     UNTRIAGED,
     cause_order,
     missing_evidence,

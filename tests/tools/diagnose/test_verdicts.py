@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from proxy.attribution.evidence import CAUSES
 from proxy.audit.outcome import ChoiceOutcome, TokenLogprob
 from proxy.tools.diagnose.engine import identify
 from proxy.tools.diagnose.experiments import PromptEvidence
-from proxy.tools.diagnose.verdicts import decide, self_spread, spread
+from proxy.tools.diagnose.verdicts import decide, self_spread, spread, switch
 
 VLLM = identify({"version": "0.23.0"}, None, None)
 UNKNOWN = identify(None, {"data": [{"id": "m", "owned_by": "x"}]}, None)
@@ -88,3 +89,30 @@ def test_an_identity_that_moved_is_a_recipe_change() -> None:
     after = identify({"version": "0.24.0"}, None, None)
     assert by_cause([evidence()], identity_after=after)["recipe_change"] == "found"
     assert by_cause([evidence()], identity_after=VLLM)["recipe_change"] == "not_found"
+
+
+def test_each_switch_is_decided_by_triages_decider() -> None:
+    alone = [(f"cold-{k}", "same", "cold", True, None, A) for k in range(3)]
+    crowded = [("crowded-4-1", "same", "cold", False, 4, B)]
+    found = switch([*alone, *crowded], "cache_salt")
+    assert found.cause == "batch" and "crowded-4-1 with 4 in flight" in found.reason
+    assert switch([*alone, ("crowded-4-1", "same", "cold", False, 4, A)], "cache_salt").cause == (
+        "unknown"
+    )
+
+
+def test_warm_replays_that_disagree_among_themselves_are_no_prefix_cache() -> None:
+    d = decide([evidence(warm=[A_DRIFT, B])], VLLM, (1,))
+    got = {v.cause: v for v in d.verdicts}
+    assert (got["prefix_cache"].status, got["unknown"].status) == ("not_found", "found")
+    assert "warm replays against cold" in (got["unknown"].missing or "")
+
+
+def test_a_prime_that_differs_from_the_cold_replays_is_no_prefix_cache() -> None:
+    got = by_cause([evidence(prime=B, warm=[A_DRIFT, A_DRIFT])])
+    assert (got["prefix_cache"], got["unknown"]) == ("not_found", "found")
+    assert by_cause([evidence(prime=A, warm=[A_DRIFT, A_DRIFT])])["prefix_cache"] == "found"
+
+
+def test_verdicts_follow_triages_list_of_causes() -> None:
+    assert tuple(v.cause for v in decide([evidence()], VLLM, (1,)).verdicts) == CAUSES
