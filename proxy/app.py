@@ -377,6 +377,7 @@ class _Lifetime:
                 target=_shown_target(settings),
                 guard=guard,
                 triage=triage.offer if triage is not None else None,
+                count_primary_tokens=triage.count_primary_tokens if triage is not None else None,
             )
             forwarder.attach_auditor(auditor)
         poller = None

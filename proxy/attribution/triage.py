@@ -138,6 +138,12 @@ class Triage:
         self.triaged = 0  # experiments whose replays ran
         self.explained = 0  # incidents decided with an experiment's replays (shared or reused)
         self.offered = 0
+        self.primary_tokens = 0  # counted here only where no shadow scheduler counts them
+
+    def count_primary_tokens(self, tokens: int) -> None:
+        """A deterministic primary's tokens, with no shadow scheduler to count them: the
+        token budget's base (passive checks only)."""
+        self.primary_tokens += tokens
 
     # -- wiring -------------------------------------------------------------------------------
 
@@ -181,7 +187,8 @@ class Triage:
 
     @property
     def token_budget(self) -> float:
-        primary = self._scheduler.primary_tokens if self._scheduler is not None else 0
+        scheduler = self._scheduler
+        primary = scheduler.primary_tokens if scheduler is not None else self.primary_tokens
         return self._config.token_allowance + self._config.max_token_share * primary
 
     def _plan(self, case: TriageCase | None = None, limit: int | None = None) -> Plan:

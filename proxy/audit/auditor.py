@@ -87,7 +87,7 @@ class AuditTicket:
 
 
 class Auditor:
-    def __init__(
+    def __init__(  # noqa: PLR0913 (what it is wired to, one argument each)
         self,
         settings: Settings,
         bus: EventBus,
@@ -98,9 +98,13 @@ class Auditor:
         guard: InjectionGuard | None = None,
         *,
         triage: Callable[[TriageCase], None] | None = None,
+        count_primary_tokens: Callable[[int], None] | None = None,
     ) -> None:
         self._settings = settings
         self._triage = triage  # takes the shadows that diverged (proxy.attribution)
+        # Where no shadow scheduler counts the deterministic primaries' tokens (passive
+        # checks only), triage's token budget does.
+        self._count_primary_tokens = count_primary_tokens
         self._guard = guard
         self._audit = settings.audit
         self._passive_checks = settings.audit.passive_checks  # read per request: once here
@@ -211,7 +215,10 @@ class Auditor:
             elif store is not None and now is not None:
                 # Off the request path: the store is a network away (Redis).
                 self._tasks.spawn(self._check_duplicate(ticket, now), name="duplicate-check")
-        if self._scheduler is not None:
+        if self._scheduler is None:
+            if self._count_primary_tokens is not None:  # triage's budget, with no shadows
+                self._count_primary_tokens(_tokens_of(outcome))
+        else:
             # Every deterministic primary the audit saw is the token budget's base.
             self._scheduler.count_primary_tokens(_tokens_of(outcome))
             if ticket.shadow:

@@ -174,3 +174,25 @@ def test_the_in_memory_store_keeps_how_the_earlier_answer_ran_and_the_auditor_of
     assert case.earlier.at is not None and case.earlier.cache == "unknown"
     assert case.earlier.digests[0] != digest_choice(case.primary.choices[0])
     assert case.primary_inflight == 1 and "stream" not in case.body
+
+
+def test_with_passive_checks_only_the_primaries_tokens_grow_triages_budget() -> None:
+    """No shadow scheduler counts them: the auditor hands them to triage, so its budget is
+    not the allowance alone for the life of the process."""
+    settings = load_settings(env={}, flags={"upstream": "http://127.0.0.1:8000"})
+    counted: list[int] = []
+    auditor = Auditor(
+        settings,
+        EventBus(),
+        None,
+        MemoryDuplicateStore(60, 100),
+        lambda: 1,
+        count_primary_tokens=counted.append,
+    )
+    body = {"model": "m", "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    ticket = auditor.plan(classify("chat", body), body, "r", "/v1/chat/completions", None)
+    assert ticket is not None
+    answer = chat_body([], [("hello", -0.5, [])])
+    answer["usage"] = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    auditor.primary_done(ticket, outcome_from_response("chat", answer))
+    assert counted == [10]

@@ -459,3 +459,11 @@ async def test_a_replay_is_alone_only_where_the_engines_running_count_agrees(
     replays = causes(seen)[0].evidence["runs"][2:]
     assert [r["alone"] for r in replays] == [alone, alone], replays
     assert reads == 2
+
+
+async def test_without_shadows_the_primaries_counted_here_are_the_budgets_base() -> None:
+    t, _ = triage(Scripted(lambda n: "b"), token_allowance=100, max_token_share=0.5)
+    assert t.token_budget == 100
+    t.count_primary_tokens(1000)
+    assert t.token_budget == 100 + 0.5 * 1000
+    await t.close()
