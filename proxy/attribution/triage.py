@@ -93,6 +93,7 @@ class _Finished:
     missing: tuple[str, ...]
     plan: Plan
     at: float  # monotonic
+    experiment: str  # the request whose replays these are
 
 
 class Triage:
@@ -290,7 +291,7 @@ class Triage:
             return False
         self.explained += 1
         runs = self._audit_runs(case) + list(finished.replays)
-        self._attribute(case, runs, finished.missing, finished.plan)
+        self._attribute(case, runs, finished.missing, finished.plan, finished.experiment)
         return True
 
     # -- the experiment -----------------------------------------------------------------------
@@ -318,8 +319,16 @@ class Triage:
         return observed_of_audit(case, self._identity_at(case.primary_at), other)
 
     def _attribute(
-        self, case: TriageCase, runs: list[Observed], missing: tuple[str, ...], plan: Plan
+        self,
+        case: TriageCase,
+        runs: list[Observed],
+        missing: tuple[str, ...],
+        plan: Plan,
+        experiment: str | None = None,
     ) -> None:
+        """Publish the cause of each diverged choice. ``experiment``: the request whose
+        replays these are (its ``X-Request-Id`` + ``-triage-<run>`` upstream), where they
+        were another incident's."""
         first_token_only = case.mode == "prefill"
         speculative = self._speculative()
         upstream = self._identity_at(case.primary_at)
@@ -335,6 +344,9 @@ class Triage:
                 request_limit=request_limit(case.body),
             )
             found = decide(evidence)
+            record = evidence_record(evidence, found)
+            if experiment is not None:
+                record["experiment"] = experiment
             self._bus.publish(
                 CauseAttributed(
                     request_id=case.request_id,
@@ -343,7 +355,7 @@ class Triage:
                     choice=d.choice,
                     verdict=d.verdict,
                     cause=found.cause,
-                    evidence=evidence_record(evidence, found),
+                    evidence=record,
                     timestamp=time.time(),
                     audit_ts=d.audit_ts,
                     upstream=upstream,
@@ -415,14 +427,14 @@ class Triage:
             self._give_up_all(experiment, exc.reason, f"no quiet moment: {exc.reason}")
             return
         self.triaged += 1
-        finished = _Finished(tuple(replays), missing, plan, time.monotonic())
+        finished = _Finished(tuple(replays), missing, plan, time.monotonic(), first.request_id)
         self._finished[experiment.key] = finished
         self._finished.move_to_end(experiment.key)
         while len(self._finished) > _KEPT_EXPERIMENTS:
             self._finished.popitem(last=False)
         for c in experiment.cases:
             self.explained += 1
-            self._attribute(c, self._audit_runs(c) + replays, missing, plan)
+            self._attribute(c, self._audit_runs(c) + replays, missing, plan, first.request_id)
 
     def _still_quiet(self) -> bool:
         """Quiet now, by what detproxy counts itself (no upstream reading configured)."""

@@ -16,25 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
+from tests.helpers.triage import FAST, causes_of, fingerprint_of, idle
 from tests.helpers.waiting import Unmet, eventually
 
 MODEL = "emulator-model"
-FAST = {
-    "DETPROXY_AUDIT__SAMPLE_RATE": "1",
-    "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000",
-    "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
-    "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": "1",
-    "DETPROXY_AUDIT__CACHE_SALT": "true",
-    "DETPROXY_AUDIT__QUIET_SETTLE_S": "0.01",
-    "DETPROXY_AUDIT__QUIET_POLL_S": "0.005",
-    "DETPROXY_AUDIT__TOKEN_ALLOWANCE": "100000000",
-    "DETPROXY_ATTRIBUTION__MAX_PER_MINUTE": "100000",
-    "DETPROXY_ATTRIBUTION__TOKEN_ALLOWANCE": "100000000",
-    "DETPROXY_ATTRIBUTION__QUEUE_SIZE": "1000",
-    "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.5",
-}
-
-
 LONG_ANSWER = 64  # max_tokens of the requests whose replays are cut short
 
 
@@ -50,28 +35,6 @@ def chat(prompt: str, long: bool = False) -> dict[str, Any]:
     if long:
         body["ignore_eos"] = True
     return body
-
-
-async def idle(client: TestClient[Any, Any], timeout_s: float = 60.0) -> dict[str, Any]:
-    """Wait until no shadow and no triage is queued or running; the status then."""
-
-    async def status() -> dict[str, Any] | Unmet:
-        status = await (await client.get("/detproxy/status")).json()
-        shadow, triage = status["shadow"], status["triage"]
-        done = (
-            shadow["queued"] == 0
-            and shadow["running"] == 0
-            and triage["queued"] == 0
-            and not triage["running"]
-        )
-        return dict(status) if done else Unmet({"shadow": shadow, "triage": triage})
-
-    return await eventually(status, timeout_s=timeout_s, what="shadows and triage settled")
-
-
-async def causes_of(client: TestClient[Any, Any]) -> list[dict[str, Any]]:
-    incidents = await (await client.get("/detproxy/incidents?limit=1000&kind=audit")).json()
-    return list(incidents)
 
 
 async def serial_traffic(
@@ -272,12 +235,6 @@ class Switch:
             return web.Response(
                 body=body, status=resp.status, content_type=resp.content_type or None
             )
-
-
-async def fingerprint_of(client: TestClient[Any, Any]) -> str | None:
-    status = await (await client.get("/detproxy/status")).json()
-    fp = status["upstream_fingerprint"]
-    return None if fp is None else str(fp["fingerprint"])
 
 
 async def wait_fingerprint_not(client: TestClient[Any, Any], old: str | None) -> str:

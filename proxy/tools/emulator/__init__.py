@@ -19,8 +19,11 @@ recipe_change  restart with another --vllm-version/--model   none (the recipe it
 
 Prompts affected by prefix_cache and speculative are chosen by a hash of the prompt (a share P),
 and the divergent position (one of the first ten tokens, the runner-up taken) too. The records
-are read with ``GET /emulator/injections`` (``EmulatorServer.injections()`` in tests) and
-cleared with ``POST /emulator/reset``.
+are read with ``GET /emulator/injections`` (``EmulatorServer.injections()`` in tests; one
+request's with ``?request_id=`` / ``injections(request_id)``, the X-Request-Id it was sent with)
+and cleared with ``POST /emulator/reset``. The knobs combine in one emulator (batch with cache,
+speculation on a batched engine, flips on a reference): each record names the one effect it is,
+so a test knows per request which effects changed its answer.
 """
 
 from .app import build_emulator_app

@@ -107,7 +107,8 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def injections(request: web.Request) -> web.Response:
-    return _json(request.app[STATE_KEY].injections())
+    """All records, or one request's (``?request_id=``: the X-Request-Id it was sent with)."""
+    return _json(request.app[STATE_KEY].injections(request.query.get("request_id")))
 
 
 async def stats(request: web.Request) -> web.Response:

@@ -142,8 +142,11 @@ class EmulatorState:
             "requests": self.requests,
         }
 
-    def injections(self) -> list[dict[str, Any]]:
-        return [r.to_dict() for r in self.records]
+    def injections(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        """The records, in the order they happened; only one request's with ``request_id`` (the
+        X-Request-Id it was sent with: what was injected into that run, the truth a test reads
+        per request)."""
+        return [r.to_dict() for r in self.records if request_id in (None, r.request_id)]
 
     def reset(self) -> None:
         """Clear records and counters (the running gauge reflects live requests and stays)."""

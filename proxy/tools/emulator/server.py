@@ -57,8 +57,8 @@ class EmulatorServer:
             await self._runner.cleanup()
             self._runner = None
 
-    def injections(self) -> list[dict[str, Any]]:
-        return self.state.injections()
+    def injections(self, request_id: str | None = None) -> list[dict[str, Any]]:
+        return self.state.injections(request_id)
 
     def stats(self) -> dict[str, int]:
         return self.state.stats()

@@ -229,3 +229,28 @@ def test_help_names_each_cause_and_its_flag() -> None:
     ]:
         lines = [ln for ln in text.splitlines() if ln.strip().split()[:1] == [cause]]
         assert any(flag in ln for ln in lines), f"--help does not pair {cause} with {flag}"
+
+
+async def test_causes_combine_and_each_request_says_what_changed_it(
+    make_client: MakeClient,
+) -> None:
+    """Batch and cache in one emulator: each record names its one effect, and one request's
+    records (``?request_id=``, ``injections(request_id)``) are what changed its answer."""
+    client, server = await make_client(
+        batch_divergence_slope=1.0, warm_cache_divergence=1.0, token_latency_s=0.002
+    )
+    req = long_chat(7)
+    cold = answer(await ask(client, req, "cold"))  # alone, nothing cached: untouched
+    warm = answer(await ask(client, req, "warm"))  # alone, cached: the cache's effect only
+    both = await asyncio.gather(*(ask(client, req, f"both{i}") for i in range(3)))
+    assert server.injections("cold") == []
+    assert kinds(server.injections("warm")) == {"prefix_cache"} and warm != cold
+    for i, body in enumerate(both):
+        got = kinds(server.injections(f"both{i}"))
+        assert {"prefix_cache", "batch_drift"} <= got, got
+        assert answer(body) not in (cold, warm)
+    reply = await client.get("/emulator/injections?request_id=warm")
+    assert reply.json() == server.injections("warm")
+    assert len(server.injections()) == sum(
+        len(server.injections(rid)) for rid in ("cold", "warm", "both0", "both1", "both2")
+    )
