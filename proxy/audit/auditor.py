@@ -308,11 +308,7 @@ class Auditor:
         primary was sent (the client's salt kept, a shadow's headers and extra body), the
         earlier answer standing where the shadow would."""
         body, headers = self._shadow_request(ticket, prefill=False)
-        salt = ticket.upstream_body.get("cache_salt")
-        if salt is None:
-            body.pop("cache_salt", None)
-        else:
-            body["cache_salt"] = salt
+        _with_clients_salt(body, ticket)
         outcome = now.outcome
         started = _wall(ticket)
         return TriageCase(
@@ -393,11 +389,7 @@ class Auditor:
         audit = self._audit
         result = seen.result
         replay = dict(seen.body)
-        salt = ticket.upstream_body.get("cache_salt")
-        if salt is None:
-            replay.pop("cache_salt", None)
-        else:
-            replay["cache_salt"] = salt  # the client's; a salted engine's replays set their own
+        _with_clients_salt(replay, ticket)
         cold = audit.cache_salt or audit.shadow_extra_body.get("cache_prompt") is False
         alone: bool | None = None
         if result.overlapped:
@@ -525,6 +517,16 @@ def _completion_tokens(outcome: Outcome) -> int:
     if outcome.completion_tokens is not None:
         return outcome.completion_tokens
     return sum(len(c.tokens) if c.tokens else len(c.content) // 4 + 1 for c in outcome.choices)
+
+
+def _with_clients_salt(body: dict[str, Any], ticket: AuditTicket) -> None:
+    """A replay's body with the client's own ``cache_salt`` as the primary sent it, or none
+    (not the shadow's): a salted engine's replays set their own on top."""
+    salt = ticket.upstream_body.get("cache_salt")
+    if salt is None:
+        body.pop("cache_salt", None)
+    else:
+        body["cache_salt"] = salt
 
 
 def _wall(ticket: AuditTicket) -> float:
