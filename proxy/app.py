@@ -177,7 +177,7 @@ def _invariance(  # noqa: PLR0913 (what it reuses of the app, one argument each)
     load = UpstreamLoad(session, settings.upstream.url)
 
     def busy() -> bool:
-        return (scheduler is not None and scheduler.running > 0) or (
+        return (scheduler is not None and scheduler.sending > 0) or (
             triage is not None and triage.running
         )
 

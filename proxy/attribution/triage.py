@@ -13,8 +13,10 @@ plus an allowance): a burst waits in the queue instead of being refused, up to
 ``max_wait_s``; only what still does not fit then (or finds ``queue_size`` experiments
 already waiting) is dropped and counted (``TriageDropped``), and its incident still gets a
 cause: decided from the primary and the shadow alone (a recipe change needs no replay), else
-``unknown`` naming the budget. Each replay waits for a quiet moment (few or no client requests
-in flight, no shadow running), up to a deadline; one right after a replay that ran alone goes
+``unknown`` naming the budget. An experiment holds the shadow scheduler while it runs (no
+shadow is sent until it ends, so a burst's queue of shadows cannot starve it), and each replay
+waits for a quiet moment (few or no client requests in flight, no shadow on the wire), up to a
+deadline; one right after a replay that ran alone goes
 at once while it is still quiet (the settle held through that replay). Replays stop
 ``replay_margin_tokens`` past the audit's first divergent token (``experiments.replay_limit``),
 and the token budget counts them so. A triage that fails is logged, counted (reason
@@ -47,7 +49,7 @@ from proxy.attribution.experiments import (
     request_limit,
     run_experiments,
 )
-from proxy.audit.outcome import outcome_from_response
+from proxy.audit.outcome import outcome_from_response, outcome_tokens
 from proxy.audit.shadow import (
     ProxyLoad,
     Replayed,
@@ -83,6 +85,7 @@ class _Experiment:
     queued_at: float  # monotonic
     limit: int | None = None  # the replays' token limit, fixed as it starts
     started: bool = False
+    reserved: int = 0  # tokens taken from the budget as it started (the worst case)
 
 
 @dataclass(frozen=True, slots=True)
@@ -407,7 +410,7 @@ class Triage:
             cost = self._cost(experiment.cases[0], self._plan(limit=limit))
             over_budget = self.tokens + cost > self.token_budget
             if not over_budget and self._bucket.take():
-                experiment.limit, experiment.started = limit, True
+                experiment.limit, experiment.started, experiment.reserved = limit, True, cost
                 self.tokens += cost
                 return True
             wait = _BUDGET_POLL_S if over_budget else self._bucket.wait_s()
@@ -421,11 +424,24 @@ class Triage:
     async def _triage(self, experiment: _Experiment) -> None:
         first = experiment.cases[0]
         plan = self._plan(limit=experiment.limit)
+        scheduler = self._scheduler
+        if scheduler is not None:
+            scheduler.hold()  # the experiment's replays take their turn whole
+        reserved = experiment.reserved
         try:
             replays, missing = await run_experiments(first, plan, _Runner(self, first))
         except GaveUp as exc:
+            self.tokens -= reserved  # nothing was sent
             self._give_up_all(experiment, exc.reason, f"no quiet moment: {exc.reason}")
             return
+        finally:
+            if scheduler is not None:
+                scheduler.release()
+        # The reservation was the worst case (every run to the replay limit): the budget counts
+        # what the engine said the replays cost, the estimate for a run with no answer.
+        per_run = reserved // max(1, self._runs_planned(plan))
+        spent = sum(per_run if r.outcome is None else outcome_tokens(r.outcome) for r in replays)
+        self.tokens += spent - reserved
         self.triaged += 1
         finished = _Finished(tuple(replays), missing, plan, time.monotonic(), first.request_id)
         self._finished[experiment.key] = finished
@@ -442,7 +458,7 @@ class Triage:
         return (
             self._audit.quiet_max_upstream_running is None
             and self._load.inflight <= self._config.quiet_max_inflight
-            and not (scheduler is not None and scheduler.running > 0)
+            and not (scheduler is not None and scheduler.sending > 0)
         )
 
     async def _quiet(self, settled: bool = False) -> bool:
@@ -463,7 +479,7 @@ class Triage:
             settle_s=audit.quiet_settle_s,
             deadline_s=self._config.quiet_deadline_s,
             poll_s=audit.quiet_poll_s,
-            busy=(lambda: scheduler.running > 0) if scheduler is not None else None,
+            busy=(lambda: scheduler.sending > 0) if scheduler is not None else None,
         )
 
     async def send(
@@ -481,7 +497,7 @@ class Triage:
         assert upstream is not None
         scheduler = self._scheduler
         shadows_before = scheduler.sent if scheduler is not None else 0
-        shadows_running = scheduler.running if scheduler is not None else 0
+        shadows_running = scheduler.sending if scheduler is not None else 0
         headers = dict(case.headers)
         headers["X-Request-Id"] = f"{case.request_id}-triage-{name}"
         identity = None

@@ -20,7 +20,7 @@ from proxy.attribution.case import TRIAGED, Diverged, Earlier, TriageCase
 from proxy.audit.compare import UNKNOWN_LOGPROBS, Verdict, compare_choices, output_hash
 from proxy.audit.extract import AnswerExtractor, build_extractor
 from proxy.audit.inject import needs_injection, plan_logprobs
-from proxy.audit.outcome import ChoiceOutcome, Outcome
+from proxy.audit.outcome import ChoiceOutcome, Outcome, outcome_completion_tokens, outcome_tokens
 from proxy.audit.salts import SaltsSeen
 from proxy.audit.sampling import Sampler
 from proxy.audit.shadow import ShadowJob, ShadowResult, ShadowScheduler
@@ -217,10 +217,10 @@ class Auditor:
                 self._tasks.spawn(self._check_duplicate(ticket, now), name="duplicate-check")
         if self._scheduler is None:
             if self._count_primary_tokens is not None:  # triage's budget, with no shadows
-                self._count_primary_tokens(_tokens_of(outcome))
+                self._count_primary_tokens(outcome_tokens(outcome))
         else:
             # Every deterministic primary the audit saw is the token budget's base.
-            self._scheduler.count_primary_tokens(_tokens_of(outcome))
+            self._scheduler.count_primary_tokens(outcome_tokens(outcome))
             if ticket.shadow:
                 self._scheduler.submit(self._shadow_job(ticket, outcome, latency))
 
@@ -329,7 +329,7 @@ class Auditor:
             shadow_alone=None,
             primary_at=started,
             shadow_at=started,
-            estimated_tokens=_tokens_of(outcome),
+            estimated_tokens=outcome_tokens(outcome),
             diverged=diverged,
             primary_cold_salt=ticket.cold_salt,
             earlier=earlier,
@@ -339,7 +339,7 @@ class Auditor:
         prefill = self._audit.shadow_mode == "prefill"
         body, headers = self._shadow_request(ticket, prefill)
         prompt_tokens = outcome.prompt_tokens or 0
-        estimate = prompt_tokens + (1 if prefill else _completion_tokens(outcome))
+        estimate = prompt_tokens + (1 if prefill else outcome_completion_tokens(outcome))
         inflight_end = self._inflight()  # the primary's company as it ended (itself included)
 
         def on_result(result: ShadowResult) -> None:
@@ -513,12 +513,6 @@ class _Shadowed:
     inflight_end: int
 
 
-def _completion_tokens(outcome: Outcome) -> int:
-    if outcome.completion_tokens is not None:
-        return outcome.completion_tokens
-    return sum(len(c.tokens) if c.tokens else len(c.content) // 4 + 1 for c in outcome.choices)
-
-
 def _with_clients_salt(body: dict[str, Any], ticket: AuditTicket) -> None:
     """A replay's body with the client's own ``cache_salt`` as the primary sent it, or none
     (not the shadow's): a salted engine's replays set their own on top."""
@@ -546,10 +540,6 @@ def _cache_state(ticket: AuditTicket, outcome: Outcome) -> str:
 def _duplicate_key(ticket: AuditTicket) -> str:
     """Like for like: an answer with injected logprobs is only matched with its kind."""
     return f"{ticket.request_key}:{int(ticket.injected)}"
-
-
-def _tokens_of(outcome: Outcome) -> int:
-    return (outcome.prompt_tokens or 0) + _completion_tokens(outcome)
 
 
 def _text(choice: ChoiceOutcome) -> str:

@@ -367,3 +367,15 @@ class StreamAccumulator:
                 )
             )
         return Outcome(tuple(choices), self._error, *self._usage, self._cached)
+
+
+def outcome_completion_tokens(outcome: Outcome) -> int:
+    """The engine's count where it gave one, else one per token seen (or ~4 chars each)."""
+    if outcome.completion_tokens is not None:
+        return outcome.completion_tokens
+    return sum(len(c.tokens) if c.tokens else len(c.content) // 4 + 1 for c in outcome.choices)
+
+
+def outcome_tokens(outcome: Outcome) -> int:
+    """Prompt and completion tokens: what the answer cost the engine."""
+    return (outcome.prompt_tokens or 0) + outcome_completion_tokens(outcome)

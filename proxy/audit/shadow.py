@@ -105,7 +105,13 @@ class ShadowScheduler:
         self._queue: asyncio.Queue[ShadowJob] = asyncio.Queue(maxsize=config.queue_size)
         self._bucket = TokenBucket(config.max_shadows_per_s)
         self._tasks = TaskOwner("shadow")
-        self._running = 0
+        self._running = 0  # taken off the queue: waiting for a quiet moment or sent
+        self._sending = 0  # sent and not yet answered
+        # Held by a triage experiment: no shadow is sent until released, so its replays run
+        # alone. Time spent held does not count against a shadow's quiet deadline.
+        self._holds = 0
+        self._released = asyncio.Event()
+        self._released.set()
         self.sent = 0  # shadows sent upstream (a triage replay is alone only if none was)
         self.primary_tokens = 0
         self.shadow_tokens = 0
@@ -117,6 +123,23 @@ class ShadowScheduler:
     @property
     def running(self) -> int:
         return self._running
+
+    @property
+    def sending(self) -> int:
+        """Shadows on the wire now (``running`` also counts those waiting to be sent)."""
+        return self._sending
+
+    def hold(self) -> None:
+        """No shadow is sent until as many ``release`` calls: a triage experiment's replays
+        take their turn whole instead of waiting for a queue of shadows to drain (a burst's
+        shadows would otherwise keep the upstream busy past the triage's quiet deadline)."""
+        self._holds += 1
+        self._released.clear()
+
+    def release(self) -> None:
+        self._holds = max(0, self._holds - 1)
+        if self._holds == 0:
+            self._released.set()
 
     def start(self) -> None:
         for i in range(self._config.max_concurrent_shadows):
@@ -199,19 +222,34 @@ class ShadowScheduler:
             poll_s=cfg.quiet_poll_s,
         )
 
+    async def _turn(self) -> bool:
+        """Wait for the shadow's turn: not held, and (``quiet`` schedule) a quiet moment
+        within the deadline; a hold that begins during the wait starts it over. False: the
+        deadline passed."""
+        while True:
+            await self._released.wait()
+            if self._config.schedule == "quiet" and not await self._quiet_enough():
+                return False
+            if self._holds == 0:
+                return True
+
     async def _run(self, job: ShadowJob) -> None:
-        if self._config.schedule == "quiet" and not await self._quiet_enough():
+        if not await self._turn():
             self._bus.publish(ShadowDropped(job.model, "quiet_deadline"))
             return
         self.sent += 1
-        sent = await replay(
-            self._upstream,
-            self._load,
-            job.raw_path,
-            job.headers,
-            job.body,
-            self._config.shadow_timeout_s,
-        )
+        self._sending += 1
+        try:
+            sent = await replay(
+                self._upstream,
+                self._load,
+                job.raw_path,
+                job.headers,
+                job.body,
+                self._config.shadow_timeout_s,
+            )
+        finally:
+            self._sending -= 1
         if isinstance(sent, str):
             self._bus.publish(ShadowDropped(job.model, sent))
             return

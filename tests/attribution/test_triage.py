@@ -42,16 +42,23 @@ class Answer:
 
 
 class Scripted:
-    """An upstream that answers each replay with the text ``texts(n)`` (n: replays so far)."""
+    """An upstream that answers each replay with the text ``texts(n)`` (n: replays so far),
+    and, where ``usage`` is given, its (prompt, completion) token counts."""
 
-    def __init__(self, texts: Callable[[int], str]) -> None:
+    def __init__(self, texts: Callable[[int], str], usage: tuple[int, int] | None = None) -> None:
         self.texts = texts
+        self.usage = usage
         self.bodies: list[dict[str, Any]] = []
 
     async def send(self, method: str, raw_path: str, headers: Any, body: bytes) -> Answer:
         self.bodies.append(orjson.loads(body))
         text = self.texts(len(self.bodies))
-        answer = {"choices": [{"index": 0, "message": {"content": text}, "finish_reason": "stop"}]}
+        answer: dict[str, Any] = {
+            "choices": [{"index": 0, "message": {"content": text}, "finish_reason": "stop"}]
+        }
+        if self.usage is not None:
+            prompt, completion = self.usage
+            answer["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion}
         return Answer(orjson.dumps(answer))
 
     async def close(self) -> None:
@@ -176,7 +183,7 @@ async def test_past_its_wait_a_case_ends_unknown_naming_the_budget() -> None:
 
 
 async def test_the_token_budget_holds_an_experiment_until_its_wait_ends() -> None:
-    upstream = Scripted(lambda n: "b")
+    upstream = Scripted(lambda n: "b", usage=(4, 6))  # 10 tokens a run, as estimated
     t, seen = triage(upstream, token_allowance=100, max_token_share=0.0, max_wait_s=0.05)
     t.start()
     t.offer(case(1))  # 10 tokens x 7 runs fits 100; the next does not
@@ -384,7 +391,9 @@ def long_case(primary: str, shadow: str) -> TriageCase:
 async def test_the_token_budget_counts_replays_cut_short_at_their_limit() -> None:
     text = "a" * 500
     diverged = long_case("b" + text[1:], text)  # parted at token 0: replays of 17 tokens
-    cut, seen = triage(Scripted(lambda n: "b"), token_allowance=1000, max_token_share=0.0)
+    cut, seen = triage(
+        Scripted(lambda n: "b", usage=(100, 17)), token_allowance=1000, max_token_share=0.0
+    )
     cut.start()
     cut.offer(diverged)  # 7 runs of 100 + 17 tokens: 819
     await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a cause")
@@ -467,3 +476,35 @@ async def test_without_shadows_the_primaries_counted_here_are_the_budgets_base()
     t.count_primary_tokens(1000)
     assert t.token_budget == 100 + 0.5 * 1000
     await t.close()
+
+
+async def test_the_budget_keeps_what_the_replays_cost_not_what_was_reserved() -> None:
+    """An experiment reserves its worst case (every run to the replay limit) and, once done,
+    the budget keeps what the engine said the replays cost: a second experiment that the
+    reservations alone would not let in fits."""
+    text = "a" * 500
+    upstream = Scripted(lambda n: "b", usage=(100, 3))  # answers stop 3 tokens in
+    t, seen = triage(upstream, token_allowance=1000, max_token_share=0.0, max_wait_s=0.05)
+    t.start()
+    t.offer(long_case("b" + text[1:], text))  # reserves 7 x 117 = 819 of 1000
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a first cause")
+    assert t.tokens == 7 * 103, f"the budget kept {t.tokens}, not the 721 the replays cost"
+    second = long_case("b" + text[1:], text)
+    second = replace(second, request_id="r-second", body=dict(second.body, seed=2))
+    t.offer(second)  # 721 + 819 > 1000 reserved; 721 + 721 spent: still over, waits
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="a second cause")
+    await t.close()
+    assert drops(seen) == ["token_budget"], "1442 tokens fit no 1000-token budget"
+    refund, seen_refund = triage(
+        Scripted(lambda n: "b", usage=(100, 3)),
+        token_allowance=1600,
+        max_token_share=0.0,
+        max_wait_s=0.05,
+    )
+    refund.start()
+    refund.offer(long_case("b" + text[1:], text))
+    await eventually(lambda: len(causes(seen_refund)) == 1, interval_s=0.005, what="a cause")
+    refund.offer(second)  # 721 spent + 819 reserved = 1540 <= 1600: only the true-up lets it in
+    await eventually(lambda: len(causes(seen_refund)) == 2, interval_s=0.005, what="2 causes")
+    await refund.close()
+    assert drops(seen_refund) == [] and refund.tokens == 2 * 7 * 103, refund.tokens

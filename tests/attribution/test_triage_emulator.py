@@ -332,3 +332,38 @@ async def test_replays_sent_upstream_carry_the_cut_limit(
     for incident in incidents:
         evidence = incident["cause_evidence"]
         assert (evidence["replay_max_tokens"], evidence["compared_tokens"]) == (20, 20), evidence
+
+
+async def test_a_burst_whose_shadows_outlast_the_quiet_deadline_still_gets_its_causes(
+    make_proxy: Any, registry: CollectorRegistry
+) -> None:
+    """Real vLLM, 2026-12-07: two waves of 16 salted requests at once; the 32 shadows, sent one
+    after another, kept the engine busy past the triage's quiet deadline, so experiments gave
+    up ("no quiet moment") or ran beside a shadow ("serial replays alone: 1 answered"). An
+    experiment now holds the shadows while it runs: every divergence gets its cause."""
+    config = EmulatorConfig(
+        batch_divergence_slope=0.3, warm_cache_divergence=0.5, token_latency_s=0.02, seed=5
+    )
+    async with EmulatorServer(config) as emu:
+        env = FAST | {
+            "DETPROXY_AUDIT__SCHEDULE": "quiet",
+            # shadows alone take ~0.35 s each: the queue of 32 lasts ~10 times this
+            "DETPROXY_ATTRIBUTION__QUIET_DEADLINE_S": "1",
+        }
+        client = await make_proxy(emu.url, env=env)
+        for wave in range(2):
+            bodies = [chat(f"{i % 4} {LONG}") | {"cache_salt": f"c{wave}-{i}"} for i in range(16)]
+            answers = await asyncio.gather(
+                *(client.post("/v1/chat/completions", json=body) for body in bodies)
+            )
+            for resp in answers:
+                assert resp.status == 200
+                await resp.read()
+        await idle(client, timeout_s=120)
+        incidents = await causes_of(client)
+        got = table(incidents)
+        print("burst past the quiet deadline:", dict(got), "of", len(incidents))
+        assert len(incidents) >= 12, f"too few divergences to measure: {len(incidents)}"
+        gave_up = metric(registry, "detproxy_triage_dropped_total", reason="quiet_deadline")
+        assert gave_up == 0, f"{gave_up:g} incidents dropped for no quiet moment: {dict(got)}"
+        assert got["batch"] / len(incidents) >= 0.9, got

@@ -426,3 +426,68 @@ async def test_a_refused_shadow_blames_the_logprobs_only_where_the_engine_names_
     registry_status = await (await client.get("/detproxy/status")).json()
     suspended = bool(registry_status["injection"])
     assert suspended is blamed, registry_status["injection"]
+
+
+class _Answered:
+    """An upstream answer as a replay reads it."""
+
+    status = 200
+    raw_fields = None
+    headers: dict[str, str] = {}
+
+    async def read(self) -> bytes:
+        return orjson.dumps({"choices": [{"index": 0, "finish_reason": "stop", "text": "x"}]})
+
+    def close(self) -> None:
+        pass
+
+
+class _Counting:
+    """An upstream that counts what reaches it and answers at once."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def send(self, method: str, raw_path: str, headers: Any, body: Any) -> _Answered:
+        self.sent += 1
+        return _Answered()
+
+    async def close(self) -> None:
+        pass
+
+
+class _Idle:
+    inflight = 0
+    started = 0
+
+
+async def test_a_held_scheduler_sends_nothing_and_holding_spends_no_quiet_deadline() -> None:
+    """A triage experiment holds the shadows while its replays run: none is sent, and one
+    held longer than the quiet deadline still goes once released (not dropped)."""
+    bus = EventBus()
+    drops: list[str] = []
+    bus.subscribe(ShadowDropped, lambda ev: drops.append(ev.reason))
+    upstream = _Counting()
+    config = AuditConfig(
+        schedule="quiet", quiet_deadline_s=0.05, quiet_settle_s=0.0, quiet_poll_s=0.005
+    )
+    sched = ShadowScheduler(config, cast(Any, upstream), bus, _Idle())
+    results: list[Any] = []
+    sched.start()
+    try:
+        sched.hold()
+        sched.hold()  # two holders: both must release
+        sched.submit(ShadowJob(MODEL, "chat", "/v1/completions", {}, {}, 1, results.append))
+        await eventually(lambda: sched.running == 1, what="the shadow taken off the queue")
+        waited = asyncio.get_running_loop().time()
+        while asyncio.get_running_loop().time() - waited < 0.2:  # 4 quiet deadlines held
+            assert upstream.sent == 0 and sched.sending == 0, "a shadow was sent while held"
+            await asyncio.sleep(0.01)
+        sched.release()
+        await asyncio.sleep(0.05)  # past one more deadline with one hold left
+        assert upstream.sent == 0, "a shadow was sent before its last holder released"
+        sched.release()
+        await eventually(lambda: results, what="the shadow sent once released")
+        assert upstream.sent == 1 and drops == [], drops
+    finally:
+        await sched.close()

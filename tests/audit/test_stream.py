@@ -6,10 +6,10 @@ import copy
 import dataclasses
 from typing import Any
 
-from proxy.audit.auditor import _completion_tokens
 from proxy.audit.outcome import (
     StreamAccumulator,
     TokenLogprob,
+    outcome_completion_tokens,
     outcome_from_response,
 )
 from proxy.relay.extract import Extractor
@@ -120,12 +120,12 @@ def test_several_tokens_a_chunk_are_counted_as_tokens_not_chunks() -> None:
         chunks = grouped_chat_chunks(content, 4, continuous_usage=continuous)
         assert len(chunks) == 5  # role, three chunks of four tokens, usage
         out = _run("chat", chunks).outcome()
-        assert out.completion_tokens == 12 and _completion_tokens(out) == 12
+        assert out.completion_tokens == 12 and outcome_completion_tokens(out) == 12
         (choice,) = out.choices
         assert choice.tokens is not None and len(choice.tokens) == 12
     # Without a usage chunk, the logprobs entries count.
     out = _run("chat", grouped_chat_chunks(content, 4, final_usage=False)).outcome()
-    assert out.completion_tokens is None and _completion_tokens(out) == 12
+    assert out.completion_tokens is None and outcome_completion_tokens(out) == 12
 
 
 def test_inband_error_and_incomplete() -> None:
