@@ -246,9 +246,6 @@ def build_app(
     recovery = Recovery(
         settings.loops, chain, bus, guard, budget if settings.loops.enabled else None
     )
-    metrics.watch_failures(
-        {"subscriber": lambda: dict(bus.failures), "policy": lambda: dict(chain.failures)}
-    )
     app[SETTINGS] = settings
     app[BUS] = bus
     app[METRICS] = metrics
@@ -259,6 +256,13 @@ def build_app(
     # Incidents name the process of the tally lines that count them (detproxy report).
     incidents = IncidentLog(settings.incidents, process=tally.process)
     incidents.subscribe(bus)
+    metrics.watch_failures(
+        {
+            "subscriber": lambda: dict(bus.failures),
+            "policy": lambda: dict(chain.failures),
+            "incident_log": incidents.failures,
+        }
+    )
     app[INCIDENTS] = incidents
     app[TALLY] = tally
 
@@ -289,8 +293,8 @@ def build_app(
 class _Lifetime:
     """What lives as long as the app, one cleanup context per resource. aiohttp starts them in
     ``contexts()`` order and cleans them up in the reverse one: background tasks first, then the
-    shadow workers, the passive checks, the incident log (the tally's last line), the upstream
-    clients, the session last."""
+    shadow workers, the passive checks, the incident log (the tally's last line, then what its
+    writer has queued), the upstream clients, the session last."""
 
     settings: Settings
     bus: EventBus
@@ -344,10 +348,11 @@ class _Lifetime:
             await reference.close()
 
     async def incidents_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        self.incidents.start()  # the file's writer: it outlives what publishes incidents
         yield
         if self.incidents.on_disk:
             self.incidents.write(self.tally.summary())  # the last word of this process
-        self.incidents.close()
+        await self.incidents.close()
 
     async def runtime_ctx(self, app: web.Application) -> AsyncIterator[None]:
         # Wiring only: what it builds is started and stopped by the contexts after it.
@@ -507,7 +512,7 @@ async def _status(app: web.Application) -> Reply:
             "recovery_budget_store": _budget_store_status(app[BUDGET_SYNC]),
             "incidents": {
                 "recorded": len(app[INCIDENTS].recent(10**9)),
-                "written": app[INCIDENTS].written,
+                **app[INCIDENTS].file_status(),  # written, queued, dropped (queue full)
             },
             "config": mask_secrets(settings.model_dump(mode="json")),
         }

@@ -469,6 +469,9 @@ class IncidentConfig(_Section):
     path: str | None = Field(default_factory=lambda: default_incident_path())
     max_bytes: int = Field(default=50 * 1024 * 1024, gt=0)
     backups: int = Field(default=5, ge=0)
+    # Lines waiting for the file's writer task; past it, a line is dropped and counted (status:
+    # incidents.dropped), never waited for on the request path.
+    queue_lines: int = Field(default=10_000, gt=0)
     ring_size: int = Field(default=1000, gt=0)
     store_text: bool = False  # prompts and outputs; hashes are always stored
     # Cumulative counts (the denominators of `detproxy report`) written this often.

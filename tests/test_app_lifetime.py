@@ -70,6 +70,8 @@ async def test_every_resource_is_released_in_order(
     await server.start_server()
     running = sorted(t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("app:"))
     assert running == ["app:fingerprint", "app:tally"]
+    writer = [t for t in asyncio.all_tasks() if t.get_name() == "incidents:writer"]
+    assert len(writer) == 1, "the incident log's writer task is not running"
     assert isinstance(app[TARGET], H1Upstream) and isinstance(app[REFERENCE], H1Upstream)
     assert app[RUNTIME].scheduler is not None and app[RUNTIME].auditor is not None
     session = app[SESSION]
@@ -84,6 +86,7 @@ async def test_every_resource_is_released_in_order(
         "ClientSession.close",
     ]
     assert session.closed
+    assert writer[0].done(), "the incident log's writer outlived the app"
     lines = (tmp_path / "incidents.jsonl").read_bytes().splitlines()
     assert b'"kind":"tally"' in lines[-1]  # the last word, written before the log closed
 

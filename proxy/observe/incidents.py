@@ -1,7 +1,8 @@
 """The incident log: every non-identical audit and every loop as one JSON line, and a ring.
 
 A subscriber of ``AuditCompleted``, ``LoopDetected`` and the upstream's events. Lines go to a
-size-rotated file (``path``, ``path.1``, ... ``path.N``) and to a bounded in-memory ring served
+size-rotated file (``path``, ``path.1``, ... ``path.N``; written by its own task, never in the
+publisher's call: ``proxy.observe.incident_file``) and to a bounded in-memory ring served
 newest first at ``/detproxy/incidents`` (filtered by ``kind``, ``verdict``, ``mode`` and
 ``model``; a value the endpoint does not know is a 400 that lists the known ones: the kinds of
 ``proxy.observe.kinds``, which this module writes). Prompts and outputs are kept only when
@@ -22,12 +23,11 @@ in a container) only says so in the log once, and incidents stay in memory.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import orjson
 
@@ -46,6 +46,7 @@ from proxy.events import (
     UpstreamRestarted,
 )
 from proxy.http.admin import AdminRequest, Reply, error_reply, json_reply
+from proxy.observe.incident_file import IncidentFile
 from proxy.observe.kinds import (
     AUDIT,
     CAUSE,
@@ -231,18 +232,36 @@ class IncidentLog:
         self._process = process  # the id of this process's tally lines ("" none)
         self._ring: deque[dict[str, Any]] = deque(maxlen=config.ring_size)
         self._loops = PendingLoops(self.write)
-        self._file: IO[bytes] | None = None
-        self._size = 0
-        self.written = 0
         self._upstream: dict[str, Any] | None = None
         self._mismatched: frozenset[tuple[str, str, str]] = frozenset()  # recorded last
-        self._closed = False
         self._on_disk = self._check(config.path) if config.path else False
+        self._file = (
+            IncidentFile(config.path, config.max_bytes, config.backups, config.queue_lines)
+            if config.path and self._on_disk
+            else None
+        )
 
     @property
     def on_disk(self) -> bool:
         """Incidents go to a file (not only to the ring): it could be written at start."""
         return self._on_disk
+
+    @property
+    def written(self) -> int:
+        """Lines the writer has written to the file."""
+        return self._file.written if self._file is not None else 0
+
+    def file_status(self) -> dict[str, int]:
+        """The file's writer: lines written, queued, and dropped for a full queue."""
+        f = self._file
+        if f is None:
+            return {"written": 0, "queued": 0, "dropped": 0}
+        return {"written": f.written, "queued": f.queued, "dropped": f.dropped}
+
+    def failures(self) -> dict[str, int]:
+        """Lines dropped for a full queue, as the metrics count isolated failures."""
+        dropped = self._file.dropped if self._file is not None else 0
+        return {"queue_full": dropped} if dropped else {}
 
     def _check(self, path: str) -> bool:
         """Create the file's folder and the file (it is opened at the first line); what to do
@@ -357,25 +376,6 @@ class IncidentLog:
         if ev.verdict.verdict != "identical":
             self.record(audit_incident(ev))
 
-    def _open(self) -> None:
-        assert self._config.path
-        self._file = open(self._config.path, "ab")  # noqa: SIM115 (lives as long as the app)
-        self._size = self._file.tell()
-
-    def _rotate(self) -> None:
-        assert self._file is not None and self._config.path
-        self._file.close()
-        self._file = None  # until reopened: a failed rotation leaves no closed file to write to
-        path, backups = self._config.path, self._config.backups
-        if backups == 0:
-            os.truncate(path, 0)
-        else:
-            for i in range(backups - 1, 0, -1):
-                if os.path.exists(f"{path}.{i}"):
-                    os.replace(f"{path}.{i}", f"{path}.{i + 1}")
-            os.replace(path, f"{path}.1")
-        self._open()
-
     def record(self, incident: dict[str, Any]) -> None:
         self.remember(incident)
         self.write(incident)
@@ -389,36 +389,32 @@ class IncidentLog:
         self._ring.append(incident)
 
     def write(self, incident: dict[str, Any]) -> None:
-        """Append one line to the file (the ring is for incidents only, not tallies)."""
-        if not self._on_disk or self._closed:
-            return
-        line = orjson.dumps(incident) + b"\n"
-        try:
-            if self._file is None:
-                self._open()  # at the first line (or after a rotation that could not reopen)
-            if self._size and self._size + len(line) > self._config.max_bytes:
-                self._rotate()
-            assert self._file is not None
-            self._file.write(line)
-            self._file.flush()  # acknowledged means on its way to disk
-            self._size += len(line)
-            self.written += 1
-        except OSError:
-            log.exception("cannot write incident log %s", self._config.path)
+        """Queue one line for the file's writer (the ring is for incidents only, not tallies):
+        serialized here, written by the writer's task, never in the caller's call."""
+        if self._file is not None:
+            self._file.put(orjson.dumps(incident) + b"\n")
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         items = list(self._ring)[-limit:] if limit > 0 else []
         items.reverse()
         return items
 
-    def close(self) -> None:
-        self._loops.finish_all()  # loops still waiting for an outcome: written as they stand
-        self._closed = True
+    def start(self) -> None:
+        """The file's writer task (with the app's other background tasks)."""
         if self._file is not None:
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            self._file = None
+            self._file.start()
+
+    async def drained(self) -> None:
+        """Until every line queued so far is in the file (the writer must be running)."""
+        if self._file is not None:
+            await self._file.drained()
+
+    async def close(self) -> None:
+        """Loops still waiting for an outcome are written as they stand, then the writer
+        writes what is queued and stops: a graceful stop loses no incident."""
+        self._loops.finish_all()
+        if self._file is not None:
+            await self._file.close()
 
     def select(self, query: IncidentQuery) -> list[dict[str, Any]]:
         """The newest ``query.limit`` incidents of the ring that match ``query``, newest first."""

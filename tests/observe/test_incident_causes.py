@@ -29,7 +29,7 @@ def cause(audit_ts: float, request_id: str = "r1", cause: str = "batch") -> Caus
     )
 
 
-def test_a_cause_is_merged_into_its_incident_and_appended_as_a_line(tmp_path: Path) -> None:
+async def test_a_cause_is_merged_into_its_incident_and_appended_as_a_line(tmp_path: Path) -> None:
     path = tmp_path / "inc.jsonl"
     log = IncidentLog(IncidentConfig(path=str(path)))
     bus = EventBus()
@@ -38,7 +38,7 @@ def test_a_cause_is_merged_into_its_incident_and_appended_as_a_line(tmp_path: Pa
     bus.publish(first)
     bus.publish(other)
     bus.publish(cause(first.timestamp))
-    log.close()
+    await log.close()
 
     ring = {r["request_id"]: r for r in log.recent(10)}
     assert ring["r1"]["cause"] == "batch"
@@ -69,7 +69,9 @@ def test_a_cause_is_merged_into_its_incident_and_appended_as_a_line(tmp_path: Pa
     assert merged["r2"].cause is None
 
 
-def test_a_cause_for_an_incident_no_longer_in_the_ring_is_still_written(tmp_path: Path) -> None:
+async def test_a_cause_for_an_incident_no_longer_in_the_ring_is_still_written(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "inc.jsonl"
     log = IncidentLog(IncidentConfig(path=str(path), ring_size=1))
     bus = EventBus()
@@ -78,6 +80,6 @@ def test_a_cause_for_an_incident_no_longer_in_the_ring_is_still_written(tmp_path
     bus.publish(first)
     bus.publish(event(2))  # pushes r1 out of the ring
     bus.publish(cause(first.timestamp))
-    log.close()
+    await log.close()
     assert "cause" not in log.recent(10)[0]
     assert orjson.loads(path.read_bytes().splitlines()[-1])["cause"] == "batch"

@@ -60,7 +60,7 @@ def every_event() -> list[object]:
 
 
 @pytest.fixture
-def written(tmp_path: Path) -> tuple[list[dict[str, Any]], Path]:
+async def written(tmp_path: Path) -> tuple[list[dict[str, Any]], Path]:
     """The incidents (the ring's records) and the file, from one event of each kind."""
     path = tmp_path / "incidents.jsonl"
     log = IncidentLog(IncidentConfig(path=str(path)), process="p1")
@@ -68,7 +68,7 @@ def written(tmp_path: Path) -> tuple[list[dict[str, Any]], Path]:
     log.subscribe(bus)
     for ev in every_event():
         bus.publish(ev)
-    log.close()
+    await log.close()
     return log.recent(100), path
 
 

@@ -4,8 +4,9 @@ without one, or when detproxy stops; never lost, never written twice."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,18 @@ class Logged:
         self.bus = EventBus()
         self.log.subscribe(self.bus)
 
-    def lines(self) -> list[dict[str, Any]]:
+    async def lines(self) -> list[dict[str, Any]]:
+        """The file once the writer has written every line handed to it so far."""
+        await asyncio.wait_for(self.log.drained(), timeout=10)
         return [orjson.loads(x) for x in self.path.read_bytes().splitlines()]
 
 
 @pytest.fixture
-def logged(tmp_path: Path) -> Iterator[Logged]:
+async def logged(tmp_path: Path) -> AsyncIterator[Logged]:
     found = Logged(tmp_path)
+    found.log.start()
     yield found
-    found.log.close()
+    await found.log.close()
 
 
 def outcome_of(record: dict[str, Any]) -> tuple[Any, ...]:
@@ -56,25 +60,25 @@ def outcome_of(record: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(record[k] for k in keys)
 
 
-def test_a_retried_loop_is_written_once_with_its_outcome_and_the_retrys_tokens(
+async def test_a_retried_loop_is_written_once_with_its_outcome_and_the_retrys_tokens(
     logged: Logged,
 ) -> None:
     logged.bus.publish(detected("r1", 1, "retry"))
     (shown,) = logged.log.recent(5)
     assert (shown["action"], shown["outcome"]) == ("retry", None), "not in the ring at once"
-    assert logged.lines() == [], "written before its outcome was known"
+    assert await logged.lines() == [], "written before its outcome was known"
     logged.bus.publish(PolicyActed("r1", "m", "retry", "recovered", 2, "continue"))
     logged.bus.publish(RecoveryTokens("m", "continue", 50, 12, "r1", 2))
-    (line,) = logged.lines()
+    (line,) = await logged.lines()
     assert outcome_of(line) == (1, "retry", "continue", "recovered", 2, 50, 12)
     assert line["process"] == "p1"
     assert outcome_of(logged.log.recent(5)[0]) == outcome_of(line), "the ring lags the file"
     logged.bus.publish(finished("r1"))
-    logged.log.close()
-    assert len(logged.lines()) == 1, "the loop was written twice"
+    await logged.log.close()
+    assert len(await logged.lines()) == 1, "the loop was written twice"
 
 
-def test_a_loop_that_loops_again_and_is_aborted_is_two_lines_one_per_attempt(
+async def test_a_loop_that_loops_again_and_is_aborted_is_two_lines_one_per_attempt(
     logged: Logged,
 ) -> None:
     bus = logged.bus
@@ -84,43 +88,43 @@ def test_a_loop_that_loops_again_and_is_aborted_is_two_lines_one_per_attempt(
     bus.publish(detected("r1", 2, "abort"))
     bus.publish(PolicyActed("r1", "m", "abort", "attempts_exhausted", 2))
     bus.publish(RecoveryTokens("m", "restart", 300, 0, "r1", 2))
-    logged.log.close()
-    assert [outcome_of(x) for x in logged.lines()] == [
+    await logged.log.close()
+    assert [outcome_of(x) for x in await logged.lines()] == [
         (2, "abort", None, "attempts_exhausted", 2, None, None),
         (1, "retry", "restart", "looped_again", 2, 300, 0),
     ]
 
 
-def test_an_observed_loop_is_written_at_once(logged: Logged) -> None:
+async def test_an_observed_loop_is_written_at_once(logged: Logged) -> None:
     logged.bus.publish(detected("r1", 1, "observe"))
     logged.bus.publish(PolicyActed("r1", "m", "observe", "observe", 1))
-    (line,) = logged.lines()  # before the request ends
+    (line,) = await logged.lines()  # before the request ends
     assert outcome_of(line) == (1, "observe", None, "observe", 1, None, None)
 
 
-def test_a_request_that_ends_before_its_retrys_outcome_writes_its_loop_unfinished(
+async def test_a_request_that_ends_before_its_retrys_outcome_writes_its_loop_unfinished(
     logged: Logged,
 ) -> None:
     logged.bus.publish(detected("r1", 1, "retry"))
     logged.bus.publish(finished("other"))
-    assert logged.lines() == []
+    assert await logged.lines() == []
     logged.bus.publish(finished("r1"))  # the client left during the retry
-    (line,) = logged.lines()
+    (line,) = await logged.lines()
     assert (line["action"], line["outcome"]) == ("retry", "unfinished")
 
 
-def test_a_refused_retry_is_written_at_once(logged: Logged) -> None:
+async def test_a_refused_retry_is_written_at_once(logged: Logged) -> None:
     logged.bus.publish(detected("r1", 1, "retry"))
     logged.bus.publish(PolicyActed("r1", "m", "retry", "error", 2, "restart"))
-    (line,) = logged.lines()
+    (line,) = await logged.lines()
     assert outcome_of(line) == (1, "retry", "restart", "error", 2, None, None)
 
 
-def test_shutdown_writes_the_loops_still_waiting(logged: Logged) -> None:
+async def test_shutdown_writes_the_loops_still_waiting(logged: Logged) -> None:
     for i in range(3):
         logged.bus.publish(detected(f"r{i}", 1, "retry"))
-    logged.log.close()
-    assert [(x["request_id"], x["outcome"]) for x in logged.lines()] == [
+    await logged.log.close()
+    assert [(x["request_id"], x["outcome"]) for x in await logged.lines()] == [
         (f"r{i}", "unfinished") for i in range(3)
     ]
 

@@ -8,13 +8,21 @@ from typing import Any
 
 import orjson
 import pytest
+from prometheus_client import CollectorRegistry
 
+from proxy.app import BUS
 from proxy.audit.compare import Divergence, Verdict
 from proxy.config import ConfigError, IncidentConfig, load_settings
 from proxy.events import AuditCompleted, EventBus
 from proxy.observe.incidents import IncidentLog, QueryError, parse_query
 from proxy.tools.emulator import EmulatorServer
+from tests.helpers.metrics import metric
 from tests.helpers.settings import NO_SHADOWS
+from tests.helpers.waiting import Unmet, eventually
+
+
+def sizes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in folder.iterdir()}
 
 
 def event(i: int, verdict: str = "text_divergence", **extra: Any) -> AuditCompleted:
@@ -46,15 +54,16 @@ def event(i: int, verdict: str = "text_divergence", **extra: Any) -> AuditComple
     )
 
 
-def test_only_non_identical_audits_are_incidents_newest_first(tmp_path: Path) -> None:
+async def test_only_non_identical_audits_are_incidents_newest_first(tmp_path: Path) -> None:
     log = IncidentLog(IncidentConfig(path=str(tmp_path / "inc.jsonl"), ring_size=3))
     bus = EventBus()
     log.subscribe(bus)
+    log.start()  # the file's writer
     for i in range(5):
         bus.publish(event(i))
     bus.publish(event(99, verdict="identical"))
     assert [r["request_id"] for r in log.recent(10)] == ["r4", "r3", "r2"]  # ring bounded
-    log.close()
+    await log.close()
     lines = (tmp_path / "inc.jsonl").read_bytes().splitlines()
     assert [orjson.loads(x)["request_id"] for x in lines] == ["r0", "r1", "r2", "r3", "r4"]
     first = orjson.loads(lines[0])
@@ -75,15 +84,16 @@ def test_text_is_kept_only_when_the_event_carries_it(tmp_path: Path) -> None:
     )
 
 
-def test_rotation_keeps_backups(tmp_path: Path) -> None:
+async def test_rotation_keeps_backups(tmp_path: Path) -> None:
     path = tmp_path / "inc.jsonl"
     log = IncidentLog(IncidentConfig(path=str(path), max_bytes=1500, backups=2))
     bus = EventBus()
     log.subscribe(bus)
+    log.start()  # the file's writer
     for i in range(20):
         bus.publish(event(i))
-    log.close()
-    files = sorted(p.name for p in tmp_path.iterdir())
+    await log.close()
+    files = sorted(sizes(tmp_path))
     assert files == ["inc.jsonl", "inc.jsonl.1", "inc.jsonl.2"]
     ids = [
         orjson.loads(x)["request_id"]
@@ -91,7 +101,7 @@ def test_rotation_keeps_backups(tmp_path: Path) -> None:
         for x in (tmp_path / name).read_bytes().splitlines()
     ]
     assert ids == [f"r{i}" for i in range(20 - len(ids), 20)]  # oldest fell off, order kept
-    assert all(p.stat().st_size <= 1500 for p in tmp_path.iterdir())
+    assert max(sizes(tmp_path).values()) <= 1500, sizes(tmp_path)
 
 
 async def test_incidents_endpoint_and_store_text(make_proxy: Any, tmp_path: Path) -> None:
@@ -122,6 +132,13 @@ async def test_incidents_endpoint_and_store_text(make_proxy: Any, tmp_path: Path
         resp = await client.get("/detproxy/incidents?limit=abc")
         assert resp.status == 400 and (await resp.json())["error"]["param"] == "limit"
         assert await (await client.get("/detproxy/incidents?limit=0")).json() == []
+
+        async def file_status() -> dict[str, int] | Unmet:
+            status = (await (await client.get("/detproxy/status")).json())["incidents"]
+            return status if status["written"] >= 1 else Unmet(status)
+
+        status = await eventually(file_status, what="the app's writer task wrote the incident")
+        assert (status["queued"], status["dropped"]) == (0, 0), status
         await client.close()  # shutdown flushes the file
         line = (tmp_path / "i.jsonl").read_bytes().splitlines()[0]
         assert orjson.loads(line)["request_id"] == incident["request_id"]
@@ -156,7 +173,7 @@ async def test_tally_lines_carry_the_denominators(make_proxy: Any, tmp_path: Pat
     assert last["process"] == tallies[0]["process"] and last["ts"] >= tallies[0]["ts"]
 
 
-def test_the_default_log_is_on_disk_in_the_state_dir_its_folder_created(
+async def test_the_default_log_is_on_disk_in_the_state_dir_its_folder_created(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     state = tmp_path / "not" / "there" / "yet"
@@ -165,13 +182,13 @@ def test_the_default_log_is_on_disk_in_the_state_dir_its_folder_created(
     bus = EventBus()
     log.subscribe(bus)
     bus.publish(event(1))
-    log.close()
+    await log.close()
     assert log.on_disk and log.written == 1
     (line,) = (state / "incidents.jsonl").read_bytes().splitlines()
     assert orjson.loads(line)["request_id"] == "r1"
 
 
-def test_the_default_log_rotates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+async def test_the_default_log_rotates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("DETPROXY_STATE_DIR", str(tmp_path))
     config = IncidentConfig(max_bytes=1500, backups=2)  # the default path, small files
     assert config.path == str(tmp_path / "incidents.jsonl")
@@ -180,13 +197,13 @@ def test_the_default_log_rotates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path
     log.subscribe(bus)
     for i in range(20):
         bus.publish(event(i))
-    log.close()
-    names = sorted(p.name for p in tmp_path.iterdir())
+    await log.close()
+    names = sorted(sizes(tmp_path))
     assert names == ["incidents.jsonl", "incidents.jsonl.1", "incidents.jsonl.2"]
-    assert all(p.stat().st_size <= 1500 for p in tmp_path.iterdir())
+    assert max(sizes(tmp_path).values()) <= 1500, sizes(tmp_path)
 
 
-def test_a_default_log_that_cannot_be_written_keeps_incidents_in_memory(
+async def test_a_default_log_that_cannot_be_written_keeps_incidents_in_memory(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     blocker = tmp_path / "a-file"
@@ -200,7 +217,7 @@ def test_a_default_log_that_cannot_be_written_keeps_incidents_in_memory(
     log.subscribe(bus)
     bus.publish(event(1))
     assert not log.on_disk and [r["request_id"] for r in log.recent(5)] == ["r1"]
-    log.close()
+    await log.close()
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "a-folder"])
@@ -217,17 +234,17 @@ def test_a_configured_log_that_cannot_be_written_stops_the_start(
     assert 'incidents.path = ""' in message
 
 
-def test_a_configured_log_gets_its_folders(tmp_path: Path) -> None:
+async def test_a_configured_log_gets_its_folders(tmp_path: Path) -> None:
     path = tmp_path / "var" / "log" / "detproxy" / "incidents.jsonl"
     log = IncidentLog(IncidentConfig(path=str(path)))
-    log.close()
+    await log.close()
     assert path.is_file() and log.on_disk
 
 
-def test_an_empty_path_keeps_incidents_in_memory_only(tmp_path: Path) -> None:
+async def test_an_empty_path_keeps_incidents_in_memory_only(tmp_path: Path) -> None:
     log = IncidentLog(IncidentConfig(path=""))
     assert not log.on_disk
-    log.close()
+    await log.close()
 
 
 @pytest.mark.parametrize(
@@ -279,3 +296,24 @@ def test_filters_select_by_kind_verdict_mode_and_model() -> None:
     assert select("verdict=&model=") == select("")  # an empty value means unset
     with pytest.raises(QueryError):
         parse_query([("limit", "1" * 10)])
+
+
+async def test_lines_a_full_queue_dropped_show_in_the_status_and_the_metrics(
+    make_proxy: Any, registry: CollectorRegistry, tmp_path: Path
+) -> None:
+    async with EmulatorServer() as emu:
+        env = {
+            "DETPROXY_INCIDENTS__PATH": str(tmp_path / "i.jsonl"),
+            "DETPROXY_INCIDENTS__QUEUE_LINES": "2",
+        }
+        client = await make_proxy(emu.url, env=env)
+        bus = client.server.app[BUS]
+        for i in range(5):  # no await between them: the writer cannot take any meanwhile
+            bus.publish(event(i))
+        status = (await (await client.get("/detproxy/status")).json())["incidents"]
+        assert (status["recorded"], status["dropped"]) == (5, 3), status
+        labels = {"component": "incident_log", "name": "queue_full"}
+        assert metric(registry, "detproxy_isolated_failures_total", **labels) == 3
+        await client.close()
+    lines = [orjson.loads(x) for x in (tmp_path / "i.jsonl").read_bytes().splitlines()]
+    assert [x["request_id"] for x in lines if x["kind"] == "audit"] == ["r0", "r1"]

@@ -37,7 +37,7 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
     return out
 
 
-def test_no_file_reads_the_default_log_and_its_rotated_backups_oldest_first(
+async def test_no_file_reads_the_default_log_and_its_rotated_backups_oldest_first(
     state: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Written and rotated by the incident log itself, so the names are the ones it gives.
@@ -47,8 +47,8 @@ def test_no_file_reads_the_default_log_and_its_rotated_backups_oldest_first(
     for i in range(8):
         log.write(audit(f"r{i}", "text_divergence", ts=100 + i, model="m", index=i))
     log.write(tally("p1", 200, {"m": {"full": {"identical": 12, "text_divergence": 8}}}))
-    log.close()
-    backups = sorted(p.name for p in state.iterdir() if p.name != "incidents.jsonl")
+    await log.close()
+    backups = sorted(name for name in os.listdir(state) if name != "incidents.jsonl")
     assert len(backups) >= 2, f"the log did not rotate: {sorted(os.listdir(state))}"
     (state / "incidents.jsonl.old").write_text("not a backup\n")  # not a rotation's name
 
