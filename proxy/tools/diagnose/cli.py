@@ -25,6 +25,7 @@ import orjson
 from proxy.config import api_root
 from proxy.engine.fingerprint import FingerprintPoller
 from proxy.events import EventBus
+from proxy.http.h1 import H1Upstream
 from proxy.redact import mask_url
 from proxy.tools.diagnose import render
 from proxy.tools.diagnose.experiments import DiagnoseError, Experiments, Settings, Upstream
@@ -180,7 +181,7 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
         primary = Upstream(http, args.upstream, settings, args.api_key)
         engine = await primary.identify()
-        recipe = await read_recipe(http, args.upstream)
+        recipe = await read_recipe(args.upstream, args.api_key)
         say(f"what loaded: {describe_recipe(recipe)}")
         await primary.negotiate(prompts[0])
         reference = None
@@ -216,11 +217,19 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0 if diagnosis.stable else 1
 
 
-async def read_recipe(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
+async def read_recipe(url: str, api_key: str | None = None) -> dict[str, Any] | None:
     """What the engine says it loaded, read from its endpoints as the fingerprint reads them
     (a verdict says what it measured); None where they say nothing."""
     recipes = RecipeReader(None)
-    await FingerprintPoller(http, url, EventBus(), interval_s=0.0, truth=recipes.truth).poll()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    reads = H1Upstream(url)
+    try:
+        poller = FingerprintPoller(
+            reads, url, EventBus(), interval_s=0.0, truth=recipes.truth, headers=headers
+        )
+        await poller.poll()
+    finally:
+        await reads.close()
     return recipes.snapshot()
 
 
