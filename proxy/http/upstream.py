@@ -80,12 +80,25 @@ async def get(
     upstream: Upstream, path: str, timeout_s: float, headers: Mapping[str, str] | None = None
 ) -> Got:
     """``GET path`` (below the upstream's base URL), its status and whole body within
-    ``timeout_s``: the engine-side reads. Raises the ``UpstreamError`` tree only: what
-    ``send`` and the body's read raise, and an ``UpstreamTimeout`` past ``timeout_s``."""
+    ``timeout_s``: the engine-side reads. Raises the ``UpstreamError`` tree only (``whole``)."""
+    return await whole(upstream, "GET", path, timeout_s, headers)
+
+
+async def whole(
+    upstream: Upstream,
+    method: str,
+    path: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+) -> Got:
+    """One request and its whole answer within ``timeout_s``. Raises the ``UpstreamError``
+    tree only: what ``send`` and the body's read raise, and an ``UpstreamTimeout`` past
+    ``timeout_s``. Cancelled, the response is closed (its generation aborted)."""
     resp: UpstreamResponse | None = None
     try:
         async with asyncio.timeout(timeout_s):
-            resp = await upstream.send("GET", path, headers or {}, None)
+            resp = await upstream.send(method, path, headers or {}, body)
             return Got(resp.status, await resp.read())
     except UpstreamError:
         raise
