@@ -54,12 +54,12 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeAlias
 
-import aiohttp
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamFailure
+from proxy.http.h1 import H1Upstream
 from proxy.http.headers import HeaderFields, as_mapping
 from proxy.http.upstream import Body, Sink, Upstream, UpstreamResponse
 
@@ -526,6 +526,7 @@ def _implements_the_seam(
 
 # Headers of one connection, not of the message: not passed on (``forward``).
 _HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+_NOT_PASSED = _HOP | {"content-length"}  # a forwarded request's: its client writes it
 
 
 class FakeUpstream(_Answering):
@@ -550,7 +551,7 @@ class FakeUpstream(_Answering):
         super().__init__(handler, routes, model)
         self._forward = forward.rstrip("/") if forward else None
         self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._client: H1Upstream | None = None  # to ``forward``
         self._url: str | None = None
 
     @property
@@ -574,7 +575,7 @@ class FakeUpstream(_Answering):
             raise
         self._runner = runner
         if self._forward is not None:
-            self._session = aiohttp.ClientSession(auto_decompress=False)
+            self._client = H1Upstream(self._forward)
         self._url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self
 
@@ -584,10 +585,10 @@ class FakeUpstream(_Answering):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        runner, session = self._runner, self._session
-        self._runner = self._session = self._url = None
-        if session is not None:
-            await session.close()
+        runner, client = self._runner, self._client
+        self._runner, self._client, self._url = None, None, None
+        if client is not None:
+            await client.close()
         if runner is not None:
             await runner.cleanup()
         if exc is None:
@@ -603,31 +604,42 @@ class FakeUpstream(_Answering):
         )
         self.requests.append(got)
         reply = self._next(got.path)
-        if reply is None and self._session is not None:
-            return await self._pass_on(request, got, self._session)
+        if reply is None and self._client is not None:
+            return await self._pass_on(request, got, self._client)
         answer = await self._answer(reply or self._handler, got)
         if isinstance(answer, MockResponse):
             return await _send_response(request, answer)
         return await _send(request, answer)
 
     async def _pass_on(
-        self, request: web.Request, got: Received, session: aiohttp.ClientSession
+        self, request: web.Request, got: Received, client: H1Upstream
     ) -> web.StreamResponse:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        url = f"{self._forward}{request.path_qs}"
-        async with session.request(got.method, url, data=got.body, headers=headers) as answer:
-            head = [(k, v) for k, v in answer.headers.items() if k.lower() not in _HOP]
-            resp = web.StreamResponse(status=answer.status, reason=answer.reason)
-            for key, value in head:
-                resp.headers.add(key, value)
+        """Through detproxy's own upstream client: the request as it came (its length is
+        the client's to write), the answer passed on as it is read."""
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in _NOT_PASSED
+        )
+        try:
+            answer = await client.send(got.method, request.path_qs, headers, got.body)
+        except UpstreamFailure as exc:
+            return web.Response(status=exc.status, text=exc.message)
+        try:
+            resp = web.StreamResponse(status=answer.status)
+            for key, value in answer.headers.items():
+                if key.lower() not in _HOP:
+                    resp.headers.add(key, value)
             await resp.prepare(request)
             try:
-                async for data in answer.content.iter_any():
+                async for data in answer.chunks():
                     await resp.write(data)
                 await resp.write_eof()
             except ConnectionResetError:
                 pass  # the client (detproxy) left
+            except UpstreamError:
+                return _cut(request, resp)  # as the engine cut it
             return resp
+        finally:
+            answer.close()
 
 
 async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
