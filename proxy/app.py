@@ -1,7 +1,8 @@
-"""``build_app(settings)``: the admin routes, the one ClientSession, and what lives as long as the
-app. The aiohttp ``Application`` is the container of that lifetime (its ``cleanup_ctx``) and of
-what the listeners serve: ``RUNTIME``'s forwarder the proxied routes, ``ADMIN`` detproxy's own;
-``proxy.serving`` puts both on the lean front's listeners."""
+"""``build_app(settings)``: the admin routes, the upstream clients (every request to an engine,
+its reads included, goes through one: ``build_app(upstream=)`` swaps it), and what lives as long
+as the app. The aiohttp ``Application`` is the container of that lifetime (its ``cleanup_ctx``)
+and of what the listeners serve: ``RUNTIME``'s forwarder the proxied routes, ``ADMIN``
+detproxy's own; ``proxy.serving`` puts both on the lean front's listeners."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
@@ -34,7 +34,7 @@ from proxy.http.admin import HEALTH, Admin, AdminRequest, Reply, json_reply
 from proxy.http.admin import METRICS as METRICS_PATH
 from proxy.http.eventloop import loop_name
 from proxy.http.h1 import H1Upstream
-from proxy.http.upstream import Upstream, make_session
+from proxy.http.upstream import Upstream
 from proxy.injection import InjectionGuard
 from proxy.loops.recovery import Recovery
 from proxy.observe.incidents import IncidentLog
@@ -75,7 +75,6 @@ class Runtime:
 
 RUNTIME = web.AppKey("runtime", Runtime)
 BUDGET_SYNC = web.AppKey["RedisBudgetSync | None"]("budget_sync")
-SESSION = web.AppKey("session", aiohttp.ClientSession)
 TARGET = web.AppKey[Upstream]("target")  # the upstream requests are forwarded to
 REFERENCE = web.AppKey[Upstream | None]("reference")  # the control engine shadows go to
 
@@ -102,7 +101,6 @@ def _make_upstream(config: UpstreamConfig, url: str, server_id: str) -> H1Upstre
 
 def _scheduler(
     settings: Settings,
-    session: aiohttp.ClientSession,
     upstream: Upstream,
     reference: Upstream | None,
     bus: EventBus,
@@ -114,7 +112,7 @@ def _scheduler(
     if audit.at_least_every_s <= 0 and not any(r > 0 for r in rates):
         return None  # audit off: no rate and no floor
     target = reference or upstream
-    load = UpstreamLoad(session, audit.reference_url or settings.upstream.url)
+    load = UpstreamLoad(target, audit.reference_url or settings.upstream.url)
     return ShadowScheduler(
         audit,
         target,
@@ -127,7 +125,6 @@ def _scheduler(
 
 def _triage(
     settings: Settings,
-    session: aiohttp.ClientSession,
     upstream: Upstream,
     reference: Upstream | None,
     bus: EventBus,
@@ -141,7 +138,7 @@ def _triage(
     if scheduler is None and not settings.audit.passive_checks:
         return None
     audit = settings.audit
-    load = UpstreamLoad(session, settings.upstream.url)
+    load = UpstreamLoad(upstream, settings.upstream.url)
     triage = Triage(
         settings.attribution,
         audit,
@@ -158,9 +155,8 @@ def _triage(
     return triage
 
 
-def _invariance(  # noqa: PLR0913 (what it reuses of the app, one argument each)
+def _invariance(
     settings: Settings,
-    session: aiohttp.ClientSession,
     upstream: Upstream,
     bus: EventBus,
     forwarder: Forwarder,
@@ -174,7 +170,7 @@ def _invariance(  # noqa: PLR0913 (what it reuses of the app, one argument each)
     if settings.upstream.expect.batch_invariant is not True:
         return None
     audit = settings.audit
-    load = UpstreamLoad(session, settings.upstream.url)
+    load = UpstreamLoad(upstream, settings.upstream.url)
 
     def busy() -> bool:
         return (scheduler is not None and scheduler.sending > 0) or (
@@ -294,7 +290,7 @@ class _Lifetime:
     """What lives as long as the app, one cleanup context per resource. aiohttp starts them in
     ``contexts()`` order and cleans them up in the reverse one: background tasks first, then the
     shadow workers, the passive checks, the incident log (the tally's last line, then what its
-    writer has queued), the upstream clients, the session last."""
+    writer has queued), the upstream clients last."""
 
     settings: Settings
     bus: EventBus
@@ -310,7 +306,6 @@ class _Lifetime:
 
     def contexts(self) -> list[Callable[[web.Application], AsyncIterator[None]]]:
         return [
-            self.session_ctx,
             self.target_ctx,
             self.reference_ctx,
             self.incidents_ctx,
@@ -323,11 +318,6 @@ class _Lifetime:
             self.tally_ctx,
             self.budget_sync_ctx,
         ]
-
-    async def session_ctx(self, app: web.Application) -> AsyncIterator[None]:
-        session = app[SESSION] = make_session(self.settings.upstream, self.server_id)
-        yield
-        await session.close()
 
     async def target_ctx(self, app: web.Application) -> AsyncIterator[None]:
         if self.upstream is not None:
@@ -357,7 +347,7 @@ class _Lifetime:
     async def runtime_ctx(self, app: web.Application) -> AsyncIterator[None]:
         # Wiring only: what it builds is started and stopped by the contexts after it.
         settings, bus, guard = self.settings, self.bus, self.guard
-        session, target, reference = app[SESSION], app[TARGET], app[REFERENCE]
+        target, reference = app[TARGET], app[REFERENCE]
         forwarder = Forwarder(
             settings,
             target,
@@ -368,9 +358,9 @@ class _Lifetime:
             self.clock,
             server_id=self.server_id,
         )
-        scheduler = _scheduler(settings, session, target, reference, bus, forwarder, guard)
+        scheduler = _scheduler(settings, target, reference, bus, forwarder, guard)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
-        triage = _triage(settings, session, target, reference, bus, forwarder, scheduler)
+        triage = _triage(settings, target, reference, bus, forwarder, scheduler)
         auditor = None
         if scheduler is not None or store is not None:
             auditor = Auditor(
@@ -392,11 +382,10 @@ class _Lifetime:
             EngineLogFollower(upstream.engine_log, engine)  # attaches itself as engine.follower
         if upstream.fingerprint_interval_s > 0:
             poller = FingerprintPoller(
-                session, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
+                target, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
             )
         invariance = _invariance(
             settings,
-            session,
             target,
             bus,
             forwarder,

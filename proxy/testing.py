@@ -1,8 +1,17 @@
-"""A fake OpenAI-compatible upstream to test a detproxy configuration or policy against (as
-httpx ships ``MockTransport``): an HTTP server on 127.0.0.1, in the test's own event loop, that
-answers each request as the test scripted it and records what it received.
+"""A fake OpenAI-compatible upstream to test a detproxy configuration or policy against, that
+answers each request as the test scripted it and records what it received; in two kinds:
 
-Usage, in an async test (pytest-asyncio or pytest-aiohttp)::
+- ``MockUpstream``: in process, no socket (as httpx ships ``MockTransport``): it implements
+  detproxy's upstream seam (``proxy.http.upstream.Upstream``) and is given to the app,
+  ``build_app(settings, upstream=MockUpstream(handler))``; every request detproxy makes to the
+  engine (proxied, shadows, replays, its reads of /version, /metrics, ...) goes to it. A
+  handler returns a ``Reply`` or a ``MockResponse`` (whose body may be any iterable or async
+  iterable of byte pieces), or raises the ``UpstreamError`` a real client would;
+- ``FakeUpstream``: an HTTP server on 127.0.0.1, in the test's own event loop, for what is
+  about sockets or another process (``detproxy serve`` started with ``--upstream``).
+
+Both answer alike (``script``, ``on``, a handler; ``received``, ``bodies``). Usage, in an async
+test (pytest-asyncio or pytest-aiohttp)::
 
     from proxy.testing import FakeUpstream, Reply, chat_stream
 
@@ -32,18 +41,33 @@ import inspect
 import re
 import socket
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeAlias
 
-import aiohttp
 import orjson
 from aiohttp import web
+from multidict import CIMultiDict
+
+from proxy.http.errors import UpstreamBodyError, UpstreamError, UpstreamFailure
+from proxy.http.h1 import H1Upstream
+from proxy.http.headers import HeaderFields, as_mapping
+from proxy.http.upstream import Body, Sink, Upstream, UpstreamResponse
 
 __all__ = [
     "FakeUpstream",
     "Handler",
+    "MockResponse",
+    "MockUpstream",
     "Received",
     "Reply",
     "answers",
@@ -140,7 +164,8 @@ class Reply:
         return cls(cut_after=0)
 
 
-Handler = Callable[[Received], Reply | Awaitable[Reply]]
+Answer: TypeAlias = "Reply | MockResponse"
+Handler: TypeAlias = "Callable[[Received], Answer | Awaitable[Answer]]"
 
 
 # -- answers in vLLM's shapes ---------------------------------------------------------------
@@ -284,47 +309,19 @@ def answers(text: str = "Hello!", *, model: str = MODEL) -> Handler:
     return answer
 
 
-# -- the server -------------------------------------------------------------------------------
-
-# Headers of one connection, not of the message: not passed on (``forward``).
-_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+# -- what both kinds share: scripts, routes, a handler; what was received ---------------------
 
 
-class FakeUpstream:
-    """An OpenAI-compatible server on a free port of 127.0.0.1 while the ``async with``
-    block runs; ``url`` is its base URL (detproxy's ``--upstream``). Each request is
-    recorded in ``requests``, then answered by the first of: the replies ``script()`` queued
-    for its path (one each, in order), the reply ``on()`` (or ``routes``) set for its path, the
-    server at ``forward``, the ``handler`` (by default ``answers()``; ``not_found`` where
-    ``routes`` are given without a handler). A handler that raises answers 500, and its
-    error is raised again when the block ends."""
-
+class _Answering:
     def __init__(
-        self,
-        handler: Handler | None = None,
-        *,
-        routes: Mapping[str, Reply | Handler] | None = None,
-        forward: str | None = None,
-        model: str = MODEL,
+        self, handler: Handler | None, routes: Mapping[str, Reply | Handler] | None, model: str
     ) -> None:
-        if handler is not None and forward is not None:
-            raise ValueError("FakeUpstream answers with a handler or forwards, not both")
         self.requests: list[Received] = []
         self.errors: list[Exception] = []  # what handlers raised (answered 500)
         # With routes alone, the paths they name are all it answers (404 elsewhere).
         self._handler = handler or (not_found if routes else answers(model=model))
-        self._forward = forward.rstrip("/") if forward else None
         self._scripts: dict[str, deque[Reply | Handler]] = {}
         self._routes: dict[str, Reply | Handler] = dict(routes or {})
-        self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
-        self._url: str | None = None
-
-    @property
-    def url(self) -> str:
-        if self._url is None:
-            raise RuntimeError("FakeUpstream.url is known inside its `async with` block")
-        return self._url
 
     def script(self, path: str, *replies: Reply | Handler) -> None:
         """The next requests to ``path`` get these, one each, in order (after the replies
@@ -346,6 +343,223 @@ class FakeUpstream:
         """The JSON bodies of the requests to ``path``, oldest first."""
         return [r.json() for r in self.received(path)]
 
+    def _next(self, path: str) -> Reply | Handler | None:
+        queued = self._scripts.get(path)
+        if queued:
+            return queued.popleft()
+        return self._routes.get(path)
+
+    async def _answer(self, got: Reply | Handler, request: Received) -> Answer:
+        """What the handler answers; 500 where it raised (raised again at the block's end).
+        An ``UpstreamError`` is the upstream's fault the test asked for: it goes on."""
+        if isinstance(got, Reply):
+            return got
+        try:
+            answered = got(request)
+            return await answered if inspect.isawaitable(answered) else answered
+        except UpstreamError:
+            raise
+        except Exception as exc:  # a bug of the test's: raised again at the block's end
+            self.errors.append(exc)
+            name = type(self).__name__
+            return Reply.text(f"{name} handler raised {exc!r}", 500)
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+
+# -- in process: the upstream seam ---------------------------------------------------------------
+
+
+class MockResponse:
+    """One answer in memory, as the seam's ``UpstreamResponse``: ``body`` whole, or in pieces
+    (a list, or an async iterator: its pieces as they come; what it raises, an
+    ``UpstreamBodyError`` say, is what reading the body raises)."""
+
+    def __init__(
+        self,
+        status: int = 200,
+        headers: Mapping[str, str] | Iterable[tuple[str, str]] = (),
+        body: bytes | Iterable[bytes] | AsyncIterable[bytes] = b"",
+    ) -> None:
+        pairs = list(headers.items() if isinstance(headers, Mapping) else headers)
+        self.status = status
+        self.raw_fields: list[tuple[bytes, bytes]] | None = [
+            (k.encode("latin-1"), v.encode()) for k, v in pairs
+        ]
+        self._headers = CIMultiDict(pairs)
+        self._body = _pieces(body)
+        self.closed = False  # closed before its end (what aborts a generation upstream)
+        self.complete = False  # read to its end
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return self._headers
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        return self
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self.closed or self.complete:
+            raise StopAsyncIteration
+        try:
+            return await anext(self._body)
+        except StopAsyncIteration:
+            self.complete = True
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    async def pump(self, sink: Sink) -> bool:
+        async for piece in self:  # goes on where the last call stopped
+            if not sink(piece):
+                return False
+        return True
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self])
+
+    def close(self) -> None:
+        if not self.complete:
+            self.closed = True
+
+
+async def _pieces(body: bytes | Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+    if isinstance(body, bytes):
+        if body:
+            yield body
+    elif isinstance(body, AsyncIterable):
+        async for piece in body:
+            yield piece
+    else:
+        for piece in body:
+            yield piece
+
+
+async def _events(reply: Reply) -> AsyncIterator[bytes]:
+    for i, event in enumerate(reply.events or ()):
+        if i == reply.cut_after:
+            raise UpstreamBodyError("upstream closed the connection mid-answer")
+        if i and reply.interval_s:
+            await asyncio.sleep(reply.interval_s)  # the fake's pace
+        yield event
+    if reply.cut_after is not None:
+        raise UpstreamBodyError("upstream closed the connection mid-answer")
+
+
+async def as_response(reply: Reply) -> MockResponse:
+    """A ``Reply`` as ``MockResponse``: its delay waited, a cut raised as a client would."""
+    if reply.delay_s:
+        await asyncio.sleep(reply.delay_s)
+    if reply.events is None and reply.cut_after == 0:
+        raise UpstreamFailure(502, "upstream closed the connection before responding", "reset")
+    if reply.events is None:
+        head = (*reply.headers, ("Content-Length", str(len(reply.body))))
+        return MockResponse(reply.status, head, reply.body)
+    return MockResponse(reply.status, reply.headers, _events(reply))
+
+
+class MockUpstream(_Answering):
+    """detproxy's upstream seam in process (no socket): each request is recorded in
+    ``requests``, then answered by the first of: the replies ``script()`` queued for its path,
+    the reply ``on()`` (or ``routes``) set for its path, the ``handler`` (by default
+    ``answers()``; ``not_found`` where ``routes`` are given without a handler). ``responses``:
+    what it answered, in order (a test reads whether one was closed before its end). A handler
+    that raises answers 500 and its error is raised again by ``close`` (or the ``async with``
+    block's end); one that raises an ``UpstreamError`` (``UpstreamFailure(502, "...",
+    "refused")``, say) makes ``send`` raise it, as a client does on that fault."""
+
+    def __init__(
+        self,
+        handler: Handler | None = None,
+        *,
+        routes: Mapping[str, Reply | Handler] | None = None,
+        model: str = MODEL,
+    ) -> None:
+        super().__init__(handler, routes, model)
+        self.responses: list[MockResponse] = []
+
+    async def send(
+        self, method: str, raw_path: str, headers: HeaderFields, body: Body
+    ) -> MockResponse:
+        path, _, query = raw_path.partition("?")
+        if body is None or isinstance(body, bytes):
+            data = body or b""
+        else:
+            data = b"".join([piece async for piece in body])
+        request = Received(method, path, query, CIMultiDict(as_mapping(headers)), data)
+        self.requests.append(request)
+        answer = await self._answer(self._next(path) or self._handler, request)
+        resp = answer if isinstance(answer, MockResponse) else await as_response(answer)
+        self.responses.append(resp)
+        return resp
+
+    async def close(self) -> None:
+        self._raise_errors()
+
+    async def __aenter__(self) -> MockUpstream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self._raise_errors()
+
+
+def _implements_the_seam(
+    mock: MockUpstream, resp: MockResponse
+) -> tuple[Upstream, UpstreamResponse]:
+    """Never called: here mypy checks that the mocks implement the seam's protocols."""
+    return mock, resp
+
+
+# -- on a socket: the server ---------------------------------------------------------------------
+
+# Headers of one connection, not of the message: not passed on (``forward``).
+_HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "upgrade"})
+_NOT_PASSED = _HOP | {"content-length"}  # a forwarded request's: its client writes it
+
+
+class FakeUpstream(_Answering):
+    """An OpenAI-compatible server on a free port of 127.0.0.1 while the ``async with``
+    block runs; ``url`` is its base URL (detproxy's ``--upstream``). Each request is
+    recorded in ``requests``, then answered by the first of: the replies ``script()`` queued
+    for its path (one each, in order), the reply ``on()`` (or ``routes``) set for its path, the
+    server at ``forward``, the ``handler`` (by default ``answers()``; ``not_found`` where
+    ``routes`` are given without a handler). A handler that raises answers 500, and its
+    error is raised again when the block ends."""
+
+    def __init__(
+        self,
+        handler: Handler | None = None,
+        *,
+        routes: Mapping[str, Reply | Handler] | None = None,
+        forward: str | None = None,
+        model: str = MODEL,
+    ) -> None:
+        if handler is not None and forward is not None:
+            raise ValueError("FakeUpstream answers with a handler or forwards, not both")
+        super().__init__(handler, routes, model)
+        self._forward = forward.rstrip("/") if forward else None
+        self._runner: web.AppRunner | None = None
+        self._client: H1Upstream | None = None  # to ``forward``
+        self._url: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            raise RuntimeError("FakeUpstream.url is known inside its `async with` block")
+        return self._url
+
     async def __aenter__(self) -> FakeUpstream:
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -361,7 +575,7 @@ class FakeUpstream:
             raise
         self._runner = runner
         if self._forward is not None:
-            self._session = aiohttp.ClientSession(auto_decompress=False)
+            self._client = H1Upstream(self._forward)
         self._url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self
 
@@ -371,20 +585,14 @@ class FakeUpstream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        runner, session = self._runner, self._session
-        self._runner = self._session = self._url = None
-        if session is not None:
-            await session.close()
+        runner, client = self._runner, self._client
+        self._runner, self._client, self._url = None, None, None
+        if client is not None:
+            await client.close()
         if runner is not None:
             await runner.cleanup()
-        if self.errors and exc is None:
-            raise self.errors[0]
-
-    def _next(self, path: str) -> Reply | Handler | None:
-        queued = self._scripts.get(path)
-        if queued:
-            return queued.popleft()
-        return self._routes.get(path)
+        if exc is None:
+            self._raise_errors()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         got = Received(
@@ -396,37 +604,42 @@ class FakeUpstream:
         )
         self.requests.append(got)
         reply = self._next(got.path)
-        if reply is None and self._session is not None:
-            return await self._pass_on(request, got, self._session)
-        if reply is None:
-            reply = self._handler
-        if not isinstance(reply, Reply):
-            try:
-                answered = reply(got)
-                reply = await answered if inspect.isawaitable(answered) else answered
-            except Exception as exc:  # a bug of the test's: raised again at the block's end
-                self.errors.append(exc)
-                return web.Response(status=500, text=f"FakeUpstream handler raised {exc!r}")
-        return await _send(request, reply)
+        if reply is None and self._client is not None:
+            return await self._pass_on(request, got, self._client)
+        answer = await self._answer(reply or self._handler, got)
+        if isinstance(answer, MockResponse):
+            return await _send_response(request, answer)
+        return await _send(request, answer)
 
     async def _pass_on(
-        self, request: web.Request, got: Received, session: aiohttp.ClientSession
+        self, request: web.Request, got: Received, client: H1Upstream
     ) -> web.StreamResponse:
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        url = f"{self._forward}{request.path_qs}"
-        async with session.request(got.method, url, data=got.body, headers=headers) as answer:
-            head = [(k, v) for k, v in answer.headers.items() if k.lower() not in _HOP]
-            resp = web.StreamResponse(status=answer.status, reason=answer.reason)
-            for key, value in head:
-                resp.headers.add(key, value)
+        """Through detproxy's own upstream client: the request as it came (its length is
+        the client's to write), the answer passed on as it is read."""
+        headers = CIMultiDict(
+            (k, v) for k, v in request.headers.items() if k.lower() not in _NOT_PASSED
+        )
+        try:
+            answer = await client.send(got.method, request.path_qs, headers, got.body)
+        except UpstreamFailure as exc:
+            return web.Response(status=exc.status, text=exc.message)
+        try:
+            resp = web.StreamResponse(status=answer.status)
+            for key, value in answer.headers.items():
+                if key.lower() not in _HOP:
+                    resp.headers.add(key, value)
             await resp.prepare(request)
             try:
-                async for data in answer.content.iter_any():
+                async for data in answer.chunks():
                     await resp.write(data)
                 await resp.write_eof()
             except ConnectionResetError:
                 pass  # the client (detproxy) left
+            except UpstreamError:
+                return _cut(request, resp)  # as the engine cut it
             return resp
+        finally:
+            answer.close()
 
 
 async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
@@ -456,6 +669,20 @@ async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the client (detproxy) left
+    return resp
+
+
+async def _send_response(request: web.Request, answer: MockResponse) -> web.StreamResponse:
+    resp = web.StreamResponse(status=answer.status)
+    for key, value in answer.headers.items():
+        resp.headers.add(key, value)
+    await resp.prepare(request)
+    try:
+        async for piece in answer.chunks():
+            await resp.write(piece)
+    except UpstreamBodyError:
+        return _cut(request, resp)
+    await resp.write_eof()
     return resp
 
 

@@ -37,7 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
 import orjson
 import xxhash
 from yarl import URL
@@ -45,6 +44,8 @@ from yarl import URL
 from proxy.engine.identity import Fingerprint
 from proxy.engine.promtext import samples
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
+from proxy.http.errors import UpstreamError, UpstreamFailure
+from proxy.http.upstream import Upstream, get, url_auth
 from proxy.redact import mask_url
 
 if TYPE_CHECKING:
@@ -284,17 +285,20 @@ def assess(answers: Mapping[str, Answer]) -> tuple[str, str]:
     return COMPLETE, ""
 
 
-def _error(exc: BaseException, timeout_s: float | None) -> str:
-    """A failed request in a few words (no stack, no repr of the session)."""
-    if isinstance(exc, TimeoutError):
+def _error(exc: UpstreamError, timeout_s: float | None) -> str:
+    """A failed request in a few words (no stack, no repr of the client)."""
+    if isinstance(exc, TimeoutError) or exc.kind == "timeout":
         return f"no answer within {timeout_s:g} s" if timeout_s else "timed out"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        if isinstance(exc.os_error, ConnectionRefusedError):
+    if isinstance(exc, UpstreamFailure) and exc.kind == "refused":
+        cause = exc.__cause__
+        if cause is None or isinstance(cause, ConnectionRefusedError):
             return "connection refused"
-        return f"cannot connect ({exc.os_error.strerror or type(exc.os_error).__name__})"
-    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        if isinstance(cause, OSError):
+            return f"cannot connect ({cause.strerror or type(cause).__name__})"
+        return f"cannot connect ({type(cause).__name__})"
+    if isinstance(exc, UpstreamFailure):
         return "connection closed before an answer"
-    return type(exc).__name__
+    return "answer cut short"
 
 
 class FingerprintPoller:
@@ -312,14 +316,18 @@ class FingerprintPoller:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        upstream: Upstream,
         base_url: str,
         bus: EventBus,
         interval_s: float,
         timeout_s: float = 5.0,
         truth: EngineTruth | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
-        self._session = session
+        """``upstream``: the client of the engine at ``base_url`` (the URL it is named by,
+        and whose credentials the reads carry); ``headers``: what else they carry."""
+        self._upstream = upstream
+        self._headers = url_auth(base_url) | dict(headers or {})
         self._truth = truth
         self._recipe: dict[str, Any] = {}  # the recipe's facts at the last identity
         self._salt = ""  # the recipe digest hashed in since its last move ("" before any)
@@ -328,7 +336,6 @@ class FingerprintPoller:
         self._bus = bus
         self._interval = interval_s
         self._timeout_s = timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.current: Fingerprint | None = None  # the last identity read (complete reading)
         self._counters: dict[str, float] | None = None
         self._started: float | None = None  # the current identity's process start time
@@ -344,14 +351,14 @@ class FingerprintPoller:
 
     async def _get(self, path: str, as_json: bool = True) -> Answer:
         try:
-            async with self._session.get(self._base + path, timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    return Answer(resp.status)
-                body = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            got = await get(self._upstream, path, self._timeout_s, self._headers)
+        except UpstreamError as exc:
             error = _error(exc, self._timeout_s)
             log.debug("fingerprint: %s%s unavailable: %s", self._shown, path, error)
             return Answer(None, error=error)
+        if got.status != 200:
+            return Answer(got.status)
+        body = got.body
         if not as_json:
             return Answer(200, body.decode("utf-8", "replace"))
         try:

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 
-import aiohttp
-
 from proxy.engine.promtext import sum_samples
+from proxy.http.errors import UpstreamError
+from proxy.http.upstream import Upstream, get, url_auth
 from proxy.redact import mask_url
 
 log = logging.getLogger(__name__)
@@ -23,20 +23,24 @@ def parse_running(text: str) -> float | None:
 
 
 class UpstreamLoad:
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float = 2.0):
-        self._session = session
+    """``upstream``: the client of the engine at ``base_url`` (the URL it is named by in the
+    log, and whose credentials the read carries)."""
+
+    def __init__(self, upstream: Upstream, base_url: str, timeout_s: float = 2.0):
+        self._upstream = upstream
         self._url = base_url.rstrip("/") + "/metrics"
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = url_auth(base_url)
+        self._timeout_s = timeout_s
 
     async def running(self) -> int | None:
         """None when the upstream exports no such metric or cannot be reached."""
         try:
-            async with self._session.get(self._url, timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    return None
-                text = await resp.text(errors="replace")
-        except (TimeoutError, aiohttp.ClientError) as exc:
+            got = await get(self._upstream, "/metrics", self._timeout_s, self._headers)
+        except UpstreamError as exc:
             log.debug("cannot read %s: %r", mask_url(self._url), exc)
             return None
+        if got.status != 200:
+            return None
+        text = got.body.decode("utf-8", "replace")
         value = parse_running(text)
         return None if value is None else int(value)

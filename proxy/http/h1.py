@@ -160,14 +160,15 @@ class H1Upstream:
         self,
         base_url: str,
         *,
-        connect_timeout_s: float,
-        read_timeout_s: float,
-        keepalive_timeout_s: float,
-        max_connections: int,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 3600.0,
+        keepalive_timeout_s: float = 4.0,
+        max_connections: int = 1024,
         connector: Callable[[], Awaitable[Conn]] | None = None,
         server_id: str | None = None,
     ) -> None:
-        """``connector``: how a new connection is made (a benchmark makes them in memory);
+        """The timeouts and limit default to ``[upstream]``'s (proxy/config.py).
+        ``connector``: how a new connection is made (a benchmark makes them in memory);
         by default, TCP (TLS for https) to the base URL's host and port. ``server_id``: the
         ``X-Detproxy-Via`` every request carries, after the fields it is given."""
         parts = urlsplit(base_url)

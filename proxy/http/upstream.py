@@ -1,5 +1,6 @@
-"""The upstream seam: what the pipeline sends requests through (``proxy.http.h1`` implements
-it), and the aiohttp session of the engine-side reads (``proxy.engine``).
+"""The upstream seam: what detproxy sends every request to an engine through (``proxy.http.h1``
+implements it; ``proxy.testing.MockUpstream`` in process): the proxied requests, shadows,
+triage replays, and the engine-side reads (``proxy.engine``: ``get``).
 
 Closing an ``UpstreamResponse`` before it is fully read closes its TCP connection: that is
 how vLLM learns a client went away and aborts the generation. An implementation raises
@@ -9,14 +10,15 @@ read an ``UpstreamBodyError`` or an ``UpstreamTimeout``.
 
 from __future__ import annotations
 
+import asyncio
+import base64
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
 from typing import Protocol
+from urllib.parse import unquote, urlsplit
 
-import aiohttp
-
-from proxy.config import UpstreamConfig
-from proxy.http.errors import UpstreamError
-from proxy.http.headers import VIA, HeaderFields
+from proxy.http.errors import UpstreamError, UpstreamTimeout
+from proxy.http.headers import HeaderFields
 
 Body = bytes | AsyncIterable[bytes] | None
 # Takes one body piece; False: stop (``pump`` returns, the rest is read by the next call).
@@ -66,27 +68,52 @@ def read_error_kind(exc: BaseException) -> str:
     return "timeout" if isinstance(exc, TimeoutError) else "reset"
 
 
-def make_session(config: UpstreamConfig, server_id: str | None = None) -> aiohttp.ClientSession:
-    """The one ClientSession of an app, for its engine-side reads (``proxy.engine``: the
-    fingerprint poller, the load reader), which set their own timeouts per request; marked
-    with ``X-Detproxy-Via`` as the proxied requests are (proxy/selfloop.py)."""
-    timeout = aiohttp.ClientTimeout(
-        total=None,
-        sock_connect=config.connect_timeout_s,
-        sock_read=config.read_timeout_s,
-    )
-    connector = aiohttp.TCPConnector(
-        limit=config.max_connections,
-        limit_per_host=0,
-        # Below the upstream's own idle timeout (uvicorn, hence vLLM: 5 s), so an idle pooled
-        # connection is dropped here before the upstream closes it under a new request.
-        keepalive_timeout=config.keepalive_timeout_s,
-    )
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,  # relay encoded bytes untouched
-        cookie_jar=aiohttp.DummyCookieJar(),
-        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
-        headers={VIA: server_id} if server_id else None,
-    )
+@dataclass(frozen=True, slots=True)
+class Got:
+    """A whole answer to ``get``."""
+
+    status: int
+    body: bytes
+
+
+async def get(
+    upstream: Upstream, path: str, timeout_s: float, headers: Mapping[str, str] | None = None
+) -> Got:
+    """``GET path`` (below the upstream's base URL), its status and whole body within
+    ``timeout_s``: the engine-side reads. Raises the ``UpstreamError`` tree only (``whole``)."""
+    return await whole(upstream, "GET", path, timeout_s, headers)
+
+
+async def whole(
+    upstream: Upstream,
+    method: str,
+    path: str,
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+    body: bytes | None = None,
+) -> Got:
+    """One request and its whole answer within ``timeout_s``. Raises the ``UpstreamError``
+    tree only: what ``send`` and the body's read raise, and an ``UpstreamTimeout`` past
+    ``timeout_s``. Cancelled, the response is closed (its generation aborted)."""
+    resp: UpstreamResponse | None = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await upstream.send(method, path, headers or {}, body)
+            return Got(resp.status, await resp.read())
+    except UpstreamError:
+        raise
+    except TimeoutError as exc:
+        raise UpstreamTimeout(f"no answer within {timeout_s:g} s") from exc
+    finally:
+        if resp is not None:
+            resp.close()  # read whole: nothing to close; cut short: its connection goes
+
+
+def url_auth(url: str) -> dict[str, str]:
+    """The Basic ``Authorization`` of a URL's credentials (``http://user:pass@host``), as an
+    HTTP client sends them for a URL it is given; none without credentials."""
+    parts = urlsplit(url)
+    if parts.username is None:
+        return {}
+    user = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+    return {"Authorization": "Basic " + base64.b64encode(user.encode("latin-1")).decode()}

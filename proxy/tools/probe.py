@@ -21,11 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-import aiohttp
 import orjson
 
 from proxy.audit.outcome import outcome_from_response
 from proxy.config import api_root
+from proxy.http.errors import UpstreamError
+from proxy.http.h1 import H1Upstream
+from proxy.http.upstream import Got, Upstream, url_auth, whole
 from proxy.redact import mask_url
 from proxy.tasks import TaskOwner
 
@@ -76,14 +78,22 @@ def summarise(prompt: str, level: int, vectors: Sequence[Vector], runs: int) -> 
 
 
 class Prober:
-    def __init__(self, http: aiohttp.ClientSession, args: argparse.Namespace) -> None:
-        self._http = http
+    def __init__(self, client: Upstream, args: argparse.Namespace) -> None:
+        """``client``: the engine at ``args.upstream``'s (every request goes through it)."""
+        self._client = client
         self._args = args
         self._chat = args.endpoint == "chat"
-        self._url = args.upstream.rstrip("/") + (
-            "/v1/chat/completions" if self._chat else "/v1/completions"
-        )
+        self._path = "/v1/chat/completions" if self._chat else "/v1/completions"
+        self._url = args.upstream.rstrip("/") + self._path
         self._shown = mask_url(self._url)  # in messages: no password
+        self._headers = url_auth(args.upstream) | {"Content-Type": "application/json"}
+        if args.api_key:
+            self._headers["Authorization"] = f"Bearer {args.api_key}"
+
+    async def _post(self, body: dict[str, Any]) -> Got:
+        return await whole(
+            self._client, "POST", self._path, self._args.timeout, self._headers, orjson.dumps(body)
+        )
 
     def _body(self, prompt: str, max_tokens: int, logprobs: bool) -> dict[str, Any]:
         args = self._args
@@ -101,21 +111,20 @@ class Prober:
 
     async def vector(self, prompt: str) -> Vector:
         try:
-            async with self._http.post(self._url, json=self._body(prompt, 1, True)) as resp:
-                payload = await resp.read()
-                if resp.status in (401, 403):
-                    given = "the API key given was refused" if self._args.api_key else "no API key"
-                    raise ProbeError(
-                        f"{self._shown} answered {resp.status} ({given}): pass the key the server"
-                        f" was started with (--api-key, or {' or '.join(API_KEY_ENV)})"
-                    )
-                if resp.status != 200:
-                    raise ProbeError(
-                        f"{self._shown} answered {resp.status}: "
-                        f"{payload[:300].decode(errors='replace')}"
-                    )
-        except aiohttp.ClientError as exc:
+            got = await self._post(self._body(prompt, 1, True))
+        except UpstreamError as exc:
             raise ProbeError(f"cannot reach {self._shown}: {exc}") from exc
+        payload = got.body
+        if got.status in (401, 403):
+            given = "the API key given was refused" if self._args.api_key else "no API key"
+            raise ProbeError(
+                f"{self._shown} answered {got.status} ({given}): pass the key the server"
+                f" was started with (--api-key, or {' or '.join(API_KEY_ENV)})"
+            )
+        if got.status != 200:
+            raise ProbeError(
+                f"{self._shown} answered {got.status}: {payload[:300].decode(errors='replace')}"
+            )
         outcome = outcome_from_response(
             "chat" if self._chat else "completions", orjson.loads(payload)
         )
@@ -127,11 +136,8 @@ class Prober:
     async def background(self, prompt: str, stop: asyncio.Event) -> None:
         """Keep one request in flight until told to stop (bounded by the probe's duration)."""
         while not stop.is_set():
-            with contextlib.suppress(aiohttp.ClientError):
-                async with self._http.post(
-                    self._url, json=self._body(prompt, BACKGROUND_TOKENS, False)
-                ) as r:
-                    await r.read()
+            with contextlib.suppress(UpstreamError):
+                await self._post(self._body(prompt, BACKGROUND_TOKENS, False))
 
     async def level(
         self,
@@ -313,15 +319,17 @@ def load_prompts(args: argparse.Namespace) -> list[str]:
 async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     prompts = load_prompts(args)
     progress = err if err.isatty() and not args.json else None
-    timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=max(args.levels) + 1)
     results: list[PromptResult] = []
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
-        prober = Prober(http, args)
+    client = H1Upstream(
+        args.upstream, read_timeout_s=args.timeout, max_connections=max(args.levels) + 1
+    )
+    try:
+        prober = Prober(client, args)
         serial: dict[str, Vector] = {}
         for level in sorted(set(args.levels)):
             results += await prober.level(prompts, level, progress, serial)
+    finally:
+        await client.close()
     if progress is not None:
         progress.write("\r" + " " * 60 + "\r")
     if args.json:

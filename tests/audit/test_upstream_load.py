@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
-from aiohttp import ClientSession, web
-from aiohttp.test_utils import TestServer
+import asyncio
 
 from proxy.engine.load import UpstreamLoad, parse_running
+from proxy.http.errors import UpstreamFailure
+from proxy.testing import MockUpstream, Received, Reply
 
 VLLM = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 # TYPE vllm:num_requests_running gauge
@@ -43,20 +42,29 @@ def test_no_such_gauge_is_unknown() -> None:
     assert parse_running("llamacpp:requests_deferred 3\nother 1\n") is None
 
 
-async def test_a_quiet_llama_server_reads_as_quiet(
-    aiohttp_server: Callable[..., Awaitable[TestServer]],
-) -> None:
+async def test_a_quiet_llama_server_reads_as_quiet() -> None:
     """What ``schedule = "quiet"`` with ``quiet_max_upstream_running`` asks between polls."""
-    app = web.Application()
     state = {"text": LLAMA}
+    engine = MockUpstream(routes={"/metrics": lambda request: Reply.text(state["text"])})
+    load = UpstreamLoad(engine, "http://user:secret@engine:8000")
+    assert await load.running() == 1
+    state["text"] = LLAMA.replace("requests_processing 1", "requests_processing 0")
+    assert await load.running() == 0
+    read = engine.received("/metrics")[0]
+    assert (read.method, read.headers["Authorization"]) == ("GET", "Basic dXNlcjpzZWNyZXQ=")
 
-    async def metrics(request: web.Request) -> web.Response:
-        return web.Response(text=state["text"], content_type="text/plain")
 
-    app.router.add_get("/metrics", metrics)
-    server = await aiohttp_server(app)
-    async with ClientSession() as session:
-        load = UpstreamLoad(session, str(server.make_url("")))
-        assert await load.running() == 1
-        state["text"] = LLAMA.replace("requests_processing 1", "requests_processing 0")
-        assert await load.running() == 0
+async def test_an_upstream_that_cannot_answer_is_unknown() -> None:
+    """Refused, an error page, no answer in time: no load known, and nothing raised."""
+
+    async def slow(request: Received) -> Reply:
+        await asyncio.sleep(10)  # past the read's timeout: the sleep is the behaviour here
+        return Reply.text(LLAMA)
+
+    def refused(request: Received) -> Reply:
+        raise UpstreamFailure(502, "upstream refused the connection", "refused")
+
+    for metrics in (refused, Reply.error(500, "boom"), slow):
+        engine = MockUpstream(routes={"/metrics": metrics})
+        assert await UpstreamLoad(engine, "http://engine", timeout_s=0.05).running() is None
+        assert engine.received("/metrics"), "it was asked"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -27,6 +27,9 @@ from proxy.engine.fingerprint import (
     parse_metrics,
 )
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
+from proxy.http.h1 import H1Upstream
+from proxy.http.upstream import get
+from proxy.testing import MockUpstream, Received, Reply, not_found
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
 from tests.helpers.processes import free_port
@@ -125,39 +128,31 @@ def test_llama_cpp_props_say_whether_it_drafts() -> None:
     assert build(None, None, older, metrics, None).identity["speculative"] is None
 
 
-async def test_a_fresh_speculative_vllm_reads_the_same_before_and_after_its_first_draft(
-    aiohttp_server: Any,
-) -> None:
+async def test_a_fresh_speculative_vllm_reads_the_same_before_and_after_its_first_draft() -> None:
     state = {"drafts": 0, "metrics_up": True}
 
-    async def version(request: web.Request) -> web.Response:
-        return web.json_response({"version": "0.23.0"})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(MODELS)
-
-    async def metrics(request: web.Request) -> web.Response:
+    def metrics(request: Received) -> Reply:
         if not state["metrics_up"]:
-            return web.Response(status=503)
+            return Reply(503)
         n = state["drafts"]
-        text = FRESH_SPECULATIVE.replace(" 0.0\nvllm:spec", f" {n}.0\nvllm:spec")
-        return web.Response(text=text, content_type="text/plain")
+        return Reply.text(FRESH_SPECULATIVE.replace(" 0.0\nvllm:spec", f" {n}.0\nvllm:spec"))
 
-    app = web.Application()
-    app.router.add_get("/version", version)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/metrics", metrics)
-    server = await aiohttp_server(app)
+    engine = MockUpstream(
+        routes={
+            "/version": Reply.json({"version": "0.23.0"}),
+            "/v1/models": Reply.json(MODELS),
+            "/metrics": metrics,
+        }
+    )
     bus = EventBus()
     readings: list[UpstreamFingerprinted] = []
     bus.subscribe(UpstreamFingerprinted, readings.append)
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, str(server.make_url("")), bus, interval_s=0)
-        first = await poller.poll()
-        state["drafts"] = 12  # the first requests drafted
-        await poller.poll()
-        state["metrics_up"] = False  # a reading without /metrics knows nothing new
-        await poller.poll()
+    poller = FingerprintPoller(engine, "http://engine", bus, interval_s=0)
+    first = await poller.poll()
+    state["drafts"] = 12  # the first requests drafted
+    await poller.poll()
+    state["metrics_up"] = False  # a reading without /metrics knows nothing new
+    await poller.poll()
     assert first.identity["speculative"] is True
     assert [r.changed for r in readings] == [False, False, False]
     assert readings[-1].fingerprint.fingerprint == first.fingerprint
@@ -365,8 +360,8 @@ async def test_an_engine_restarted_between_two_readings_is_a_restart(
     port = free_port()
     config = EmulatorConfig(version="0.23.0")
     async with EmulatorServer(config, port=port) as first:
-        async with ClientSession() as http, http.get(first.url + "/metrics") as resp:
-            assert "\nprocess_start_time_seconds " in await resp.text()
+        metrics = await get(H1Upstream(first.url), "/metrics", 5.0)
+        assert b"\nprocess_start_time_seconds " in metrics.body
         client = await make_proxy(
             f"http://127.0.0.1:{port}", env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "1"}
         )
@@ -408,13 +403,13 @@ async def test_another_engine_between_two_readings_is_a_change() -> None:
     seen: list[object] = []
     for kind in (UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable):
         bus.subscribe(kind, seen.append)
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, f"http://127.0.0.1:{port}", bus, interval_s=0)
-        async with EmulatorServer(EmulatorConfig(models=("model-a",)), port=port):
-            first = await poller.poll()
-        async with EmulatorServer(EmulatorConfig(models=("model-b",)), port=port):
-            second = await poller.poll()
-            again = await poller.poll()
+    url = f"http://127.0.0.1:{port}"
+    poller = FingerprintPoller(H1Upstream(url), url, bus, interval_s=0)
+    async with EmulatorServer(EmulatorConfig(models=("model-a",)), port=port):
+        first = await poller.poll()
+    async with EmulatorServer(EmulatorConfig(models=("model-b",)), port=port):
+        second = await poller.poll()
+        again = await poller.poll()
     assert (first.models, second.models) == (("model-a",), ("model-b",))
     kinds = [(type(e).__name__, getattr(e, "changed", None)) for e in seen]
     fingerprinted = "UpstreamFingerprinted"
@@ -423,86 +418,83 @@ async def test_another_engine_between_two_readings_is_a_change() -> None:
     assert (poller.changes, poller.restarts, poller.outages) == (1, 0, 0)
 
 
-def _engine(state: dict[str, Any]) -> web.Application:
+def _engine(state: dict[str, Any]) -> MockUpstream:
     """A vLLM-shaped upstream whose answers a test moves: ``status`` answers every path with
     that code (a gateway without its engine, a server loading), ``props`` the same for /props
     alone, ``started`` its process start time (vLLM's /metrics)."""
+    answers = {
+        "/version": Reply.json({"version": "0.23.0"}),
+        "/v1/models": Reply.json(MODELS),
+        "/props": Reply.json({}, 404),
+    }
 
-    def gate(handler: Callable[[], web.Response], path: str = "") -> Any:
-        async def handle(request: web.Request) -> web.Response:
-            status = state.get("props") if path == "/props" else None
-            status = state.get("status") or status
-            return web.json_response({"error": "x"}, status=status) if status else handler()
+    def handle(request: Received) -> Reply:
+        path = request.path
+        if path not in (*answers, "/metrics"):
+            return not_found(request)
+        status = state.get("status") or (state.get("props") if path == "/props" else None)
+        if status:
+            return Reply.json({"error": "x"}, status)
+        if path == "/metrics":
+            return Reply.text(f"{PLAIN}process_start_time_seconds {state['started']}\n")
+        return answers[path]
 
-        return handle
-
-    app = web.Application()
-    app.router.add_get("/version", gate(lambda: web.json_response({"version": "0.23.0"})))
-    app.router.add_get("/v1/models", gate(lambda: web.json_response(MODELS)))
-    app.router.add_get("/props", gate(lambda: web.json_response({}, status=404), "/props"))
-    app.router.add_get(
-        "/metrics",
-        gate(lambda: web.Response(text=f"{PLAIN}process_start_time_seconds {state['started']}\n")),
-    )
-    return app
+    return MockUpstream(handle)
 
 
-async def test_the_process_start_time_tells_a_restart_from_a_blip(aiohttp_server: Any) -> None:
+async def test_the_process_start_time_tells_a_restart_from_a_blip() -> None:
     state: dict[str, Any] = {"started": time.time() - 3600}
-    server = await aiohttp_server(_engine(state))
+    engine = _engine(state)
     bus = EventBus()
     restarts: list[UpstreamRestarted] = []
     bus.subscribe(UpstreamRestarted, restarts.append)
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, str(server.make_url("")), bus, interval_s=0)
-        await poller.poll()
-        state["status"] = 502  # the gateway lost its engine for a moment
-        await poller.poll()
-        assert poller.state()["state"] == "down"
-        state["status"] = None  # the same process behind it
-        await poller.poll()
-        assert (poller.up, poller.restarts, restarts) == (True, 0, []), "a blip, no restart"
-        state["started"] = time.time()  # restarted between two readings: no outage seen
-        await poller.poll()
-        await poller.poll()
+    poller = FingerprintPoller(engine, "http://engine", bus, interval_s=0)
+    await poller.poll()
+    state["status"] = 502  # the gateway lost its engine for a moment
+    await poller.poll()
+    assert poller.state()["state"] == "down"
+    state["status"] = None  # the same process behind it
+    await poller.poll()
+    assert (poller.up, poller.restarts, restarts) == (True, 0, []), "a blip, no restart"
+    state["started"] = time.time()  # restarted between two readings: no outage seen
+    await poller.poll()
+    await poller.poll()
     assert [(r.evidence, r.down_s) for r in restarts] == [("process_start_time", None)]
     assert (poller.changes, poller.restarts, poller.outages) == (0, 1, 1)
 
 
-async def test_engines_behind_a_load_balancer_are_not_restarts(aiohttp_server: Any) -> None:
+async def test_engines_behind_a_load_balancer_are_not_restarts() -> None:
     """One URL, several engines of one identity (a Service): the readings alternate between
     processes started long ago; none of them is a restart."""
     begun = time.time() - 3600
     state: dict[str, Any] = {"started": begun}
-    server = await aiohttp_server(_engine(state))
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, str(server.make_url("")), EventBus(), interval_s=0)
-        for i in range(6):
-            state["started"] = begun + 100 * (i % 3)  # three pods in turn
-            await poller.poll()
+    engine = _engine(state)
+    poller = FingerprintPoller(engine, "http://engine", EventBus(), interval_s=0)
+    for i in range(6):
+        state["started"] = begun + 100 * (i % 3)  # three pods in turn
+        await poller.poll()
     assert (poller.changes, poller.restarts, poller.outages) == (0, 0, 0)
 
 
-async def test_a_server_still_loading_is_not_an_identity(aiohttp_server: Any) -> None:
+async def test_a_server_still_loading_is_not_an_identity() -> None:
     """llama-server answers 503 "Loading model" until its model is in; a server some of whose
     identity endpoints do not answer yet is read in part: neither is an identity."""
     state: dict[str, Any] = {"started": 1.0, "status": 503}
-    server = await aiohttp_server(_engine(state))
+    engine = _engine(state)
     bus = EventBus()
     readings: list[UpstreamFingerprinted] = []
     bus.subscribe(UpstreamFingerprinted, readings.append)
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, str(server.make_url("")), bus, interval_s=0)
-        await poller.poll()
-        assert poller.state()["state"] == "waiting", poller.state()
-        assert poller.state()["reason"] == "HTTP 503 on /version, /v1/models, /props"
-        state.update(status=None, props=503)  # /version and /v1/models answer, /props not yet
-        await poller.poll()
-        assert (poller.state()["state"], readings) == ("waiting", []), "a part is no identity"
-        state["props"] = None  # /props answers its 404: this server has none
-        await poller.poll()
-        state["props"] = 504  # and a later reading in part keeps the identity
-        kept = await poller.poll()
+    poller = FingerprintPoller(engine, "http://engine", bus, interval_s=0)
+    await poller.poll()
+    assert poller.state()["state"] == "waiting", poller.state()
+    assert poller.state()["reason"] == "HTTP 503 on /version, /v1/models, /props"
+    state.update(status=None, props=503)  # /version and /v1/models answer, /props not yet
+    await poller.poll()
+    assert (poller.state()["state"], readings) == ("waiting", []), "a part is no identity"
+    state["props"] = None  # /props answers its 404: this server has none
+    await poller.poll()
+    state["props"] = 504  # and a later reading in part keeps the identity
+    kept = await poller.poll()
     assert [r.changed for r in readings] == [False] and poller.up is True
     assert kept.fingerprint == readings[0].fingerprint.fingerprint
     assert (poller.changes, poller.restarts, poller.outages) == (0, 0, 0)
@@ -533,8 +525,9 @@ async def test_an_api_base_url_is_named_once(caplog: pytest.LogCaptureFixture) -
     """The openai SDK's base URL given as the upstream: /v1/v1/models is 404, /v1/models
     answers; the poller says which URL to use, once."""
     caplog.set_level(logging.WARNING, "proxy.engine.fingerprint")
-    async with EmulatorServer(EmulatorConfig()) as emu, ClientSession() as session:
-        poller = FingerprintPoller(session, emu.url + "/v1", EventBus(), interval_s=0)
+    async with EmulatorServer(EmulatorConfig()) as emu:
+        url = emu.url + "/v1"
+        poller = FingerprintPoller(H1Upstream(url), url, EventBus(), interval_s=0)
         for _ in range(3):
             await poller.poll()
     state = poller.state()
@@ -568,9 +561,8 @@ async def test_a_prefixed_url_is_named_in_the_status(
 
 
 async def test_an_engine_that_answers_has_no_hint(emulator: EmulatorServer) -> None:
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, emulator.url, EventBus(), interval_s=0)
-        await poller.poll()
+    poller = FingerprintPoller(H1Upstream(emulator.url), emulator.url, EventBus(), interval_s=0)
+    await poller.poll()
     assert poller.state()["hint"] is None and poller.state()["state"] == "up"
 
 
@@ -578,21 +570,21 @@ async def test_an_upstream_not_up_yet_is_read_again_within_seconds() -> None:
     """The interval is for an upstream that is up; one that is not is read every few seconds,
     so that it is known up (and its restarts seen) soon after it answers."""
     port = free_port()
-    async with ClientSession() as session:
-        poller = FingerprintPoller(session, f"http://127.0.0.1:{port}", EventBus(), 3600)
-        task = asyncio.create_task(poller.run())
-        try:
+    url = f"http://127.0.0.1:{port}"
+    poller = FingerprintPoller(H1Upstream(url), url, EventBus(), 3600)
+    task = asyncio.create_task(poller.run())
+    try:
 
-            async def read(state: str) -> bool:
-                return bool(poller.state()["state"] == state)
+        async def read(state: str) -> bool:
+            return bool(poller.state()["state"] == state)
 
-            await eventually(lambda: read("waiting"), what="the first reading")
-            async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
-                up_within = DOWN_INTERVAL_S + 3
-                await eventually(lambda: read("up"), timeout_s=up_within, what="up within seconds")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await eventually(lambda: read("waiting"), what="the first reading")
+        async with EmulatorServer(EmulatorConfig(version="0.23.0"), port=port):
+            up_within = DOWN_INTERVAL_S + 3
+            await eventually(lambda: read("up"), timeout_s=up_within, what="up within seconds")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 # --------------------------------------------------------------------- the recipe

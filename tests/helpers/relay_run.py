@@ -4,7 +4,7 @@ it published recorded."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from policies.base import Continue
@@ -15,6 +15,7 @@ from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import StreamResult
 from proxy.relay.stream import StreamPlan, StreamRelay
+from proxy.testing import MockResponse
 
 
 class ExplodingInspector:
@@ -29,25 +30,12 @@ class ExplodingInspector:
         raise AssertionError("a dropped inspector is not called again")
 
 
-class ScriptedReads:
+async def scripted_reads(reads: list[bytes], fail: bool) -> AsyncIterator[bytes]:
     """The upstream body: these reads, then the end or (``fail``) a lost connection."""
-
-    def __init__(self, reads: list[bytes], fail: bool = False) -> None:
-        self.reads = reads
-        self.fail = fail
-        self._body = self.chunks()  # pump's: it goes on where the last call stopped
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        for read in self.reads:
-            yield read
-        if self.fail:
-            raise UpstreamBodyError("connection lost")
-
-    async def pump(self, sink: Callable[[bytes], bool]) -> bool:
-        async for data in self._body:  # goes on where the last call stopped
-            if not sink(data):
-                return False
-        return True
+    for read in reads:
+        yield read
+    if fail:
+        raise UpstreamBodyError("connection lost")
 
 
 class RecordedWrites:
@@ -125,7 +113,9 @@ def relay(
     bus.subscribe(InspectionStopped, lambda ev: stopped.append(ev.reason))
     bus.subscribe(UpstreamFailed, lambda ev: failed.append(ev.kind))
     client = RecordedWrites()
-    result = asyncio.run(r.run(ScriptedReads(reads, fail), client))  # type: ignore[arg-type]
+    upstream = MockResponse(200, (), scripted_reads(reads, fail))
+    # RecordedWrites is the writing half of a ClientSide only: what the relay uses of it.
+    result = asyncio.run(r.run(upstream, client))  # type: ignore[arg-type]
     run = RelayRun(r, client, result)
     run.stopped, run.failed, run.decided = stopped + dropped, failed, decided
     return run

@@ -11,7 +11,9 @@ import orjson
 import pytest
 
 from proxy.config import api_root
-from proxy.tools.probe import main
+from proxy.http.errors import UpstreamFailure
+from proxy.testing import MockUpstream, Received, Reply, answers
+from proxy.tools.probe import ProbeError, Prober, main, parse_args
 from tests.helpers.processes import EXE, free_port, wait_http
 
 
@@ -158,3 +160,29 @@ def test_a_server_started_with_an_api_key_is_probed_with_it(
     monkeypatch.setenv("DETPROXY_API_KEY", "wrong")  # before OPENAI_API_KEY
     code, _ = probe(capsys, "--upstream", url, "--prompt", "Hello")
     assert code == 2
+
+
+# -- the prober through the upstream seam, in process ----------------------------------------
+
+
+async def test_the_prober_asks_through_the_seam_with_its_key() -> None:
+    mock = MockUpstream(answers("yes", model="m"))
+    args = parse_args(
+        ["--upstream", "http://engine:8000", "--model", "m", "--prompt", "hi", "--api-key", "sk-1"]
+    )
+    token, top = await Prober(mock, args).vector("hi")
+    assert token == "yes" and top, "the first token and its top-k"
+    [sent] = mock.received("/v1/chat/completions")
+    assert sent.headers["Authorization"] == "Bearer sk-1"
+    assert sent.json()["top_logprobs"] == args.top_logprobs and sent.json()["max_tokens"] == 1
+
+
+async def test_a_fault_of_the_seam_is_one_probe_error() -> None:
+    """Refused, or no answer within the timeout: ``cannot reach``, never a traceback."""
+
+    def refuse(request: Received) -> Reply:
+        raise UpstreamFailure(502, "upstream refused the connection: nothing there", "refused")
+
+    args = parse_args(["--upstream", "http://engine:8000", "--model", "m", "--prompt", "hi"])
+    with pytest.raises(ProbeError, match="cannot reach http://engine:8000/v1/chat/completions"):
+        await Prober(MockUpstream(refuse), args).vector("hi")

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import aiohttp
 import orjson
 
 from proxy.config import api_root
 from proxy.engine.fingerprint import FingerprintPoller
 from proxy.events import EventBus
+from proxy.http.upstream import Upstream as Client
 from proxy.redact import mask_url
 from proxy.tools.diagnose import render
 from proxy.tools.diagnose.experiments import DiagnoseError, Experiments, Settings, Upstream
@@ -174,18 +174,19 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             err.write(f"diagnose: {line}\n")
             err.flush()
 
-    timeout = aiohttp.ClientTimeout(total=args.timeout)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
-    connector = aiohttp.TCPConnector(limit=max(args.levels) + 2)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=headers) as http:
-        primary = Upstream(http, args.upstream, settings, args.api_key)
+    def upstream(url: str) -> Upstream:
+        limit = max(args.levels) + 2
+        return Upstream(url, settings, args.api_key, timeout_s=args.timeout, max_connections=limit)
+
+    primary = upstream(args.upstream)
+    reference = upstream(args.reference) if args.reference else None
+    again = upstream(args.upstream)  # identified afresh after the experiments
+    try:
         engine = await primary.identify()
-        recipe = await read_recipe(http, args.upstream)
+        recipe = await read_recipe(primary.client, args.upstream, args.api_key)
         say(f"what loaded: {describe_recipe(recipe)}")
         await primary.negotiate(prompts[0])
-        reference = None
-        if args.reference:
-            reference = Upstream(http, args.reference, settings, args.api_key)
+        if reference is not None:
             await reference.identify()
             await reference.negotiate(prompts[0])
             reference.top_k = primary.top_k = min(primary.top_k, reference.top_k)
@@ -198,7 +199,11 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         )
         experiments = Experiments(primary, reference, settings, say)
         evidence = await experiments.run_all(prompts)
-        after = await Upstream(http, args.upstream, settings, args.api_key).identify()
+        after = await again.identify()
+    finally:
+        for each in (primary, reference, again):
+            if each is not None:
+                await each.close()
     diagnosis = decide(
         evidence, engine, args.levels, identity_after=after, reference_given=reference is not None
     )
@@ -216,11 +221,17 @@ async def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     return 0 if diagnosis.stable else 1
 
 
-async def read_recipe(http: aiohttp.ClientSession, url: str) -> dict[str, Any] | None:
-    """What the engine says it loaded, read from its endpoints as the fingerprint reads them
-    (a verdict says what it measured); None where they say nothing."""
+async def read_recipe(
+    client: Client, url: str, api_key: str | None = None
+) -> dict[str, Any] | None:
+    """What the engine at ``url`` says it loaded, read from its endpoints as the fingerprint
+    reads them (a verdict says what it measured); None where they say nothing."""
     recipes = RecipeReader(None)
-    await FingerprintPoller(http, url, EventBus(), interval_s=0.0, truth=recipes.truth).poll()
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    poller = FingerprintPoller(
+        client, url, EventBus(), interval_s=0.0, truth=recipes.truth, headers=headers
+    )
+    await poller.poll()
     return recipes.snapshot()
 
 

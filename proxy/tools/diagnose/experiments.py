@@ -16,12 +16,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
 from proxy.attribution.experiments import cold_body, warm_body
 from proxy.audit.outcome import ChoiceOutcome, outcome_from_response
 from proxy.engine import fingerprint
+from proxy.http.errors import UpstreamError
+from proxy.http.h1 import H1Upstream
+from proxy.http.upstream import Got, url_auth, whole
+from proxy.http.upstream import Upstream as Client
 from proxy.redact import mask_url
 from proxy.tasks import TaskOwner
 from proxy.tools.diagnose.engine import Engine, identify
@@ -34,6 +37,7 @@ FILLER_PROMPTS = (
     "Describe the water cycle to a child.",
 )
 Progress = Callable[[str], None]
+JSON = {"Content-Type": "application/json"}
 
 
 class DiagnoseError(ProbeError):
@@ -76,36 +80,53 @@ class Upstream:
     """One OpenAI-compatible upstream: identity, and greedy requests with logprobs."""
 
     def __init__(
-        self, http: aiohttp.ClientSession, url: str, settings: Settings, api_key: str | None
+        self,
+        url: str,
+        settings: Settings,
+        api_key: str | None,
+        *,
+        timeout_s: float = 300.0,
+        max_connections: int = 8,
+        client: Client | None = None,
     ) -> None:
-        self._http = http
+        """Its requests go through ``client`` (by default its own ``H1Upstream`` to ``url``),
+        closed by ``close``; each is bounded by ``timeout_s``."""
+        self.client: Client = client or H1Upstream(
+            url, read_timeout_s=timeout_s, max_connections=max_connections
+        )
+        self._timeout_s = timeout_s
         self.base = url.rstrip("/")
         self._s = settings
         self._chat = settings.endpoint == "chat"
-        self._url = self.base + ("/v1/chat/completions" if self._chat else "/v1/completions")
+        self._path = "/v1/chat/completions" if self._chat else "/v1/completions"
+        self._url = self.base + self._path
         self._shown_base, self._shown = mask_url(self.base), mask_url(self._url)  # in messages
         self._api_key = api_key
+        self._headers = url_auth(url) | ({"Authorization": f"Bearer {api_key}"} if api_key else {})
         self.top_k = settings.top_logprobs
         self.engine: Engine | None = None
 
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def _request(self, method: str, path: str, body: bytes | None = None) -> Got:
+        headers = self._headers if body is None else self._headers | JSON
+        return await whole(self.client, method, path, self._timeout_s, headers, body)
+
     async def _get_json(self, path: str) -> Any:
         try:
-            async with self._http.get(self.base + path) as resp:
-                if resp.status != 200:
-                    return None
-                return orjson.loads(await resp.read())
-        except (aiohttp.ClientError, orjson.JSONDecodeError):
-            return None
-        except TimeoutError:
+            got = await self._request("GET", path)
+            return orjson.loads(got.body) if got.status == 200 else None
+        except (UpstreamError, orjson.JSONDecodeError):
             return None
 
     async def identify(self) -> Engine:
         """Read /version, /v1/models and /props; unreachable is a DiagnoseError."""
         try:
-            async with self._http.get(self.base + "/v1/models") as resp:
-                models = orjson.loads(await resp.read()) if resp.status == 200 else None
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            got = await self._request("GET", "/v1/models")
+            status = got.status
+            models = orjson.loads(got.body) if status == 200 else None
+        except UpstreamError as exc:
             why = exc or type(exc).__name__
             raise DiagnoseError(f"cannot reach {self._shown_base}: {why}") from exc
         except orjson.JSONDecodeError:
@@ -120,13 +141,12 @@ class Upstream:
     async def running(self) -> float | None:
         """Requests the engine is running now (its /metrics), None where it does not say."""
         try:
-            async with self._http.get(self.base + "/metrics") as resp:
-                if resp.status != 200:
-                    return None
-                text = (await resp.read()).decode(errors="replace")
-        except (aiohttp.ClientError, TimeoutError):
+            got = await self._request("GET", "/metrics")
+        except UpstreamError:
             return None
-        return fingerprint.parse_metrics(text).get("running")
+        if got.status != 200:
+            return None
+        return fingerprint.parse_metrics(got.body.decode(errors="replace")).get("running")
 
     async def wait_idle(self, settle: float, deadline_s: float = 30.0) -> None:
         """Until the engine runs nothing (fillers a client left may still be generating);
@@ -164,10 +184,10 @@ class Upstream:
 
     async def _post(self, body: dict[str, Any]) -> tuple[int, bytes]:
         try:
-            async with self._http.post(self._url, json=body) as resp:
-                return resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            got = await self._request("POST", self._path, orjson.dumps(body))
+        except UpstreamError as exc:
             raise DiagnoseError(f"cannot reach {self._shown}: {exc or type(exc).__name__}") from exc
+        return got.status, got.body
 
     async def negotiate(self, prompt: str) -> int:
         """The largest top-k of (asked, 5, 1, 0) the engine accepts; 0: no logprobs at all."""
@@ -207,9 +227,8 @@ class Upstream:
             # Short, as probe's: frequent prefills share a batch with the probed request's
             # (decode-only company leaves some engines' logits unchanged).
             body = self._body(prompt, BACKGROUND_TOKENS, cold())
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with self._http.post(self._url, json=body) as resp:
-                    await resp.read()
+            with contextlib.suppress(UpstreamError):
+                await self._request("POST", self._path, orjson.dumps(body))
 
 
 def vector_of(choice: ChoiceOutcome) -> Vector:

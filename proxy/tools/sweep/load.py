@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 
+from proxy.http.errors import UpstreamError
 from proxy.http.sse import SSEDecoder, SSEOverflow
+from proxy.http.upstream import Upstream, UpstreamResponse, url_auth
 from proxy.openai import choice_text, completion_tokens_of, error_message
 from proxy.tasks import TaskOwner
 
@@ -56,12 +57,22 @@ class Target:
     timeout_s: float = 120.0
 
     @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+
+    @property
     def url(self) -> str:
-        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
-        return self.base_url + path
+        return self.base_url + self.path
 
     def headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+        # A fresh connection per request: llama-server (cpp-httplib) gives each open
+        # connection a thread from a small pool, and kept-alive idle ones starve it into
+        # dropping new requests.
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "text/event-stream",
+            "Connection": "close",
+        } | url_auth(self.base_url)
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         return headers
@@ -135,41 +146,50 @@ def _on_event(rec: RequestRecord, payload: Any, now: float, deadline: float) -> 
 
 
 async def stream_request(
-    session: aiohttp.ClientSession,
+    upstream: Upstream,
     target: Target,
     body: bytes,
     rec: RequestRecord,
     deadline: float = float("inf"),
     clock: Clock = time.monotonic,
 ) -> None:
-    """Send one streaming request and fill ``rec``; failures land in ``rec.error``."""
-    timeout = aiohttp.ClientTimeout(total=target.timeout_s)
+    """Send one streaming request and fill ``rec``; failures land in ``rec.error``. Cancelled
+    (a window's end), its connection is closed: the upstream stops generating."""
+    resp: UpstreamResponse | None = None
     try:
-        async with session.post(
-            target.url, data=body, headers=target.headers(), timeout=timeout
-        ) as resp:
-            if resp.status != 200:
-                text = (await resp.read())[:300].decode("utf-8", "replace")
-                rec.error = f"HTTP {resp.status}: {text}"
-                return
-            decoder = SSEDecoder()
-            async for chunk in resp.content.iter_any():
-                now = clock()
-                for event in decoder.feed(chunk):
-                    if event.data is None:
-                        continue
-                    if event.is_done:
-                        rec.done = now <= deadline
-                        return
-                    _on_event(rec, orjson.loads(event.data), now, deadline)
-                    if rec.error is not None:
-                        return
-            if rec.finish_seen:  # no [DONE], but the server said it had finished
-                rec.done = clock() <= deadline
-            else:
-                rec.error = "stream ended before it finished"
-    except (aiohttp.ClientError, TimeoutError, SSEOverflow, orjson.JSONDecodeError) as exc:
+        async with asyncio.timeout(target.timeout_s):
+            resp = await upstream.send("POST", target.path, target.headers(), body)
+            await _read_stream(resp, rec, deadline, clock)
+    except (UpstreamError, TimeoutError, SSEOverflow, orjson.JSONDecodeError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    finally:
+        if resp is not None:
+            resp.close()
+
+
+async def _read_stream(
+    resp: UpstreamResponse, rec: RequestRecord, deadline: float, clock: Clock
+) -> None:
+    if resp.status != 200:
+        text = (await resp.read())[:300].decode("utf-8", "replace")
+        rec.error = f"HTTP {resp.status}: {text}"
+        return
+    decoder = SSEDecoder()
+    async for chunk in resp.chunks():
+        now = clock()
+        for event in decoder.feed(chunk):
+            if event.data is None:
+                continue
+            if event.is_done:
+                rec.done = now <= deadline
+                return
+            _on_event(rec, orjson.loads(event.data), now, deadline)
+            if rec.error is not None:
+                return
+    if rec.finish_seen:  # no [DONE], but the server said it had finished
+        rec.done = clock() <= deadline
+    else:
+        rec.error = "stream ended before it finished"
 
 
 @dataclass(slots=True)
@@ -191,7 +211,7 @@ class Window:
 
 
 async def _worker(
-    session: aiohttp.ClientSession,
+    upstream: Upstream,
     target: Target,
     window: Window,
     counter: Iterator[int],
@@ -201,13 +221,13 @@ async def _worker(
         rec = RequestRecord(sent=now)
         window.records.append(rec)
         body = target.body(next(counter))
-        await stream_request(session, target, body, rec, window.deadline, clock)
+        await stream_request(upstream, target, body, rec, window.deadline, clock)
         if rec.error is not None:
             await asyncio.sleep(max(0.0, min(ERROR_BACKOFF_S, window.deadline - clock())))
 
 
 async def run_window(
-    session: aiohttp.ClientSession,
+    upstream: Upstream,
     target: Target,
     window: Window,
     on_tick: Callable[[Window], None] | None = None,
@@ -218,7 +238,7 @@ async def run_window(
     counter = itertools.count()
     owner = TaskOwner("sweep")
     tasks = [
-        owner.spawn(_worker(session, target, window, counter, clock), name=f"worker-{i}")
+        owner.spawn(_worker(upstream, target, window, counter, clock), name=f"worker-{i}")
         for i in range(window.concurrency)
     ]
     try:

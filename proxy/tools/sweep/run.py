@@ -9,12 +9,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
-
 from proxy.engine.fingerprint import FingerprintPoller
 from proxy.engine.follow import moved
 from proxy.engine.identity import Fingerprint
 from proxy.events import EventBus
+from proxy.http.h1 import H1Upstream
+from proxy.http.upstream import Upstream
 from proxy.redact import mask_url
 from proxy.tools.sweep.load import Clock, RequestRecord, Target, Window, run_window, stream_request
 from proxy.tools.sweep.recipe import RecipeReader
@@ -44,13 +44,11 @@ def normalise_base(url: str) -> str:
     return base[:-3] if base.endswith("/v1") else base
 
 
-async def preflight(
-    session: aiohttp.ClientSession, target: Target, clock: Clock = time.monotonic
-) -> None:
+async def preflight(upstream: Upstream, target: Target, clock: Clock = time.monotonic) -> None:
     """One short request: fail fast on a refused connection, a wrong model or a bad body."""
     rec = RequestRecord(sent=clock())
     body = target.body(0, PREFLIGHT_MAX_TOKENS)
-    await stream_request(session, target, body, rec, clock=clock)
+    await stream_request(upstream, target, body, rec, clock=clock)
     if rec.error is not None:
         raise SweepError(f"test request to {target.url} failed: {rec.error}")
 
@@ -60,41 +58,52 @@ async def run_sweep(
     on_tick: Callable[[Window, int], None] | None = None,
     *,
     clock: Clock = time.monotonic,
-    session: aiohttp.ClientSession | None = None,
+    upstream: Upstream | None = None,
 ) -> dict[str, Any]:
     """Run the whole sweep and return the report (see ``stats`` for its parts).
 
     ``on_tick(window, index)`` is called a few times a second; ``index`` counts runs from 0.
-    ``clock`` times everything; ``session`` (kept open) replaces the sweep's own.
+    ``clock`` times everything; ``upstream`` (kept open) replaces the sweep's own client:
+    every request of the sweep goes through it, the engine's reads included.
     """
     started = datetime.now(UTC)
     t0 = clock()
-    if session is not None:
-        return await _sweep(config, on_tick, clock, session, started, t0)
-    # A fresh connection per request: llama-server (cpp-httplib) gives each open connection a
-    # thread from a small pool, and kept-alive idle ones starve it into dropping new requests.
-    connector = aiohttp.TCPConnector(limit=max(config.concurrency) + 4, force_close=True)
-    async with aiohttp.ClientSession(connector=connector) as own:
+    if upstream is not None:
+        return await _sweep(config, on_tick, clock, upstream, started, t0)
+    target = config.target
+    own = H1Upstream(
+        target.base_url,
+        read_timeout_s=target.timeout_s,
+        max_connections=max(config.concurrency) + 4,
+    )
+    try:
         return await _sweep(config, on_tick, clock, own, started, t0)
+    finally:
+        await own.close()
 
 
 async def _sweep(
     config: SweepConfig,
     on_tick: Callable[[Window, int], None] | None,
     clock: Clock,
-    session: aiohttp.ClientSession,
+    upstream: Upstream,
     started: datetime,
     t0: float,
 ) -> dict[str, Any]:
     target = config.target
-    await preflight(session, target, clock)
+    await preflight(upstream, target, clock)
     recipes = RecipeReader(config.engine_log)
     try:
         recipes.refresh()
     except OSError as exc:
         raise SweepError(f"cannot read the engine log {config.engine_log}: {exc}") from exc
     poller = FingerprintPoller(
-        session, target.base_url, EventBus(), interval_s=0.0, truth=recipes.truth
+        upstream,
+        target.base_url,
+        EventBus(),
+        interval_s=0.0,
+        truth=recipes.truth,
+        headers={"Connection": "close"},  # no idle connection kept (``Target.headers``)
     )
     try:
         before = current = await poller.poll()
@@ -107,7 +116,7 @@ async def _sweep(
                 window = Window(c, repeat, config.duration_s)
                 index = len(windows)
                 tick = None if on_tick is None else (lambda w, i=index: on_tick(w, i))
-                windows.append(await run_window(session, target, window, tick, clock))
+                windows.append(await run_window(upstream, target, window, tick, clock))
                 with contextlib.suppress(OSError):  # a log gone mid-sweep: endpoints still say
                     recipes.refresh()
                 fp = await poller.poll()

@@ -18,7 +18,7 @@ from proxy.tools.sweep import cli
 from proxy.tools.sweep.load import Target, Window, run_window
 from proxy.tools.sweep.run import run_sweep
 from proxy.tools.sweep.stats import level_summary
-from tests.tools.sweep.virtual import Session, Upstream, clock, run_virtual
+from tests.tools.sweep.virtual import Upstream, clock, run_virtual
 
 TARGET = Target(base_url="http://upstream.invalid", model="m", max_tokens=8)
 DURATION = 0.24
@@ -32,8 +32,7 @@ def window(concurrency: int, upstream: Upstream | None = None) -> tuple[Window, 
 
     async def go() -> tuple[Window, float]:
         w = Window(concurrency, 1, DURATION)
-        session: Any = Session(upstream or Upstream())
-        done = await run_window(session, TARGET, w, clock=clock)
+        done = await run_window((upstream or Upstream()).mock(), TARGET, w, clock=clock)
         return done, clock() - w.start
 
     result: tuple[Window, float] = run_virtual(go)
@@ -83,8 +82,8 @@ def test_a_slower_upstream_gives_exactly_the_slower_rate() -> None:
 
 def _sweep(upstream: Upstream, argv: list[str], monkeypatch: pytest.MonkeyPatch) -> Any:
     """``detproxy sweep --json`` against ``upstream`` on the virtual clock."""
-    session: Any = Session(upstream)
-    monkeypatch.setattr(cli, "run_sweep", partial(run_sweep, clock=clock, session=session))
+    mock = upstream.mock()
+    monkeypatch.setattr(cli, "run_sweep", partial(run_sweep, clock=clock, upstream=mock))
     code = run_virtual(lambda: cli.amain([*argv, "--json"]))
     return code
 

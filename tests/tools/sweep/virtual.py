@@ -1,6 +1,7 @@
 """Virtual time for the sweep's tests: an event loop whose clock jumps to the next timer, and an
-in-memory upstream that streams on that clock. No socket, no wall clock: every figure the
-sweep computes is exact and the same on a busy machine as on an idle one."""
+in-memory upstream (a ``proxy.testing.MockUpstream``) that streams on that clock. No socket, no
+wall clock: every figure the sweep computes is exact and the same on a busy machine as on an
+idle one."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
+from proxy.testing import MockResponse, MockUpstream, Received, Reply
 from tests.helpers.sse import chat_event, sse_event
 
 
@@ -77,43 +77,16 @@ class Upstream:
         yield sse_event({"choices": [], "usage": {"completion_tokens": tokens}})
         yield b"data: [DONE]\n\n"
 
+    def mock(self) -> MockUpstream:
+        """The sweep's upstream client, served by this upstream in memory."""
+        return MockUpstream(self._answer)
 
-class _Content:
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
-
-    def iter_any(self) -> AsyncIterator[bytes]:
-        return self._chunks
-
-
-class _Response:
-    def __init__(self, status: int, content: _Content | None = None) -> None:
-        self.status = status
-        self.content = content
-
-    async def read(self) -> bytes:
-        return b"not found"
-
-    async def __aenter__(self) -> _Response:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-class Session:
-    """What the sweep uses of an ``aiohttp.ClientSession``, served by an ``Upstream``."""
-
-    def __init__(self, upstream: Upstream) -> None:
-        self.upstream = upstream
-
-    def post(self, url: str, *, data: bytes, **_: Any) -> _Response:
-        body = orjson.loads(data)
-        self.upstream.requests += 1
-        self.upstream.bodies.append(body)
-        return _Response(200, _Content(self.upstream.stream(int(body["max_tokens"]))))
-
-    def get(self, url: str, **_: Any) -> _Response:
-        if url.endswith("/version"):
-            self.upstream.version_reads += 1
-        return _Response(404)
+    def _answer(self, request: Received) -> Reply | MockResponse:
+        if request.method == "POST":
+            body = request.json()
+            self.requests += 1
+            self.bodies.append(body)
+            return MockResponse(200, (), self.stream(int(body["max_tokens"])))
+        if request.path == "/version":
+            self.version_reads += 1
+        return Reply(404, body=b"not found")
