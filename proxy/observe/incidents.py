@@ -14,6 +14,13 @@ the loop is in the ring at once and its line is written when its outcome is know
 request ends without one (``outcome: unfinished``), or when detproxy stops: one line per loop,
 none left unwritten.
 
+Several processes may write one file (``serve --workers N``): each line and each rotation is
+written under an exclusive ``flock`` of the file's folder, the size that decides a rotation is
+the file's own (every process's lines), and a process whose file another one rotated reopens
+the path before its next line. So lines are whole and never lost to a rotation, a rotation
+happens once however many processes see the file full, and no backup is renamed over by two
+processes at once.
+
 The file's folder is created at start. A path the configuration names that cannot be written
 stops the start (``ConfigError``); the default one (the state directory, e.g. a read-only home
 in a container) only says so in the log once, and incidents stay in memory.
@@ -21,6 +28,7 @@ in a container) only says so in the log once, and incidents stay in memory.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 from collections import deque
@@ -232,6 +240,7 @@ class IncidentLog:
         self._ring: deque[dict[str, Any]] = deque(maxlen=config.ring_size)
         self._loops = PendingLoops(self.write)
         self._file: IO[bytes] | None = None
+        self._lock: int | None = None  # the folder's fd: flock'd around each line (write)
         self._size = 0
         self.written = 0
         self._upstream: dict[str, Any] | None = None
@@ -359,8 +368,26 @@ class IncidentLog:
 
     def _open(self) -> None:
         assert self._config.path
+        if self._lock is None:  # the file's folder: locked, it leaves no file of its own
+            self._lock = os.open(os.path.dirname(os.path.abspath(self._config.path)), os.O_RDONLY)
         self._file = open(self._config.path, "ab")  # noqa: SIM115 (lives as long as the app)
         self._size = self._file.tell()
+
+    def _follow(self) -> None:
+        """Reopen the path where another process (a worker beside this one) rotated it: this
+        process's file is a backup now, or gone."""
+        assert self._file is not None and self._config.path
+        try:
+            now = os.stat(self._config.path)
+        except FileNotFoundError:
+            now = None
+        held = os.fstat(self._file.fileno())
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            self._file.close()
+            self._file = None
+            self._open()
+        else:
+            self._size = held.st_size  # the other processes' lines count too
 
     def _rotate(self) -> None:
         assert self._file is not None and self._config.path
@@ -396,11 +423,20 @@ class IncidentLog:
         try:
             if self._file is None:
                 self._open()  # at the first line (or after a rotation that could not reopen)
-            if self._size and self._size + len(line) > self._config.max_bytes:
-                self._rotate()
-            assert self._file is not None
-            self._file.write(line)
-            self._file.flush()  # acknowledged means on its way to disk
+            assert self._lock is not None
+            # Every process writing this file (serve's workers) takes the lock around the
+            # rotation and the line: the size is the file's, not this process's lines, and a
+            # rotation is one process's, never two renaming each other's files.
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            try:
+                self._follow()
+                if self._size and self._size + len(line) > self._config.max_bytes:
+                    self._rotate()
+                assert self._file is not None
+                self._file.write(line)
+                self._file.flush()  # acknowledged means on its way to disk
+            finally:
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
             self._size += len(line)
             self.written += 1
         except OSError:
@@ -419,6 +455,9 @@ class IncidentLog:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def select(self, query: IncidentQuery) -> list[dict[str, Any]]:
         """The newest ``query.limit`` incidents of the ring that match ``query``, newest first."""
