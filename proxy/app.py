@@ -149,7 +149,7 @@ def _triage(
         scheduler=scheduler,
         upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
         engine_running=load.running,
-        sees_all=settings.server.workers == 1,
+        sees_all=settings.server.one_process,
     )
     triage.subscribe(bus)
     return triage

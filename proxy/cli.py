@@ -23,6 +23,7 @@ from proxy.workers import (
     WORKER,
     Supervisor,
     WorkerIdentity,
+    resolve_workers,
     reuseport_socket,
     watch_supervisor,
     worker_budgets,
@@ -107,9 +108,9 @@ def _settings_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workers",
-        type=int,
-        metavar="N",
-        help="serving processes on the port (SO_REUSEPORT), supervised; default 1: this one",
+        metavar="N|auto",
+        help="serving processes on the port (SO_REUSEPORT), supervised; default auto: one per"
+        " core this process may use (its cgroup's CPU quota, rounded up); 1: this one alone",
     )
     p.add_argument(
         "--log-level",
@@ -323,22 +324,24 @@ def _supervise(settings: Settings, serve_argv: list[str]) -> int:
     except ConfigError as exc:
         return _fail(str(exc))
     port = held[0].getsockname()[1]
-    env = dict(os.environ) | worker_budgets(settings, server.workers) | {SERVER_ID_ENV: own}
+    env = dict(os.environ) | worker_budgets(settings, server.processes) | {SERVER_ID_ENV: own}
     if server.admin_port is not None:
         env["DETPROXY_SERVER__ADMIN_PORT"] = str(held[1].getsockname()[1])
+    # The count resolved here ("auto") is every worker's: the last --workers is the one read.
     argv = [sys.executable, "-m", "proxy", *serve_argv, "--port", str(port)]
+    argv += ["--workers", str(server.processes)]
     log.info(
         "detproxy %s supervising %d workers on %s:%d, upstream %s",
         __version__,
-        server.workers,
+        server.processes,
         server.host,
         port,
         mask_url(settings.upstream.url),
-        extra={"fields": {"event": "supervising", "workers": server.workers, "port": port}},
+        extra={"fields": {"event": "supervising", "workers": server.processes, "port": port}},
     )
     _log_summary(settings, app, held[-1])  # the admin listener, else the main one
     try:
-        return Supervisor(argv, server.workers, server.shutdown_grace_s, env).run()
+        return Supervisor(argv, server.processes, server.shutdown_grace_s, env).run()
     finally:
         for sock in held:
             sock.close()
@@ -355,11 +358,12 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
     except ConfigError as exc:
         return _fail(one_line(exc))
     configure(settings.log, worker)
+    settings = resolve_workers(settings)  # "auto": one per core it may use (proxy/cores.py)
     server = settings.server
-    if worker is None and server.workers > 1:
+    if worker is None and server.processes > 1:
         if settings.upstream.engine_log == "-":  # one stdin cannot feed N processes
             return _fail(
-                f"upstream.engine_log: '-' (stdin) cannot be read by {server.workers} workers;"
+                f"upstream.engine_log: '-' (stdin) cannot be read by {server.processes} workers;"
                 " name the engine's log file instead (e.g. vllm serve ... 2>&1 | tee FILE)"
             )
         return _supervise(settings, serve_argv)
@@ -383,7 +387,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         loop.close()
         return _fail(describe_start_error(exc))
     if worker is not None:
-        app[WORKER] = WorkerIdentity(worker, server.workers)
+        app[WORKER] = WorkerIdentity(worker, server.processes)
         app.cleanup_ctx.append(watch_supervisor(os.getppid()))
     port = main_sock.getsockname()[1]
 
@@ -399,7 +403,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
             admin,
             mask_url(settings.upstream.url),
             loop_name(loop),
-            "" if worker is None else f", worker {worker} of {server.workers}",
+            "" if worker is None else f", worker {worker} of {server.processes}",
             extra={
                 "fields": {
                     "event": "listening",
@@ -408,7 +412,7 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
                     "port": port,
                     "upstream": mask_url(settings.upstream.url),
                     "event_loop": loop_name(loop),
-                    "workers": server.workers,
+                    "workers": server.processes,
                 }
             },
         )

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import orjson
 from pydantic import (
@@ -255,7 +255,10 @@ class ServerConfig(_Section):
     # its walks; gen-0 every 10,000 allocations instead of 700 (bench_paced.py --gc-timings).
     gc_freeze: bool = True
     gc_threshold: tuple[int, int, int] = (10_000, 50, 100)  # Python's own: (700, 10, 10)
-    workers: int = Field(default=1, ge=1)  # serving processes on the port (proxy/workers.py)
+    # Serving processes on the port (proxy/workers.py): "auto" (one per core this process may
+    # use, its cgroup's CPU quota included: proxy/cores.py), resolved by ``detproxy serve``;
+    # 1: one process, no supervisor.
+    workers: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     # Removed: every listener is detproxy's own HTTP/1.1 server (proxy/http/front.py). Kept as
     # a name only, so that a config still setting it is told so (``_removed_http``).
     http: None = Field(default=None, exclude=True, repr=False)
@@ -266,6 +269,17 @@ class ServerConfig(_Section):
     def _blank_token(cls, value: object) -> object:
         # DETPROXY_SERVER__ADMIN_TOKEN= (a compose file's ${VAR:-}, an empty Secret): not set.
         return None if isinstance(value, str) and not value.strip() else value
+
+    @property
+    def processes(self) -> int:
+        """The processes serving the port: ``workers``, once ``detproxy serve`` resolved
+        "auto"; 1 in an app nothing resolved it for (one built outside ``detproxy serve``)."""
+        return self.workers if isinstance(self.workers, int) else 1
+
+    @property
+    def one_process(self) -> bool:
+        """Whether this process serves every request of the server."""
+        return self.processes == 1
 
     @field_validator("admin_host")
     @classmethod

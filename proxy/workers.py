@@ -28,7 +28,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -38,6 +38,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Settings
+from proxy.cores import usable_cores
 from proxy.tasks import TaskOwner
 
 log = logging.getLogger("detproxy.workers")
@@ -61,6 +62,16 @@ def worker_status(app: web.Application) -> dict[str, int]:
     """``status.worker``: which process answered (the only one without ``--workers``)."""
     identity = app.get(WORKER) or WorkerIdentity(0, 1)
     return {"index": identity.index, "of": identity.count, "pid": os.getpid()}
+
+
+def resolve_workers(settings: Settings, cores: Callable[[], int] = usable_cores) -> Settings:
+    """``settings`` with ``server.workers`` a number: "auto" is one per core this process may
+    use (``proxy.cores.usable_cores``)."""
+    server = settings.server
+    if server.workers != "auto":
+        return settings
+    resolved = server.model_copy(update={"workers": cores()})
+    return settings.model_copy(update={"server": resolved})
 
 
 def worker_budgets(settings: Settings, count: int) -> dict[str, str]:

@@ -224,9 +224,10 @@ def test_config_prints_toml_that_loads_back_into_the_same_settings(tmp_path: Pat
         "DETPROXY_UPSTREAM__READ_TIMEOUT_S": "60",
         "DETPROXY_INCIDENTS__PATH": str(tmp_path / "incidents.jsonl"),
     }
+    env = {**bare_env(), **env}  # what the child reads, read here too
     done = subprocess.run(
         [EXE, "config", "--config", str(file), "--port", "9999", "--log-format", "json"],
-        env={**bare_env(), **env},
+        env=env,
         capture_output=True,
         timeout=60,
     )

@@ -17,8 +17,9 @@ from pathlib import Path
 import aiohttp
 
 from proxy.config import Settings, load_settings
+from proxy.cores import usable_cores
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
-from proxy.workers import worker_budgets
+from proxy.workers import resolve_workers, worker_budgets
 from tests.helpers.processes import bare_env, free_port, wait_healthy
 from tests.helpers.waiting import Unmet, eventually
 
@@ -33,9 +34,11 @@ CHAT = {
 
 @asynccontextmanager
 async def supervised(
-    upstream: str, log: Path, *flags: str
+    upstream: str, log: Path, *flags: str, workers: str | None = "2"
 ) -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """``workers`` None: the default (no --workers, no DETPROXY_WORKERS)."""
     port = free_port()
+    count = ["--workers", workers] if workers is not None else []
     with log.open("wb") as err:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -46,12 +49,11 @@ async def supervised(
             upstream,
             "--port",
             str(port),
-            "--workers",
-            "2",
+            *count,
             "--log-level",
             "INFO",
             *flags,
-            env={**bare_env(), "PYTHONPATH": str(ROOT)},
+            env={**bare_env(DETPROXY_WORKERS=""), "PYTHONPATH": str(ROOT)},
             cwd=ROOT,
             stderr=err,
         )
@@ -70,7 +72,9 @@ def fresh() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
 
 
-async def workers_seen(base: str, want: int = 2, timeout_s: float = 30.0) -> dict[int, int]:
+async def workers_seen(
+    base: str, want: int = 2, timeout_s: float = 30.0, of: int = 2
+) -> dict[int, int]:
     """index -> pid of the workers that answered /detproxy/status, until ``want`` did (a
     worker still starting is not listening yet)."""
     seen: dict[int, int] = {}
@@ -80,7 +84,7 @@ async def workers_seen(base: str, want: int = 2, timeout_s: float = 30.0) -> dic
             async with http.get(base + "/detproxy/status") as resp:
                 worker = (await resp.json())["worker"]
             seen[worker["index"]] = worker["pid"]
-            assert worker["of"] == 2
+            assert worker["of"] == of, f"worker {worker} is one of {worker['of']}, not {of}"
             return seen if len(seen) == want else Unmet(seen)
 
         return await eventually(answered, timeout_s=timeout_s, what=f"{want} workers answering")
@@ -149,6 +153,26 @@ async def test_two_workers_answer_share_metrics_restart_and_stop(tmp_path: Path)
     text = log.read_text()
     assert f"worker 0 (pid {pids[0]}) exited with signal SIGKILL" in text
     assert "SIGTERM: stopping 2 worker(s)" in text
+
+
+async def test_by_default_one_worker_per_core_it_may_use(tmp_path: Path) -> None:
+    cores = usable_cores()  # this machine's: its CPUs, bounded by its cgroup's quota
+    async with (
+        EmulatorServer() as emu,
+        supervised(emu.url, tmp_path / "log", workers=None) as (base, _),
+    ):
+        seen = await workers_seen(base, want=cores, of=cores)
+        assert sorted(seen) == list(range(cores))
+
+
+def test_auto_is_resolved_once_by_the_command() -> None:
+    settings = load_settings(None, {}, {"workers": "auto"})
+    assert settings.server.workers == "auto" and settings.server.one_process  # nothing resolved
+    resolved = resolve_workers(settings, cores=lambda: 6)
+    assert resolved.server.workers == 6 and resolved.server.processes == 6
+    assert resolved.audit == settings.audit  # only the count changes
+    given = load_settings(None, {"DETPROXY_WORKERS": "1"})
+    assert resolve_workers(given, cores=lambda: 6).server.workers == 1  # as given
 
 
 async def test_sigterm_lets_every_worker_finish_its_streams(tmp_path: Path) -> None:

@@ -117,7 +117,7 @@ class Auditor:
         # Salts are read for the primary's cache state only where this process sees every
         # request of the server: one worker (with several, a salt may have reached the engine
         # through another).
-        self._salts = SaltsSeen() if settings.server.workers == 1 else None
+        self._salts = SaltsSeen() if settings.server.one_process else None
         self._tasks = TaskOwner("passive")
         self._extractor: AnswerExtractor | None = (
             build_extractor(settings.audit.answer_extractor)

@@ -15,6 +15,7 @@ the file: a graceful stop loses no line.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
 from typing import IO
@@ -34,6 +35,7 @@ class IncidentFile:
         self._writing: asyncio.Future[None] | None = None  # the batch in a thread now
         self._in_hand = 0  # its lines
         self._file: IO[bytes] | None = None
+        self._lock: int | None = None  # the folder's fd: flock'd around each batch
         self._size = 0
         self._closed = False
         self._warned = False  # a run of dropped lines is logged once
@@ -114,23 +116,35 @@ class IncidentFile:
                 log.exception("cannot sync incident log %s", self._path)
             self._file.close()
             self._file = None
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
 
     def _write(self, lines: list[bytes]) -> None:
-        """One batch (in the writer's thread): one write per file, rotating between them."""
+        """One batch (in the writer's thread): one write per file, rotating between them.
+        Every process writing this file (serve's workers) takes the folder's lock around its
+        batch: the size is the file's, not this process's lines, and a rotation is one
+        process's, never two renaming each other's files."""
         try:
             if self._file is None:
                 self._open()  # at the first line (or after a rotation that could not reopen)
-            chunk: list[bytes] = []
-            size = self._size
-            for line in lines:
-                if size and size + len(line) > self._max_bytes:
-                    self._emit(chunk)
-                    chunk = []
-                    self._rotate()
-                    size = self._size
-                chunk.append(line)
-                size += len(line)
-            self._emit(chunk)
+            assert self._lock is not None
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+            try:
+                self._follow()
+                chunk: list[bytes] = []
+                size = self._size
+                for line in lines:
+                    if size and size + len(line) > self._max_bytes:
+                        self._emit(chunk)
+                        chunk = []
+                        self._rotate()
+                        size = self._size
+                    chunk.append(line)
+                    size += len(line)
+                self._emit(chunk)
+            finally:
+                fcntl.flock(self._lock, fcntl.LOCK_UN)
         except Exception:  # the writer goes on with the next batch
             log.exception("cannot write incident log %s", self._path)
         self.writes += 1
@@ -146,8 +160,26 @@ class IncidentFile:
         self.written += len(chunk)
 
     def _open(self) -> None:
+        if self._lock is None:  # the file's folder: locked, it leaves no file of its own
+            self._lock = os.open(os.path.dirname(os.path.abspath(self._path)), os.O_RDONLY)
         self._file = open(self._path, "ab")  # noqa: SIM115 (lives as long as the app)
         self._size = self._file.tell()
+
+    def _follow(self) -> None:
+        """Reopen the path where another process (a worker beside this one) rotated it: this
+        process's file is a backup now, or gone."""
+        assert self._file is not None
+        try:
+            now = os.stat(self._path)
+        except FileNotFoundError:
+            now = None
+        held = os.fstat(self._file.fileno())
+        if now is None or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+            self._file.close()
+            self._file = None
+            self._open()
+        else:
+            self._size = held.st_size  # the other processes' lines count too
 
     def _rotate(self) -> None:
         assert self._file is not None

@@ -15,6 +15,13 @@ the loop is in the ring at once and its line is written when its outcome is know
 request ends without one (``outcome: unfinished``), or when detproxy stops: one line per loop,
 none left unwritten.
 
+Several processes may write one file (``serve --workers N``): each batch and each rotation is
+written under an exclusive ``flock`` of the file's folder, the size that decides a rotation is
+the file's own (every process's lines), and a process whose file another one rotated reopens
+the path before its next line. So lines are whole and never lost to a rotation, a rotation
+happens once however many processes see the file full, and no backup is renamed over by two
+processes at once.
+
 The file's folder is created at start. A path the configuration names that cannot be written
 stops the start (``ConfigError``); the default one (the state directory, e.g. a read-only home
 in a container) only says so in the log once, and incidents stay in memory.

@@ -644,3 +644,21 @@ def test_central_upstream_is_a_service_and_shutdown_fits_the_grace_period(
     assert upstream.hostname not in ("localhost", "127.0.0.1")
     pre_stop = int(detproxy["lifecycle"]["preStop"]["exec"]["command"][-1])
     assert spec["terminationGracePeriodSeconds"] > pre_stop + settings.server.shutdown_grace_s
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_detproxy_has_a_cpu_limit_for_its_workers_and_a_writable_tmp(layout: str) -> None:
+    """One worker per core of the CPU limit (server.workers = "auto"): without one, a pod on a
+    large node would start one per core of the node. The workers share their metrics and
+    status files in a temporary folder: /tmp must be writable under a read-only root."""
+    (deployment,) = [
+        d
+        for d in yaml.safe_load_all((K8S / layout / "deployment.yaml").read_text())
+        if d and d["kind"] == "Deployment"
+    ]
+    detproxy = containers(deployment["spec"]["template"]["spec"])["detproxy"]
+    env = {e["name"]: e.get("value") for e in detproxy.get("env", [])}
+    limit = detproxy["resources"].get("limits", {}).get("cpu")
+    assert limit is not None or "DETPROXY_WORKERS" in env, "no CPU limit: a worker per node core"
+    mounts = {m["mountPath"]: m for m in detproxy["volumeMounts"]}
+    assert "/tmp" in mounts and not mounts["/tmp"].get("readOnly"), sorted(mounts)

@@ -21,12 +21,20 @@ import pytest
 from tests.helpers.waiting import Unmet, eventually, eventually_sync
 
 EXE = str(Path(sys.executable).with_name("detproxy"))  # the console script a user runs
+ONE_WORKER_ENV = "DETPROXY_WORKERS"
 
 
 def bare_env(**extra: str) -> dict[str, str]:
     """A child process's environment with nothing of the caller's but the session's state
-    dir (tests/conftest.py): without it the child would keep incidents in the real home."""
-    return {"PATH": "", "DETPROXY_STATE_DIR": os.environ["DETPROXY_STATE_DIR"], **extra}
+    dir (tests/conftest.py): without it the child would keep incidents in the real home.
+    One worker unless the test asks for more (``--workers N`` overrides it; the default, one
+    per core, is tested in tests/test_workers.py with ``workers=None``)."""
+    env = {"PATH": "", "DETPROXY_STATE_DIR": os.environ["DETPROXY_STATE_DIR"], **extra}
+    if env.get(ONE_WORKER_ENV) == "":
+        del env[ONE_WORKER_ENV]  # bare_env(DETPROXY_WORKERS=""): the default, one per core
+    else:
+        env.setdefault(ONE_WORKER_ENV, "1")
+    return env
 
 
 def free_port() -> int:
