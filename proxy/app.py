@@ -7,6 +7,7 @@ detproxy's own; ``proxy.serving`` puts both on the lean front's listeners."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from proxy.attribution.triage import Triage
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
+from proxy.audit.turns import engine_turns
 from proxy.config import Settings, UpstreamConfig
 from proxy.engine.fingerprint import FingerprintPoller
 from proxy.engine.follow import EngineLogFollower, EngineTruth
@@ -45,7 +47,7 @@ from proxy.redact import mask_secrets, mask_url
 from proxy.relay.inspectors import InspectorFactory
 from proxy.selfloop import new_server_id
 from proxy.tasks import TaskOwner
-from proxy.workers import WORKER, worker_status
+from proxy.workers import MULTIPROC_ENV, WORKER, worker_status
 
 if TYPE_CHECKING:
     from proxy.loops.budget_sync import RedisBudgetSync
@@ -113,6 +115,9 @@ def _scheduler(
         return None  # audit off: no rate and no floor
     target = reference or upstream
     load = UpstreamLoad(target, audit.reference_url or settings.upstream.url)
+    # max_concurrent_shadows is the server's: its workers take turns in their shared folder.
+    shared = os.environ.get(MULTIPROC_ENV)
+    turns = engine_turns(audit.max_concurrent_shadows, settings.server.processes, shared)
     return ShadowScheduler(
         audit,
         target,
@@ -120,6 +125,7 @@ def _scheduler(
         forwarder,
         load.running if audit.quiet_max_upstream_running is not None else None,
         guard,
+        turns,
     )
 
 

@@ -6,9 +6,11 @@ them. The supervisor binds the port first (a port in use fails at once, and port
 to one port for all), starts the workers, restarts one that dies (logged, counted in
 ``detproxy_worker_restarts_total``, backing off when it dies young) and, on SIGTERM or SIGINT,
 passes the signal to every worker and waits for them to drain (``server.shutdown_grace_s``).
-The shadow rate limit, concurrent shadows and the recovery token floor are split across the
-workers (``worker_budgets``); the memory duplicate store is each worker's own (Redis shares
-it); every worker appends whole lines to the same incident log.
+The shadow rate limit and the recovery token floor are split across the workers
+(``worker_budgets``); concurrent shadows and triage experiments take turns on the engine through
+``flock``s in the folder the workers share (``proxy.audit.turns``); the memory duplicate store
+is each worker's own (Redis shares it); every worker appends whole lines to the same incident
+log.
 
 Metrics: the workers run prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
 a fresh directory per supervisor), so ``/detproxy/metrics``, whichever worker answers it, is
@@ -76,24 +78,17 @@ def resolve_workers(settings: Settings, cores: Callable[[], int] = usable_cores)
 
 def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
     """Environment overrides that split the server's budgets across ``count`` workers, so that
-    together they hold to what the configuration says: shadows per second, concurrent shadows,
-    and the recovery budget's token floor (unless Redis shares it). (Shares, ``max_token_share`` and
+    together they hold to what the configuration says: shadows per second and the recovery
+    budget's token floor (unless Redis shares it). (Shares, ``max_token_share`` and
     ``recovery_token_share``, hold per worker as they do for the whole.) A worker whose
     clients are busier than the others' reaches its part sooner: the whole stays under the
     limit, never over it. The audit's token allowance is split too, and its floor (one audit
     per model every ``at_least_every_s``) stretched by ``count``: together, about one."""
     audit, loops = settings.audit, settings.loops
-    if audit.max_concurrent_shadows < count:
-        log.warning(
-            "audit.max_concurrent_shadows = %d is less than the %d workers: each runs 1",
-            audit.max_concurrent_shadows,
-            count,
-        )
+    # Concurrent shadows are not split: every worker's shadow takes one of the server's
+    # max_concurrent_shadows turns in the folder they share (proxy/audit/turns.py).
     split = {
         "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": repr(audit.max_shadows_per_s / count),
-        "DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS": str(
-            max(1, audit.max_concurrent_shadows // count)
-        ),
         "DETPROXY_AUDIT__TOKEN_ALLOWANCE": str(audit.token_allowance // count),
         "DETPROXY_AUDIT__AT_LEAST_EVERY_S": repr(audit.at_least_every_s * count),
         # Triage: each worker runs its own, one at a time; the rate and allowance are split.

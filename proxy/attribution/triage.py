@@ -13,8 +13,9 @@ plus an allowance): a burst waits in the queue instead of being refused, up to
 ``max_wait_s``; only what still does not fit then (or finds ``queue_size`` experiments
 already waiting) is dropped and counted (``TriageDropped``), and its incident still gets a
 cause: decided from the primary and the shadow alone (a recipe change needs no replay), else
-``unknown`` naming the budget. An experiment holds the shadow scheduler while it runs (no
-shadow is sent until it ends, so a burst's queue of shadows cannot starve it), and each replay
+``unknown`` naming the budget. An experiment takes the engine whole while it runs (no shadow is
+sent until it ends, in any worker: ``proxy.audit.turns``, so a burst's queue of shadows cannot
+starve it), and each replay
 waits for a quiet moment (few or no client requests in flight, no shadow on the wire), up to a
 deadline; one right after a replay that ran alone goes
 at once while it is still quiet (the settle held through that replay). Replays stop
@@ -58,6 +59,7 @@ from proxy.audit.shadow import (
     replay,
     wait_quiet,
 )
+from proxy.audit.turns import EngineTurns, LocalTurns
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.engine.identity import Fingerprint
 from proxy.events import CauseAttributed, EventBus, TriageDropped, UpstreamFingerprinted
@@ -122,6 +124,9 @@ class Triage:
         self._reference = reference
         self._load = load
         self._scheduler = scheduler
+        # Each experiment takes the engine whole, shadows held (the scheduler's turns, every
+        # worker's where several share them).
+        self._turns: EngineTurns = scheduler.turns if scheduler is not None else LocalTurns(1)
         self._upstream_running = upstream_running
         # The engine's own count of requests running (vLLM, llama-server --metrics), read
         # while each replay runs: what detproxy does not see (other workers, other clients)
@@ -424,10 +429,8 @@ class Triage:
     async def _triage(self, experiment: _Experiment) -> None:
         first = experiment.cases[0]
         plan = self._plan(limit=experiment.limit)
-        scheduler = self._scheduler
-        if scheduler is not None:
-            scheduler.hold()  # the experiment's replays take their turn whole
         reserved = experiment.reserved
+        turn = await self._turns.experiment(self._audit.quiet_poll_s)  # the engine, whole
         try:
             replays, missing = await run_experiments(first, plan, _Runner(self, first))
         except GaveUp as exc:
@@ -435,8 +438,7 @@ class Triage:
             self._give_up_all(experiment, exc.reason, f"no quiet moment: {exc.reason}")
             return
         finally:
-            if scheduler is not None:
-                scheduler.release()
+            turn.release()
         # The reservation was the worst case (every run to the replay limit): the budget counts
         # what the engine said the replays cost, the estimate for a run with no answer.
         per_run = reserved // max(1, self._runs_planned(plan))

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.audit.outcome import Outcome, outcome_from_response
+from proxy.audit.turns import EngineTurns, LocalTurns, Turn
 from proxy.config import AuditConfig
 from proxy.events import EventBus, ShadowDropped, ShadowQueue
 from proxy.http.errors import UpstreamError
@@ -95,6 +96,7 @@ class ShadowScheduler:
         load: ProxyLoad,
         upstream_running: Callable[[], Awaitable[int | None]] | None = None,
         guard: InjectionGuard | None = None,
+        turns: EngineTurns | None = None,
     ) -> None:
         self._config = config
         self._guard = guard
@@ -107,11 +109,9 @@ class ShadowScheduler:
         self._tasks = TaskOwner("shadow")
         self._running = 0  # taken off the queue: waiting for a quiet moment or sent
         self._sending = 0  # sent and not yet answered
-        # Held by a triage experiment: no shadow is sent until released, so its replays run
-        # alone. Time spent held does not count against a shadow's quiet deadline.
-        self._holds = 0
-        self._released = asyncio.Event()
-        self._released.set()
+        # A shadow is sent in its turn (proxy/audit/turns.py): not while a triage experiment
+        # holds the engine, and within the server's concurrent shadows, whatever the workers.
+        self._turns: EngineTurns = turns or LocalTurns(config.max_concurrent_shadows)
         self.sent = 0  # shadows sent upstream (a triage replay is alone only if none was)
         self.primary_tokens = 0
         self.shadow_tokens = 0
@@ -129,17 +129,10 @@ class ShadowScheduler:
         """Shadows on the wire now (``running`` also counts those waiting to be sent)."""
         return self._sending
 
-    def hold(self) -> None:
-        """No shadow is sent until as many ``release`` calls: a triage experiment's replays
-        take their turn whole instead of waiting for a queue of shadows to drain (a burst's
-        shadows would otherwise keep the upstream busy past the triage's quiet deadline)."""
-        self._holds += 1
-        self._released.clear()
-
-    def release(self) -> None:
-        self._holds = max(0, self._holds - 1)
-        if self._holds == 0:
-            self._released.set()
+    @property
+    def turns(self) -> EngineTurns:
+        """The engine's turns, shared with triage."""
+        return self._turns
 
     def start(self) -> None:
         for i in range(self._config.max_concurrent_shadows):
@@ -222,19 +215,23 @@ class ShadowScheduler:
             poll_s=cfg.quiet_poll_s,
         )
 
-    async def _turn(self) -> bool:
-        """Wait for the shadow's turn: not held, and (``quiet`` schedule) a quiet moment
-        within the deadline; a hold that begins during the wait starts it over. False: the
-        deadline passed."""
+    async def _turn(self) -> Turn | None:
+        """Wait for the shadow's turn: (``quiet`` schedule) a quiet moment within the deadline,
+        and then a turn on the engine; where an experiment holds it (or every slot is taken) the
+        wait starts over, its time not counted against the deadline. None: the deadline
+        passed."""
+        cfg = self._config
         while True:
-            await self._released.wait()
-            if self._config.schedule == "quiet" and not await self._quiet_enough():
-                return False
-            if self._holds == 0:
-                return True
+            if cfg.schedule == "quiet" and not await self._quiet_enough():
+                return None
+            turn = self._turns.try_shadow()
+            if turn is not None:
+                return turn
+            await asyncio.sleep(cfg.quiet_poll_s)
 
     async def _run(self, job: ShadowJob) -> None:
-        if not await self._turn():
+        turn = await self._turn()
+        if turn is None:
             self._bus.publish(ShadowDropped(job.model, "quiet_deadline"))
             return
         self.sent += 1
@@ -250,6 +247,7 @@ class ShadowScheduler:
             )
         finally:
             self._sending -= 1
+            turn.release()
         if isinstance(sent, str):
             self._bus.publish(ShadowDropped(job.model, sent))
             return

@@ -13,6 +13,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from proxy.audit.shadow import ShadowJob, ShadowScheduler, TokenBucket
+from proxy.audit.turns import LocalTurns
 from proxy.config import AuditConfig
 from proxy.events import EventBus, ShadowDropped
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
@@ -461,9 +462,9 @@ class _Idle:
     started = 0
 
 
-async def test_a_held_scheduler_sends_nothing_and_holding_spends_no_quiet_deadline() -> None:
-    """A triage experiment holds the shadows while its replays run: none is sent, and one
-    held longer than the quiet deadline still goes once released (not dropped)."""
+async def test_no_shadow_is_sent_while_an_experiment_holds_the_engine() -> None:
+    """A triage experiment takes the engine whole: no shadow is sent until it is done, and
+    one held longer than its quiet deadline still goes once released (not dropped)."""
     bus = EventBus()
     drops: list[str] = []
     bus.subscribe(ShadowDropped, lambda ev: drops.append(ev.reason))
@@ -471,22 +472,19 @@ async def test_a_held_scheduler_sends_nothing_and_holding_spends_no_quiet_deadli
     config = AuditConfig(
         schedule="quiet", quiet_deadline_s=0.05, quiet_settle_s=0.0, quiet_poll_s=0.005
     )
-    sched = ShadowScheduler(config, cast(Any, upstream), bus, _Idle())
+    turns = LocalTurns(config.max_concurrent_shadows)
+    sched = ShadowScheduler(config, cast(Any, upstream), bus, _Idle(), turns=turns)
     results: list[Any] = []
     sched.start()
     try:
-        sched.hold()
-        sched.hold()  # two holders: both must release
+        experiment = await turns.experiment(0.005)
         sched.submit(ShadowJob(MODEL, "chat", "/v1/completions", {}, {}, 1, results.append))
         await eventually(lambda: sched.running == 1, what="the shadow taken off the queue")
         waited = asyncio.get_running_loop().time()
         while asyncio.get_running_loop().time() - waited < 0.2:  # 4 quiet deadlines held
             assert upstream.sent == 0 and sched.sending == 0, "a shadow was sent while held"
             await asyncio.sleep(0.01)
-        sched.release()
-        await asyncio.sleep(0.05)  # past one more deadline with one hold left
-        assert upstream.sent == 0, "a shadow was sent before its last holder released"
-        sched.release()
+        experiment.release()
         await eventually(lambda: results, what="the shadow sent once released")
         assert upstream.sent == 1 and drops == [], drops
     finally:
