@@ -20,6 +20,7 @@ from policies.base import PolicyChain
 from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
+from proxy.attribution.account import triage_account
 from proxy.attribution.triage import Triage
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
@@ -145,6 +146,13 @@ def _triage(
         return None
     audit = settings.audit
     load = UpstreamLoad(upstream, settings.upstream.url)
+    # The server's budget and turns: the workers' shared folder where there are several.
+    shared, processes = os.environ.get(MULTIPROC_ENV), settings.server.processes
+    turns = (
+        scheduler.turns
+        if scheduler is not None
+        else engine_turns(audit.max_concurrent_shadows, processes, shared)
+    )
     triage = Triage(
         settings.attribution,
         audit,
@@ -156,6 +164,8 @@ def _triage(
         upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
         engine_running=load.running,
         sees_all=settings.server.one_process,
+        account=triage_account(settings.attribution, processes, shared),
+        turns=turns,
     )
     triage.subscribe(bus)
     return triage

@@ -91,9 +91,8 @@ def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
         "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": repr(audit.max_shadows_per_s / count),
         "DETPROXY_AUDIT__TOKEN_ALLOWANCE": str(audit.token_allowance // count),
         "DETPROXY_AUDIT__AT_LEAST_EVERY_S": repr(audit.at_least_every_s * count),
-        # Triage: each worker runs its own, one at a time; the rate and allowance are split.
-        "DETPROXY_ATTRIBUTION__MAX_PER_MINUTE": repr(settings.attribution.max_per_minute / count),
-        "DETPROXY_ATTRIBUTION__TOKEN_ALLOWANCE": str(settings.attribution.token_allowance // count),
+        # Triage is not split: its rate and tokens are one ledger in the workers' shared folder
+        # (proxy/attribution/account.py), its experiments one at a time (proxy/audit/turns.py).
     }
     # A budget shared through Redis is one account for every worker already.
     if loops.recovery_budget_store == "memory":

@@ -250,10 +250,11 @@ def test_the_workers_split_the_audit_allowance_and_stretch_its_floor() -> None:
     assert worker.audit.token_allowance == 3000 and worker.audit.at_least_every_s == 180.0
 
 
-def test_the_workers_split_the_triage_rate_and_allowance() -> None:
+def test_the_workers_do_not_split_triage_they_share_one_ledger() -> None:
     settings = Settings.model_validate(
         {"attribution": {"max_per_minute": 6.0, "token_allowance": 9000}}
     )
     split = worker_budgets(settings, 3)
-    assert float(split["DETPROXY_ATTRIBUTION__MAX_PER_MINUTE"]) == 2.0
-    assert split["DETPROXY_ATTRIBUTION__TOKEN_ALLOWANCE"] == "3000"
+    # A third of the allowance would not fit one experiment: the workers keep the server's
+    # and start and spend from one ledger (tests/attribution/test_account.py).
+    assert not any(name.startswith("DETPROXY_ATTRIBUTION__") for name in split), split

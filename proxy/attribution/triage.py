@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.attribution.account import LocalAccount, TriageAccount
 from proxy.attribution.case import TriageCase
 from proxy.attribution.cold import cold_method
 from proxy.attribution.decide import decide
@@ -55,7 +56,6 @@ from proxy.audit.shadow import (
     ProxyLoad,
     Replayed,
     ShadowScheduler,
-    TokenBucket,
     replay,
     wait_quiet,
 )
@@ -116,6 +116,8 @@ class Triage:
         engine_running: Callable[[], Awaitable[int | None]] | None = None,
         sees_all: bool = True,
         rng: random.Random | None = None,
+        account: TriageAccount | None = None,
+        turns: EngineTurns | None = None,
     ) -> None:
         self._config = config
         self._audit = audit
@@ -126,7 +128,9 @@ class Triage:
         self._scheduler = scheduler
         # Each experiment takes the engine whole, shadows held (the scheduler's turns, every
         # worker's where several share them).
-        self._turns: EngineTurns = scheduler.turns if scheduler is not None else LocalTurns(1)
+        if turns is None:
+            turns = scheduler.turns if scheduler is not None else LocalTurns(1)
+        self._turns: EngineTurns = turns
         self._upstream_running = upstream_running
         # The engine's own count of requests running (vLLM, llama-server --metrics), read
         # while each replay runs: what detproxy does not see (other workers, other clients)
@@ -139,11 +143,10 @@ class Triage:
         self._wake = asyncio.Event()
         self._current_run: _Experiment | None = None
         self._finished: OrderedDict[Key, _Finished] = OrderedDict()
-        self._bucket = TokenBucket(config.max_per_minute / 60.0)
+        self._account: TriageAccount = account or LocalAccount(config)
         self._tasks = TaskOwner("triage")
         self._readings: deque[tuple[float, Fingerprint]] = deque(maxlen=_READINGS)
         self.running = False
-        self.tokens = 0  # spent (reserved as an experiment starts)
         self.triaged = 0  # experiments whose replays ran
         self.explained = 0  # incidents decided with an experiment's replays (shared or reused)
         self.offered = 0
@@ -195,10 +198,17 @@ class Triage:
     # -- budgets ------------------------------------------------------------------------------
 
     @property
-    def token_budget(self) -> float:
+    def tokens(self) -> int:
+        """Triage tokens spent (reserved as an experiment starts), the server's."""
+        return self._account.tokens()
+
+    def _primary_tokens(self) -> int:
         scheduler = self._scheduler
-        primary = scheduler.primary_tokens if scheduler is not None else self.primary_tokens
-        return self._config.token_allowance + self._config.max_token_share * primary
+        return scheduler.primary_tokens if scheduler is not None else self.primary_tokens
+
+    @property
+    def token_budget(self) -> float:
+        return self._account.budget(self._primary_tokens())
 
     def _plan(self, case: TriageCase | None = None, limit: int | None = None) -> Plan:
         """What to run; for ``case``, replays cut to its ``replay_limit`` (or to ``limit``,
@@ -413,16 +423,14 @@ class Triage:
         while True:
             limit = self._fix_limit(experiment)
             cost = self._cost(experiment.cases[0], self._plan(limit=limit))
-            over_budget = self.tokens + cost > self.token_budget
-            if not over_budget and self._bucket.take():
+            held = self._account.start(cost, self._primary_tokens())
+            if held is None:
                 experiment.limit, experiment.started, experiment.reserved = limit, True, cost
-                self.tokens += cost
                 return True
-            wait = _BUDGET_POLL_S if over_budget else self._bucket.wait_s()
+            wait = _BUDGET_POLL_S if held == "token_budget" else self._account.wait_s()
             left = deadline - time.monotonic()
             if left <= 0:
-                reason = "token_budget" if over_budget else "rate_limit"
-                self._give_up_all(experiment, reason, f"triage budget: {reason}")
+                self._give_up_all(experiment, held, f"triage budget: {held}")
                 return False
             await asyncio.sleep(min(wait, left))
 
@@ -434,7 +442,7 @@ class Triage:
         try:
             replays, missing = await run_experiments(first, plan, _Runner(self, first))
         except GaveUp as exc:
-            self.tokens -= reserved  # nothing was sent
+            self._account.settle(-reserved)  # nothing was sent
             self._give_up_all(experiment, exc.reason, f"no quiet moment: {exc.reason}")
             return
         finally:
@@ -443,7 +451,7 @@ class Triage:
         # what the engine said the replays cost, the estimate for a run with no answer.
         per_run = reserved // max(1, self._runs_planned(plan))
         spent = sum(per_run if r.outcome is None else outcome_tokens(r.outcome) for r in replays)
-        self.tokens += spent - reserved
+        self._account.settle(spent - reserved)
         self.triaged += 1
         finished = _Finished(tuple(replays), missing, plan, time.monotonic(), first.request_id)
         self._finished[experiment.key] = finished

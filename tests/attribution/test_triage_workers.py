@@ -1,0 +1,90 @@
+"""Triage behind ``detproxy serve --workers 2`` (real processes, the emulator upstream): a
+salted burst spread over both workers gets its causes, because the workers' shadows and
+experiments take turns on the engine (one experiment at a time, no shadow of either worker
+beside it) and spend from one ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from tests.helpers.processes import bare_env, free_port, wait_healthy
+from tests.helpers.triage import FAST
+from tests.helpers.waiting import Unmet, eventually
+
+ROOT = Path(__file__).resolve().parents[2]
+LONG = " ".join(f"word{i}" for i in range(48))
+
+
+def chat(prompt: str, salt: str) -> dict[str, object]:
+    return {
+        "model": "emulator-model",
+        "temperature": 0,
+        "max_tokens": 16,
+        "messages": [{"role": "user", "content": prompt}],
+        "cache_salt": salt,
+    }
+
+
+def series(text: str, name: str) -> dict[str, float]:
+    """``name``'s samples by their label text."""
+    found = re.findall(rf"^{re.escape(name)}\{{(.*?)\}} (\S+)$", text, re.M)
+    return {labels: float(value) for labels, value in found}
+
+
+async def test_a_burst_over_two_workers_gets_its_causes(tmp_path: Path) -> None:
+    config = EmulatorConfig(batch_divergence_slope=0.3, token_latency_s=0.01, seed=5)
+    port = free_port()
+    env = bare_env(**FAST, DETPROXY_AUDIT__SCHEDULE="quiet", DETPROXY_WORKERS="2")
+    env["DETPROXY_AUDIT__MAX_CONCURRENT_SHADOWS"] = "1"  # the server's: one shadow at a time
+    async with EmulatorServer(config) as emu:
+        with (tmp_path / "serve.log").open("wb") as err:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                *("-m", "proxy", "serve", "--upstream", emu.url, "--port", str(port)),
+                env={**env, "PYTHONPATH": str(ROOT)},
+                cwd=ROOT,
+                stderr=err,
+            )
+        base = f"http://127.0.0.1:{port}"
+        try:
+            await wait_healthy(base + "/detproxy/health")
+            # A connection per request: the kernel spreads them over both workers.
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=connector) as http:
+                for wave in range(2):
+                    bodies = [chat(f"{i % 4} {LONG}", f"s{wave}-{i}") for i in range(16)]
+
+                    async def send(body: dict[str, object]) -> None:
+                        async with http.post(base + "/v1/chat/completions", json=body) as r:
+                            assert r.status == 200, await r.text()
+                            await r.read()
+
+                    await asyncio.gather(*(send(b) for b in bodies))
+
+                async def settled() -> dict[str, dict[str, float]] | Unmet:
+                    async with http.get(base + "/detproxy/metrics") as resp:
+                        text = await resp.text()
+                    audits = series(text, "detproxy_audits_total")
+                    causes = series(text, "detproxy_divergence_causes_total")
+                    divergent = sum(v for k, v in audits.items() if "identical" not in k)
+                    seen = {"audits": audits, "causes": causes}
+                    done = sum(audits.values()) >= 32 and sum(causes.values()) >= divergent
+                    return seen if done else Unmet(seen)
+
+                seen = await eventually(settled, timeout_s=180, what="every divergence caused")
+                async with http.get(base + "/detproxy/metrics") as resp:
+                    dropped = series(await resp.text(), "detproxy_triage_dropped_total")
+        finally:
+            proc.terminate()
+            await proc.wait()
+    causes = {re.sub(r".*cause=\"(\w+)\".*", r"\1", k): v for k, v in seen["causes"].items()}
+    total = sum(causes.values())
+    assert total >= 12, f"too few divergences to measure: {seen}"
+    assert not any(dropped.values()), f"triage dropped some: {dropped}; causes {causes}"
+    assert causes.get("batch", 0) / total >= 0.9, f"causes over two workers: {causes}"
