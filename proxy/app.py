@@ -23,6 +23,7 @@ from proxy import __version__
 from proxy.attribution.account import triage_account
 from proxy.attribution.triage import Triage
 from proxy.audit.auditor import Auditor
+from proxy.audit.salts import salts_seen
 from proxy.audit.shadow import ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.audit.turns import engine_turns
@@ -389,6 +390,7 @@ class _Lifetime:
                 guard=guard,
                 triage=triage.offer if triage is not None else None,
                 count_primary_tokens=triage.count_primary_tokens if triage is not None else None,
+                salts=salts_seen(settings.server.processes, os.environ.get(MULTIPROC_ENV)),
             )
             forwarder.attach_auditor(auditor)
         poller = None

@@ -99,6 +99,7 @@ class Auditor:
         *,
         triage: Callable[[TriageCase], None] | None = None,
         count_primary_tokens: Callable[[int], None] | None = None,
+        salts: SaltsSeen | None = None,
     ) -> None:
         self._settings = settings
         self._triage = triage  # takes the shadows that diverged (proxy.attribution)
@@ -114,10 +115,11 @@ class Auditor:
         self._inflight = inflight
         self._target = target
         self._sampler = Sampler(settings.audit)
-        # Salts are read for the primary's cache state only where this process sees every
-        # request of the server: one worker (with several, a salt may have reached the engine
-        # through another).
-        self._salts = SaltsSeen() if settings.server.one_process else None
+        # The salts the server sent (proxy/audit/salts.py: the workers' shared table where
+        # there are several); none given, this process's own where it is the only one.
+        if salts is None and settings.server.one_process:
+            salts = SaltsSeen()
+        self._salts = salts
         self._tasks = TaskOwner("passive")
         self._extractor: AnswerExtractor | None = (
             build_extractor(settings.audit.answer_extractor)
@@ -194,6 +196,8 @@ class Auditor:
         await self._tasks.close()
         if self._store is not None:
             await self._store.close()
+        if self._salts is not None:
+            self._salts.close()
 
     # -- after the primary --------------------------------------------------------------------
 
