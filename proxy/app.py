@@ -21,6 +21,7 @@ from policies.budget import RecoveryBudget
 from policies.ladder import Ladder, LoopLadderPolicy
 from proxy import __version__
 from proxy.attribution.account import triage_account
+from proxy.attribution.shared import shared_experiments
 from proxy.attribution.triage import Triage
 from proxy.audit.auditor import Auditor
 from proxy.audit.salts import salts_seen
@@ -167,6 +168,7 @@ def _triage(
         sees_all=settings.server.one_process,
         account=triage_account(settings.attribution, processes, shared),
         turns=turns,
+        shared=shared_experiments(processes, shared, settings.attribution.reuse_s),
     )
     triage.subscribe(bus)
     return triage

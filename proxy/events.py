@@ -426,7 +426,7 @@ class CauseAttributed:
 @dataclass(frozen=True, slots=True)
 class TriageDropped:
     """A divergent audit that triage could not run its experiments for, and why:
-    queue_full | rate_limit | token_budget | quiet_deadline | error | shutdown."""
+    queue_full | rate_limit | token_budget | quiet_deadline | other_worker | error | shutdown."""
 
     model: str
     reason: str

@@ -51,6 +51,7 @@ from proxy.attribution.experiments import (
     request_limit,
     run_experiments,
 )
+from proxy.attribution.shared import Claim, SharedExperiments, SharedResult
 from proxy.audit.outcome import outcome_from_response, outcome_tokens
 from proxy.audit.shadow import (
     ProxyLoad,
@@ -118,6 +119,7 @@ class Triage:
         rng: random.Random | None = None,
         account: TriageAccount | None = None,
         turns: EngineTurns | None = None,
+        shared: SharedExperiments | None = None,
     ) -> None:
         self._config = config
         self._audit = audit
@@ -144,6 +146,8 @@ class Triage:
         self._current_run: _Experiment | None = None
         self._finished: OrderedDict[Key, _Finished] = OrderedDict()
         self._account: TriageAccount = account or LocalAccount(config)
+        # serve's workers: one experiment per request and recipe for the whole server
+        self._shared = shared
         self._tasks = TaskOwner("triage")
         self._readings: deque[tuple[float, Fingerprint]] = deque(maxlen=_READINGS)
         self.running = False
@@ -300,6 +304,8 @@ class Triage:
         """Decide ``case`` from the replays of an experiment on the same request and recipe
         that finished within ``reuse_s``."""
         finished = self._finished.get(key)
+        if finished is None and self._shared is not None:
+            finished = self._from_shared(key)
         if finished is None:
             return False
         if time.monotonic() - finished.at > self._config.reuse_s:
@@ -311,6 +317,51 @@ class Triage:
         runs = self._audit_runs(case) + list(finished.replays)
         self._attribute(case, runs, finished.missing, finished.plan, finished.experiment)
         return True
+
+    def _keep(self, key: Key, finished: _Finished) -> None:
+        self._finished[key] = finished
+        self._finished.move_to_end(key)
+        while len(self._finished) > _KEPT_EXPERIMENTS:
+            self._finished.popitem(last=False)
+
+    def _from_shared(self, key: Key) -> _Finished | None:
+        """Another worker's replays of ``key`` (or this one's), kept here as its own."""
+        assert self._shared is not None
+        result = self._shared.finished(key)
+        if result is None:
+            return None
+        age = max(0.0, time.time() - result.at)
+        finished = _Finished(
+            result.replays, result.missing, result.plan, time.monotonic() - age, result.experiment
+        )
+        self._keep(key, finished)
+        return finished
+
+    async def _claimed(self, experiment: _Experiment) -> Claim | None:
+        """serve's workers: this worker's claim on the experiment, or None where another
+        worker's replays explained its incidents (waited for while that worker runs it, up
+        to ``max_wait_s`` from when it was queued)."""
+        shared = self._shared
+        assert shared is not None
+        deadline = experiment.queued_at + self._config.max_wait_s
+        while True:
+            claim = shared.claim(experiment.key)
+            if self._from_shared(experiment.key) is not None:
+                experiment.cases = [
+                    c for c in experiment.cases if not self._reuse(experiment.key, c)
+                ]
+                if not experiment.cases:
+                    if claim is not None:
+                        claim.release()
+                    return None
+            if claim is not None:
+                return claim
+            if time.monotonic() >= deadline:
+                self._give_up_all(
+                    experiment, "other_worker", "triage budget: another worker's experiment"
+                )
+                return None
+            await asyncio.sleep(_BUDGET_POLL_S)
 
     # -- the experiment -----------------------------------------------------------------------
 
@@ -399,7 +450,12 @@ class Triage:
         while True:
             experiment = await self._next()
             self._current_run = experiment
+            claim: Claim | None = None
             try:
+                if self._shared is not None:
+                    claim = await self._claimed(experiment)
+                    if claim is None:
+                        continue  # explained by another worker's replays, or given up
                 if await self._admitted(experiment):
                     self.running = True
                     await self._triage(experiment)
@@ -407,6 +463,8 @@ class Triage:
                 log.exception("triage of %s failed", experiment.cases[0].request_id)
                 self._give_up_all(experiment, "error", f"triage failed: {type(exc).__name__}")
             finally:
+                if claim is not None:
+                    claim.release()
                 self.running = False
                 self._current_run = None
 
@@ -454,10 +512,13 @@ class Triage:
         self._account.settle(spent - reserved)
         self.triaged += 1
         finished = _Finished(tuple(replays), missing, plan, time.monotonic(), first.request_id)
-        self._finished[experiment.key] = finished
-        self._finished.move_to_end(experiment.key)
-        while len(self._finished) > _KEPT_EXPERIMENTS:
-            self._finished.popitem(last=False)
+        self._keep(experiment.key, finished)
+        if self._shared is not None:
+            result = SharedResult(tuple(replays), missing, plan, time.time(), first.request_id)
+            try:
+                self._shared.publish(experiment.key, result)
+            except OSError:
+                log.exception("triage: cannot share the replays of %s", first.request_id)
         for c in experiment.cases:
             self.explained += 1
             self._attribute(c, self._audit_runs(c) + replays, missing, plan, first.request_id)

@@ -311,6 +311,8 @@ TRIAGE_DROPS = {
     "rate_limit": "attribution.max_per_minute left no start within attribution.max_wait_s",
     "token_budget": "attribution.max_token_share did not free within attribution.max_wait_s",
     "quiet_deadline": "no quiet moment within attribution.quiet_deadline_s",
+    "other_worker": "another worker's experiment on the request did not end within"
+    " attribution.max_wait_s",
     "error": "triage failed (a bug: please report it)",
     "shutdown": "detproxy stopped first",
 }

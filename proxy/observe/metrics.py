@@ -373,7 +373,7 @@ class Metrics:
         self.triage_dropped = Counter(
             "detproxy_triage_dropped",
             "Divergent audits whose triage experiments were not run, by reason (queue_full |"
-            " rate_limit | token_budget | quiet_deadline | error | shutdown)",
+            " rate_limit | token_budget | quiet_deadline | other_worker | error | shutdown)",
             ["reason"],
             registry=registry,
         )

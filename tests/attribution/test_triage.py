@@ -7,16 +7,20 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, cast
 
 import orjson
 import pytest
 
+from proxy.attribution.account import SharedAccount
 from proxy.attribution.case import Diverged, TriageCase
 from proxy.attribution.experiments import run_experiments
+from proxy.attribution.shared import SharedExperiments
 from proxy.attribution.triage import CASES_PER_EXPERIMENT, Triage
 from proxy.audit.outcome import ChoiceOutcome, Outcome, TokenLogprob
 from proxy.audit.shadow import wait_quiet
+from proxy.audit.turns import SharedTurns
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.events import CauseAttributed, EventBus, TriageDropped
 from proxy.http.upstream import Upstream
@@ -508,3 +512,47 @@ async def test_the_budget_keeps_what_the_replays_cost_not_what_was_reserved() ->
     await eventually(lambda: len(causes(seen_refund)) == 2, interval_s=0.005, what="2 causes")
     await refund.close()
     assert drops(seen_refund) == [] and refund.tokens == 2 * 7 * 103, refund.tokens
+
+
+async def test_two_workers_run_one_experiment_for_the_server(tmp_path: Path) -> None:
+    """serve's workers: the same request's incidents on two workers get one experiment, whose
+    replays explain both (the second worker waits for the first's, or reads them)."""
+    upstream = Scripted(lambda n: "b")
+    folder = str(tmp_path)
+    workers = []
+    for _ in range(2):
+        bus = EventBus()
+        seen: list[object] = []
+        bus.subscribe(CauseAttributed, seen.append)
+        bus.subscribe(TriageDropped, seen.append)
+        config = AttributionConfig(cold_method="cache_salt", max_per_minute=6000.0)
+        audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
+        t = Triage(
+            config,
+            audit,
+            bus,
+            cast(Upstream, upstream),
+            Load(),
+            turns=SharedTurns(f"{folder}/turns", 1),
+            account=SharedAccount(config, f"{folder}/ledger.json"),
+            shared=SharedExperiments(f"{folder}/experiments", config.reuse_s),
+        )
+        t.start()
+        workers.append((t, seen))
+    (one, seen_one), (two, seen_two) = workers
+    one.offer(case(1))
+    two.offer(replace(case(1), request_id="r1-on-the-other-worker"))
+    await eventually(
+        lambda: len(causes(seen_one)) == 1 and len(causes(seen_two)) == 1,
+        interval_s=0.005,
+        what="a cause on each worker",
+    )
+    three = case(1)
+    two.offer(replace(three, request_id="r1-later"))  # read back at once, no replay
+    await eventually(lambda: len(causes(seen_two)) == 2, interval_s=0.005, what="reused")
+    await one.close()
+    await two.close()
+    # one experiment: 4 cold, the prime, 2 warm
+    assert len(upstream.bodies) == 7, f"{len(upstream.bodies)} replays: two experiments ran"
+    assert drops(seen_one) == drops(seen_two) == []
+    assert {c.cause for c in causes(seen_one) + causes(seen_two)} == {causes(seen_one)[0].cause}
