@@ -13,13 +13,16 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
 from proxy.config import Settings, load_settings
 from proxy.cores import usable_cores
+from proxy.observe.ui.incident import incident_id
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import resolve_workers, worker_budgets
+from tests.helpers.metrics import metric_samples
 from tests.helpers.processes import bare_env, free_port, wait_healthy
 from tests.helpers.waiting import Unmet, eventually
 
@@ -173,6 +176,70 @@ def test_auto_is_resolved_once_by_the_command() -> None:
     assert resolved.audit == settings.audit  # only the count changes
     given = load_settings(None, {"DETPROXY_WORKERS": "1"})
     assert resolve_workers(given, cores=lambda: 6).server.workers == 1  # as given
+
+
+async def audits_in_metrics(http: aiohttp.ClientSession, base: str) -> tuple[int, int]:
+    """``detproxy_audits_total`` summed over its labels, and its non-identical part (each an
+    audit incident), as one scrape says (the workers' sum, whichever answered)."""
+    async with http.get(base + "/detproxy/metrics") as resp:
+        samples = metric_samples(await resp.text(), "detproxy_audits_total{")
+    total = sum(samples.values())
+    odd = sum(v for k, v in samples.items() if 'verdict="identical"' not in k)
+    return int(total), int(odd)
+
+
+async def test_status_incidents_and_explorer_answer_for_every_worker(tmp_path: Path) -> None:
+    """Whichever worker a request lands on, /detproxy/status counts every worker's audits (as
+    the merged metrics do), /detproxy/incidents lists every worker's incidents, and the
+    explorer shows any of them."""
+    flips = EmulatorConfig(flip_probability=0.3, flip_position=1)  # some audits diverge
+    async with (
+        EmulatorServer(flips) as emu,
+        supervised(emu.url, tmp_path / "log", "--sample-rate", "1") as (base, _),
+    ):
+        await workers_seen(base)
+        async with fresh() as http:
+            for i in range(60):  # a connection each: the kernel spreads them over both workers
+                body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
+                async with http.post(base + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            async def settled() -> dict[str, Any] | Unmet:
+                """Every audit done and published: status agrees with the metrics, and both
+                workers audited some."""
+                total, _ = await audits_in_metrics(http, base)
+                async with http.get(base + "/detproxy/status") as resp:
+                    status = await resp.json()
+                per_worker = [w["audits"] for w in status["workers"]]
+                if total < 60 or status["audit"]["audits"] != total or 0 in per_worker:
+                    return Unmet((total, status["audit"]["audits"], per_worker))
+                return status
+
+            await eventually(settled, timeout_s=60, what="60 audits, counted by both workers")
+            total, odd = await audits_in_metrics(http, base)
+            assert odd > 0, "no divergent audit: nothing to list"
+            answered: set[int] = set()
+            for _ in range(12):  # fresh connections: both workers answer some of these
+                async with http.get(base + "/detproxy/status") as resp:
+                    status = await resp.json()
+                answered.add(status["worker"]["index"])
+                assert status["audit"]["audits"] == total, (status["worker"], status["audit"])
+                assert sum(w["audits"] for w in status["workers"]) == total, status["workers"]
+                assert sorted(w["index"] for w in status["workers"]) == [0, 1]
+                assert status["incidents"]["recorded"] >= odd
+                async with http.get(base + "/detproxy/incidents?kind=audit&limit=1000") as resp:
+                    listed = await resp.json()
+                assert len(listed) == odd, f"{len(listed)} audit incidents listed, {odd} counted"
+                assert len({r["process"] for r in listed}) == 2, "not both workers' incidents"
+                stamps = [r["ts"] for r in listed]
+                assert stamps == sorted(stamps, reverse=True), "not newest first"
+            assert answered == {0, 1}, f"only worker(s) {answered} answered"
+            for record in listed[:8]:  # any worker shows any worker's incident
+                url = f"{base}/detproxy/ui/incident/{incident_id(record)}"
+                async with http.get(url) as resp:
+                    assert resp.status == 200, (record["process"], await resp.text())
+            async with http.get(base + "/detproxy/ui") as resp:
+                assert resp.status == 200
 
 
 async def test_sigterm_lets_every_worker_finish_its_streams(tmp_path: Path) -> None:

@@ -243,6 +243,7 @@ class IncidentLog:
         self._lock: int | None = None  # the folder's fd: flock'd around each line (write)
         self._size = 0
         self.written = 0
+        self.changes = 0  # what the ring or the file took in: a publisher's cue (fleet.py)
         self._upstream: dict[str, Any] | None = None
         self._mismatched: frozenset[tuple[str, str, str]] = frozenset()  # recorded last
         self._closed = False
@@ -414,9 +415,11 @@ class IncidentLog:
         if self._process and "process" not in incident:
             incident["process"] = self._process
         self._ring.append(incident)
+        self.changes += 1
 
     def write(self, incident: dict[str, Any]) -> None:
         """Append one line to the file (the ring is for incidents only, not tallies)."""
+        self.changes += 1  # a loop's record settled, a cause merged in: the ring's records too
         if not self._on_disk or self._closed:
             return
         line = orjson.dumps(incident) + b"\n"
