@@ -149,6 +149,10 @@ async def test_two_workers_answer_share_metrics_restart_and_stop(tmp_path: Path)
         assert restarted[0] != pids[0] and restarted[1] == pids[1]
         assert await metric(base, 'detproxy_worker_restarts_total{worker="0"}') == 1
         assert await metric(base, REQUESTS) == 40  # the dead worker's counts are kept
+        async with fresh() as http, http.get(base + "/detproxy/status") as resp:
+            lines = {w["pid"]: w for w in (await resp.json())["workers"]}
+        assert not lines[pids[0]]["alive"] and lines[pids[0]]["inflight"] == 0, lines
+        assert lines[restarted[0]]["alive"] and lines[pids[1]]["alive"], lines
 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0

@@ -53,7 +53,6 @@ from proxy.events import (
     UpstreamFingerprinted,
     UpstreamRestarted,
 )
-from proxy.http.admin import AdminRequest, Reply, error_reply, json_reply
 from proxy.observe.kinds import (
     AUDIT,
     CAUSE,
@@ -464,22 +463,21 @@ class IncidentLog:
 
     def select(self, query: IncidentQuery) -> list[dict[str, Any]]:
         """The newest ``query.limit`` incidents of the ring that match ``query``, newest first."""
-        if query.limit <= 0:
-            return []
-        found = []
-        for record in reversed(self._ring):
-            if query.matches(record):
-                found.append(record)
-                if len(found) == query.limit:
-                    break
-        return found
+        return select(reversed(self._ring), query)
 
-    async def handle(self, request: AdminRequest) -> Reply:
-        try:
-            query = parse_query(request.query.items())
-        except QueryError as exc:
-            return error_reply(400, str(exc), param=exc.param)
-        return json_reply(self.select(query))
+
+def select(newest_first: Iterable[dict[str, Any]], query: IncidentQuery) -> list[dict[str, Any]]:
+    """The first ``query.limit`` of ``newest_first`` that match ``query`` (what
+    ``/detproxy/incidents`` answers: proxy/observe/view.py)."""
+    if query.limit <= 0:
+        return []
+    found = []
+    for record in newest_first:
+        if query.matches(record):
+            found.append(record)
+            if len(found) == query.limit:
+                break
+    return found
 
 
 class QueryError(ValueError):

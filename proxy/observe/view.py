@@ -12,7 +12,7 @@ from typing import Any
 
 from proxy.http.admin import AdminRequest, Reply, error_reply, json_reply
 from proxy.observe.fleet import Fleet, Published
-from proxy.observe.incidents import IncidentLog, QueryError, parse_query
+from proxy.observe.incidents import IncidentLog, QueryError, parse_query, select
 from proxy.observe.merge import (
     WorkerStatus,
     counter_rows,
@@ -121,12 +121,4 @@ class ServerView:
             query = parse_query(request.query.items())
         except QueryError as exc:
             return error_reply(400, str(exc), param=exc.param)
-        if query.limit <= 0:
-            return json_reply([])
-        found = []
-        for record in self.records():
-            if query.matches(record):
-                found.append(record)
-                if len(found) == query.limit:
-                    break
-        return json_reply(found)
+        return json_reply(select(self.records(), query))
