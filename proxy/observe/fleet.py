@@ -45,7 +45,7 @@ STATUS_PREFIX = "status-"
 INCIDENTS_PREFIX = "incidents-"
 SUFFIX = ".json"
 EVERY_S = 1.0
-MIN_GAP_S = 0.05  # after a write: counts that come together are written together
+MIN_GAP_S = 0.2  # after a write: counts that come together are written together
 # What changes the figures the others show: a write is due soon after one.
 COUNTED = (
     AuditCompleted,

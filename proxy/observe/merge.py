@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.observe.kinds import ENGINE_MISMATCH, UPSTREAM_CHANGE, UPSTREAM_RESTART
+
 # What is going on now, not a count of what happened: a worker that exited has none of it.
 GAUGES: dict[str, tuple[str, ...]] = {
     "shadow": ("queued", "running"),
@@ -25,6 +27,9 @@ GAUGES: dict[str, tuple[str, ...]] = {
 TOP_GAUGES = ("inflight", "tasks", "passive_pending")
 # Sections whose numbers add up across workers.
 SUMMED = ("shadow", "causes", "triage", "incidents")
+# Workers read the upstream each on its own schedule (upstream.fingerprint_interval_s, 30 s by
+# default): one event seen by all of them is seen within this long.
+SAME_EVENT_S = 90.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,11 +165,46 @@ def merge_status(own: Mapping[str, Any], peers: Sequence[WorkerStatus]) -> dict[
     return out
 
 
-def merge_records(lists: Iterable[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Incidents of every worker's ring, newest first (by ``ts``)."""
+def _seen_by_all(record: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """What tells one upstream event from another, for the kinds every worker records of the
+    same event (each reads the upstream); None for the others (each worker's own)."""
+    kind = record.get("kind")
+
+    def fingerprint(key: str) -> Any:
+        value = record.get(key)
+        return value.get("fingerprint") if isinstance(value, Mapping) else None
+
+    if kind == UPSTREAM_CHANGE:
+        return (kind, fingerprint("before"), fingerprint("after"))
+    if kind == UPSTREAM_RESTART:
+        return (kind, fingerprint("upstream"))
+    if kind == ENGINE_MISMATCH:
+        return (kind, record.get("recipe"), repr(record.get("mismatches")))
+    return None
+
+
+def merge_records(
+    lists: Iterable[Sequence[dict[str, Any]]], same_event_s: float = SAME_EVENT_S
+) -> list[dict[str, Any]]:
+    """Incidents of every worker's ring, newest first (by ``ts``). An upstream change, restart
+    or engine mismatch that several workers recorded (each reads the upstream on its own
+    schedule) is listed once, as the first worker saw it: the same one again within
+    ``same_event_s`` of that first sighting is another worker's."""
     merged = [record for records in lists for record in records]
-    merged.sort(key=lambda r: float(r.get("ts") or 0.0), reverse=True)
-    return merged
+    merged.sort(key=lambda r: float(r.get("ts") or 0.0))
+    first: dict[tuple[Any, ...], float] = {}
+    kept = []
+    for record in merged:
+        key = _seen_by_all(record)
+        if key is not None:
+            ts = float(record.get("ts") or 0.0)
+            seen = first.get(key)
+            if seen is not None and ts - seen <= same_event_s:
+                continue
+            first[key] = ts
+        kept.append(record)
+    kept.reverse()
+    return kept
 
 
 def merge_counters(

@@ -107,3 +107,20 @@ def test_records_newest_first_and_counters_by_key() -> None:
     rows = counter_rows({("m", "full", "identical"): 2})
     summed = merge_counters([rows, [["m", "full", "identical", 3], ["m", "full", "x", 1]]])
     assert summed == {("m", "full", "identical"): 5, ("m", "full", "x"): 1}
+
+
+def test_an_upstream_event_every_worker_recorded_is_listed_once() -> None:
+    def change(ts: float, after: str) -> dict[str, Any]:
+        return {"kind": "upstream_change", "ts": ts, "before": {"fingerprint": "a"},
+                "after": {"fingerprint": after}}  # fmt: skip
+
+    worker_0 = [change(100.0, "b"), {"kind": "audit", "ts": 50.0}]
+    worker_1 = [change(1000.0, "b"), change(120.0, "b"), {"kind": "audit", "ts": 60.0}]
+    merged = merge_records([worker_0, worker_1])
+    # The change seen 20 s later by worker 1 is the same one; back again 15 min later is not.
+    assert [(r["kind"], r["ts"]) for r in merged] == [
+        ("upstream_change", 1000.0),
+        ("upstream_change", 100.0),
+        ("audit", 60.0),
+        ("audit", 50.0),
+    ]
