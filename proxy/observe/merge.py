@@ -1,8 +1,9 @@
 """One server's figures from its workers' (``serve --workers N``): pure functions over what
 each worker publishes (``proxy.observe.fleet``) and what the answering one holds.
 
-Counts add up: audits, verdicts, modes, causes, loops, shadows dropped, triage's counts, the
-incidents recorded and written, a memory recovery budget's accounts (each worker holds its
+Counts add up: audits, verdicts, modes, causes, loops, shadows dropped, triage's counts (its
+tokens and budget are one ledger for the server: the answering worker's), the incidents
+recorded and written, a memory recovery budget's accounts (each worker holds its
 share of the floor, ``proxy.workers.worker_budgets``). A worker that exited (the supervisor
 restarted it) still counts for what it counted, as its Prometheus counters do, but not for what
 is going on now (requests in flight, shadows queued, triage's budget). What is the same for
@@ -22,8 +23,11 @@ from proxy.observe.kinds import ENGINE_MISMATCH, UPSTREAM_CHANGE, UPSTREAM_RESTA
 # What is going on now, not a count of what happened: a worker that exited has none of it.
 GAUGES: dict[str, tuple[str, ...]] = {
     "shadow": ("queued", "running"),
-    "triage": ("queued", "running", "waiting_incidents", "token_budget"),
+    "triage": ("queued", "running", "waiting_incidents"),
 }
+# The server's already, as every worker reports it (triage's ledger is one for the server,
+# proxy/attribution/account.py): the answering worker's, not a sum.
+SERVERS: dict[str, tuple[str, ...]] = {"triage": ("tokens", "token_budget")}
 TOP_GAUGES = ("inflight", "tasks", "passive_pending")
 # Sections whose numbers add up across workers.
 SUMMED = ("shadow", "causes", "triage", "incidents")
@@ -153,7 +157,15 @@ def merge_status(own: Mapping[str, Any], peers: Sequence[WorkerStatus]) -> dict[
     out["uptime_s"] = max(float(s.get("uptime_s") or 0.0) for s in live)
     out["audit"] = merge_audit(s["audit"] for s in counted if s.get("audit"))
     for section in SUMMED:
-        out[section] = _summed(s.get(section) for s in counted)
+        out[section] = _summed(
+            {k: v for k, v in (s.get(section) or {}).items() if k not in SERVERS.get(section, ())}
+            for s in counted
+            if s.get(section) is not None
+        )
+        mine_now = own.get(section)
+        if out[section] is not None and isinstance(mine_now, Mapping):
+            for key in SERVERS.get(section, ()):
+                out[section][key] = mine_now.get(key)
     out["injection"] = merge_injection(s.get("injection") or {} for s in live)
     store = own.get("recovery_budget_store") or {}
     if store.get("store", "memory") == "memory":  # each worker's own account, its share

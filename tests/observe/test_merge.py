@@ -124,3 +124,21 @@ def test_an_upstream_event_every_worker_recorded_is_listed_once() -> None:
         ("audit", 60.0),
         ("audit", 50.0),
     ]
+
+
+def test_triage_counts_add_up_and_its_ledger_is_the_servers() -> None:
+    def triage(offered: int, tokens: int) -> dict[str, Any]:
+        counts = {"offered": offered, "triaged": 1, "explained": 1, "queued": 1}
+        return counts | {
+            "waiting_incidents": 0,
+            "running": 0,
+            "tokens": tokens,
+            "token_budget": 9e3,
+        }
+
+    own = status(0, 100, {}, 0) | {"triage": triage(3, 500)}
+    peer = WorkerStatus(1, 101, True, 0.1, status(1, 101, {}, 0) | {"triage": triage(4, 400)})
+    gone = WorkerStatus(1, 99, False, 9.0, status(1, 99, {}, 0) | {"triage": triage(2, 100)})
+    merged = merge_status(own, [peer, gone])["triage"]
+    assert (merged["offered"], merged["triaged"], merged["queued"]) == (9, 3, 2)
+    assert (merged["tokens"], merged["token_budget"]) == (500, 9000.0)  # one ledger, not 3
