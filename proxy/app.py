@@ -11,6 +11,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -42,15 +43,18 @@ from proxy.http.h1 import H1Upstream
 from proxy.http.upstream import Upstream
 from proxy.injection import InjectionGuard
 from proxy.loops.recovery import Recovery
+from proxy.observe.fleet import Fleet
 from proxy.observe.incidents import IncidentLog
 from proxy.observe.metrics import Metrics
 from proxy.observe.status import AuditTally
+from proxy.observe.ui.history import LiveHistory
 from proxy.observe.ui.routes import register_ui
+from proxy.observe.view import ServerView
 from proxy.redact import mask_secrets, mask_url
 from proxy.relay.inspectors import InspectorFactory
 from proxy.selfloop import new_server_id
 from proxy.tasks import TaskOwner
-from proxy.workers import MULTIPROC_ENV, WORKER, worker_status
+from proxy.workers import MULTIPROC_ENV, WORKER, live_worker_pids, worker_status
 
 if TYPE_CHECKING:
     from proxy.loops.budget_sync import RedisBudgetSync
@@ -243,11 +247,13 @@ def build_app(
     policies: PolicyChain | None = None,
     clock: Callable[[], float] = time.monotonic,
     server_id: str | None = None,
+    fleet_dir: Path | None = None,
 ) -> web.Application:
     """``clock``: the time request durations and stream speeds are measured on.
     ``server_id``: what this server's upstream requests carry in ``X-Detproxy-Via``, so that
     one coming back is known (proxy/selfloop.py); a fresh one unless given (``--workers``
-    share their supervisor's)."""
+    share their supervisor's). ``fleet_dir``: a worker's (``--workers``), where every worker
+    publishes its figures and reads the others' (proxy/observe/fleet.py)."""
     app = web.Application()
     bus = EventBus()
     metrics = Metrics(
@@ -298,9 +304,16 @@ def build_app(
     admin = app[ADMIN] = Admin(settings.server)
     admin.add(HEALTH, _health)
     admin.add(METRICS_PATH, metrics.handle)
-    admin.add("/detproxy/status", lambda request: _status(app))
-    admin.add("/detproxy/incidents", incidents.handle)
-    register_ui(admin, bus, incidents, tally)
+    history = LiveHistory()  # the explorer's audits over time
+    history.subscribe(bus)
+    fleet = Fleet(fleet_dir) if fleet_dir is not None else None
+    view = ServerView(incidents, tally, history, fleet, live_worker_pids)
+    if fleet is not None:  # --workers: this worker's figures published for the others
+        fleet.subscribe(bus)
+        app.cleanup_ctx.append(_publishing(view, fleet))
+    register_ui(admin, view)
+    admin.add("/detproxy/status", lambda request: _status(app, view))
+    admin.add("/detproxy/incidents", view.incidents_handler)
     return app
 
 
@@ -497,9 +510,37 @@ def _budget_store_status(sync: RedisBudgetSync | None) -> dict[str, object]:
     return {"store": "memory"} if sync is None else sync.status()
 
 
-async def _status(app: web.Application) -> Reply:
+def _publishing(view: ServerView, fleet: Fleet) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A worker's cleanup context: its figures published while it runs, and once more at its
+    stop (proxy/observe/fleet.py)."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        worker = app.get(WORKER)
+        index = worker.index if worker is not None else 0
+
+        def status() -> dict[str, Any]:
+            return view.published(index, _own_status(app, config=False))
+
+        def ring() -> list[dict[str, Any]]:
+            return view.incidents.recent(10**9)
+
+        tasks = TaskOwner("app")
+        tasks.spawn(fleet.run(status, ring, lambda: view.incidents.changes), name="publish")
+        yield
+        await tasks.close()
+        fleet.publish_last(status(), ring())
+
+    return ctx
+
+
+async def _status(app: web.Application, view: ServerView) -> Reply:
+    """This worker's status, under --workers the others' added (proxy/observe/merge.py)."""
+    return json_reply(view.status(_own_status(app)))
+
+
+def _own_status(app: web.Application, config: bool = True) -> dict[str, Any]:
     settings = app[SETTINGS]
-    return json_reply(
+    return (
         {
             "version": __version__,
             "worker": worker_status(app),  # which process answered (serve --workers N)
@@ -523,9 +564,8 @@ async def _status(app: web.Application) -> Reply:
                 "recorded": len(app[INCIDENTS].recent(10**9)),
                 **app[INCIDENTS].file_status(),  # written, queued, dropped (queue full)
             },
-            "config": mask_secrets(settings.model_dump(mode="json")),
         }
-    )
+    ) | ({"config": mask_secrets(settings.model_dump(mode="json"))} if config else {})
 
 
 async def _write_tallies(incidents: IncidentLog, tally: AuditTally, every_s: float) -> None:

@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from aiohttp import web
@@ -20,6 +21,7 @@ from proxy import __version__
 from proxy.config import SERVER_ID_ENV, ConfigError, Settings, load_settings
 from proxy.http.eventloop import loop_name, new_event_loop
 from proxy.workers import (
+    MULTIPROC_ENV,
     WORKER,
     Supervisor,
     WorkerIdentity,
@@ -270,14 +272,17 @@ def _refuse_own_address(settings: Settings, held: list[socket.socket]) -> None:
 # serve
 
 
-def serve_app(settings: Settings, server_id: str | None = None) -> web.Application:
+def serve_app(
+    settings: Settings, server_id: str | None = None, fleet_dir: Path | None = None
+) -> web.Application:
     """The app ``serve`` runs: ``build_app``, its events logged, and, once it serves, the
-    collector settled. ``server_id``: what its upstream requests carry (proxy/selfloop.py)."""
+    collector settled. ``server_id``: what its upstream requests carry (proxy/selfloop.py);
+    ``fleet_dir``: a worker's, where the workers publish their figures to each other."""
     from proxy.app import BUS, build_app
     from proxy.collector import on_serving
     from proxy.observe.log import EventLog
 
-    app = build_app(settings, server_id=server_id)
+    app = build_app(settings, server_id=server_id, fleet_dir=fleet_dir)
     EventLog(settings.log, settings.upstream.url).subscribe(app[BUS])
     app.on_startup.append(on_serving(settings.server))
     return app
@@ -377,7 +382,8 @@ def _serve(args: argparse.Namespace, serve_argv: list[str]) -> int:
         loop.close()
         return _fail(str(exc))
     try:
-        app = serve_app(settings, server_id(worker, os.environ))
+        shared = os.environ.get(MULTIPROC_ENV) if worker is not None else None
+        app = serve_app(settings, server_id(worker, os.environ), Path(shared) if shared else None)
     except (ConfigError, OSError) as exc:
         from proxy.serving import describe_start_error
 

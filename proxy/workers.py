@@ -10,13 +10,15 @@ The shadow rate limit and the recovery token floor are split across the workers
 (``worker_budgets``); concurrent shadows and triage experiments take turns on the engine through
 ``flock``s in the folder the workers share (``proxy.audit.turns``); the memory duplicate store
 is each worker's own (Redis shares it); every worker appends whole lines to the same incident
-log.
+log, under a lock that makes its rotation one process's (proxy/observe/incident_file.py).
 
 Metrics: the workers run prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
 a fresh directory per supervisor), so ``/detproxy/metrics``, whichever worker answers it, is
 the sum over the workers, dead ones included for counters and histograms: one scrape target
-per server, as with gunicorn. ``/detproxy/status`` and ``/detproxy/incidents`` are the
-answering worker's own (``status.worker`` says which).
+per server, as with gunicorn. ``/detproxy/status``, ``/detproxy/incidents`` and the explorer
+are the answering worker's own figures with every other worker's added, as each publishes
+them in the same directory (proxy/observe/fleet.py, merged by proxy/observe/merge.py);
+``status.worker`` says which one answered, ``status.workers`` each one's own figures.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.cores import usable_cores
+from proxy.observe.fleet import stale_files
 from proxy.tasks import TaskOwner
 
 log = logging.getLogger("detproxy.workers")
@@ -148,7 +151,7 @@ class Supervisor:
         if given:
             path = Path(given)
             path.mkdir(parents=True, exist_ok=True)
-            for stale in path.glob("*.db"):  # a previous run's values would be summed in
+            for stale in [*path.glob("*.db"), *stale_files(path)]:  # else summed in
                 stale.unlink()
         else:
             path = Path(tempfile.mkdtemp(prefix="detproxy-metrics-"))
@@ -162,6 +165,8 @@ class Supervisor:
         state = {
             "workers": len(self._workers),
             "restarts": {str(w.index): w.restarts for w in self._workers},
+            # The running workers (proxy/observe/merge.py: an exited one's gauges leave the sums).
+            "pids": {str(w.index): w.proc.pid for w in self._workers if w.proc is not None},
         }
         tmp = self._metrics_dir / (STATE_FILE + ".tmp")
         tmp.write_bytes(orjson.dumps(state))
@@ -183,6 +188,7 @@ class Supervisor:
         )
         worker.started = time.monotonic()
         worker.restart_at = None
+        self._write_state()
         log.info("worker %d started (pid %d)", worker.index, worker.proc.pid)
 
     def _on_exit(self, worker: _Worker, now: float) -> None:
@@ -300,3 +306,13 @@ def supervisor_state() -> dict[str, Any] | None:
     except (OSError, orjson.JSONDecodeError):
         return None
     return state
+
+
+def live_worker_pids() -> set[int] | None:
+    """The pids of the workers the supervisor runs now (None outside ``--workers``, or not
+    known)."""
+    state = supervisor_state()
+    pids = state.get("pids") if state is not None else None
+    if not isinstance(pids, dict):
+        return None
+    return {int(pid) for pid in pids.values()}

@@ -39,7 +39,7 @@ async def test_json_lines_from_start_to_a_drained_sigterm(tmp_path: Path) -> Non
         proc = await asyncio.create_subprocess_exec(
             EXE, "serve", "--upstream", emu.url, "--port", str(port),
             "--log-format", "json", "--access-log",
-            env={"PATH": "", "DETPROXY_STATE_DIR": str(tmp_path)},
+            env={"PATH": "", "DETPROXY_STATE_DIR": str(tmp_path), "DETPROXY_WORKERS": "1"},
             stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"
@@ -83,7 +83,8 @@ async def test_the_flat_log_level_variable_turns_on_per_request_lines(tmp_path: 
     async with EmulatorServer() as emu:
         proc = await asyncio.create_subprocess_exec(
             EXE, "serve", "--upstream", emu.url, "--port", str(port),
-            env={"PATH": "", "DETPROXY_STATE_DIR": str(tmp_path), "DETPROXY_LOG_LEVEL": "DEBUG"},
+            env={"PATH": "", "DETPROXY_STATE_DIR": str(tmp_path), "DETPROXY_LOG_LEVEL": "DEBUG",
+                 "DETPROXY_WORKERS": "1"},
             stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         base = f"http://127.0.0.1:{port}"

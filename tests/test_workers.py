@@ -18,8 +18,10 @@ import aiohttp
 
 from proxy.config import Settings, load_settings
 from proxy.cores import usable_cores
+from proxy.observe.ui.incident import incident_id
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import resolve_workers, worker_budgets
+from tests.helpers.metrics import metric_samples
 from tests.helpers.processes import bare_env, free_port, wait_healthy
 from tests.helpers.waiting import Unmet, eventually
 
@@ -147,6 +149,10 @@ async def test_two_workers_answer_share_metrics_restart_and_stop(tmp_path: Path)
         assert restarted[0] != pids[0] and restarted[1] == pids[1]
         assert await metric(base, 'detproxy_worker_restarts_total{worker="0"}') == 1
         assert await metric(base, REQUESTS) == 40  # the dead worker's counts are kept
+        async with fresh() as http, http.get(base + "/detproxy/status") as resp:
+            lines = {w["pid"]: w for w in (await resp.json())["workers"]}
+        assert not lines[pids[0]]["alive"] and lines[pids[0]]["inflight"] == 0, lines
+        assert lines[restarted[0]]["alive"] and lines[pids[1]]["alive"], lines
 
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
@@ -174,6 +180,75 @@ def test_auto_is_resolved_once_by_the_command() -> None:
     assert resolved.audit == settings.audit  # only the count changes
     given = load_settings(None, {"DETPROXY_WORKERS": "1"})
     assert resolve_workers(given, cores=lambda: 6).server.workers == 1  # as given
+
+
+async def audits_in_metrics(http: aiohttp.ClientSession, base: str) -> tuple[int, int]:
+    """``detproxy_audits_total`` summed over its labels, and its non-identical part (each an
+    audit incident), as one scrape says (the workers' sum, whichever answered)."""
+    async with http.get(base + "/detproxy/metrics") as resp:
+        samples = metric_samples(await resp.text(), "detproxy_audits_total{")
+    total = sum(samples.values())
+    odd = sum(v for k, v in samples.items() if 'verdict="identical"' not in k)
+    return int(total), int(odd)
+
+
+async def test_status_incidents_and_explorer_answer_for_every_worker(tmp_path: Path) -> None:
+    """Whichever worker a request lands on, /detproxy/status counts every worker's audits (as
+    the merged metrics do), /detproxy/incidents lists every worker's incidents, and the
+    explorer shows any of them."""
+    flips = EmulatorConfig(flip_probability=0.3, flip_position=1)  # some audits diverge
+    async with (
+        EmulatorServer(flips) as emu,
+        supervised(emu.url, tmp_path / "log", "--sample-rate", "1") as (base, _),
+    ):
+        await workers_seen(base)
+        async with fresh() as http:
+            for i in range(60):  # a connection each: the kernel spreads them over both workers
+                body = {**CHAT, "messages": [{"role": "user", "content": f"question {i}"}]}
+                async with http.post(base + "/v1/chat/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+
+            agreed: dict[int, int] = {}  # worker index -> the total its status agreed with
+
+            async def settled() -> dict[int, int] | Unmet:
+                """Every audit done and published (a worker publishes soon after a count, not
+                at once): each worker's status agrees with the metrics on the same total, and
+                both workers audited some."""
+                total, _ = await audits_in_metrics(http, base)
+                async with http.get(base + "/detproxy/status") as resp:
+                    status = await resp.json()
+                per_worker = [w["audits"] for w in status["workers"]]
+                if status["audit"]["audits"] == total >= 60 and 0 not in per_worker:
+                    agreed[status["worker"]["index"]] = total
+                if len(agreed) < 2 or len(set(agreed.values())) > 1:
+                    return Unmet((total, status["audit"]["audits"], per_worker, agreed))
+                return agreed
+
+            await eventually(settled, timeout_s=60, what="60 audits, counted by both workers")
+            total, odd = await audits_in_metrics(http, base)
+            assert odd > 0, "no divergent audit: nothing to list"
+            answered: set[int] = set()
+            for _ in range(12):  # fresh connections: both workers answer some of these
+                async with http.get(base + "/detproxy/status") as resp:
+                    status = await resp.json()
+                answered.add(status["worker"]["index"])
+                assert status["audit"]["audits"] == total, (status["worker"], status["audit"])
+                assert sum(w["audits"] for w in status["workers"]) == total, status["workers"]
+                assert sorted(w["index"] for w in status["workers"]) == [0, 1]
+                assert status["incidents"]["recorded"] >= odd
+                async with http.get(base + "/detproxy/incidents?kind=audit&limit=1000") as resp:
+                    listed = await resp.json()
+                assert len(listed) == odd, f"{len(listed)} audit incidents listed, {odd} counted"
+                assert len({r["process"] for r in listed}) == 2, "not both workers' incidents"
+                stamps = [r["ts"] for r in listed]
+                assert stamps == sorted(stamps, reverse=True), "not newest first"
+            assert answered == {0, 1}, f"only worker(s) {answered} answered"
+            for record in listed[:8]:  # any worker shows any worker's incident
+                url = f"{base}/detproxy/ui/incident/{incident_id(record)}"
+                async with http.get(url) as resp:
+                    assert resp.status == 200, (record["process"], await resp.text())
+            async with http.get(base + "/detproxy/ui") as resp:
+                assert resp.status == 200
 
 
 async def test_sigterm_lets_every_worker_finish_its_streams(tmp_path: Path) -> None:

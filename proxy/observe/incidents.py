@@ -52,7 +52,6 @@ from proxy.events import (
     UpstreamFingerprinted,
     UpstreamRestarted,
 )
-from proxy.http.admin import AdminRequest, Reply, error_reply, json_reply
 from proxy.observe.incident_file import IncidentFile
 from proxy.observe.kinds import (
     AUDIT,
@@ -239,6 +238,7 @@ class IncidentLog:
         self._process = process  # the id of this process's tally lines ("" none)
         self._ring: deque[dict[str, Any]] = deque(maxlen=config.ring_size)
         self._loops = PendingLoops(self.write)
+        self.changes = 0  # what the ring or the file took in: a publisher's cue (fleet.py)
         self._upstream: dict[str, Any] | None = None
         self._mismatched: frozenset[tuple[str, str, str]] = frozenset()  # recorded last
         self._on_disk = self._check(config.path) if config.path else False
@@ -394,10 +394,12 @@ class IncidentLog:
         if self._process and "process" not in incident:
             incident["process"] = self._process
         self._ring.append(incident)
+        self.changes += 1
 
     def write(self, incident: dict[str, Any]) -> None:
         """Queue one line for the file's writer (the ring is for incidents only, not tallies):
         serialized here, written by the writer's task, never in the caller's call."""
+        self.changes += 1  # a loop's record settled, a cause merged in: the ring's records too
         if self._file is not None:
             self._file.put(orjson.dumps(incident) + b"\n")
 
@@ -425,22 +427,21 @@ class IncidentLog:
 
     def select(self, query: IncidentQuery) -> list[dict[str, Any]]:
         """The newest ``query.limit`` incidents of the ring that match ``query``, newest first."""
-        if query.limit <= 0:
-            return []
-        found = []
-        for record in reversed(self._ring):
-            if query.matches(record):
-                found.append(record)
-                if len(found) == query.limit:
-                    break
-        return found
+        return select(reversed(self._ring), query)
 
-    async def handle(self, request: AdminRequest) -> Reply:
-        try:
-            query = parse_query(request.query.items())
-        except QueryError as exc:
-            return error_reply(400, str(exc), param=exc.param)
-        return json_reply(self.select(query))
+
+def select(newest_first: Iterable[dict[str, Any]], query: IncidentQuery) -> list[dict[str, Any]]:
+    """The first ``query.limit`` of ``newest_first`` that match ``query`` (what
+    ``/detproxy/incidents`` answers: proxy/observe/view.py)."""
+    if query.limit <= 0:
+        return []
+    found = []
+    for record in newest_first:
+        if query.matches(record):
+            found.append(record)
+            if len(found) == query.limit:
+                break
+    return found
 
 
 class QueryError(ValueError):

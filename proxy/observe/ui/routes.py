@@ -1,7 +1,8 @@
 """``/detproxy/ui``: the explorer served live from the incident ring, the tally and the live
-history. Under ``/detproxy/``, so the admin guard applies to it as to every admin endpoint
-(the admin listener only, the bearer token, or a browser's session cookie: proxy/http/admin.py,
-which redirects a browser without either to its login page)."""
+history (every worker's under ``serve --workers N``: ``proxy.observe.view``). Under
+``/detproxy/``, so the admin guard applies to it as to every admin endpoint (the admin listener
+only, the bearer token, or a browser's session cookie: proxy/http/admin.py, which redirects a
+browser without either to its login page)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import cast
 
-from proxy.events import EventBus
 from proxy.http.admin import Admin, AdminRequest, Reply, html_reply
-from proxy.observe.incidents import IncidentLog
-from proxy.observe.status import AuditTally
 from proxy.observe.ui.filters import FilterError, parse_filter
-from proxy.observe.ui.history import LiveHistory
 from proxy.observe.ui.incident import detail_of, incident_id
 from proxy.observe.ui.overview import Inputs, Key3, build_overview
 from proxy.observe.ui.page import UI_PATH, Links, csp, new_nonce
 from proxy.observe.ui.render import error_page, incident_page, overview_page
+from proxy.observe.view import ServerView
 
 _ID = re.compile(r"[0-9a-f]{16}")
-ALL = 10**9  # recent(ALL): the whole ring
 
 
 def _html(body: str, nonce: str, status: int = 200) -> Reply:
@@ -41,26 +38,23 @@ def _html(body: str, nonce: str, status: int = 200) -> Reply:
 class Explorer:
     def __init__(
         self,
-        incidents: IncidentLog,
-        tally: AuditTally,
-        history: LiveHistory,
+        view: ServerView,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._incidents = incidents
-        self._tally = tally
-        self._history = history
+        self._view = view
+        self._history = view.history
         self._clock = clock
         self._links = Links(UI_PATH)
 
     def inputs(self) -> Inputs:
-        tally = self._tally
+        counters = self._view.counters()
         return Inputs(
-            records=self._incidents.recent(ALL),
-            audits=cast(Mapping[Key3, int], tally.audits),
-            loops=cast(Mapping[Key3, int], tally.loops),
-            recoveries=cast(Mapping[Key3, int], tally.recoveries),
-            by_inflight=cast(Mapping[Key3, int], tally.by_inflight),
-            points=self._history.points(),
+            records=self._view.records(),
+            audits=cast(Mapping[Key3, int], counters["audits"]),
+            loops=cast(Mapping[Key3, int], counters["loops"]),
+            recoveries=cast(Mapping[Key3, int], counters["recoveries"]),
+            by_inflight=cast(Mapping[Key3, int], counters["by_inflight"]),
+            points=self._view.points(),
             readings=self._history.readings(),
             now=self._clock(),
             source="live",
@@ -91,7 +85,7 @@ class Explorer:
         wanted = request.match
         if not _ID.fullmatch(wanted):
             return self._error(request, 400, "an incident id is 16 lowercase hex digits")
-        for record in self._incidents.recent(ALL):
+        for record in self._view.records():
             if incident_id(record) == wanted:
                 detail = detail_of(record)
                 if detail is not None:
@@ -106,11 +100,9 @@ class Explorer:
         )
 
 
-def register_ui(admin: Admin, bus: EventBus, incidents: IncidentLog, tally: AuditTally) -> None:
-    """Add the explorer's routes and its history subscriber."""
-    history = LiveHistory()
-    history.subscribe(bus)
-    explorer = Explorer(incidents, tally, history)
+def register_ui(admin: Admin, view: ServerView) -> None:
+    """Add the explorer's routes, over ``view`` (every worker's figures under --workers)."""
+    explorer = Explorer(view)
     admin.add(UI_PATH, explorer.overview)
     admin.add(UI_PATH + "/", explorer.overview)
     admin.add_under(UI_PATH + "/incident/", explorer.incident)
