@@ -9,6 +9,7 @@ import asyncio
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -80,6 +81,18 @@ async def test_a_burst_over_two_workers_gets_its_causes(tmp_path: Path) -> None:
                 seen = await eventually(settled, timeout_s=180, what="every divergence caused")
                 async with http.get(base + "/detproxy/metrics") as resp:
                     dropped = series(await resp.text(), "detproxy_triage_dropped_total")
+
+                async def caused() -> list[dict[str, Any]] | Unmet:
+                    """Every worker's incidents, whichever answers, each with its cause."""
+                    url = base + "/detproxy/incidents?kind=audit&limit=1000"
+                    async with http.get(url) as resp:
+                        incidents: list[dict[str, Any]] = await resp.json()
+                    done = len(incidents) >= sum(seen["causes"].values()) and all(
+                        "cause" in i for i in incidents
+                    )
+                    return incidents if done else Unmet(len(incidents))
+
+                incidents = await eventually(caused, timeout_s=30, what="the merged incidents")
         finally:
             proc.terminate()
             await proc.wait()
@@ -88,3 +101,7 @@ async def test_a_burst_over_two_workers_gets_its_causes(tmp_path: Path) -> None:
     assert total >= 12, f"too few divergences to measure: {seen}"
     assert not any(dropped.values()), f"triage dropped some: {dropped}; causes {causes}"
     assert causes.get("batch", 0) / total >= 0.9, f"causes over two workers: {causes}"
+    # The salts were new to the server: each primary ran cold, whichever worker sent it (the
+    # other worker's table says so), and the cause rests on it.
+    colds = [i["cause_evidence"]["runs"][0]["cache"] for i in incidents]
+    assert colds == ["cold"] * len(incidents), colds
