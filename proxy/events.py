@@ -421,6 +421,9 @@ class CauseAttributed:
     timestamp: float
     audit_ts: float  # the audit incident's "ts": with request_id, mode and choice, its key
     upstream: str | None = None
+    # Triaged again (its budget freed): the cause published for this incident before, which
+    # this one replaces (``unknown``, naming the budget).
+    revises: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,10 @@ class TriageAccount(Protocol):
         """How long until the rate allows a start (0: now)."""
         ...
 
+    def could_start(self, cost: int, primary_tokens: int) -> bool:
+        """Whether ``start`` would start it now (nothing is taken)."""
+        ...
+
     def settle(self, delta: int) -> None:
         """Tokens to add to what was reserved (negative: give back)."""
         ...
@@ -66,6 +70,10 @@ class LocalAccount:
 
     def wait_s(self) -> float:
         return self._bucket.wait_s()
+
+    def could_start(self, cost: int, primary_tokens: int) -> bool:
+        fits = self._tokens + cost <= self.budget(primary_tokens)
+        return fits and self._bucket.wait_s() == 0.0
 
     def settle(self, delta: int) -> None:
         self._tokens += delta
@@ -158,6 +166,13 @@ class SharedAccount:
         if not isinstance(next_at, (int, float)):
             return 0.0
         return max(0.0, min(self._interval_s(), next_at - self._clock()))
+
+    def could_start(self, cost: int, primary_tokens: int) -> bool:
+        ledger = self._read()
+        if self._int(ledger, "tokens") + cost > self._budget_of(ledger):
+            return False
+        next_at = ledger.get("next_at")
+        return not isinstance(next_at, (int, float)) or self._clock() >= next_at
 
     def settle(self, delta: int) -> None:
         def change(ledger: dict[str, object]) -> None:

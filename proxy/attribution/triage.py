@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import random
 import time
@@ -73,6 +74,8 @@ log = logging.getLogger(__name__)
 _READINGS = 256  # identity readings kept to say which identity a past run ran on
 CASES_PER_EXPERIMENT = 1024  # incidents one experiment explains at most (bounded memory)
 _KEPT_EXPERIMENTS = 256  # finished experiments kept for reuse_s, newest last
+# Gave up for these: the incidents end unknown naming it, and are triaged again when it frees.
+_AGAIN = frozenset(("queue_full", "rate_limit", "token_budget", "other_worker"))
 _BUDGET_POLL_S = 1.0  # how often a waiting experiment looks at the token budget again
 _ENGINE_READ_AFTER_S = 0.02  # a replay's company is read this long after it was sent
 
@@ -89,6 +92,15 @@ class _Experiment:
     limit: int | None = None  # the replays' token limit, fixed as it starts
     started: bool = False
     reserved: int = 0  # tokens taken from the budget as it started (the worst case)
+    # Given up once for a budget: the cause each (request id, choice) was published with
+    # (unknown, naming the budget); triaged again when the budget frees, it is revised.
+    earlier: dict[tuple[str, int], str] | None = None
+
+    def revises(self, case: TriageCase) -> dict[int, str] | None:
+        earlier = self.earlier
+        if earlier is None:
+            return None
+        return {choice: cause for (rid, choice), cause in earlier.items() if rid == case.request_id}
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +154,8 @@ class Triage:
         self._sees_all = sees_all
         self._rng = rng or random.Random()
         self._waiting: OrderedDict[Key, _Experiment] = OrderedDict()  # in the order they came
+        # Given up for a budget, to be triaged again when it frees (oldest first, queue_size).
+        self._again: OrderedDict[Key, _Experiment] = OrderedDict()
         self._wake = asyncio.Event()
         self._current_run: _Experiment | None = None
         self._finished: OrderedDict[Key, _Finished] = OrderedDict()
@@ -194,6 +208,8 @@ class Triage:
             "explained": self.explained,
             "queued": self.queued,
             "waiting_incidents": sum(len(e.cases) for e in self._waiting.values()),
+            # unknown for a budget: triaged again when it frees
+            "again_incidents": sum(len(e.cases) for e in self._again.values()),
             "running": self.running,
             "tokens": self.tokens,
             "token_budget": self.token_budget,
@@ -284,10 +300,10 @@ class Triage:
         waiting = self._waiting.get(key)
         if waiting is not None:
             if not self._joins(waiting, case):  # it holds all it may: this one does not fit
-                self._give_up(case, "queue_full", "triage budget: queue_full")
+                self._give_up_all(_Experiment(key, [case], time.monotonic()), "queue_full")
             return
         if len(self._waiting) >= self._config.queue_size:
-            self._give_up(case, "queue_full", "triage budget: queue_full")
+            self._give_up_all(_Experiment(key, [case], time.monotonic()), "queue_full")
             return
         self._waiting[key] = _Experiment(key, [case], time.monotonic())
         self._wake.set()
@@ -300,7 +316,7 @@ class Triage:
         experiment.cases.append(case)
         return True
 
-    def _reuse(self, key: Key, case: TriageCase) -> bool:
+    def _reuse(self, key: Key, case: TriageCase, revises: dict[int, str] | None = None) -> bool:
         """Decide ``case`` from the replays of an experiment on the same request and recipe
         that finished within ``reuse_s``."""
         finished = self._finished.get(key)
@@ -315,7 +331,9 @@ class Triage:
             return False
         self.explained += 1
         runs = self._audit_runs(case) + list(finished.replays)
-        self._attribute(case, runs, finished.missing, finished.plan, finished.experiment)
+        self._attribute(
+            case, runs, finished.missing, finished.plan, finished.experiment, revises=revises
+        )
         return True
 
     def _keep(self, key: Key, finished: _Finished) -> None:
@@ -348,7 +366,9 @@ class Triage:
             claim = shared.claim(experiment.key)
             if self._from_shared(experiment.key) is not None:
                 experiment.cases = [
-                    c for c in experiment.cases if not self._reuse(experiment.key, c)
+                    c
+                    for c in experiment.cases
+                    if not self._reuse(experiment.key, c, experiment.revises(c))
                 ]
                 if not experiment.cases:
                     if claim is not None:
@@ -357,9 +377,7 @@ class Triage:
             if claim is not None:
                 return claim
             if time.monotonic() >= deadline:
-                self._give_up_all(
-                    experiment, "other_worker", "triage budget: another worker's experiment"
-                )
+                self._give_up_all(experiment, "other_worker")
                 return None
             await asyncio.sleep(_BUDGET_POLL_S)
 
@@ -394,10 +412,13 @@ class Triage:
         missing: tuple[str, ...],
         plan: Plan,
         experiment: str | None = None,
-    ) -> None:
-        """Publish the cause of each diverged choice. ``experiment``: the request whose
-        replays these are (its ``X-Request-Id`` + ``-triage-<run>`` upstream), where they
-        were another incident's."""
+        revises: dict[int, str] | None = None,
+    ) -> dict[int, str]:
+        """Publish the cause of each diverged choice (what was published, by choice).
+        ``experiment``: the request whose replays these are (its ``X-Request-Id`` +
+        ``-triage-<run>`` upstream), where they were another incident's. ``revises``: the
+        causes published for these choices before (triaged again)."""
+        published: dict[int, str] = {}
         first_token_only = case.mode == "prefill"
         speculative = self._speculative()
         upstream = self._identity_at(case.primary_at)
@@ -416,6 +437,10 @@ class Triage:
             record = evidence_record(evidence, found)
             if experiment is not None:
                 record["experiment"] = experiment
+            earlier = revises.get(d.choice) if revises is not None else None
+            if earlier is not None:
+                record["revises"] = earlier
+            published[d.choice] = found.cause
             self._bus.publish(
                 CauseAttributed(
                     request_id=case.request_id,
@@ -428,23 +453,77 @@ class Triage:
                     timestamp=time.time(),
                     audit_ts=d.audit_ts,
                     upstream=upstream,
+                    revises=earlier,
                 )
             )
+        return published
 
-    def _give_up(self, case: TriageCase, reason: str, missing: str) -> None:
-        self._bus.publish(TriageDropped(case.model, reason))
-        self._attribute(case, self._audit_runs(case), (missing,), self._plan())
-
-    def _give_up_all(self, experiment: _Experiment, reason: str, missing: str) -> None:
+    def _give_up_all(self, experiment: _Experiment, reason: str, missing: str = "") -> None:
+        """Its incidents end with what the primary and the shadow alone say (``unknown``,
+        naming ``missing``: by default the budget ``reason``); for a budget, the experiment is
+        kept to be triaged again when it frees. One given up before goes back there silently:
+        its incidents said so already."""
+        if experiment.earlier is not None and reason in _AGAIN:
+            self._defer(experiment)
+            return
+        missing = missing or f"triage budget: {reason} (triaged again when it frees)"
+        earlier: dict[tuple[str, int], str] = {}
         for c in experiment.cases:
-            self._give_up(c, reason, missing)
+            self._bus.publish(TriageDropped(c.model, reason))
+            causes = self._attribute(
+                c, self._audit_runs(c), (missing,), self._plan(), revises=experiment.revises(c)
+            )
+            for choice, cause in causes.items():
+                earlier[(c.request_id, choice)] = cause
+        if reason in _AGAIN:
+            experiment.earlier = earlier
+            self._defer(experiment)
+
+    def _defer(self, experiment: _Experiment) -> None:
+        """Keep it to be triaged again when the budget frees (``_next``); past
+        ``queue_size`` such experiments, the oldest stay as they were published."""
+        experiment.started, experiment.limit, experiment.reserved = False, None, 0
+        kept = self._again.get(experiment.key)
+        if kept is not None and kept is not experiment:
+            room = CASES_PER_EXPERIMENT - len(kept.cases)
+            kept.cases.extend(experiment.cases[:room])
+            if kept.earlier is not None and experiment.earlier is not None:
+                kept.earlier.update(experiment.earlier)
+            experiment = kept
+        self._again[experiment.key] = experiment
+        self._again.move_to_end(experiment.key)
+        while len(self._again) > self._config.queue_size:
+            self._again.popitem(last=False)
+
+    def _budget_frees(self) -> _Experiment | None:
+        """The oldest experiment given up for a budget, where the budget would start it
+        now."""
+        if not self._again:
+            return None
+        experiment = next(iter(self._again.values()))
+        plan = self._plan(limit=self._fix_limit(experiment))
+        cost = self._cost(experiment.cases[0], plan)
+        if not self._account.could_start(cost, self._primary_tokens()):
+            return None
+        del self._again[experiment.key]
+        experiment.queued_at = time.monotonic()
+        return experiment
 
     async def _next(self) -> _Experiment:
-        while not self._waiting:
+        """The next experiment: the oldest waiting, else one given up for a budget that has
+        freed (looked at every ``_BUDGET_POLL_S`` while any is kept)."""
+        while True:
+            if self._waiting:
+                return self._waiting.popitem(last=False)[1]
+            again = self._budget_frees()
+            if again is not None:
+                return again
             self._wake.clear()
-            await self._wake.wait()
-        _, experiment = self._waiting.popitem(last=False)
-        return experiment
+            if not self._again:
+                await self._wake.wait()
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), _BUDGET_POLL_S)
 
     async def _worker(self) -> None:
         while True:
@@ -488,7 +567,7 @@ class Triage:
             wait = _BUDGET_POLL_S if held == "token_budget" else self._account.wait_s()
             left = deadline - time.monotonic()
             if left <= 0:
-                self._give_up_all(experiment, held, f"triage budget: {held}")
+                self._give_up_all(experiment, held)
                 return False
             await asyncio.sleep(min(wait, left))
 
@@ -521,7 +600,8 @@ class Triage:
                 log.exception("triage: cannot share the replays of %s", first.request_id)
         for c in experiment.cases:
             self.explained += 1
-            self._attribute(c, self._audit_runs(c) + replays, missing, plan, first.request_id)
+            runs = self._audit_runs(c) + replays
+            self._attribute(c, runs, missing, plan, first.request_id, revises=experiment.revises(c))
 
     def _still_quiet(self) -> bool:
         """Quiet now, by what detproxy counts itself (no upstream reading configured)."""

@@ -665,6 +665,8 @@ class EventLog:
     def _cause(self, ev: CauseAttributed) -> None:
         model, rid = clean(ev.model), clean(ev.request_id)
         why = CAUSE_ADVICE.get(ev.cause, ev.cause)
+        if ev.revises is not None:
+            why += f" (triaged again once its budget freed; it was {ev.revises})"
         missing = ev.evidence.get("missing") if ev.cause == "unknown" else None
         if isinstance(missing, list) and missing:
             why += "; missing: " + "; ".join(str(m) for m in missing)

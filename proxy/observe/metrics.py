@@ -370,6 +370,14 @@ class Metrics:
             ["model", "cause"],
             registry=registry,
         )
+        self.divergence_causes_revised = Counter(
+            "detproxy_divergence_causes_revised",
+            "Causes replaced when an incident was triaged again (an unknown for the budget,"
+            " once it freed): detproxy_divergence_causes_total less this, per cause, is the"
+            " incidents' causes now",
+            ["model", "cause"],
+            registry=registry,
+        )
         self.triage_dropped = Counter(
             "detproxy_triage_dropped",
             "Divergent audits whose triage experiments were not run, by reason (queue_full |"
@@ -595,6 +603,8 @@ class Metrics:
 
     def _cause(self, ev: CauseAttributed) -> None:
         self.divergence_causes.labels(ev.model, ev.cause).inc()
+        if ev.revises is not None:
+            self.divergence_causes_revised.labels(ev.model, ev.revises).inc()
 
     def _triage_dropped(self, ev: TriageDropped) -> None:
         self.triage_dropped.labels(ev.reason).inc()

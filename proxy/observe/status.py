@@ -60,6 +60,11 @@ class AuditTally:
         bus.subscribe(CauseAttributed, self._cause)
 
     def _cause(self, ev: CauseAttributed) -> None:
+        replaced = (ev.model, ev.revises or "")
+        if ev.revises is not None and self.causes[replaced] > 0:
+            self.causes[replaced] -= 1  # the incident's cause now, counted once
+            if not self.causes[replaced]:
+                del self.causes[replaced]
         self._add(self.causes, (ev.model, ev.cause))
 
     def causes_by_model(self) -> dict[str, Any]:

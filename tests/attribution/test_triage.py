@@ -183,7 +183,9 @@ async def test_past_its_wait_a_case_ends_unknown_naming_the_budget() -> None:
     assert drops(seen) == ["rate_limit"]
     dropped = next(c for c in causes(seen) if c.request_id == "r2")
     assert dropped.cause == "unknown"
-    assert dropped.evidence["missing"][0] == "triage budget: rate_limit"
+    assert (
+        dropped.evidence["missing"][0] == "triage budget: rate_limit (triaged again when it frees)"
+    )
 
 
 async def test_the_token_budget_holds_an_experiment_until_its_wait_ends() -> None:
@@ -204,7 +206,9 @@ async def test_more_requests_waiting_than_the_queue_holds_are_dropped() -> None:
     t.offer(case(1))
     t.offer(case(2))
     assert drops(seen) == ["queue_full"]
-    assert causes(seen)[0].evidence["missing"][0] == "triage budget: queue_full"
+    assert causes(seen)[0].evidence["missing"][0] == (
+        "triage budget: queue_full (triaged again when it frees)"
+    )
     await t.close()
     assert drops(seen) == ["queue_full", "shutdown"]
 
@@ -556,3 +560,51 @@ async def test_two_workers_run_one_experiment_for_the_server(tmp_path: Path) -> 
     assert len(upstream.bodies) == 7, f"{len(upstream.bodies)} replays: two experiments ran"
     assert drops(seen_one) == drops(seen_two) == []
     assert {c.cause for c in causes(seen_one) + causes(seen_two)} == {causes(seen_one)[0].cause}
+
+
+async def test_unknown_for_the_budget_is_triaged_again_when_it_frees() -> None:
+    """An incident whose experiment did not fit the budget within max_wait_s ends unknown,
+    naming it; once the budget frees (the primaries' tokens grow), the experiment runs and its
+    cause replaces the unknown (``revises``)."""
+    # serial cold replays that differ from each other: intrinsic, from two runs (20 tokens)
+    upstream = Scripted(lambda n: "bc"[n % 2], usage=(4, 6))
+    t, seen = triage(
+        upstream, token_allowance=80, max_token_share=0.1, max_wait_s=0.05, max_per_minute=6e5
+    )
+    t.start()
+    t.offer(case(1))  # reserves 70 (7 runs), keeps the 20 its two runs cost
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a first cause")
+    per_experiment = len(upstream.bodies)
+    t.offer(case(2))  # 20 + 70 reserved > 80
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="its unknown")
+    first, unknown = causes(seen)
+    assert unknown.cause == "unknown" and unknown.revises is None
+    assert "triaged again when it frees" in str(unknown.evidence), unknown.evidence
+    assert drops(seen) == ["token_budget"] and t.status()["again_incidents"] == 1
+    t.count_primary_tokens(400)  # 80 + 0.1 x 400 = 120 allowed: 20 + 70 fits now
+    await eventually(lambda: len(causes(seen)) == 3, interval_s=0.005, what="triaged again")
+    await t.close()
+    again = causes(seen)[2]
+    assert again.request_id == unknown.request_id and again.revises == "unknown"
+    assert first.cause == again.cause == "intrinsic", (again.cause, again.evidence)
+    assert again.evidence["revises"] == "unknown" and t.status()["again_incidents"] == 0
+    assert drops(seen) == ["token_budget"], "given up once, not again"
+    assert len(upstream.bodies) == 2 * per_experiment, "two experiments in all"
+
+
+async def test_an_experiment_still_over_the_budget_is_not_given_up_twice() -> None:
+    upstream = Scripted(lambda n: "b", usage=(4, 6))
+    t, seen = triage(
+        upstream, token_allowance=100, max_token_share=0.0, max_wait_s=0.05, max_per_minute=6e5
+    )
+    t.start()
+    t.offer(case(1))
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="a first cause")
+    t.offer(case(2))
+    await eventually(lambda: len(causes(seen)) == 2, interval_s=0.005, what="its unknown")
+    t.offer(case(3))  # a third request: also over, also kept
+    await eventually(lambda: len(causes(seen)) == 3, interval_s=0.005, what="the third's")
+    await eventually(lambda: t.status()["again_incidents"] == 2, interval_s=0.005, what="both kept")
+    await t.close()
+    assert [c.cause for c in causes(seen)[1:]] == ["unknown", "unknown"]
+    assert drops(seen) == ["token_budget", "token_budget"] and len(upstream.bodies) == 7

@@ -3,14 +3,19 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import orjson
+from prometheus_client import CollectorRegistry
 
 from proxy.config import IncidentConfig
 from proxy.events import CauseAttributed, EventBus
 from proxy.observe.incidents import IncidentLog
+from proxy.observe.metrics import Metrics
+from proxy.observe.status import AuditTally
 from proxy.tools.report.load import read_logs
+from tests.helpers.metrics import metric
 from tests.observe.test_incidents import event
 
 
@@ -83,3 +88,33 @@ async def test_a_cause_for_an_incident_no_longer_in_the_ring_is_still_written(
     await log.close()
     assert "cause" not in log.recent(10)[0]
     assert orjson.loads(path.read_bytes().splitlines()[-1])["cause"] == "batch"
+
+
+async def test_a_cause_triaged_again_replaces_the_unknown_everywhere(tmp_path: Path) -> None:
+    """An unknown for the budget, triaged again once it freed: the incident, the report's
+    merge, the status's count and the metrics all say the new cause (the metrics also count
+    the unknown it replaced)."""
+    path = tmp_path / "inc.jsonl"
+    log = IncidentLog(IncidentConfig(path=str(path)))
+    bus = EventBus()
+    log.subscribe(bus)
+    tally = AuditTally()
+    tally.subscribe(bus)
+    registry = CollectorRegistry()
+    Metrics(registry).subscribe(bus)
+    first = event(1)
+    bus.publish(first)
+    bus.publish(cause(first.timestamp, cause="unknown"))
+    assert tally.causes_by_model() == {"m": {"unknown": 1}}
+    bus.publish(replace(cause(first.timestamp, cause="batch"), revises="unknown"))
+    await log.close()
+
+    assert log.recent(10)[0]["cause"] == "batch"
+    assert tally.causes_by_model() == {"m": {"batch": 1}}, "one incident, counted once"
+    assert metric(registry, "detproxy_divergence_causes_total", model="m", cause="batch") == 1
+    assert metric(registry, "detproxy_divergence_causes_total", model="m", cause="unknown") == 1
+    replaced = metric(
+        registry, "detproxy_divergence_causes_revised_total", model="m", cause="unknown"
+    )
+    assert replaced == 1
+    assert read_logs([str(path)]).audits[0].cause == "batch"
