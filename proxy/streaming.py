@@ -1,7 +1,7 @@
 """A streamed answer: one client response over one or more upstream attempts.
 
-Each attempt is relayed through a ``StreamRelay``; a loop trigger asks the policies while the
-attempt runs, and a retry closes it at once. A restart is marked with an SSE comment (the
+Each attempt is relayed through a ``StreamRelay``; a loop trigger stops its read and asks the
+policies in this exchange's task (not the upstream's data callback), and a retry closes it. A restart is marked with an SSE comment (the
 client sees the answer start again, under the first attempt's id); a continuation simply goes
 on after what the client already has. A refused retry relays the client's own request
 instead, as it would have been; an abort ends the stream cleanly. The attempts themselves are
