@@ -29,7 +29,7 @@ from proxy.loops.continuation import (
     merge_closed,
     reasoning_keys,
 )
-from proxy.loops.recovery import cut_answer
+from proxy.loops.recovery import cut_answer, is_empty
 from proxy.openai import usage_of
 
 
@@ -124,14 +124,23 @@ class WholeAnswer:
         generated = None
         if status == 200:  # what this attempt generated (before a kept prefix joins it)
             generated = (usage_of(answer)[1] if answer is not None else None) or 0
+        # Nothing of its own: judged before a continued content's prefix joins it (after a
+        # reasoning, once what the engine wrote is read as the answer's content).
+        continued = self._continued
+        plain = continued is None or not (continued.closes_reasoning or continued.reasoning)
+        empty = plain and status == 200 and is_empty(ex.endpoint, answer)
         if answer is not None and status == 200:
             payload = self._rewrite(answer, payload, injected)
+            if not plain:
+                empty = is_empty(ex.endpoint, answer)
         self._payload, self._answer = payload, answer
         trigger = None
         watch = self.attempts.started()
         if watch is not None and answer is not None and status == 200:
             trigger = watch.on_answer(answer)
-        return AttemptEnd(generated, decide=True, trigger=trigger, status=status, answer=answer)
+        return AttemptEnd(
+            generated, decide=True, trigger=trigger, status=status, answer=answer, empty=empty
+        )
 
     def _rewrite(self, answer: dict[str, Any], payload: bytes, injected: bool) -> bytes:
         """What the client gets of a good answer: without the logprobs the audit injected,

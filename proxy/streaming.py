@@ -1,12 +1,12 @@
 """A streamed answer: one client response over one or more upstream attempts.
 
 Each attempt is relayed through a ``StreamRelay``; a loop trigger stops its read and asks the
-policies in this exchange's task (not the upstream's data callback), and a retry closes it. A restart is marked with an SSE comment (the
-client sees the answer start again, under the first attempt's id); a continuation simply goes
-on after what the client already has. A refused retry relays the client's own request
-instead, as it would have been; an abort ends the stream cleanly. The attempts themselves are
-``proxy.attempts.Attempts``'s (the relay reports a trigger to ``Attempts.decided``), driven by
-``run_attempts``.
+policies in this exchange's task (not the upstream's data callback), and a retry closes it.
+A restart is marked with an SSE comment (the client sees the answer start again, under the
+first attempt's id); a continuation simply goes on after what the client already has. A
+refused retry relays the client's own request instead, as it would have been; an abort ends
+the stream cleanly. The attempts themselves are ``proxy.attempts.Attempts``'s (the relay
+reports a trigger to ``Attempts.decided``), driven by ``run_attempts``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from proxy.http.upstream import UpstreamResponse
 from proxy.loops.continuation import (
     Continued,
     continuation_body,
-    prefix_of,
     reasoning_event,
     text_event,
 )
@@ -53,22 +52,13 @@ class StreamedAnswer:
         self._watch: LoopWatch | None = None
         self._result: StreamResult | None = None  # the last attempt's
         self._first_id: str | None = None  # a restarted attempt keeps the first attempt's id
-        # The attempt after a closed reasoning, or a continued content that carried the
-        # reasoning before it: its reasoning deltas are the answer's content.
-        self._closes_reasoning = False
-        # The reasoning the current attempt's content goes on after (a continuation carried
-        # it): the answer's reasoning, which the client holds already.
-        self._prior_reasoning = ""
+        # What the current attempt goes on from, one value (None: the client's own request, or
+        # a restart): its assistant message, the reasoning it carried, what was held back.
+        self._continued: Continued | None = None
         # The client left after the whole answer: settled as answered, then raised again.
         self._gone: BaseException | None = None
         # The current attempt's text chars (content, reasoning) held back and never shown.
         self._unshown: tuple[int, int] = (0, 0)
-        # The text the current attempt continues (its assistant message; "" for a restart):
-        # what the client holds before this attempt's own text.
-        self._prior = ""
-        # What a continuation goes on from that the client was not shown yet (held back):
-        # written before the continuation.
-        self._missing = ""
 
     async def respond(self) -> None:
         ex, stages = self.exchange, self._stages
@@ -155,7 +145,7 @@ class StreamedAnswer:
             hold_reasoning=recovery.hold_reasoning,
             hold_max_bytes=recovery.hold_max_bytes,
             on_trigger=attempts.decided if inspected else None,
-            reasoning_as_content=self._closes_reasoning,
+            reasoning_as_content=_after_reasoning(self._continued),
             # A retry's attempt: its end says what the recovery came to (SPEC 5).
             trailer=self._trailer if attempts.count > 1 else None,
             hold_back_chars=recovery.hold_back_chars if inspected else 0,
@@ -201,41 +191,29 @@ class StreamedAnswer:
         return recovery_chunk(ex.endpoint, self._first_id, ex.view.model, info)
 
     def generated(self) -> Generated:
-        result, watch = self._result, self._watch
+        result, watch, continued = self._result, self._watch, self._continued
         # A continued attempt's answer had its reasoning before it.
-        reasoning = self._prior_reasoning or (
+        reasoning = (continued.reasoning if continued is not None else "") or (
             watch.kept(0, "reasoning") if watch is not None else None
         )
         if watch is None or result is None or result.trigger is None:
             return Generated(None, reasoning)
         trigger = result.trigger
-        self._missing = ""
-        if not self._stages.recovery.stream_continues:
-            return Generated(watch.kept(trigger.choice, trigger.channel), reasoning)
-        # What the client was shown: the next attempt goes on from exactly that (what this
-        # attempt continued, then its own text); or, where the loop was caught while its
-        # repeats were held back, from its onset and one unit, as a non-streamed continuation
-        # does (the client gets the part it was not shown first).
-        prior = self._prior if trigger.channel == "content" else ""
-        shown = watch.shown(trigger.choice, trigger.channel)
         kept = watch.kept(trigger.choice, trigger.channel)
-        chars = len(prior) + (len(kept) if kept else 0)  # shown or not
-        if shown is None:
-            return Generated(prior or None, reasoning, chars)
+        if not self._stages.recovery.stream_continues:
+            return Generated(kept, reasoning)
+        # The text the model wrote (what this attempt continued, then its own), and how much
+        # of it the client was shown: the next attempt goes on from the loop's onset and one
+        # unit, as a non-streamed one does, after what the client holds.
+        prior = continued.message if continued is not None and trigger.channel == "content" else ""
+        shown = watch.shown(trigger.choice, trigger.channel)
+        if kept is None or shown is None:
+            return Generated(prior or None, reasoning, 0, prior, len(prior))
         unshown_content, unshown_reasoning = self._unshown
         held = unshown_reasoning if trigger.channel == "reasoning" else unshown_content
         if held:
             shown = shown[: max(0, len(shown) - held)]
-        onset = prefix_of(kept, trigger) if kept is not None else None
-        if (
-            trigger.channel == "content"
-            and onset is not None
-            and len(onset) > len(shown)
-            and onset.startswith(shown)
-        ):
-            self._missing = onset[len(shown) :]
-            return Generated(prior + onset, reasoning, chars)
-        return Generated(prior + shown, reasoning, chars)
+        return Generated(prior + kept, reasoning, 0, prior + shown, len(prior))
 
     # -- the next attempt ----------------------------------------------------------------------
 
@@ -246,15 +224,10 @@ class StreamedAnswer:
         marker = retry_comment(attempts.count, decision.reason)
         if continued is None:  # a restart: the client sees the answer start again
             await self._client.write(marker)
-        after_reasoning = continued is not None and (
-            continued.closes_reasoning or bool(continued.reasoning)
-        )
-        self._closes_reasoning = after_reasoning
-        self._prior = continued.message if continued is not None else ""
-        self._prior_reasoning = continued.reasoning if continued is not None else ""
+        self._continued = continued
         upstream = await self._open(body, continued)
-        missing, self._missing = self._missing, ""
-        if upstream is not None and continued is not None and missing:
+        missing = continued.missing if continued is not None else ""
+        if upstream is not None and missing:
             # Held back, never shown: the part of the prefix the continuation goes on from.
             assert ex.view is not None
             await self._client.write(
@@ -270,16 +243,14 @@ class StreamedAnswer:
         if upstream is None:
             # Refused: the client's own request, the answer it would have had.
             attempts.refused(fallback=True)
-            self._closes_reasoning = False
+            self._continued = None
             own = self._own_continued(continued)
             if own is not None:
                 # Shown a part already: the client's own request, going on from that part
-                # (its own sampling), so that it still reads one answer.
+                # (its own sampling), so that it still reads one answer; it goes on after the
+                # reasoning too (what it writes is content).
                 upstream = await self._open(own)
-                # It goes on after the reasoning too: what it writes is content.
-                self._closes_reasoning = (
-                    upstream is not None and continued is not None and bool(continued.reasoning)
-                )
+                self._continued = continued if upstream is not None else None
                 if upstream is not None and missing:
                     assert ex.view is not None
                     await self._client.write(
@@ -331,6 +302,12 @@ class StreamedAnswer:
             upstream.close()
             return None
         return upstream
+
+
+def _after_reasoning(continued: Continued | None) -> bool:
+    """Whether an attempt goes on after a reasoning (closed, or carried before a continued
+    content): its reasoning deltas are the answer's content."""
+    return continued is not None and (continued.closes_reasoning or bool(continued.reasoning))
 
 
 def speed_event(

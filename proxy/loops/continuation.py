@@ -58,6 +58,9 @@ class Continued:
     # (chat: the assistant message's ``reasoning``; rendered: between the markers) so that
     # the engine goes on from the answer as the model wrote it; "" where it had none.
     reasoning: str = ""
+    # A stream's: the part of the prefix its client was not shown (held back), written before
+    # the continuation; "" where it was shown whole (or not streamed).
+    missing: str = ""
 
 
 def prefix_of(text: str, trigger: Trigger) -> str | None:
