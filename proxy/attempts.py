@@ -79,6 +79,8 @@ class AttemptEnd:
     # A whole answer's: it ended ``stop`` with nothing of its own (a continuation's own text,
     # before its prefix joined it), as a retry's stream that stops empty is a trigger.
     empty: bool = False
+    # A retry's answer that ended clean: how (``proxy.loops.verdict``); None: recovered.
+    ending: str | None = None
 
     def __init__(
         self,
@@ -88,7 +90,9 @@ class AttemptEnd:
         trigger: Trigger | None = None,
         status: int = 200,
         answer: dict[str, Any] | None = None,
+        *,
         empty: bool = False,
+        ending: str | None = None,
     ) -> None:
         # Written out: compiled, unlike a generated one; made per attempt, it pays (README).
         self.generated = generated
@@ -98,6 +102,7 @@ class AttemptEnd:
         self.status = status
         self.answer = answer
         self.empty = empty
+        self.ending = ending
 
 
 __all__ = ["AttemptEnd", "Attempts", "Generated", "Stages", "run_attempts"]
@@ -158,6 +163,7 @@ class Attempts:
         status: int = 200,
         answer: Mapping[str, Any] | None = None,
         empty: bool = False,
+        ending: str | None = None,
     ) -> Decision:
         """The attempt stopped on ``trigger``, or ended (``trigger`` None, ``answer`` a whole
         one's): what the policies make of it. Settles a pending retry's outcome first."""
@@ -167,8 +173,10 @@ class Attempts:
             empty = trigger is None and status == 200 and empty
             if empty or (trigger is not None and trigger.source == EMPTY):
                 outcome = "empty"
+            elif trigger is not None:
+                outcome = "looped_again"
             else:
-                outcome = "looped_again" if trigger else "recovered"
+                outcome = ending or "recovered"  # how the answer ended (proxy.loops.verdict)
             self._acted("retry", outcome)
             if empty:
                 # Recovered means an answer: the ladder goes on from an empty one.
@@ -230,7 +238,7 @@ class Attempts:
         Returns what to do next (None: nothing to act on)."""
         decision = end.decision
         if end.decide:
-            decision = self.decided(end.trigger, end.status, end.answer, end.empty)
+            decision = self.decided(end.trigger, end.status, end.answer, end.empty, end.ending)
         if end.generated is not None:
             self._account(end.generated)
         return decision

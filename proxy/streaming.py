@@ -30,6 +30,7 @@ from proxy.loops.continuation import (
     text_event,
 )
 from proxy.loops.recovery import abort_chunk, recovery_chunk, recovery_info, retry_comment
+from proxy.loops.verdict import RECOVERED, ending
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
 from proxy.relay.result import StreamResult
@@ -175,18 +176,21 @@ class StreamedAnswer:
         self._first_id = self._first_id or result.first_id
         if ex.first_byte_s is None:
             ex.first_byte_s = result.first_event_s
+        # A clean end is decided too: it settles a pending retry's outcome.
+        clean = result.trigger is None and result.complete
         return AttemptEnd(
             result.completion_tokens or result.tokens,
             decision=result.decision,
-            # A clean end is decided too: it settles a pending retry as recovered.
-            decide=result.trigger is None and result.complete,
+            decide=clean,
+            ending=self._ending(result) if clean and attempts.pending_retry else None,
         )
 
     def _trailer(self, result: StreamResult) -> bytes:
         ex, attempts = self.exchange, self.attempts
         assert ex.view is not None
-        # A fallback (the client's own request, the retry refused) recovered nothing.
-        recovered = result.trigger is None and not attempts.fell_back
+        # A fallback (the client's own request, the retry refused) recovered nothing; else only
+        # an answer that ended stop (or a tool call) with content and no loop at its end.
+        recovered = not attempts.fell_back and self._ending(result) == RECOVERED
         info = recovery_info(recovered, attempts.count, attempts.strategy)
         return recovery_chunk(ex.endpoint, self._first_id, ex.view.model, info)
 
@@ -205,15 +209,30 @@ class StreamedAnswer:
         # The text the model wrote (what this attempt continued, then its own), and how much
         # of it the client was shown: the next attempt goes on from the loop's onset and one
         # unit, as a non-streamed one does, after what the client holds.
-        prior = continued.message if continued is not None and trigger.channel == "content" else ""
+        content = continued is not None and trigger.channel == "content"
+        prior = continued.message if continued is not None and content else ""
+        client = continued.shown if continued is not None and content else ""
         shown = watch.shown(trigger.choice, trigger.channel)
         if kept is None or shown is None:
-            return Generated(prior or None, reasoning, 0, prior, len(prior))
+            return Generated(prior or None, reasoning, 0, prior, len(prior), client)
         unshown_content, unshown_reasoning = self._unshown
         held = unshown_reasoning if trigger.channel == "reasoning" else unshown_content
         if held:
             shown = shown[: max(0, len(shown) - held)]
-        return Generated(prior + kept, reasoning, 0, prior + shown, len(prior))
+        return Generated(prior + kept, reasoning, 0, prior + shown, len(prior), client)
+
+    def _ending(self, result: StreamResult) -> str:
+        """How a retried attempt's stream ended (``proxy.loops.verdict``): its finish, and the
+        whole content the client got (what it held before this attempt, then the attempt's)."""
+        watch, continued = self._watch, self._continued
+        if result.trigger is not None or watch is None:
+            return "looped_again" if result.trigger is not None else "unfinished"
+        finish, answered = watch.ended(0)
+        own = watch.kept(0, "content")
+        text = None
+        if own is not None:
+            text = (continued.shown if continued is not None else "") + own
+        return ending(finish, answered, text, self._stages.recovery.detector)
 
     # -- the next attempt ----------------------------------------------------------------------
 

@@ -61,6 +61,9 @@ class Continued:
     # A stream's: the part of the prefix its client was not shown (held back), written before
     # the continuation; "" where it was shown whole (or not streamed).
     missing: str = ""
+    # The text of its channel the client holds before the continuation (a stream: what it was
+    # shown, repeats included, and ``missing``; not streamed: the prefix).
+    shown: str = ""
 
 
 def prefix_of(text: str, trigger: Trigger) -> str | None:

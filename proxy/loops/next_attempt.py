@@ -72,6 +72,8 @@ class Generated:
     # The chars of ``text`` before the looping attempt's own (a continued stream's prefix):
     # the trigger's offsets count from there.
     offset: int = 0
+    # A continued stream's: the text of the channel its client held before this attempt.
+    held: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,5 +158,11 @@ def next_attempt(
     shown = generated.shown
     if shown is not None and not closes and len(prefix) > len(shown) and prefix.startswith(shown):
         missing = prefix[len(shown) :]  # held back, never shown: written before what follows
-    continued = Continued(prefix, closes, message, carried, missing)
+    if closes:
+        held = ""  # the answer's content starts with the continuation
+    elif shown is None:
+        held = prefix  # the answer is the prefix, then the continuation
+    else:
+        held = generated.held + shown[generated.offset :] + missing
+    continued = Continued(prefix, closes, message, carried, missing, held)
     return NextAttempt(body, "close_reasoning" if closes else "continue", continued, kept)

@@ -65,6 +65,11 @@ class Recovery:
         return self._enabled
 
     @property
+    def detector(self) -> DetectorConfig:
+        """The loop detector's thresholds (a retried answer's end is read with them too)."""
+        return self._detector
+
+    @property
     def reads_answers(self) -> bool:
         """Whether a whole non-streamed answer is looked at: by the loop watch, or by a policy
         that reads answers without a trigger."""
