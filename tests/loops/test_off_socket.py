@@ -9,9 +9,7 @@ note whether they were called inside one.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -22,10 +20,10 @@ from policies.ladder import Ladder, LoopLadderPolicy
 from proxy.app import BUS
 from proxy.config import DEFAULT_ATTEMPTS
 from proxy.events import LoopDetected, PolicyActed, RecoveryBudgetUsed, RecoveryTokens
-from proxy.http.h1conn import Conn
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.emulator import knobs
 from tests.helpers.sse import sse_chunks
+from tests.helpers.transport import Probe, mark_connections
 
 MODEL = "emulator-model"
 # Paced: each token its own upstream read, handed on from the data callback.
@@ -36,53 +34,6 @@ LOOP = knobs(
     token_latency_s=0.002,
 )
 RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
-
-
-@dataclass
-class Probe:
-    """Whether an upstream protocol's ``data_received`` is running, and what ran inside one."""
-
-    depth: int = 0
-    upstream_reads: int = 0
-    calls: list[str] = field(default_factory=list)  # what was called, in order
-    inside: list[str] = field(default_factory=list)  # those called inside a data callback
-
-    def note(self, what: str) -> None:
-        self.calls.append(what)
-        if self.depth:
-            self.inside.append(what)
-
-
-class Marked(asyncio.Protocol):
-    """A protocol that marks its inner one's ``data_received`` as running."""
-
-    def __init__(self, inner: asyncio.Protocol, probe: Probe) -> None:
-        self.inner, self.probe = inner, probe
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        probe = self.probe
-        if isinstance(self.inner, Conn):
-            probe.upstream_reads += 1
-        probe.depth += 1
-        try:
-            self.inner.data_received(data)
-        finally:
-            probe.depth -= 1
-
-    def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.inner.connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
 
 
 @dataclass
@@ -97,25 +48,6 @@ class NotingPolicy:
     def decide(self, ctx: PolicyContext) -> Decision:
         self.probe.note("policy")
         return self.inner.decide(ctx)
-
-
-def mark_connections(monkeypatch: pytest.MonkeyPatch, probe: Probe) -> None:
-    loop = asyncio.get_running_loop()
-    connect = loop.create_connection
-
-    async def create_connection(
-        factory: Callable[[], asyncio.Protocol], *args: Any, **kwargs: Any
-    ) -> tuple[asyncio.BaseTransport, asyncio.Protocol]:
-        made: list[asyncio.Protocol] = []
-
-        def marked() -> asyncio.Protocol:
-            made.append(factory())
-            return Marked(made[0], probe)
-
-        transport, _ = await connect(marked, *args, **kwargs)
-        return transport, made[0]
-
-    monkeypatch.setattr(loop, "create_connection", create_connection)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
