@@ -128,8 +128,6 @@ class Attempts:
         self.stream = stream
         self.max_tokens = max_tokens  # the client request's limit, when it set one
         self.retry_base = retry_base  # the client's request, which a retry's overrides apply to
-        # What a retry needs of the request, as plain values (``next_attempt``'s).
-        self.asked = Asked(endpoint, retry_base, recovery.markers(model), recovery.stream_continues)
         self.max_attempts = recovery.max_attempts  # the one cap
         self.count = 1  # the attempt now running (1: the client's own request)
         self.looped = False  # some attempt had a trigger
@@ -253,7 +251,15 @@ class Attempts:
             generated = Generated(
                 generated.text, generated.reasoning, tokens, generated.shown, generated.offset
             )
-        nxt = next_attempt(self.asked, self.trigger, decision, generated)
+        # What a retry needs of the request, as plain values (made only when one is sent).
+        recovery = self._recovery
+        asked = Asked(
+            self.endpoint,
+            self.retry_base,
+            recovery.markers(self.model),
+            recovery.stream_continues,
+        )
+        nxt = next_attempt(asked, self.trigger, decision, generated)
         self.strategy = nxt.strategy
         self.kept_tokens = nxt.kept_tokens
         self.count += 1
