@@ -258,6 +258,7 @@ class Attempts:
             self.retry_base,
             recovery.markers(self.model),
             recovery.stream_continues,
+            recovery.detector,
         )
         nxt = next_attempt(asked, self.trigger, decision, generated)
         self.strategy = nxt.strategy

@@ -7,11 +7,12 @@ it goes on from (``NextAttempt``). Nothing here reads configuration, publishes, 
 ``proxy.attempts.Attempts`` calls it.
 
 One path (``[loops] stream_mode = "continue"``, the default): streamed or not, a retry goes on
-from the same point, the looping channel's text up to the loop's onset and one unit (all of it
-where no onset is known: a loop the engine reported, a runaway), under the same overrides and
-seed; a loop in the reasoning channel closes the reasoning there. A stream's client holds what
-it was shown: the continuation follows that (the repeats shown before the loop was caught stay),
-and the part of the kept prefix it was not shown (held back) is written first (``missing``).
+from the same point, the looping channel's text up to the loop's onset and one unit (a loop the
+engine reported, a runaway: the run the detector finds at the text's end, else all of it), under
+the same overrides and seed; a loop in the reasoning channel closes the reasoning there. A
+stream's client holds what it was shown: the continuation follows that (the repeats shown before
+the loop was caught stay), and the part of the kept prefix it was not shown (held back) is
+written first (``missing``).
 Otherwise (``restart``, ``hold_reasoning``) the ladder's strategy says: a restart, or a
 continuation (``continue``, ``close_reasoning``) from the onset where that keeps the answer
 whole (``proxy.loops.continuation``).
@@ -40,7 +41,10 @@ from proxy.loops.continuation import (
     continuation_body,
     estimate_tokens,
     prefix_of,
+    word_end,
 )
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.verdict import tail_loop
 
 # Fields that change how an answer is delivered, not what it says: left out of the seed.
 _DELIVERY_FIELDS = frozenset({"stream", "stream_options", "request_id", "user"})
@@ -55,6 +59,9 @@ class Asked:
     body: Mapping[str, Any]  # the client's request, which a retry's overrides apply to
     markers: tuple[str, str] = ("<think>", "</think>")  # the model's reasoning markers
     one_path: bool = True  # stream_mode "continue": streamed or not, one continuation
+    # The loop detector's thresholds: a loop the engine reported (no onset known) is looked for
+    # at the end of the text with them (None: not looked for).
+    detector: DetectorConfig | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +118,19 @@ def seeded(body: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, A
     return {**overrides, "seed": request_seed(body)}
 
 
+def _onset_prefix(text: str, trigger: Trigger, detector: DetectorConfig | None) -> str:
+    """``text`` up to the loop's onset and one unit: the trigger's, else (a loop the engine
+    reported, a runaway) the run the detector finds at its end; all of it where neither is."""
+    prefix = prefix_of(text, trigger)
+    if prefix is not None:
+        return prefix
+    run = tail_loop(text, detector) if detector is not None else None
+    if run is None:
+        return text
+    start, period = run
+    return text[: word_end(text, start + period)]
+
+
 def next_attempt(
     asked: Asked, trigger: Trigger | None, decision: Retry, generated: Generated
 ) -> NextAttempt:
@@ -134,7 +154,7 @@ def next_attempt(
             return restart
         closes = trigger.channel == "reasoning"
         at = generated.offset
-        prefix = text[:at] + (prefix_of(text[at:], trigger) or text[at:])
+        prefix = text[:at] + _onset_prefix(text[at:], trigger, asked.detector)
     else:
         closes = decision.strategy == "close_reasoning"
         if decision.strategy not in ("continue", "close_reasoning") or not (

@@ -38,17 +38,23 @@ def loop_at_end(text: str, config: DetectorConfig) -> bool:
     """Whether ``text`` ends in a loop the detector finds: a run of a repeated unit that reaches
     its end (trailing whitespace aside). A loop the answer left behind (the repeats a stream
     showed before its recovery) does not count."""
+    return tail_loop(text, config) is not None
+
+
+def tail_loop(text: str, config: DetectorConfig) -> tuple[int, int] | None:
+    """The run of a repeated unit the detector finds at the end of ``text`` (trailing whitespace
+    aside): where it starts and its period; None: ``text`` does not end in a loop."""
     text = text.rstrip()
     start = 0
     while start < len(text):
         report = LoopDetector(config).feed(text[start:])
         if report is None:
-            return False
+            return None
         period = report.period
         end = start + report.start_offset + report.covered_chars
         while end < len(text) and text[end] == text[end - period]:
             end += 1  # the run goes on past the check that found it
         if end >= len(text):
-            return True
+            return start + report.start_offset, period
         start = end
-    return False
+    return None

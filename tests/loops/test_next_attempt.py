@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from policies.base import Retry, Trigger
+from proxy.loops.detector import DetectorConfig
 from proxy.loops.next_attempt import Asked, Generated, next_attempt, request_seed, seeded
 
 UNIT = " and then it repeats."
@@ -86,3 +87,14 @@ def test_it_restarts_where_going_on_cannot_keep_the_answer_whole() -> None:
     assert next_attempt(other, ONSET, RETRY, Generated(TEXT)).strategy == "restart"
     go_on = Retry("loop", {}, strategy="continue")
     assert next_attempt(other, ONSET, go_on, Generated(TEXT)).strategy == "continue"
+
+
+def test_a_loop_the_engine_reported_goes_on_from_the_onset_the_detector_finds() -> None:
+    engine = Trigger("engine", "content", 0)
+    asked = Asked("chat", body(), detector=DetectorConfig())
+    looped = "Once upon a time" + UNIT * 16  # long enough for the detector (256 chars)
+    nxt = next_attempt(asked, engine, RETRY, Generated(looped))
+    assert nxt.continued is not None and nxt.continued.prefix == PREFIX
+    calm = "A calm answer that the engine stopped anyway."
+    nxt = next_attempt(asked, engine, RETRY, Generated(calm))
+    assert nxt.continued is not None and nxt.continued.prefix == calm  # no loop found: all of it
