@@ -525,9 +525,11 @@ class LoopConfig(_Section):
     # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
     enabled: bool = True
-    # continue: a streamed loop goes on from exactly what the client was shown (restarts only
-    # while nothing was shown), so a delta-reading client gets one answer; restart: the answer
-    # starts again after an SSE comment; hold_reasoning: reasoning held back until it ends.
+    # continue: every retry, streamed or not, goes on from the loop's onset and one unit
+    # (proxy.loops.next_attempt: one path), a stream after what its client was shown, so a
+    # delta-reading client gets one answer; restart: the ladder's strategies, and a stream's
+    # answer starts again after an SSE comment; hold_reasoning: reasoning held back until it
+    # ends.
     stream_mode: Literal["continue", "restart", "hold_reasoning"] = "continue"
     # continue: the last chars of text a stream holds back from its client, so that a loop is
     # caught before its repeats are shown (0: none; each chunk then goes out as it comes).

@@ -102,8 +102,9 @@ def can_continue(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bo
 
 
 def can_continue_shown(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bool:
-    """Whether a stream can go on from what its client was shown in the trigger's channel
-    (any source: the shown text is known; logprobs too: the shown tokens had theirs)."""
+    """Whether an answer can go on from the text of the trigger's channel under one path
+    (``proxy.loops.next_attempt``: any source, the text is known; logprobs too for a stream,
+    whose shown tokens had theirs)."""
     if trigger.choice != 0 or body.get("n") not in (None, 1) or body.get("echo"):
         return False
     if endpoint == "chat":
