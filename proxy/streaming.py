@@ -60,6 +60,8 @@ class StreamedAnswer:
         self._gone: BaseException | None = None
         # The current attempt's text chars (content, reasoning) held back and never shown.
         self._unshown: tuple[int, int] = (0, 0)
+        # How the current (retried) attempt ended, once read (its trailer reads it first).
+        self._ended: str | None = None
 
     async def respond(self) -> None:
         ex, stages = self.exchange, self._stages
@@ -126,6 +128,7 @@ class StreamedAnswer:
             i for f in stages.inspector_factories if (i := f(view)) is not None
         ]
         self._accumulator = None
+        self._ended = None
         if ex.ticket is not None:
             self._accumulator = StreamAccumulator(ex.endpoint)
             found.append(self._accumulator)
@@ -224,6 +227,11 @@ class StreamedAnswer:
     def _ending(self, result: StreamResult) -> str:
         """How a retried attempt's stream ended (``proxy.loops.verdict``): its finish, and the
         whole content the client got (what it held before this attempt, then the attempt's)."""
+        if self._ended is None:
+            self._ended = self._read_ending(result)
+        return self._ended
+
+    def _read_ending(self, result: StreamResult) -> str:
         watch, continued = self._watch, self._continued
         if result.trigger is not None or watch is None:
             return "looped_again" if result.trigger is not None else "unfinished"
