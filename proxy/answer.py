@@ -29,8 +29,9 @@ from proxy.loops.continuation import (
     merge_closed,
     reasoning_keys,
 )
-from proxy.loops.recovery import cut_answer
-from proxy.openai import usage_of
+from proxy.loops.recovery import cut_answer, is_empty
+from proxy.loops.verdict import ending
+from proxy.openai import first_choice, first_message, usage_of
 
 
 def attempt_headers(attempts: Attempts) -> dict[str, str]:
@@ -124,14 +125,38 @@ class WholeAnswer:
         generated = None
         if status == 200:  # what this attempt generated (before a kept prefix joins it)
             generated = (usage_of(answer)[1] if answer is not None else None) or 0
+        # Nothing of its own: judged before a continued content's prefix joins it (after a
+        # reasoning, once what the engine wrote is read as the answer's content).
+        continued = self._continued
+        plain = continued is None or not (continued.closes_reasoning or continued.reasoning)
+        empty = plain and status == 200 and is_empty(ex.endpoint, answer)
         if answer is not None and status == 200:
             payload = self._rewrite(answer, payload, injected)
+            if not plain:
+                empty = is_empty(ex.endpoint, answer)
         self._payload, self._answer = payload, answer
         trigger = None
-        watch = self.attempts.started()
+        attempts = self.attempts
+        watch = attempts.started()
         if watch is not None and answer is not None and status == 200:
             trigger = watch.on_answer(answer)
-        return AttemptEnd(generated, decide=True, trigger=trigger, status=status, answer=answer)
+        end = AttemptEnd(
+            generated, decide=True, trigger=trigger, status=status, answer=answer, empty=empty
+        )
+        if attempts.pending_retry and trigger is None and not empty and answer is not None:
+            end.ending = self._ending(answer)
+        return end
+
+    def _ending(self, answer: dict[str, Any]) -> str:
+        """How a retry's whole answer ended (``proxy.loops.verdict``): its first choice's
+        finish, and its content (the kept prefix included)."""
+        choice = first_choice(answer)
+        finish = choice.get("finish_reason") if choice is not None else None
+        endpoint = self.exchange.endpoint
+        text = content_of(endpoint, answer)
+        message = first_message(answer) if endpoint == "chat" else None
+        answered = bool(text and text.strip()) or bool(message and message.get("tool_calls"))
+        return ending(finish, answered, text, self._stages.recovery.detector)
 
     def _rewrite(self, answer: dict[str, Any], payload: bytes, injected: bool) -> bytes:
         """What the client gets of a good answer: without the logprobs the audit injected,

@@ -12,7 +12,8 @@ transitions, and ``run_attempts`` is the loop that does:
 - ``ended(end)``: the attempt ended; its tokens are accounted (the client's own attempt adds to
   what the model generated, a recovery's settles what it reserved).
 - ``retried(decision, generated)``: the next attempt's body (a restart, or a continuation of
-  what the attempt that ended generated: ``proxy.loops.recovery``).
+  what the attempt that ended generated): ``proxy.loops.next_attempt``, a pure function of
+  what was asked, the loop, the retry and what was generated and shown.
 - ``refused()``: the retry could not be sent (its upstream failed or refused it): what it
   reserved is released; the client gets the answer it had, or its own request.
 
@@ -42,7 +43,8 @@ from proxy.events import (
 from proxy.exchange import Exchange, Lifecycle
 from proxy.http.upstream import Upstream
 from proxy.loops.continuation import Continued
-from proxy.loops.recovery import Recovery, is_empty
+from proxy.loops.next_attempt import Asked, Generated, next_attempt
+from proxy.loops.recovery import Recovery
 from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.relay.inspectors import InspectorFactory
 
@@ -74,6 +76,11 @@ class AttemptEnd:
     trigger: Trigger | None = None  # a whole answer's loop, found once it was read
     status: int = 200
     answer: dict[str, Any] | None = None  # a whole answer, parsed
+    # A whole answer's: it ended ``stop`` with nothing of its own (a continuation's own text,
+    # before its prefix joined it), as a retry's stream that stops empty is a trigger.
+    empty: bool = False
+    # A retry's answer that ended clean: how (``proxy.loops.verdict``); None: recovered.
+    ending: str | None = None
 
     def __init__(
         self,
@@ -83,6 +90,9 @@ class AttemptEnd:
         trigger: Trigger | None = None,
         status: int = 200,
         answer: dict[str, Any] | None = None,
+        *,
+        empty: bool = False,
+        ending: str | None = None,
     ) -> None:
         # Written out: compiled, unlike a generated one; made per attempt, it pays (README).
         self.generated = generated
@@ -91,18 +101,11 @@ class AttemptEnd:
         self.trigger = trigger
         self.status = status
         self.answer = answer
+        self.empty = empty
+        self.ending = ending
 
 
-@dataclass(frozen=True, slots=True)
-class Generated:
-    """What the attempt that ended generated, for the next one to go on from."""
-
-    # In its trigger's channel (a continuation's prefix cut from it); None: not kept.
-    text: str | None
-    reasoning: str | None = None  # its reasoning (a chat answer's, where kept)
-    # The chars of the trigger's channel it generated, shown or not (a stream going on from
-    # what was shown reads the share of its tokens kept against them); 0: not counted.
-    chars: int = 0
+__all__ = ["AttemptEnd", "Attempts", "Generated", "Stages", "run_attempts"]
 
 
 class Attempts:
@@ -157,17 +160,21 @@ class Attempts:
         trigger: Trigger | None,
         status: int = 200,
         answer: Mapping[str, Any] | None = None,
+        empty: bool = False,
+        ending: str | None = None,
     ) -> Decision:
         """The attempt stopped on ``trigger``, or ended (``trigger`` None, ``answer`` a whole
         one's): what the policies make of it. Settles a pending retry's outcome first."""
         recovery = self._recovery
         if self.pending_retry:
             self.pending_retry = False
-            empty = trigger is None and status == 200 and is_empty(self.endpoint, answer)
+            empty = trigger is None and status == 200 and empty
             if empty or (trigger is not None and trigger.source == EMPTY):
                 outcome = "empty"
+            elif trigger is not None:
+                outcome = "looped_again"
             else:
-                outcome = "looped_again" if trigger else "recovered"
+                outcome = ending or "recovered"  # how the answer ended (proxy.loops.verdict)
             self._acted("retry", outcome)
             if empty:
                 # Recovered means an answer: the ladder goes on from an empty one.
@@ -229,7 +236,7 @@ class Attempts:
         Returns what to do next (None: nothing to act on)."""
         decision = end.decision
         if end.decide:
-            decision = self.decided(end.trigger, end.status, end.answer)
+            decision = self.decided(end.trigger, end.status, end.answer, end.empty, end.ending)
         if end.generated is not None:
             self._account(end.generated)
         return decision
@@ -237,14 +244,27 @@ class Attempts:
     def retried(self, decision: Retry, generated: Generated) -> tuple[bytes, Continued | None]:
         """The next attempt's body, and what it continues (None for a restart), from what the
         attempt that ended ``generated``."""
-        body, continued, kept = self._recovery.next_attempt(self, decision, generated)
-        if continued is None:
-            self.strategy = "restart"
-        else:
-            self.strategy = "close_reasoning" if continued.closes_reasoning else "continue"
-        self.kept_tokens = kept
+        # The tokens of the text it goes on from: a continued attempt generated the text after
+        # its own prefix only, whose tokens were kept.
+        tokens = self.generated + self.kept_tokens
+        if generated.tokens != tokens:
+            generated = Generated(
+                generated.text, generated.reasoning, tokens, generated.shown, generated.offset
+            )
+        # What a retry needs of the request, as plain values (made only when one is sent).
+        recovery = self._recovery
+        asked = Asked(
+            self.endpoint,
+            self.retry_base,
+            recovery.markers(self.model),
+            recovery.stream_continues,
+            recovery.detector,
+        )
+        nxt = next_attempt(asked, self.trigger, decision, generated)
+        self.strategy = nxt.strategy
+        self.kept_tokens = nxt.kept_tokens
         self.count += 1
-        return orjson.dumps(body), continued
+        return orjson.dumps(nxt.body), nxt.continued
 
     def refused(self, fallback: bool = False) -> None:
         """The retry was not sent (its upstream failed or refused it): its outcome is an

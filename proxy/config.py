@@ -40,10 +40,11 @@ from yarl import URL
 # the first attempt that ended most loops was a restart at temperature 0.7 with top_p 0.95 and
 # presence_penalty 1.5 (32 of 33; presence_penalty alone at temperature 0: 23; temperature
 # alone: 15; continuing instead of restarting with the same overrides: 27); after it, a greedy
-# restart with frequency_penalty 1.0 ended the last one (33 of 33). A seed keeps recoveries
-# reproducible.
+# restart with frequency_penalty 1.0 ended the last one (33 of 33). No seed here: a retry is
+# seeded from the request (its own seed, else a hash of it: proxy.loops.next_attempt.seeded), so
+# that recoveries are reproducible per request.
 DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
-    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5, "seed": 1},
+    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
     {"frequency_penalty": 1.0},
 )
 # How an attempt recovers (an attempt's "strategy" key; restart when absent).
@@ -541,9 +542,11 @@ class LoopConfig(_Section):
     # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
     enabled: bool = True
-    # continue: a streamed loop goes on from exactly what the client was shown (restarts only
-    # while nothing was shown), so a delta-reading client gets one answer; restart: the answer
-    # starts again after an SSE comment; hold_reasoning: reasoning held back until it ends.
+    # continue: every retry, streamed or not, goes on from the loop's onset and one unit
+    # (proxy.loops.next_attempt: one path), a stream after what its client was shown, so a
+    # delta-reading client gets one answer; restart: the ladder's strategies, and a stream's
+    # answer starts again after an SSE comment; hold_reasoning: reasoning held back until it
+    # ends.
     stream_mode: Literal["continue", "restart", "hold_reasoning"] = "continue"
     # continue: the last chars of text a stream holds back from its client, so that a loop is
     # caught before its repeats are shown (0: none; each chunk then goes out as it comes).

@@ -1,12 +1,12 @@
 """A streamed answer: one client response over one or more upstream attempts.
 
-Each attempt is relayed through a ``StreamRelay``; a loop trigger asks the policies while the
-attempt runs, and a retry closes it at once. A restart is marked with an SSE comment (the
-client sees the answer start again, under the first attempt's id); a continuation simply goes
-on after what the client already has. A refused retry relays the client's own request
-instead, as it would have been; an abort ends the stream cleanly. The attempts themselves are
-``proxy.attempts.Attempts``'s (the relay reports a trigger to ``Attempts.decided``), driven by
-``run_attempts``.
+Each attempt is relayed through a ``StreamRelay``; a loop trigger stops its read and asks the
+policies in this exchange's task (not the upstream's data callback), and a retry closes it.
+A restart is marked with an SSE comment (the client sees the answer start again, under the
+first attempt's id); a continuation simply goes on after what the client already has. A
+refused retry relays the client's own request instead, as it would have been; an abort ends
+the stream cleanly. The attempts themselves are ``proxy.attempts.Attempts``'s (the relay
+reports a trigger to ``Attempts.decided``), driven by ``run_attempts``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from proxy.http.upstream import UpstreamResponse
 from proxy.loops.continuation import (
     Continued,
     continuation_body,
-    prefix_of,
     reasoning_event,
     text_event,
 )
 from proxy.loops.recovery import abort_chunk, recovery_chunk, recovery_info, retry_comment
+from proxy.loops.verdict import RECOVERED, ending
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
 from proxy.relay.result import StreamResult
@@ -53,22 +53,15 @@ class StreamedAnswer:
         self._watch: LoopWatch | None = None
         self._result: StreamResult | None = None  # the last attempt's
         self._first_id: str | None = None  # a restarted attempt keeps the first attempt's id
-        # The attempt after a closed reasoning, or a continued content that carried the
-        # reasoning before it: its reasoning deltas are the answer's content.
-        self._closes_reasoning = False
-        # The reasoning the current attempt's content goes on after (a continuation carried
-        # it): the answer's reasoning, which the client holds already.
-        self._prior_reasoning = ""
+        # What the current attempt goes on from, one value (None: the client's own request, or
+        # a restart): its assistant message, the reasoning it carried, what was held back.
+        self._continued: Continued | None = None
         # The client left after the whole answer: settled as answered, then raised again.
         self._gone: BaseException | None = None
         # The current attempt's text chars (content, reasoning) held back and never shown.
         self._unshown: tuple[int, int] = (0, 0)
-        # The text the current attempt continues (its assistant message; "" for a restart):
-        # what the client holds before this attempt's own text.
-        self._prior = ""
-        # What a continuation goes on from that the client was not shown yet (held back):
-        # written before the continuation.
-        self._missing = ""
+        # How the current (retried) attempt ended, once read (its trailer reads it first).
+        self._ended: str | None = None
 
     async def respond(self) -> None:
         ex, stages = self.exchange, self._stages
@@ -135,6 +128,7 @@ class StreamedAnswer:
             i for f in stages.inspector_factories if (i := f(view)) is not None
         ]
         self._accumulator = None
+        self._ended = None
         if ex.ticket is not None:
             self._accumulator = StreamAccumulator(ex.endpoint)
             found.append(self._accumulator)
@@ -155,7 +149,7 @@ class StreamedAnswer:
             hold_reasoning=recovery.hold_reasoning,
             hold_max_bytes=recovery.hold_max_bytes,
             on_trigger=attempts.decided if inspected else None,
-            reasoning_as_content=self._closes_reasoning,
+            reasoning_as_content=_after_reasoning(self._continued),
             # A retry's attempt: its end says what the recovery came to (SPEC 5).
             trailer=self._trailer if attempts.count > 1 else None,
             hold_back_chars=recovery.hold_back_chars if inspected else 0,
@@ -185,57 +179,68 @@ class StreamedAnswer:
         self._first_id = self._first_id or result.first_id
         if ex.first_byte_s is None:
             ex.first_byte_s = result.first_event_s
+        # A clean end is decided too: it settles a pending retry's outcome.
+        clean = result.trigger is None and result.complete
         return AttemptEnd(
             result.completion_tokens or result.tokens,
             decision=result.decision,
-            # A clean end is decided too: it settles a pending retry as recovered.
-            decide=result.trigger is None and result.complete,
+            decide=clean,
+            ending=self._ending(result) if clean and attempts.pending_retry else None,
         )
 
     def _trailer(self, result: StreamResult) -> bytes:
         ex, attempts = self.exchange, self.attempts
         assert ex.view is not None
-        # A fallback (the client's own request, the retry refused) recovered nothing.
-        recovered = result.trigger is None and not attempts.fell_back
+        # A fallback (the client's own request, the retry refused) recovered nothing; else only
+        # an answer that ended stop (or a tool call) with content and no loop at its end.
+        recovered = not attempts.fell_back and self._ending(result) == RECOVERED
         info = recovery_info(recovered, attempts.count, attempts.strategy)
         return recovery_chunk(ex.endpoint, self._first_id, ex.view.model, info)
 
     def generated(self) -> Generated:
-        result, watch = self._result, self._watch
+        result, watch, continued = self._result, self._watch, self._continued
         # A continued attempt's answer had its reasoning before it.
-        reasoning = self._prior_reasoning or (
+        reasoning = (continued.reasoning if continued is not None else "") or (
             watch.kept(0, "reasoning") if watch is not None else None
         )
         if watch is None or result is None or result.trigger is None:
             return Generated(None, reasoning)
         trigger = result.trigger
-        self._missing = ""
-        if not self._stages.recovery.stream_continues:
-            return Generated(watch.kept(trigger.choice, trigger.channel), reasoning)
-        # What the client was shown: the next attempt goes on from exactly that (what this
-        # attempt continued, then its own text); or, where the loop was caught while its
-        # repeats were held back, from its onset and one unit, as a non-streamed continuation
-        # does (the client gets the part it was not shown first).
-        prior = self._prior if trigger.channel == "content" else ""
-        shown = watch.shown(trigger.choice, trigger.channel)
         kept = watch.kept(trigger.choice, trigger.channel)
-        chars = len(prior) + (len(kept) if kept else 0)  # shown or not
-        if shown is None:
-            return Generated(prior or None, reasoning, chars)
+        if not self._stages.recovery.stream_continues:
+            return Generated(kept, reasoning)
+        # The text the model wrote (what this attempt continued, then its own), and how much
+        # of it the client was shown: the next attempt goes on from the loop's onset and one
+        # unit, as a non-streamed one does, after what the client holds.
+        content = continued is not None and trigger.channel == "content"
+        prior = continued.message if continued is not None and content else ""
+        client = continued.shown if continued is not None and content else ""
+        shown = watch.shown(trigger.choice, trigger.channel)
+        if kept is None or shown is None:
+            return Generated(prior or None, reasoning, 0, prior, len(prior), client)
         unshown_content, unshown_reasoning = self._unshown
         held = unshown_reasoning if trigger.channel == "reasoning" else unshown_content
         if held:
             shown = shown[: max(0, len(shown) - held)]
-        onset = prefix_of(kept, trigger) if kept is not None else None
-        if (
-            trigger.channel == "content"
-            and onset is not None
-            and len(onset) > len(shown)
-            and onset.startswith(shown)
-        ):
-            self._missing = onset[len(shown) :]
-            return Generated(prior + onset, reasoning, chars)
-        return Generated(prior + shown, reasoning, chars)
+        return Generated(prior + kept, reasoning, 0, prior + shown, len(prior), client)
+
+    def _ending(self, result: StreamResult) -> str:
+        """How a retried attempt's stream ended (``proxy.loops.verdict``): its finish, and the
+        whole content the client got (what it held before this attempt, then the attempt's)."""
+        if self._ended is None:
+            self._ended = self._read_ending(result)
+        return self._ended
+
+    def _read_ending(self, result: StreamResult) -> str:
+        watch, continued = self._watch, self._continued
+        if result.trigger is not None or watch is None:
+            return "looped_again" if result.trigger is not None else "unfinished"
+        finish, answered = watch.ended(0)
+        own = watch.kept(0, "content")
+        text = None
+        if own is not None:
+            text = (continued.shown if continued is not None else "") + own
+        return ending(finish, answered, text, self._stages.recovery.detector)
 
     # -- the next attempt ----------------------------------------------------------------------
 
@@ -246,15 +251,10 @@ class StreamedAnswer:
         marker = retry_comment(attempts.count, decision.reason)
         if continued is None:  # a restart: the client sees the answer start again
             await self._client.write(marker)
-        after_reasoning = continued is not None and (
-            continued.closes_reasoning or bool(continued.reasoning)
-        )
-        self._closes_reasoning = after_reasoning
-        self._prior = continued.message if continued is not None else ""
-        self._prior_reasoning = continued.reasoning if continued is not None else ""
+        self._continued = continued
         upstream = await self._open(body, continued)
-        missing, self._missing = self._missing, ""
-        if upstream is not None and continued is not None and missing:
+        missing = continued.missing if continued is not None else ""
+        if upstream is not None and missing:
             # Held back, never shown: the part of the prefix the continuation goes on from.
             assert ex.view is not None
             await self._client.write(
@@ -270,16 +270,14 @@ class StreamedAnswer:
         if upstream is None:
             # Refused: the client's own request, the answer it would have had.
             attempts.refused(fallback=True)
-            self._closes_reasoning = False
+            self._continued = None
             own = self._own_continued(continued)
             if own is not None:
                 # Shown a part already: the client's own request, going on from that part
-                # (its own sampling), so that it still reads one answer.
+                # (its own sampling), so that it still reads one answer; it goes on after the
+                # reasoning too (what it writes is content).
                 upstream = await self._open(own)
-                # It goes on after the reasoning too: what it writes is content.
-                self._closes_reasoning = (
-                    upstream is not None and continued is not None and bool(continued.reasoning)
-                )
+                self._continued = continued if upstream is not None else None
                 if upstream is not None and missing:
                     assert ex.view is not None
                     await self._client.write(
@@ -331,6 +329,12 @@ class StreamedAnswer:
             upstream.close()
             return None
         return upstream
+
+
+def _after_reasoning(continued: Continued | None) -> bool:
+    """Whether an attempt goes on after a reasoning (closed, or carried before a continued
+    content): its reasoning deltas are the answer's content."""
+    return continued is not None and (continued.closes_reasoning or bool(continued.reasoning))
 
 
 def speed_event(

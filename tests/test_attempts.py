@@ -23,6 +23,7 @@ from proxy.events import (
 )
 from proxy.exchange import Exchange
 from proxy.loops.continuation import Continued
+from proxy.loops.next_attempt import request_seed
 from proxy.loops.recovery import Recovery
 from proxy.loops.watch import LoopWatch
 from proxy.tools.emulator import EmulatorServer
@@ -132,7 +133,9 @@ def test_the_client_attempt_records_what_it_generated_and_a_retry_settles_its_re
     body, continued = attempts.retried(decision, Generated("text"))
     assert continued is None and attempts.strategy == "restart" and attempts.count == 2
     assert decision.overrides, "the default ladder's first step has no overrides"
-    assert orjson.loads(body) == {**BASE, **decision.overrides}, "not base + overrides"
+    # The request again under the overrides, seeded from the request (no seed of its own).
+    expected = {**BASE, **decision.overrides, "seed": request_seed(BASE)}
+    assert orjson.loads(body) == expected, "not base + overrides + the request's seed"
     assert attempts.ended(AttemptEnd(50, decide=True)) == Continue()
     assert attempts.reserved == {}, "the retry's reservation is still held"
     assert budget.use(MODEL).spent == 50, "spent is not what the retry generated"

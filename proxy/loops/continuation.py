@@ -58,6 +58,12 @@ class Continued:
     # (chat: the assistant message's ``reasoning``; rendered: between the markers) so that
     # the engine goes on from the answer as the model wrote it; "" where it had none.
     reasoning: str = ""
+    # A stream's: the part of the prefix its client was not shown (held back), written before
+    # the continuation; "" where it was shown whole (or not streamed).
+    missing: str = ""
+    # The text of its channel the client holds before the continuation (a stream: what it was
+    # shown, repeats included, and ``missing``; not streamed: the prefix).
+    shown: str = ""
 
 
 def prefix_of(text: str, trigger: Trigger) -> str | None:
@@ -96,8 +102,9 @@ def can_continue(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bo
 
 
 def can_continue_shown(endpoint: str, body: Mapping[str, Any], trigger: Trigger) -> bool:
-    """Whether a stream can go on from what its client was shown in the trigger's channel
-    (any source: the shown text is known; logprobs too: the shown tokens had theirs)."""
+    """Whether an answer can go on from the text of the trigger's channel under one path
+    (``proxy.loops.next_attempt``: any source, the text is known; logprobs too for a stream,
+    whose shown tokens had theirs)."""
     if trigger.choice != 0 or body.get("n") not in (None, 1) or body.get("echo"):
         return False
     if endpoint == "chat":

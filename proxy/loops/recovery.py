@@ -1,39 +1,26 @@
 """Loop recovery for one app: each attempt's loop watch, the policies and the recovery budget a
-request's attempts ask (``proxy.attempts.Attempts``), and the body of the attempt a retry
-sends: the client's request again under the policy's overrides (a restart), or going on from
-the looping answer's kept prefix (a continuation, ``proxy.loops.continuation``)."""
+request's attempts ask (``proxy.attempts.Attempts``), and how a loop's answer ends (an abort's
+last chunk, a retry's ``detproxy`` chunk, a non-streamed answer cut at the loop). The body of
+the attempt a retry sends is ``proxy.loops.next_attempt``'s, a pure function."""
 
 from __future__ import annotations
 
 import fnmatch
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
-from policies.base import PolicyChain, Retry, Trigger
+from policies.base import PolicyChain, Trigger
 from policies.budget import RecoveryBudget
 from proxy.config import LoopConfig, ReasoningMarkersConfig
 from proxy.events import EventBus
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
-from proxy.loops.continuation import (
-    Continued,
-    can_close_reasoning,
-    can_continue,
-    can_continue_shown,
-    closed_reasoning,
-    continuation_body,
-    estimate_tokens,
-    prefix_of,
-)
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.rendered import RenderedContinuation
 from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.openai import REASONING_KEYS, stream_event
-
-if TYPE_CHECKING:
-    from proxy.attempts import Attempts, Generated
 
 MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
@@ -76,6 +63,11 @@ class Recovery:
     @property
     def enabled(self) -> bool:
         return self._enabled
+
+    @property
+    def detector(self) -> DetectorConfig:
+        """The loop detector's thresholds (a retried answer's end is read with them too)."""
+        return self._detector
 
     @property
     def reads_answers(self) -> bool:
@@ -124,97 +116,13 @@ class Recovery:
             return body
         return {**body, "repetition_detection": engine.model_dump()}
 
-    def next_attempt(
-        self,
-        attempts: Attempts,
-        decision: Retry,
-        generated: Generated,
-    ) -> tuple[dict[str, Any], Continued | None, int]:
-        """The body of the attempt a retry sends, what it continues (None for a restart) and
-        the tokens it keeps, from what the looping attempt ``generated``."""
-        text, reasoning = generated.text, generated.reasoning
-        base = attempts.retry_base
-        trigger = attempts.trigger
-        strategy = decision.strategy
-        endpoint = attempts.endpoint
-        # A continued content goes on after the reasoning the answer had before it.
-        carried = ""
-        if reasoning and endpoint == "chat" and trigger is not None:
-            carried = reasoning if trigger.channel == "content" else ""
-        if attempts.stream and self._stream_continues and trigger is not None:
-            return self._from_shown(attempts, decision, base, text, generated.chars, carried)
-        closes = strategy == "close_reasoning"
-        if (
-            strategy in ("continue", "close_reasoning")
-            and trigger is not None
-            and text is not None
-            and (
-                can_close_reasoning(endpoint, base, trigger)
-                if closes
-                else can_continue(endpoint, base, trigger)
-            )
-        ):
-            prefix = prefix_of(text, trigger)
-            if prefix:
-                # A continued attempt generated the text after its own prefix only; the kept
-                # reasoning's tokens are kept too (generated before the content).
-                tokens = attempts.generated + attempts.kept_tokens
-                kept = estimate_tokens(carried + prefix, carried + text, tokens)
-                message = self._closed(attempts.model, prefix) if closes else prefix
-                body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
-                if body is not None:
-                    return body, Continued(prefix, closes, message, carried), kept
-        return {**base, **decision.overrides}, None, 0
-
-    def _from_shown(
-        self,
-        attempts: Attempts,
-        decision: Retry,
-        base: dict[str, Any],
-        shown: str | None,
-        chars: int,
-        reasoning: str = "",
-    ) -> tuple[dict[str, Any], Continued | None, int]:
-        """A streamed retry under ``stream_mode = "continue"``: ``shown`` is the text of the
-        trigger's channel the client was shown. Content goes on from exactly that text (after
-        ``reasoning``, the answer's before it); reasoning is closed there (what follows is the
-        answer); nothing shown, a restart (the client sees one answer either way)."""
-        trigger = attempts.trigger
-        assert trigger is not None
-        endpoint = attempts.endpoint
-        if shown and can_continue_shown(endpoint, base, trigger):
-            closes = trigger.channel == "reasoning"
-            # Reasoning is not the answer: it is closed where the non-streamed recovery closes
-            # it (the loop's onset and one unit), so the answer that follows is that recovery's;
-            # reasoning conditioned on its own repeats answered nothing on llama-server
-            # (tests/integration/test_close_reasoning_llama_server.py, 2026-12-04).
-            base_text = (prefix_of(shown, trigger) or shown) if closes else shown
-            generated = attempts.generated + attempts.kept_tokens
-            # The text the attempt generated until the loop was seen, the triggering chunk
-            # included: at least what the loop covered (the base is shorter where the loop's
-            # repeats were held back).
-            full = max(len(shown), chars)
-            if trigger.start_offset is not None and trigger.period and trigger.repeats:
-                full = max(full, trigger.start_offset + trigger.period * trigger.repeats)
-            # A continued content keeps the reasoning before it, and that reasoning's tokens.
-            carried = reasoning
-            if generated > 0:
-                share = (len(carried) + len(base_text)) / (len(carried) + full)
-                kept = max(1, round(generated * share))
-            else:
-                kept = estimate_tokens(carried + base_text, carried + base_text, 0)
-            message = self._closed(attempts.model, base_text) if closes else shown
-            body = continuation_body(endpoint, base, decision.overrides, message, kept, carried)
-            if body is not None:
-                return body, Continued(shown, closes, message, carried), kept
-        return {**base, **decision.overrides}, None, 0
-
-    def _closed(self, model: str, reasoning: str) -> str:
+    def markers(self, model: str) -> tuple[str, str]:
+        """The reasoning markers of ``model`` (``[[loops.reasoning_markers]]``)."""
         markers = next(
             (m for m in self._config.reasoning_markers if fnmatch.fnmatchcase(model, m.models)),
             ReasoningMarkersConfig(),
         )
-        return closed_reasoning(reasoning, markers.start, markers.end)
+        return markers.start, markers.end
 
     def budget_gauge_due(self, model: str, moved: bool) -> bool:
         """Whether ``RecoveryBudgetUsed`` for ``model`` is due: at once when a recovery moved

@@ -36,6 +36,7 @@ class _ChoiceWatch:
         "_reasoning",
         "answered",
         "content",
+        "finish",
         "kept",
         "kept_chars",
         "kept_reasoning",
@@ -51,6 +52,7 @@ class _ChoiceWatch:
         self.saw_reasoning = False
         self.saw_content = False
         self.answered = False  # content other than whitespace, or tool calls (empty_stop only)
+        self.finish: Any = None  # its finish reason, once it came
         # The content and the reasoning seen, when a recovery may continue from them.
         self.kept: list[str] | None = [] if keep else None
         self.kept_reasoning: list[str] | None = [] if keep else None
@@ -140,6 +142,12 @@ class LoopWatch:
         if watch is None or kept is None:
             return kept
         return kept[: len(kept) - watch.unshown] if watch.unshown else kept
+
+    def ended(self, index: int = 0) -> tuple[Any, bool]:
+        """Choice ``index``'s finish reason (None: none came) and whether it answered (content
+        other than whitespace, or tool calls: known where empty answers are triggers)."""
+        watch = self._choices.get(index)
+        return (None, False) if watch is None else (watch.finish, watch.answered)
 
     def on_delta(self, item: Item) -> Trigger | None:
         """One event of a stream: a token chunk's text, or another chunk, parsed."""
@@ -256,6 +264,7 @@ class LoopWatch:
     def _finished(
         self, watch: _ChoiceWatch, index: int, finish: Any, stop_reason: Any
     ) -> Trigger | None:
+        watch.finish = finish
         channel = "content" if watch.saw_content or not watch.saw_reasoning else "reasoning"
         if finish == "repetition" or stop_reason == "repetition_detected":
             return _trigger("engine", channel, index)

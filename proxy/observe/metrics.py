@@ -424,7 +424,8 @@ class Metrics:
         self.recoveries = Counter(
             "detproxy_recoveries",
             "Loop retries by how they recovered (strategy: restart | continue |"
-            " close_reasoning) and how that ended (recovered, looped_again, error)",
+            " close_reasoning) and how that ended (recovered: stop or a tool call with content"
+            " and no loop at its end; looped_again, length, empty, unfinished, error)",
             ["model", "strategy", "outcome"],
             registry=registry,
         )

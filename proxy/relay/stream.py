@@ -12,8 +12,9 @@ the reads, and ``StreamResult`` the same counts):
   cut with bytes operations), each event's data becomes a ``Delta`` or a parsed chunk
   (``proxy.relay.extract``: learned templates read token chunks without parsing them), which
   is counted (``proxy.relay.result.tally``) and handed to the inspectors (``InspectorSet``: a
-  watcher's trigger goes to ``plan.on_trigger``, and a retry or an abort stops the relay at that
-  event); then the transforms (``proxy.relay.transform``: the rewrites of a parsed chunk,
+  watcher's trigger stops the read at its event, ``plan.on_trigger`` answers it in the relay's
+  task (never inside the upstream's data callback), and a retry or an abort ends the relay
+  there); then the transforms (``proxy.relay.transform``: the rewrites of a parsed chunk,
   reasoning held until it ends, the last chars of text held back). Unchanged events go out as
   slices of the read.
 
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from policies.base import Abort, Continue, Decision, Retry, Trigger
+from policies.base import Abort, Decision, Retry, Trigger
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
@@ -138,6 +139,10 @@ class StreamRelay:
         )
         self.result = StreamResult()
         self._counting = False  # the raw path: events counted, nothing inspected or changed
+        # A trigger the policies have not answered yet: the read stopped at its event, kept
+        # here with the rest of that read until the relay's task decides (never inside the
+        # upstream's data callback).
+        self._deferred: _Deferred | None = None
 
     @property
     def raw(self) -> bool:
@@ -179,6 +184,7 @@ class StreamRelay:
             return self.transforms.end_hold(raw)
         chunk, item = parsed
         if self.observe(item, at):
+            self._deferred = _Deferred(item, chunk, at=at)
             return None
         transforms = self.transforms
         return transforms.hold(item, transforms.rewrite(chunk, raw))
@@ -216,27 +222,51 @@ class StreamRelay:
                     tally(result, parsed[1], at)
 
     def observe(self, item: Item, at: float) -> bool:
-        """An event counted and shown to the inspectors; True when a decision stops the relay."""
+        """An event counted and shown to the inspectors; True when a trigger stops the read
+        at this event, for the policies to answer (``decide``, in the relay's task)."""
         result = self.result
         tally(result, item, at)
         if self._inspected:
             # Only the first trigger counts: after it the watchers are not asked again.
             trigger = self.inspectors.on_delta(item, result.trigger is None)
             if trigger is not None:
-                return self.decide(trigger)
+                result.trigger = trigger
+                return self.plan.on_trigger is not None
         return False
 
-    def decide(self, trigger: Trigger) -> bool:
-        result = self.result
-        result.trigger = trigger
-        plan = self.plan
-        decision = plan.on_trigger(trigger) if plan.on_trigger else Continue()
+    def decide(self) -> bytes:
+        """The policies answer the deferred trigger (in the relay's task, not the upstream's
+        data callback): a retry or an abort stops the relay (what was held is never shown);
+        anything else lets the deferred event and the rest of its read go on: the bytes to
+        write now."""
+        deferred = self._deferred
+        assert deferred is not None
+        self._deferred = None
+        result, plan = self.result, self.plan
+        trigger = result.trigger
+        assert trigger is not None and plan.on_trigger is not None
+        decision = plan.on_trigger(trigger)
         if isinstance(decision, Retry | Abort):
             result.decision = decision
-            # What was held is never shown.
             result.hidden_reasoning_keys, self.unshown = self.transforms.drop()
-            return True
-        return False
+            return b""
+        return self._resume(deferred)
+
+    def _resume(self, deferred: _Deferred) -> bytes:
+        """The deferred event (observed already) through the transforms, then the rest of its
+        read as ``_read`` would have relayed it."""
+        transforms = self.transforms
+        raw = deferred.raw
+        if deferred.chunk is not None:
+            written = transforms.hold(deferred.item, transforms.rewrite(deferred.chunk, raw))
+        else:
+            written = transforms.hold(deferred.item, raw) if transforms.holds else raw
+        out = written or b""
+        if deferred.datas:
+            out += self._events(deferred.src, deferred.datas, deferred.raws, deferred.at)
+        if deferred.tail and not self.inspecting:
+            out += self.transforms.release(b"" if self.rewriting else self._decoder.take_pending())
+        return out
 
     def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
         """One event after inspection stopped: rewritten if it parses, else as it came."""
@@ -277,6 +307,7 @@ class StreamRelay:
                     tally(result, delta, at)
                     return data
                 if self.observe(delta, at):
+                    self._deferred = _Deferred(delta, None, data, at, tail=True)
                     return b""
                 transforms = self.transforms
                 return (transforms.hold(delta, data) or b"") if transforms.holds else data
@@ -304,7 +335,9 @@ class StreamRelay:
             self._count(datas, at)
             return src
         out = self._events(src, datas, raws, at)
-        if not self.inspecting:  # raw from here on, or decoded for rewriting alone
+        if self._deferred is not None:
+            self._deferred.tail = True  # what follows the read's events, after the decision
+        elif not self.inspecting:  # raw from here on, or decoded for rewriting alone
             out += self.transforms.release(b"" if self.rewriting else decoder.take_pending())
         return out
 
@@ -338,7 +371,8 @@ class StreamRelay:
                 data = datas[i]
                 size = len(raws[i]) if raws is not None else len(data or b"") + 8
                 if self.observe(delta, at):
-                    return self._take(parts, src, kept, offset)
+                    self._deferred = _Deferred(delta, None, at=at)
+                    return self._defer(parts, src, kept, offset, size, datas=datas, raws=raws, i=i)
                 if transforms.holds:
                     raw = src if size == len(src) else src[offset : offset + size]
                     written = transforms.hold(delta, raw)
@@ -352,13 +386,36 @@ class StreamRelay:
             size = len(raws[i]) if raws is not None else len(data or b"") + 8
             raw = src if size == len(src) else src[offset : offset + size]
             written = self._parsed(data, raw, at)
-            if self.result.decision is not None:
-                return self._take(parts, src, kept, offset)
+            if self._deferred is not None:
+                return self._defer(parts, src, kept, offset, size, datas=datas, raws=raws, i=i)
             if written is not raw:
                 kept = _splice(parts, src, kept, offset, size, written)
             offset += size
             i += 1
         return self._take(parts, src, kept, len(src))
+
+    def _defer(
+        self,
+        parts: list[bytes],
+        src: bytes,
+        kept: int,
+        offset: int,
+        size: int,
+        *,
+        datas: list[bytes | None],
+        raws: list[bytes] | None,
+        i: int,
+    ) -> bytes:
+        """A trigger at event ``i`` of a read: the event and those after it kept for after the
+        decision; returns the bytes before it."""
+        deferred = self._deferred
+        assert deferred is not None
+        deferred.raw = src[offset : offset + size]
+        if i + 1 < len(datas):
+            deferred.src = src[offset + size :]
+            deferred.datas = datas[i + 1 :]
+            deferred.raws = raws[i + 1 :] if raws is not None else None
+        return self._take(parts, src, kept, offset)
 
     @staticmethod
     def _take(parts: list[bytes], src: bytes, kept: int, end: int) -> bytes:
@@ -397,6 +454,23 @@ class StreamRelay:
             self.result.complete = True
             self.inspectors.on_end(True)
 
+    def _last_event(self) -> bytes:
+        """A last event without its blank line: relayed as it came unless rewritten."""
+        tail = self._decoder.pending
+        final = self._decoder.flush()
+        if final is None:
+            return tail
+        if self._counting:
+            self._count([final.data], self.now())
+            return final.raw
+        if not self.inspecting:
+            return self.rewrite_only(final.data, final.raw)
+        processed = self._parsed(final.data, final.raw, self.now())
+        if self._deferred is not None:
+            self._deferred.raw = final.raw
+            return self.decide()
+        return processed or b""
+
     async def _run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
         result = self.result
         decoder = self._decoder
@@ -406,22 +480,33 @@ class StreamRelay:
         trailed = self.plan.trailer is not None
 
         def relay(data: bytes) -> bool:
-            # Called from the upstream read's callback: a decision stops the pump at once.
+            # Called from the upstream read's callback: it only hands bytes on, and stops the
+            # pump at a trigger (the policies answer it in this task, below).
             nonlocal last
             out = self._read(data)
             if not out:
-                return result.decision is None
+                return self._deferred is None
             if trailed:
                 out = self._trailed(out)
             more = write(out)
             last = out  # handed over: the write raised nothing
-            return more and result.decision is None
+            return more and self._deferred is None
 
         try:
-            while not await upstream.pump(relay):
+            while True:
+                ended = await upstream.pump(relay)
+                if self._deferred is not None:
+                    out = self.decide()
+                    if result.decision is not None:
+                        return result
+                    if out:
+                        if trailed:
+                            out = self._trailed(out)
+                        write(out)
+                        last = out
+                if ended:
+                    break
                 await resp.drain()
-                if result.decision is not None:
-                    return result
         except CLIENT_GONE:
             self._client_left(last)
             raise
@@ -434,21 +519,9 @@ class StreamRelay:
             await resp.write(prefix + error)
             self.inspectors.on_end(False)
             return result
-        tail = decoder.pending
         out = self.transforms.release(b"")
-        if tail:
-            # A last event without its blank line: relayed as it came unless rewritten.
-            final = decoder.flush()
-            if final is None:
-                processed: bytes | None = tail
-            elif self._counting:
-                self._count([final.data], self.now())
-                processed = final.raw
-            elif self.inspecting:
-                processed = self._parsed(final.data, final.raw, self.now())
-            else:
-                processed = self.rewrite_only(final.data, final.raw)
-            out += (processed or b"") + self.transforms.release(b"")
+        if decoder.pending:
+            out += self._last_event() + self.transforms.release(b"")
         if out:
             await resp.write(self._trailed(out) if trailed else out)
         result.complete = result.decision is None
@@ -466,3 +539,27 @@ def _splice(
     if out:
         parts.append(out)
     return offset + size
+
+
+class _Deferred:
+    """The event a trigger stopped a read at (observed: counted and inspected), and the rest
+    of that read, relayed once the policies let the stream go on."""
+
+    __slots__ = ("at", "chunk", "datas", "item", "raw", "raws", "src", "tail")
+
+    def __init__(
+        self,
+        item: Item,
+        chunk: dict[str, Any] | None,
+        raw: bytes = b"",
+        at: float = 0.0,
+        tail: bool = False,
+    ) -> None:
+        self.item = item
+        self.chunk = chunk  # the parsed chunk (None: a template's delta)
+        self.raw = raw  # the event's bytes
+        self.src = b""  # the read's events after it, and their data fields
+        self.datas: list[bytes | None] = []
+        self.raws: list[bytes] | None = None
+        self.at = at
+        self.tail = tail  # the read's end follows (what _read does after its events)

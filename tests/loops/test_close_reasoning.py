@@ -150,7 +150,10 @@ async def test_a_restart_does_not_end_the_same_loop(
 ) -> None:
     # The control: the same loop, recovered by restarting, loops again.
     restart = orjson.dumps([{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]).decode()
-    client = await make_proxy(emulator.url, env=RETRY | {"DETPROXY_LOOPS__LADDERS": restart})
+    # stream_mode "restart": the ladder's own strategy (under "continue" every retry goes on
+    # from the loop's onset, streamed or not).
+    env = RETRY | {"DETPROXY_LOOPS__LADDERS": restart, "DETPROXY_LOOPS__STREAM_MODE": "restart"}
+    client = await make_proxy(emulator.url, env=env)
     resp = await client.post("/v1/chat/completions", json=ASK, headers=knobs(**STUCK))
     assert resp.status == 200
     assert resp.headers["X-Detproxy-Recovered"] == "false"

@@ -64,8 +64,10 @@ async def test_non_streaming_content_loop_is_recovered(
     assert resp.status == 200
     assert resp.headers["X-Detproxy-Attempts"] == "2"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
+    # One path: the retry went on from the loop's onset and one unit (one repeat kept).
+    assert resp.headers["X-Detproxy-Strategy"] == "continue"
     answer = await resp.json()
-    assert "repeats itself" not in answer["choices"][0]["message"]["content"]
+    assert answer["choices"][0]["message"]["content"].count("repeats itself") == 1
     assert answer["choices"][0]["finish_reason"] == "stop"
     assert loops(registry, "content", "proxy") == 1
     assert actions(registry, "retry", "recovered") == 1
@@ -267,13 +269,14 @@ async def test_each_retry_settles_its_own_reservation(
         registry,
         "detproxy_recovery_tokens_total",
         model=MODEL,
-        # Streamed, each retry goes on from what the client was shown (stream_mode continue).
-        strategy="continue" if stream else "restart",
+        # Each retry goes on from the loop's onset, streamed or not (stream_mode continue).
+        strategy="continue",
         kind="generated",
     )
     spent = metric(registry, "detproxy_recovery_budget_tokens", model=MODEL, kind="spent")
-    # Streamed, the loop stopped each retry before its max_tokens: less than reserved.
-    assert 0 < generated < 2 * 200 if stream else generated == 2 * 200
+    # Each continuation asked max_tokens less the kept tokens (and, streamed, the loop stopped
+    # it before those): less than reserved.
+    assert 0 < generated < 2 * 200
     assert spent == generated
 
 
@@ -342,6 +345,9 @@ async def test_recovery_counts_follow_the_upstream(
     assert emulator.stats()["requests"] == sum(looped.values()) + len(recovered)
 
 
+UNIT = " and then the model repeats itself."  # the scripted loops' unit
+
+
 def stream_deltas(deltas: list[dict[str, Any]], finish: str) -> list[dict[str, Any]]:
     """``deltas`` as chat chunks, then one with ``finish`` (``Reply.sse`` adds ``[DONE]``)."""
     chunks = [
@@ -379,7 +385,12 @@ async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
     client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
     resp = await client.post("/v1/chat/completions", json=chat())
     answer = await resp.json()
-    assert answer["choices"][0]["message"]["content"] == "A calm answer, at last.", answer
+    # Both retries went on from the loop's onset and one unit (the empty one added nothing).
+    prefix = engine.bodies(CHAT)[1]["messages"][-1]["content"]
+    assert prefix.startswith("Once upon a time") and prefix.count("repeats itself") == 1
+    assert engine.bodies(CHAT)[2]["messages"][-1]["content"] == prefix
+    content = answer["choices"][0]["message"]["content"]
+    assert content == prefix + "A calm answer, at last.", answer
     assert resp.headers["X-Detproxy-Attempts"] == "3"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
@@ -402,7 +413,9 @@ async def test_an_empty_answer_at_the_end_of_the_ladder_is_not_recovered(
     resp = await client.post("/v1/chat/completions", json=chat())
     answer = await resp.json()
     assert resp.headers["X-Detproxy-Recovered"] == "false", "an empty answer counted as recovered"
-    assert answer["choices"][0]["message"]["content"] == ""
+    # The continuation added nothing: the kept prefix (the loop's onset and one unit) alone.
+    prefix = engine.bodies(CHAT)[1]["messages"][-1]["content"]
+    assert answer["choices"][0]["message"]["content"] == prefix
     assert answer["choices"][0]["finish_reason"] == "stop"  # as it came: it is no loop
     assert actions(registry, "retry", "empty") == 1
     assert actions(registry, "retry", "recovered") == 0
@@ -428,12 +441,16 @@ async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goe
         "the empty retry ended the stream"
     )
     text = streamed_text(chunks)
-    shown = engine.bodies(CHAT)[1]["messages"][-1]["content"]
-    # One answer: what the looping attempt showed, then the third attempt's continuation of
-    # exactly that (the empty attempt added nothing), no restart.
-    assert text == shown + "A calm answer, at last.", text
+    prefix = engine.bodies(CHAT)[1]["messages"][-1]["content"]
+    # One answer: what the looping attempt showed, then the third attempt's continuation (the
+    # empty attempt added nothing), no restart; both went on from the loop's onset and one
+    # unit, as a non-streamed recovery does.
+    assert prefix.startswith("Once upon a time") and prefix.count("repeats itself") == 1
+    shown = text.removesuffix("A calm answer, at last.")
+    assert shown != text and shown.startswith(prefix), text
+    assert shown.removeprefix("Once upon a time").replace(UNIT, "") == "", text
     assert not sse_comments(raw), "the stream restarted"
-    assert engine.bodies(CHAT)[2]["messages"][-1]["content"] == shown
+    assert engine.bodies(CHAT)[2]["messages"][-1]["content"] == prefix
     assert last_choice(chunks)["finish_reason"] == "stop"
     assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
     assert actions(registry, "retry", "recovered") == 1
@@ -455,7 +472,10 @@ async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_c
     chunks = sse_chunks(await resp.read())
     assert chunks[-1]["detproxy"]["recovered"] is False, "an empty answer counted as recovered"
     assert last_choice(chunks)["finish_reason"] == "stop"  # as it came: it is no loop
-    assert streamed_text(chunks) == engine.bodies(CHAT)[1]["messages"][-1]["content"]
+    # What the looping attempt showed; the continuation (of its onset and one unit) added none.
+    prefix = engine.bodies(CHAT)[1]["messages"][-1]["content"]
+    text = streamed_text(chunks)
+    assert text.startswith(prefix) and text.count("repeats itself") > 1, text
     assert actions(registry, "retry", "empty") == 1
     assert actions(registry, "retry", "recovered") == 0
 
@@ -475,7 +495,7 @@ def loops_twice(request: Received) -> Reply:
     return Reply.sse(stream_deltas([{"content": p} for p in pieces], finish))
 
 
-async def test_a_continuation_that_loops_again_is_continued_from_all_the_client_was_shown(
+async def test_a_continuation_that_loops_again_is_continued_from_its_own_onset(
     fake_upstream: Any, make_proxy: Any
 ) -> None:
     engine = await fake_upstream(routes={CHAT: loops_twice})
@@ -485,8 +505,16 @@ async def test_a_continuation_that_loops_again_is_continued_from_all_the_client_
     chunks = sse_chunks(await resp.read())
     assert chunks[-1]["detproxy"]["attempts"] == 3, chunks[-1]
     text = streamed_text(chunks)
+    second = engine.bodies(CHAT)[1]["messages"][-1]["content"]
     third = engine.bodies(CHAT)[2]["messages"][-1]["content"]
-    # The third attempt goes on from everything the client holds: the first attempt's shown
-    # part and the second's, not the second's alone.
-    assert third.startswith("Once upon a time") and " Then a new part." in third, third
-    assert text == third + " The end.", text
+    # The third attempt goes on from the whole answer the model wrote, each loop cut at its
+    # onset and one unit: the first attempt's prefix, then the second's own.
+    assert second.startswith("Once upon a time") and second.count("repeats itself") == 1
+    assert third.startswith(second + " Then a new part."), third
+    assert third.count("again it says") == 1, third
+    # The client holds the repeats each attempt showed, then the last continuation.
+    first, _, rest = text.partition(" Then a new part.")
+    assert first.startswith(second), text
+    assert first.removeprefix("Once upon a time").replace(UNIT, "") == "", text
+    assert rest.endswith(" The end."), text
+    assert rest.removesuffix(" The end.").replace(" and again it says the same thing.", "") == ""

@@ -150,6 +150,19 @@ def test_loops_are_found_on_the_fast_path_and_stop_at_the_same_event() -> None:
             assert len(fast.client.body) < len(stream)
 
 
+def test_a_trigger_the_policies_let_go_on_relays_the_stream_whole_whatever_the_split() -> None:
+    # The read stops at the trigger's event; the decision comes in the relay's task, and the
+    # event and the rest of its read then go out as they came, once.
+    for stream in (CONTENT_LOOP, REASONING_LOOP, BOTH_LOOP):
+        at = len(stream) // 2
+        for reads in ([stream], split(stream, [at, at + 7]), events_of(stream)):
+            for general in (False, True):
+                run = relay(reads, loops=True, general=general)
+                assert run.client.body == stream, (len(reads), general)
+                assert len(run.decided) == 1, "the trigger was not answered once"
+                assert run.result.complete and run.result.decision is None
+
+
 def test_hold_reasoning_on_the_fast_path() -> None:
     for stream in (CLEAN, REASONING_LOOP):
         for decision in DECISIONS:

@@ -1,0 +1,100 @@
+"""The next attempt after a loop as a pure function (proxy/loops/next_attempt.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from policies.base import Retry, Trigger
+from proxy.loops.detector import DetectorConfig
+from proxy.loops.next_attempt import Asked, Generated, next_attempt, request_seed, seeded
+
+UNIT = " and then it repeats."
+TEXT = "Once upon a time" + UNIT * 12
+ONSET = Trigger("proxy", "content", 0, len(UNIT), 12, len("Once upon a time"))
+PREFIX = "Once upon a time" + UNIT
+RETRY = Retry("loop", {"presence_penalty": 1.5})
+
+
+def body(**extra: Any) -> dict[str, Any]:
+    return {
+        "model": "m",
+        "max_tokens": 500,
+        "messages": [{"role": "user", "content": "hi"}],
+        **extra,
+    }
+
+
+def test_the_seed_is_the_requests_whatever_its_delivery() -> None:
+    assert request_seed(body()) == request_seed(body(stream=True, stream_options={"x": 1}))
+    assert request_seed(body()) != request_seed(body(max_tokens=501))
+    assert 0 <= request_seed(body()) < 2**31
+
+
+def test_a_clients_own_seed_wins_then_the_ladders() -> None:
+    assert seeded(body(seed=5), {"seed": 1, "temperature": 0.7}) == {"seed": 5, "temperature": 0.7}
+    assert seeded(body(), {"seed": 1}) == {"seed": 1}
+    assert seeded(body(), {}) == {"seed": request_seed(body())}
+
+
+def test_streamed_or_not_the_retry_goes_on_from_the_onset_and_one_unit() -> None:
+    whole = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT, tokens=100))
+    shown = TEXT[: len(PREFIX) + 3 * len(UNIT) + 4]  # the stream showed more repeats
+    streamed = next_attempt(
+        Asked("chat", body(stream=True)), ONSET, RETRY, Generated(TEXT, tokens=100, shown=shown)
+    )
+    assert whole.strategy == streamed.strategy == "continue"
+    assert whole.continued is not None and streamed.continued is not None
+    assert whole.continued.prefix == streamed.continued.prefix == PREFIX
+    assert streamed.continued.missing == ""  # the client holds the prefix already
+    assert {k: v for k, v in whole.body.items() if k != "stream"} == {
+        k: v for k, v in streamed.body.items() if k != "stream"
+    }
+    assert whole.body["messages"][-1] == {"role": "assistant", "content": PREFIX}
+    assert whole.body["seed"] == request_seed(body())
+    assert whole.body["max_tokens"] == 500 - whole.kept_tokens
+
+
+def test_what_the_stream_held_back_of_the_prefix_is_missing() -> None:
+    held = PREFIX[:10]
+    nxt = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT, shown=held))
+    assert nxt.continued is not None and nxt.continued.missing == PREFIX[10:]
+
+
+def test_a_continued_streams_loop_is_cut_in_its_own_text() -> None:
+    prior = "Earlier text."
+    own = "x" + UNIT * 6
+    trigger = Trigger("proxy", "content", 0, len(UNIT), 6, 1)
+    nxt = next_attempt(
+        Asked("chat", body()), trigger, RETRY, Generated(prior + own, offset=len(prior))
+    )
+    assert nxt.continued is not None and nxt.continued.prefix == prior + "x" + UNIT
+
+
+def test_a_reasoning_loop_is_closed_at_its_onset() -> None:
+    trigger = Trigger("proxy", "reasoning", 0, len(UNIT), 12, len("Once upon a time"))
+    nxt = next_attempt(Asked("chat", body()), trigger, RETRY, Generated(TEXT))
+    assert nxt.strategy == "close_reasoning" and nxt.continued is not None
+    assert nxt.continued.message == f"<think>\n{PREFIX}\n</think>\n\n"
+
+
+def test_it_restarts_where_going_on_cannot_keep_the_answer_whole() -> None:
+    asked = Asked("chat", body(logprobs=True))
+    assert next_attempt(asked, ONSET, RETRY, Generated(TEXT)).strategy == "restart"
+    assert next_attempt(Asked("chat", body(n=2)), ONSET, RETRY, Generated(TEXT)).continued is None
+    assert next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(None)).strategy == "restart"
+    # stream_mode restart: the ladder's strategy (a restart unless it says continue).
+    other = Asked("chat", body(), one_path=False)
+    assert next_attempt(other, ONSET, RETRY, Generated(TEXT)).strategy == "restart"
+    go_on = Retry("loop", {}, strategy="continue")
+    assert next_attempt(other, ONSET, go_on, Generated(TEXT)).strategy == "continue"
+
+
+def test_a_loop_the_engine_reported_goes_on_from_the_onset_the_detector_finds() -> None:
+    engine = Trigger("engine", "content", 0)
+    asked = Asked("chat", body(), detector=DetectorConfig())
+    looped = "Once upon a time" + UNIT * 16  # long enough for the detector (256 chars)
+    nxt = next_attempt(asked, engine, RETRY, Generated(looped))
+    assert nxt.continued is not None and nxt.continued.prefix == PREFIX
+    calm = "A calm answer that the engine stopped anyway."
+    nxt = next_attempt(asked, engine, RETRY, Generated(calm))
+    assert nxt.continued is not None and nxt.continued.prefix == calm  # no loop found: all of it
