@@ -20,10 +20,12 @@ from policies.ladder import Ladder, LoopLadderPolicy
 from proxy.app import BUS
 from proxy.config import DEFAULT_ATTEMPTS
 from proxy.events import LoopDetected, PolicyActed, RecoveryBudgetUsed, RecoveryTokens
+from proxy.observe.incident_file import IncidentFile
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.emulator import knobs
 from tests.helpers.sse import sse_chunks
 from tests.helpers.transport import Probe, mark_connections
+from tests.helpers.waiting import eventually
 
 MODEL = "emulator-model"
 # Paced: each token its own upstream read, handed on from the data callback.
@@ -61,6 +63,18 @@ async def test_no_policy_budget_or_event_runs_inside_a_transport_callback(
 ) -> None:
     probe = Probe()
     mark_connections(monkeypatch, probe)
+    put, write = IncidentFile.put, IncidentFile._write
+
+    def noting_put(self: IncidentFile, line: bytes) -> None:
+        probe.note("incident_queued")
+        put(self, line)
+
+    def noting_write(self: IncidentFile, lines: list[bytes]) -> None:
+        probe.note("incident_written")  # in the writer's thread: never a callback's
+        write(self, lines)
+
+    monkeypatch.setattr(IncidentFile, "put", noting_put)
+    monkeypatch.setattr(IncidentFile, "_write", noting_write)
     policy = NotingPolicy(
         LoopLadderPolicy([Ladder(attempts=DEFAULT_ATTEMPTS)], RecoveryBudget()), probe
     )
@@ -86,6 +100,9 @@ async def test_no_policy_budget_or_event_runs_inside_a_transport_callback(
         await resp.read()
     # The probe saw the upstream's reads, and the recovery ran: the test can fail.
     assert probe.upstream_reads > 0, "no upstream read went through the marked protocol"
-    for what in ("policy", "LoopDetected", "PolicyActed", "RecoveryTokens"):
+    await eventually(
+        lambda: "incident_written" in probe.calls, what="the loop incident written to its file"
+    )
+    for what in ("policy", "LoopDetected", "PolicyActed", "RecoveryTokens", "incident_queued"):
         assert what in probe.calls, f"{what} never ran: {probe.calls}"
     assert probe.inside == [], f"ran inside an upstream data callback: {probe.inside}"
