@@ -319,7 +319,7 @@ class _Answering:
         self.requests: list[Received] = []
         self.errors: list[Exception] = []  # what handlers raised (answered 500)
         # With routes alone, the paths they name are all it answers (404 elsewhere).
-        self._handler = handler or (not_found if routes else answers(model=model))
+        self._handler = handler or (not_found if routes is not None else answers(model=model))
         self._scripts: dict[str, deque[Reply | Handler]] = {}
         self._routes: dict[str, Reply | Handler] = dict(routes or {})
 

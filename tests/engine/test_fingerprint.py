@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -33,6 +32,7 @@ from proxy.testing import MockUpstream, Received, Reply, not_found
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
 from tests.helpers.processes import free_port
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
@@ -178,26 +178,16 @@ def test_llama_cpp_reading() -> None:
 
 
 async def test_exported_stamped_and_changes_counted(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, registry: CollectorRegistry
 ) -> None:
     state = {"version": "0.16.0"}
-
-    async def version(request: web.Request) -> web.Response:
-        return web.json_response({"version": state["version"]})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 8}]})
-
-    async def answer(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "x"}}]}
-        )
-
-    upstream_app.router.add_get("/version", version)
-    upstream_app.router.add_get("/v1/models", models)
-    upstream_app.router.add_post("/v1/chat/completions", answer)
+    mock_upstream.on("/version", lambda request: Reply.json({"version": state["version"]}))
+    models = {"object": "list", "data": [{"id": "m", "max_model_len": 8}]}
+    mock_upstream.on("/v1/models", Reply.json(models))
+    answer = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "x"}}]}
+    mock_upstream.on("/v1/chat/completions", Reply.json(answer))
     client = await make_proxy(
-        await upstream(), env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
+        MOCK_URL, upstream=mock_upstream, env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
     )
     await eventually(lambda: fingerprint(client), what="the upstream's fingerprint read")
     labels = {"kind": "vllm", "version": "0.16.0", "model": "m"}
@@ -541,23 +531,20 @@ async def test_an_api_base_url_is_named_once(caplog: pytest.LogCaptureFixture) -
 
 
 async def test_a_prefixed_url_is_named_in_the_status(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
+    make_proxy: Any, mock_upstream: MockUpstream
 ) -> None:
-    """A gateway path that holds the API's prefix (here /api: /api/models answers)."""
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(MODELS)
-
-    upstream_app.router.add_get("/api/models", models)
-    client = await make_proxy(await upstream() + "/api", env=FAST)
+    """A gateway path that holds the API's prefix (here /api: /api/models answers; the mock
+    is the client of that URL, so it is asked for /models)."""
+    mock_upstream.on("/models", Reply.json(MODELS))
+    client = await make_proxy(MOCK_URL + "/api", upstream=mock_upstream, env=FAST)
 
     async def hint() -> str | None:
         said: str | None = (await upstream_state(client))["hint"]
         return said
 
     said = await eventually(hint, what="a hint in the status")
-    assert "detproxy adds /v1/... itself: use http://127.0.0.1:" in said, said
-    assert not said.rstrip("0123456789").endswith("/api"), said
+    assert f"detproxy adds /v1/... itself: use {MOCK_URL}" in said, said
+    assert not said.endswith("/api"), said
 
 
 async def test_an_engine_that_answers_has_no_hint(emulator: EmulatorServer) -> None:

@@ -16,6 +16,11 @@ from proxy.loops.rendered import SENTINEL
 from proxy.testing import FakeUpstream, Handler, Received, Reply
 from tests.helpers.sse import chat_chunk
 
+# The upstream URL of a detproxy given a ``MockUpstream`` (the ``mock_upstream`` fixture): it
+# names the engine (in the status, the logs); nothing listens there, every request goes to the
+# mock.
+MOCK_URL = "http://engine.test:8000"
+
 # A scripted HTTP/1.1 server for the upstream client's tests: it records each request and the
 # connection it came on, and answers with whatever bytes a test's ``ScriptedReply`` writes.
 
