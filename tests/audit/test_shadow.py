@@ -291,7 +291,8 @@ async def test_quiet_reads_the_upstream_running_gauge(
                 slow_emulator.url + "/v1/chat/completions", json=chat("elsewhere", max_tokens=60)
             )
         )
-        await asyncio.sleep(0.1)
+        running = lambda: slow_emulator.stats()["running"]  # noqa: E731
+        await eventually(running, what="the other request running on the engine")
         await client.post("/v1/chat/completions", json=chat("mine", max_tokens=2))
         await eventually(lambda: dropped(registry, "quiet_deadline"), what="a quiet_deadline drop")
         assert dropped(registry, "quiet_deadline") == 1
