@@ -26,6 +26,7 @@ from proxy.engine.fingerprint import (
     parse_metrics,
 )
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
+from proxy.http.errors import UpstreamFailure
 from proxy.http.h1 import H1Upstream
 from proxy.http.upstream import get
 from proxy.testing import MockUpstream, Received, Reply, not_found
@@ -597,3 +598,53 @@ def test_server_info_is_told_apart_by_shape(monkeypatch: pytest.MonkeyPatch) -> 
     assert {k for k, v in vllm.values.items() if v} == {"cache", "vllm"}, vllm
     assert {k for k, v in sglang.values.items() if v} == {"cache", "sglang"}, sglang
     assert {k for k, v in llama.values.items() if v} == {"cache", "llama"}, llama
+
+
+# --------------------------------------------------------------------- through the seam
+
+
+async def test_readings_go_through_the_upstream_seam_with_the_urls_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The poller asks its engine through the client it is given (the app's upstream), with the
+    URL's credentials as an HTTP client sends them; logs and state show the URL masked."""
+    caplog.set_level(logging.INFO, "proxy.engine.fingerprint")
+    engine = MockUpstream(routes={"/version": Reply.json({"version": "0.23.0"})})
+    engine.on("/v1/models", Reply.json(MODELS))
+    poller = FingerprintPoller(engine, "http://user:s3cret@engine:8000", EventBus(), 0)
+    fp = await poller.poll()
+    assert (fp.kind, fp.version, poller.state()["state"]) == ("vllm", "0.23.0", "up")
+    asked = {r.path: r.headers.get("Authorization") for r in engine.requests}
+    assert set(asked) >= {"/version", "/v1/models", "/props", "/metrics"}, asked
+    assert set(asked.values()) == {"Basic dXNlcjpzM2NyZXQ="}, asked
+    assert "s3cret" not in caplog.text + str(poller.state())
+
+
+async def test_faults_of_the_seam_are_said_in_a_few_words() -> None:
+    """The seam's one error vocabulary, as the poller says why the engine is down."""
+    refused = ConnectionRefusedError(111, "Connection refused")
+    unreachable = OSError(113, "No route to host")
+
+    def raising(exc: BaseException) -> Any:
+        def handle(request: Received) -> Reply:
+            raise exc
+
+        return handle
+
+    def failure(kind: str, cause: BaseException | None = None) -> UpstreamFailure:
+        exc = UpstreamFailure(502, "upstream error", kind)
+        exc.__cause__ = cause
+        return exc
+
+    said = {
+        "connection refused": raising(failure("refused", refused)),
+        "cannot connect (No route to host)": raising(failure("refused", unreachable)),
+        "connection closed before an answer": raising(failure("reset")),
+        "no answer within 0.05 s": lambda request: Reply(200, body=b"{}", delay_s=5),
+    }
+    for reason, answer in said.items():
+        poller = FingerprintPoller(
+            MockUpstream(answer), "http://engine", EventBus(), 0, timeout_s=0.05
+        )
+        await poller.poll()
+        assert (poller.state()["state"], poller.state()["reason"]) == ("waiting", reason)
