@@ -452,7 +452,7 @@ async def _events(reply: Reply) -> AsyncIterator[bytes]:
         raise UpstreamBodyError("upstream closed the connection mid-answer")
 
 
-async def as_response(reply: Reply) -> MockResponse:
+async def _as_response(reply: Reply) -> MockResponse:
     """A ``Reply`` as ``MockResponse``: its delay waited, a cut raised as a client would."""
     if reply.delay_s:
         await asyncio.sleep(reply.delay_s)
@@ -495,7 +495,7 @@ class MockUpstream(_Answering):
         request = Received(method, path, query, CIMultiDict(as_mapping(headers)), data)
         self.requests.append(request)
         answer = await self._answer(self._next(path) or self._handler, request)
-        resp = answer if isinstance(answer, MockResponse) else await as_response(answer)
+        resp = answer if isinstance(answer, MockResponse) else await _as_response(answer)
         self.responses.append(resp)
         return resp
 

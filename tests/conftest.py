@@ -78,11 +78,12 @@ def make_proxy(
 
 
 @pytest.fixture
-def mock_upstream() -> MockUpstream:
+async def mock_upstream() -> AsyncIterator[MockUpstream]:
     """An in-process upstream (``proxy.testing.MockUpstream``, no socket) that answers only what
     a test routes (404 elsewhere): ``make_proxy(MOCK_URL, upstream=mock_upstream)``
-    (``tests.helpers.upstreams.MOCK_URL``)."""
-    return MockUpstream(routes={})
+    (``tests.helpers.upstreams.MOCK_URL``). What a handler raised is raised again at the end."""
+    async with MockUpstream(routes={}) as mock:
+        yield mock
 
 
 @pytest.fixture
