@@ -109,8 +109,8 @@ def replies_with(raw: bytes) -> ScriptedReply:
     return reply
 
 
-# A scripted OpenAI-compatible upstream (routes for a FakeUpstream): a minimal SSE stream and a
-# /version that can change
+# A scripted OpenAI-compatible upstream (routes for a MockUpstream or a FakeUpstream): a minimal
+# SSE stream and a /version that can change
 
 
 @dataclass
@@ -129,7 +129,7 @@ class UpstreamScript:
 
 
 def scripted_routes(script: UpstreamScript) -> dict[str, Handler]:
-    """The paths ``script`` answers, for ``FakeUpstream(routes=...)`` (404 elsewhere)."""
+    """The paths ``script`` answers, for ``MockUpstream(routes=...)`` (404 elsewhere)."""
 
     def version(request: Received) -> Reply:
         script.version_calls += 1
