@@ -1,8 +1,9 @@
 """``build_app(settings)``: the admin routes, the upstream clients (every request to an engine,
-its reads included, goes through one: ``build_app(upstream=)`` swaps it), and what lives as long
-as the app. The aiohttp ``Application`` is the container of that lifetime (its ``cleanup_ctx``)
-and of what the listeners serve: ``RUNTIME``'s forwarder the proxied routes, ``ADMIN``
-detproxy's own; ``proxy.serving`` puts both on the lean front's listeners."""
+its reads included, goes through the ``Upstream`` seam, to clients of one kind:
+``build_app(upstream=)`` swaps them all), and what lives as long as the app. The aiohttp
+``Application`` is the container of that lifetime (its ``cleanup_ctx``) and of what the
+listeners serve: ``RUNTIME``'s forwarder the proxied routes, ``ADMIN`` detproxy's own;
+``proxy.serving`` puts both on the lean front's listeners."""
 
 from __future__ import annotations
 
@@ -86,6 +87,10 @@ RUNTIME = web.AppKey("runtime", Runtime)
 BUDGET_SYNC = web.AppKey["RedisBudgetSync | None"]("budget_sync")
 TARGET = web.AppKey[Upstream]("target")  # the upstream requests are forwarded to
 REFERENCE = web.AppKey[Upstream | None]("reference")  # the control engine shadows go to
+# The engine reads' (fingerprint, load): the target's client, or, where the app made that one,
+# another of the same kind, so that a pool full of proxied requests never holds a reading back
+# past its timeout (a false outage); with ``build_app(upstream=)``, the one given.
+READS = web.AppKey[Upstream]("reads")
 
 
 def _duplicate_store(settings: Settings) -> DuplicateStore:
@@ -115,13 +120,14 @@ def _scheduler(
     bus: EventBus,
     forwarder: Forwarder,
     guard: InjectionGuard,
+    load: UpstreamLoad,
 ) -> ShadowScheduler | None:
+    """``load``: how busy the engine the shadows go to is."""
     audit = settings.audit
     rates = (audit.sample_rate, *audit.model_rates.values())
     if audit.at_least_every_s <= 0 and not any(r > 0 for r in rates):
         return None  # audit off: no rate and no floor
     target = reference or upstream
-    load = UpstreamLoad(target, audit.reference_url or settings.upstream.url)
     # max_concurrent_shadows is the server's: its workers take turns in their shared folder.
     shared = os.environ.get(MULTIPROC_ENV)
     turns = engine_turns(audit.max_concurrent_shadows, settings.server.processes, shared)
@@ -143,6 +149,7 @@ def _triage(
     bus: EventBus,
     forwarder: Forwarder,
     scheduler: ShadowScheduler | None,
+    load: UpstreamLoad,
 ) -> Triage | None:
     """Triage needs divergences to follow (shadows', or the passive duplicate checks') and a
     rate above 0."""
@@ -151,7 +158,6 @@ def _triage(
     if scheduler is None and not settings.audit.passive_checks:
         return None
     audit = settings.audit
-    load = UpstreamLoad(upstream, settings.upstream.url)
     # The server's budget and turns: the workers' shared folder where there are several.
     shared, processes = os.environ.get(MULTIPROC_ENV), settings.server.processes
     turns = (
@@ -178,12 +184,13 @@ def _triage(
     return triage
 
 
-def _invariance(
+def _invariance(  # noqa: PLR0913 (what it reuses of the app, one argument each)
     settings: Settings,
     upstream: Upstream,
     bus: EventBus,
     forwarder: Forwarder,
     engine: EngineTruth,
+    load: UpstreamLoad,
     *,
     poller: FingerprintPoller | None,
     scheduler: ShadowScheduler | None,
@@ -193,7 +200,6 @@ def _invariance(
     if settings.upstream.expect.batch_invariant is not True:
         return None
     audit = settings.audit
-    load = UpstreamLoad(upstream, settings.upstream.url)
 
     def busy() -> bool:
         return (scheduler is not None and scheduler.sending > 0) or (
@@ -339,6 +345,7 @@ class _Lifetime:
     def contexts(self) -> list[Callable[[web.Application], AsyncIterator[None]]]:
         return [
             self.target_ctx,
+            self.reads_ctx,
             self.reference_ctx,
             self.incidents_ctx,
             self.runtime_ctx,
@@ -361,6 +368,16 @@ class _Lifetime:
         yield
         await target.close()
 
+    async def reads_ctx(self, app: web.Application) -> AsyncIterator[None]:
+        if self.upstream is not None:
+            app[READS] = self.upstream
+            yield
+            return
+        config = self.settings.upstream
+        reads = app[READS] = _make_upstream(config, config.url, self.server_id)
+        yield
+        await reads.close()
+
     async def reference_ctx(self, app: web.Application) -> AsyncIterator[None]:
         url, upstream = self.settings.audit.reference_url, self.settings.upstream
         reference = _make_upstream(upstream, url, self.server_id) if url else None
@@ -379,7 +396,7 @@ class _Lifetime:
     async def runtime_ctx(self, app: web.Application) -> AsyncIterator[None]:
         # Wiring only: what it builds is started and stopped by the contexts after it.
         settings, bus, guard = self.settings, self.bus, self.guard
-        target, reference = app[TARGET], app[REFERENCE]
+        target, reference, reads = app[TARGET], app[REFERENCE], app[READS]
         forwarder = Forwarder(
             settings,
             target,
@@ -390,9 +407,18 @@ class _Lifetime:
             self.clock,
             server_id=self.server_id,
         )
-        scheduler = _scheduler(settings, target, reference, bus, forwarder, guard)
+        # How busy the engines are, read as the fingerprint is (``READS``); the reference's
+        # through its own client, which only shadows use.
+        load = UpstreamLoad(reads, settings.upstream.url)
+        reference_url = settings.audit.reference_url
+        shadows_load = (
+            UpstreamLoad(reference, reference_url)
+            if reference is not None and reference_url
+            else load
+        )
+        scheduler = _scheduler(settings, target, reference, bus, forwarder, guard, shadows_load)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
-        triage = _triage(settings, target, reference, bus, forwarder, scheduler)
+        triage = _triage(settings, target, reference, bus, forwarder, scheduler, load)
         auditor = None
         if scheduler is not None or store is not None:
             auditor = Auditor(
@@ -415,7 +441,7 @@ class _Lifetime:
             EngineLogFollower(upstream.engine_log, engine)  # attaches itself as engine.follower
         if upstream.fingerprint_interval_s > 0:
             poller = FingerprintPoller(
-                target, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
+                reads, upstream.url, bus, upstream.fingerprint_interval_s, truth=engine
             )
         invariance = _invariance(
             settings,
@@ -423,6 +449,7 @@ class _Lifetime:
             bus,
             forwarder,
             engine,
+            load,
             poller=poller,
             scheduler=scheduler,
             triage=triage,

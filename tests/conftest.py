@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy.app import build_app
 from proxy.config import STATE_DIR_ENV, load_settings
-from proxy.testing import FakeUpstream, Handler
+from proxy.testing import FakeUpstream, Handler, MockUpstream
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.processes import redis_server
 from tests.helpers.served import ServedApp
@@ -78,8 +78,18 @@ def make_proxy(
 
 
 @pytest.fixture
+async def mock_upstream() -> AsyncIterator[MockUpstream]:
+    """An in-process upstream (``proxy.testing.MockUpstream``, no socket) that answers only what
+    a test routes (404 elsewhere): ``make_proxy(MOCK_URL, upstream=mock_upstream)``
+    (``tests.helpers.upstreams.MOCK_URL``). What a handler raised is raised again at the end."""
+    async with MockUpstream(routes={}) as mock:
+        yield mock
+
+
+@pytest.fixture
 def upstream_app() -> web.Application:
-    """A scripted upstream: tests add the routes they need."""
+    """A scripted upstream on a socket, for tests about the wire: tests add the routes they
+    need (a test that is not about the wire uses ``mock_upstream``)."""
     return web.Application()
 
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from proxy.app import REFERENCE, RUNTIME, TARGET, build_app
+from proxy.app import READS, REFERENCE, RUNTIME, TARGET, build_app
 from proxy.audit.auditor import Auditor
 from proxy.audit.shadow import ShadowScheduler
 from proxy.config import load_settings
@@ -71,6 +71,8 @@ async def test_every_resource_is_released_in_order(
     writer = [t for t in asyncio.all_tasks() if t.get_name() == "incidents:writer"]
     assert len(writer) == 1, "the incident log's writer task is not running"
     assert isinstance(app[TARGET], H1Upstream) and isinstance(app[REFERENCE], H1Upstream)
+    # The engine reads' own connections: a pool full of proxied requests holds none back.
+    assert isinstance(app[READS], H1Upstream) and app[READS] is not app[TARGET]
     assert app[RUNTIME].scheduler is not None and app[RUNTIME].auditor is not None
     await server.close()
     assert app_tasks == [[]]
@@ -79,6 +81,7 @@ async def test_every_resource_is_released_in_order(
         "Auditor.close",
         "IncidentLog.close",
         "H1Upstream.close",  # the reference
+        "H1Upstream.close",  # the engine reads'
         "H1Upstream.close",  # the target
     ]
     assert writer[0].done(), "the incident log's writer outlived the app"
@@ -102,6 +105,6 @@ async def test_an_upstream_given_to_the_app_is_not_closed_with_it(
     app = build_app(load_settings(env=env), registry=CollectorRegistry(), upstream=given)
     server = TestServer(app)
     await server.start_server()
-    assert app[TARGET] is given and app[REFERENCE] is None
+    assert app[TARGET] is given and app[READS] is given and app[REFERENCE] is None
     await server.close()
     assert calls == []

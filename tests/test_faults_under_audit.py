@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
 from tests.helpers.served import own_tasks
-from tests.helpers.waiting import settle
+from tests.helpers.waiting import Unmet, eventually, settle
 
 FAULTS = [
     "reset_mid_stream",
@@ -61,9 +61,13 @@ async def test_faults_while_audits_and_retries_run(
         faulted = [call({"fault": f, "fault_after_tokens": 5}) for f in FAULTS]
         results = await asyncio.gather(*background, *faulted)
         await settle(client)
-        await asyncio.sleep(0.1)  # the handlers' last steps
-        after = own_tasks()
-        running = emu.stats()["running"]
+
+        def left_behind() -> tuple[int, int] | Unmet:
+            now = (own_tasks(), emu.stats()["running"])  # tasks, upstream requests
+            return now if now[0] <= before and now[1] == 0 else Unmet(now)
+
+        # The handlers' last steps run after their answers: none may be left.
+        await eventually(left_behind, what=f"no task (of {before}), no upstream request left")
 
     clean, loops, faults = results[:6], results[6:10], dict(zip(FAULTS, results[10:], strict=True))
     assert all(s == 200 for s, _ in clean + loops)
@@ -85,4 +89,3 @@ async def test_faults_while_audits_and_retries_run(
         )
         == 0
     )
-    assert after <= before and running == 0  # no task, no upstream request left behind

@@ -1,8 +1,11 @@
-"""The OpenAI endpoints through detproxy against a scripted upstream (real sockets)."""
+"""The OpenAI endpoints through detproxy against a scripted upstream: in process (a
+``MockUpstream``) where a test is about what detproxy does, on real sockets where it is about
+what crosses the wire (fields and their bytes)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -12,10 +15,11 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
 from policies.base import Continue, PolicyChain, PolicyContext, Retry
+from proxy.testing import MockResponse, MockUpstream, Received, Reply
 from tests.helpers.metrics import metric
 from tests.helpers.relay_run import ExplodingInspector
 from tests.helpers.settings import NO_SHADOWS
-from tests.helpers.upstreams import ScriptedRequest, ScriptedServer
+from tests.helpers.upstreams import MOCK_URL, ScriptedRequest, ScriptedServer
 
 CHAT = "/v1/chat/completions"
 ANSWER = {
@@ -34,39 +38,38 @@ EVENTS = [
 
 
 class Recorder:
+    """Answers chat whole and completions streamed (each event a piece); records each request
+    (its path and query, fields, body) as the upstream got it."""
+
     def __init__(self) -> None:
         self.requests: list[tuple[str, CIMultiDict[str], bytes]] = []
 
-    async def json_answer(self, request: web.Request) -> web.Response:
-        self.requests.append((request.path_qs, CIMultiDict(request.headers), await request.read()))
-        return web.Response(
-            body=orjson.dumps(ANSWER),
-            content_type="application/json",
-            headers={"X-Upstream": "yes"},
-        )
+    def _record(self, request: Received) -> None:
+        path_qs = request.path + (f"?{request.query}" if request.query else "")
+        self.requests.append((path_qs, CIMultiDict(request.headers), request.body))
 
-    async def stream(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append((request.path_qs, CIMultiDict(request.headers), await request.read()))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for event in EVENTS:
-            await resp.write(event)
-        await resp.write_eof()
-        return resp
+    def json_answer(self, request: Received) -> Reply:
+        self._record(request)
+        return Reply.json(ANSWER, headers={"X-Upstream": "yes"})
+
+    def stream(self, request: Received) -> Reply:
+        self._record(request)
+        return Reply.sse(EVENTS, done=False)
 
 
 @pytest.fixture
-def recorder(upstream_app: web.Application) -> Recorder:
+def recorder(mock_upstream: MockUpstream) -> Recorder:
     rec = Recorder()
-    upstream_app.router.add_post("/v1/chat/completions", rec.json_answer)
-    upstream_app.router.add_post("/v1/completions", rec.stream)
+    mock_upstream.on("/v1/chat/completions", rec.json_answer)
+    mock_upstream.on("/v1/completions", rec.stream)
     return rec
 
 
 async def test_non_streaming_is_byte_faithful(
-    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder, registry: CollectorRegistry
 ) -> None:
-    client = await make_proxy(await upstream(), env=NO_SHADOWS)  # an audit adds logprobs
+    # No audit: an audit adds logprobs.
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=NO_SHADOWS)
     body = b'{"model": "m", "temperature": 0,   "messages": [{"role":"user","content":"hi"}]}'
     resp = await client.post(CHAT, data=body, headers={"Content-Type": "application/json"})
     assert resp.status == 200
@@ -151,17 +154,19 @@ async def test_the_upstream_gets_the_clients_fields_as_they_came_less_hop_by_hop
         assert names.count(b"host") == 1 and names.count(b"content-length") == 1
 
 
-async def test_request_id_is_kept(make_proxy: Any, upstream: Any, recorder: Recorder) -> None:
-    client = await make_proxy(await upstream())
+async def test_request_id_is_kept(
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder
+) -> None:
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post(CHAT, json={"model": "m"}, headers={"X-Request-Id": "abc-123"})
     assert resp.headers["X-Request-Id"] == "abc-123"
     assert recorder.requests[0][1]["X-Request-Id"] == "abc-123"
 
 
 async def test_streaming_relays_every_event_unchanged(
-    make_proxy: Any, upstream: Any, recorder: Recorder
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder
 ) -> None:
-    client = await make_proxy(await upstream())
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post("/v1/completions", json={"model": "m", "stream": True})
     assert resp.headers["Content-Type"] == "text/event-stream"
     assert await resp.read() == b"".join(EVENTS)
@@ -180,14 +185,14 @@ async def test_streaming_relays_every_event_unchanged(
 )
 async def test_bad_bodies_get_400_and_are_not_forwarded(
     make_proxy: Any,
-    upstream: Any,
+    mock_upstream: MockUpstream,
     recorder: Recorder,
     body: bytes,
     headers: dict[str, str],
     status: int,
     message: str,
 ) -> None:
-    client = await make_proxy(await upstream())
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post(CHAT, data=body, headers=headers)
     assert resp.status == status
     err = (await resp.json())["error"]
@@ -196,9 +201,11 @@ async def test_bad_bodies_get_400_and_are_not_forwarded(
 
 
 async def test_oversized_body_gets_413_unread(
-    make_proxy: Any, upstream: Any, recorder: Recorder
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder
 ) -> None:
-    client = await make_proxy(await upstream(), env={"DETPROXY_SERVER__MAX_BODY_BYTES": "1000"})
+    client = await make_proxy(
+        MOCK_URL, upstream=mock_upstream, env={"DETPROXY_SERVER__MAX_BODY_BYTES": "1000"}
+    )
     resp = await client.post(
         CHAT, data=b'{"x":"' + b"a" * 2000 + b'"}', headers={"Content-Type": "application/json"}
     )
@@ -217,9 +224,9 @@ async def test_oversized_body_gets_413_unread(
 
 
 async def test_wrong_field_types_are_forwarded_unaudited(
-    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder, registry: CollectorRegistry
 ) -> None:
-    client = await make_proxy(await upstream())
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post(CHAT, json={"model": "m", "temperature": "0", "stream": "no"})
     assert resp.status == 200
     assert len(recorder.requests) == 1
@@ -237,17 +244,13 @@ async def test_wrong_field_types_are_forwarded_unaudited(
 
 
 async def test_upstream_error_status_and_body_reach_the_client(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
+    make_proxy: Any, mock_upstream: MockUpstream
 ) -> None:
     body = (
         b'{"error":{"message":"The model `x` does not exist.","type":"NotFoundError","code":404}}'
     )
-
-    async def not_found(request: web.Request) -> web.Response:
-        return web.Response(status=404, body=body, content_type="application/json")
-
-    upstream_app.router.add_post(CHAT, not_found)
-    client = await make_proxy(await upstream())
+    mock_upstream.on(CHAT, Reply(404, (("Content-Type", "application/json"),), body))
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post(CHAT, json={"model": "x", "stream": True})
     assert resp.status == 404
     assert await resp.read() == body
@@ -272,10 +275,12 @@ class Broken:
 
 
 async def test_policy_seam_retry_and_isolation(
-    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder, registry: CollectorRegistry
 ) -> None:
     retry = RetryOnce()
-    client = await make_proxy(await upstream(), policies=PolicyChain([Broken(), retry]))
+    client = await make_proxy(
+        MOCK_URL, upstream=mock_upstream, policies=PolicyChain([Broken(), retry])
+    )
     resp = await client.post(CHAT, json={"model": "m", "temperature": 0})
     assert resp.status == 200
     assert resp.headers["X-Detproxy-Attempts"] == "2"
@@ -301,11 +306,12 @@ class Collect:
 
 
 async def test_inspector_seam_sees_every_chunk_and_failures_are_isolated(
-    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder, registry: CollectorRegistry
 ) -> None:
     collect = Collect()
     client = await make_proxy(
-        await upstream(),
+        MOCK_URL,
+        upstream=mock_upstream,
         inspector_factories=[lambda view: ExplodingInspector(), lambda view: collect],
     )
     resp = await client.post("/v1/completions", json={"model": "m", "stream": True})
@@ -323,22 +329,24 @@ async def test_inspector_seam_sees_every_chunk_and_failures_are_isolated(
     )
 
 
-async def test_stream_is_relayed_as_it_arrives(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
-) -> None:
-    release = asyncio.Event()
+def held_back(release: asyncio.Event) -> MockResponse:
+    """A stream whose first event comes at once, the rest once ``release`` is set."""
 
-    async def slow(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(EVENTS[0])
-        await release.wait()  # the rest only once the client has seen the first event
+    async def events() -> AsyncIterator[bytes]:
+        yield EVENTS[0]
+        await release.wait()
         for event in EVENTS[1:]:
-            await resp.write(event)
-        return resp
+            yield event
 
-    upstream_app.router.add_post(CHAT, slow)
-    client = await make_proxy(await upstream())
+    return MockResponse(200, {"Content-Type": "text/event-stream"}, events())
+
+
+async def test_stream_is_relayed_as_it_arrives(
+    make_proxy: Any, mock_upstream: MockUpstream
+) -> None:
+    release = asyncio.Event()  # the rest only once the client has seen the first event
+    mock_upstream.on(CHAT, lambda request: held_back(release))
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post(CHAT, json={"stream": True})
     first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), timeout=5)
     assert first == EVENTS[0]
@@ -347,22 +355,12 @@ async def test_stream_is_relayed_as_it_arrives(
 
 
 async def test_a_request_is_counted_when_it_starts_not_when_it_ends(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, registry: CollectorRegistry
 ) -> None:
     """An hour-long stream shows in ``detproxy_requests_total`` from its start, once."""
     release = asyncio.Event()
-
-    async def slow(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(EVENTS[0])
-        await release.wait()
-        for event in EVENTS[1:]:
-            await resp.write(event)
-        return resp
-
-    upstream_app.router.add_post(CHAT, slow)
-    client = await make_proxy(await upstream())
+    mock_upstream.on(CHAT, lambda request: held_back(release))
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     labels = {"model": "m", "endpoint": "chat", "stream": "true", "deterministic": "true"}
     resp = await client.post(CHAT, json={"model": "m", "temperature": 0, "stream": True})
     try:
@@ -376,10 +374,10 @@ async def test_a_request_is_counted_when_it_starts_not_when_it_ends(
 
 
 async def test_a_bad_request_is_counted_once_with_unknown_labels(
-    make_proxy: Any, upstream: Any, recorder: Recorder, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder, registry: CollectorRegistry
 ) -> None:
     """Refused before its body was classified: model "", stream and deterministic false."""
-    client = await make_proxy(await upstream())
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post(CHAT, data=b"not json", headers={"Content-Type": "application/json"})
     assert resp.status == 400
     labels = {"model": "", "endpoint": "chat", "stream": "false", "deterministic": "false"}
@@ -402,10 +400,12 @@ class OnlyTriggers(RetryOnce):
 
 @pytest.mark.parametrize("env", [{}, LOOPS_OFF])
 async def test_policies_see_clean_answers_unless_they_only_act_on_triggers(
-    make_proxy: Any, upstream: Any, recorder: Recorder, env: dict[str, str]
+    make_proxy: Any, mock_upstream: MockUpstream, recorder: Recorder, env: dict[str, str]
 ) -> None:
     reads, ignores = RetryOnce(), OnlyTriggers()
-    client = await make_proxy(await upstream(), env=env, policies=PolicyChain([ignores, reads]))
+    client = await make_proxy(
+        MOCK_URL, upstream=mock_upstream, env=env, policies=PolicyChain([ignores, reads])
+    )
     resp = await client.post(CHAT, json={"model": "m", "temperature": 0})
     assert resp.status == 200 and resp.headers["X-Detproxy-Attempts"] == "2"
     assert [ctx.body for ctx in reads.seen] == [ANSWER, ANSWER]
@@ -413,7 +413,10 @@ async def test_policies_see_clean_answers_unless_they_only_act_on_triggers(
 
 
 async def test_with_loops_off_an_answer_nothing_reads_is_not_parsed(
-    make_proxy: Any, upstream: Any, recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+    make_proxy: Any,
+    mock_upstream: MockUpstream,
+    recorder: Recorder,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The spy is on orjson's module, not on detproxy's: a compiled module (mypyc) calls its
     # neighbours directly, but looks orjson's functions up on each call.
@@ -428,7 +431,7 @@ async def test_with_loops_off_an_answer_nothing_reads_is_not_parsed(
 
     monkeypatch.setattr(orjson, "loads", spy)
     for env, times in ((LOOPS_OFF, 0), (NO_SHADOWS, 1)):
-        client = await make_proxy(await upstream(), env=env)
+        client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
         resp = await client.post(CHAT, json={"model": "m", "temperature": 0})
         assert await resp.read() == orjson.dumps(ANSWER)
         assert len(parsed) == times

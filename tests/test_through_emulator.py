@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.emulator import knobs
 from tests.helpers.metrics import metric, metric_total
+from tests.helpers.served import own_tasks
 from tests.helpers.sse import sse_blocks
 from tests.helpers.waiting import eventually
 
@@ -190,6 +191,7 @@ async def test_answered_requests_leave_no_reference_cycle_of_detproxy_objects(
     Streamed and not, with loop inspection and passive checks on, and a retried loop."""
     proxy = await make_proxy(emulator.url, env={"DETPROXY_LOOPS__POLICY": "retry"})
     body = {"model": "emulator-model", "messages": MESSAGES, "temperature": 0, "max_tokens": 16}
+    idle = own_tasks()  # the app's own, before any request
     for stream in (False, True):  # warm-up: what the first requests create and keep
         resp = await proxy.post("/v1/chat/completions", json={**body, "stream": stream})
         await resp.read()
@@ -211,7 +213,8 @@ async def test_answered_requests_leave_no_reference_cycle_of_detproxy_objects(
                 headers=LOOPS_ONCE,
             )
             assert resp.status == 200 and await resp.read()
-        await asyncio.sleep(0.05)  # the handlers' last steps
+        # The handlers' last steps run after their answers: until no task is left of them.
+        await eventually(lambda: own_tasks() <= idle, what=f"no more tasks than {idle}")
         gc.collect()
         ours = sorted({type(o).__qualname__ for o in gc.garbage if _is_detproxy(o)})
     finally:

@@ -257,13 +257,17 @@ async def test_sigterm_lets_every_worker_finish_its_streams(tmp_path: Path) -> N
     async with EmulatorServer(slow) as emu, supervised(emu.url, tmp_path / "log") as (base, proc):
         await workers_seen(base)
 
+        under_way: list[bytes] = []
+
         async def stream() -> bytes:
             async with fresh() as http, http.post(base + "/v1/chat/completions", json=body) as r:
-                return await r.read()
+                first = await r.content.readuntil(b"\n\n")
+                under_way.append(first)
+                return first + await r.read()
 
         streams = [asyncio.create_task(stream()) for _ in range(8)]
-        await asyncio.sleep(0.5)  # every stream under way (30 tokens take 1.5 s)
-        assert not any(s.done() for s in streams)
+        await eventually(lambda: len(under_way) == 8, what="every stream under way")
+        assert not any(s.done() for s in streams), "30 tokens take 1.5 s"
         proc.send_signal(signal.SIGTERM)
         bodies = await asyncio.wait_for(asyncio.gather(*streams), 30)
         assert all(b.endswith(b"data: [DONE]\n\n") and b.count(b"\n\n") > 30 for b in bodies)

@@ -39,6 +39,12 @@ class Sampler:
         self._last: dict[str, float] = {}  # model -> when its last audit started
         self._pruned_at = float("-inf")
 
+    @property
+    def floor_models(self) -> frozenset[str]:
+        """The models the floor keeps an entry for (bounded: past ``MAX_MODELS`` they share
+        one, ``OVERFLOW``)."""
+        return frozenset(self._last)
+
     def _rule(self, model: str) -> tuple[float, bool]:
         """``model``'s rate, and whether the floor applies to it: not where a ``model_rates``
         pattern gives it 0 (an operator's opt-out for that model)."""

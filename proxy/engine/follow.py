@@ -217,6 +217,7 @@ class EngineLogFollower:
         self.reader: LogReader = reader or EngineLogReader(max_line_chars=max_line)
         self.cut_lines = 0  # lines longer than max_line, cut
         self.reopened = 0  # rotations and truncations followed
+        self.polls = 0  # times the file was looked at (opened, or read from)
         self._partial = ""
         self._cutting = False  # inside a line already cut: drop until its end
         self._said_waiting = False
@@ -312,6 +313,7 @@ class EngineLogFollower:
         position = 0
         try:
             while True:
+                self.polls += 1
                 if handle is None:
                     opened = self._open()
                     if opened is None:

@@ -82,6 +82,16 @@ class H1Response:
             self._headers = headers
         return headers
 
+    @property
+    def held(self) -> int:
+        """Body bytes read from the upstream that its reader has not taken yet."""
+        return self._conn.held
+
+    @property
+    def reading_paused(self) -> bool:
+        """Reading from the upstream is paused until the reader takes what is held."""
+        return self._conn.reading_paused
+
     def chunks(self) -> AsyncIterator[bytes]:
         """The body, piece by piece as it is parsed (an async iterator, not a generator:
         mypyc compiles no async generators)."""
@@ -272,6 +282,11 @@ class H1Upstream:
     @property
     def idle_connections(self) -> int:
         return sum(1 for c in self._idle if not c.closed)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a connection (``max_connections`` are in use)."""
+        return sum(1 for w in self._waiters if not w.done())
 
     # -- a request -----------------------------------------------------------------------
 

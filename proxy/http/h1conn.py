@@ -67,6 +67,11 @@ class Conn(asyncio.Protocol):
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
+    @property
+    def reading_paused(self) -> bool:
+        """Reading from the socket is paused: more than ``HIGH_WATER`` bytes are held."""
+        return self._paused
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement asyncio.Transport without subclassing it.
         self.transport = cast(asyncio.Transport, transport)

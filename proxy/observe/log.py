@@ -257,6 +257,11 @@ class Repeats:
         self._max_keys = max_keys
         self._keys: dict[Hashable, list[float]] = {}  # key -> [last line at, left out since]
 
+    @property
+    def key_count(self) -> int:
+        """How many keys are held (at most ``max_keys``)."""
+        return len(self._keys)
+
     def admit(self, key: Hashable) -> int | None:
         now = self._clock()
         entry = self._keys.get(key)

@@ -6,11 +6,12 @@ from typing import Any
 
 import orjson
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.config import ConfigError, load_settings
+from proxy.testing import MockUpstream, Received, Reply
 from tests.helpers.metrics import metric
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import settle
 
 ANSWERS = {
@@ -34,19 +35,19 @@ ANSWERS = {
 
 
 async def test_json_path_extractor(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, registry: CollectorRegistry
 ) -> None:
-    async def answer(request: web.Request) -> web.Response:
-        body = await request.json()
-        primary, shadow, _ = ANSWERS[body["messages"][0]["content"]]
+    def answer(request: Received) -> Reply:
+        primary, shadow, _ = ANSWERS[request.json()["messages"][0]["content"]]
         content = shadow if request.headers.get("X-Detproxy-Shadow") else primary
-        return web.json_response(
+        return Reply.json(
             {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": content}}]}
         )
 
-    upstream_app.router.add_post("/v1/chat/completions", answer)
+    mock_upstream.on("/v1/chat/completions", answer)
     client = await make_proxy(
-        await upstream(),
+        MOCK_URL,
+        upstream=mock_upstream,
         env={
             "DETPROXY_AUDIT__SAMPLE_RATE": "1",
             "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",

@@ -53,7 +53,11 @@ async def test_two_replicas_share_duplicates_and_store_no_text(
         "messages": [{"role": "user", "content": "a secret prompt about invoices"}],
     }
     assert (await first.post("/v1/chat/completions", json=body)).status == 200
-    await asyncio.sleep(0.1)
+    store = redis.Redis.from_url(redis_url)
+    try:  # the first replica's record in the shared store, before the second asks
+        await eventually(lambda: store.keys(PREFIX + "*"), what="the first answer stored")
+    finally:
+        await store.aclose()
     resp = await second.post(
         "/v1/chat/completions",
         json=body,

@@ -110,9 +110,9 @@ def test_floor_state_is_bounded_whatever_model_names_clients_send() -> None:
     sampler = Sampler(AuditConfig(sample_rate=0.0, at_least_every_s=60), clock=clock)
     key = keys(1)[0]
     picked = sum(sampler.should_audit(f"model-{i}", key) for i in range(3 * MAX_MODELS))
-    assert len(sampler._last) <= MAX_MODELS + 1
+    assert len(sampler.floor_models) <= MAX_MODELS + 1
     # the first MAX_MODELS have their own entry; all the others share one floor audit
     assert picked == MAX_MODELS + 1
     clock.now += 61.0  # a minute later the stale entries make room for new names again
     assert sampler.should_audit("a-new-model", key)
-    assert "a-new-model" in sampler._last
+    assert "a-new-model" in sampler.floor_models

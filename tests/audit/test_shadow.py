@@ -8,7 +8,6 @@ from typing import Any, cast
 
 import orjson
 import pytest
-from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry
 
@@ -16,11 +15,14 @@ from proxy.audit.shadow import ShadowJob, ShadowScheduler, TokenBucket
 from proxy.audit.turns import LocalTurns
 from proxy.config import AuditConfig
 from proxy.events import EventBus, ShadowDropped
+from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually, settle
 
 MODEL = "emulator-model"
+CHAT = "/v1/chat/completions"
 AUDIT_ALL = {
     "DETPROXY_AUDIT__SAMPLE_RATE": "1",
     "DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1000",
@@ -43,13 +45,14 @@ def dropped(registry: CollectorRegistry, reason: str) -> float:
 
 
 class Capture:
-    """An upstream that answers like vLLM and keeps every request it gets."""
+    """An upstream that answers like vLLM and keeps every request it gets (a handler of
+    ``proxy.testing``'s: in process, or on a socket)."""
 
     def __init__(self) -> None:
         self.requests: list[tuple[CIMultiDict[str], dict[str, Any]]] = []
 
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json()
+    def handle(self, request: Received) -> Reply:
+        body = request.json()
         self.requests.append((CIMultiDict(request.headers), body))
         logprobs = {
             "content": [
@@ -75,19 +78,19 @@ class Capture:
             ],
             "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
         }
-        return web.json_response(answer)
+        return Reply.json(answer)
 
 
 @pytest.fixture
-def capture(upstream_app: web.Application) -> Capture:
-    cap = Capture()
-    upstream_app.router.add_post("/v1/chat/completions", cap.handle)
-    return cap
+def capture() -> Capture:
+    return Capture()
 
 
-async def test_shadow_request_shape(make_proxy: Any, upstream: Any, capture: Capture) -> None:
+async def test_shadow_request_shape(make_proxy: Any, fake_upstream: Any, capture: Capture) -> None:
+    """On a socket: X-Detproxy-Via is written by the upstream client, on the wire."""
+    upstream = await fake_upstream(routes={CHAT: capture.handle})
     client = await make_proxy(
-        await upstream(),
+        upstream.url,
         env=AUDIT_ALL
         | {
             "DETPROXY_AUDIT__SHADOW_MODE": "prefill",
@@ -123,11 +126,11 @@ async def test_shadow_request_shape(make_proxy: Any, upstream: Any, capture: Cap
 
 
 async def test_shadow_reuses_client_auth_only_when_configured(
-    make_proxy: Any, upstream: Any, capture: Capture
+    make_proxy: Any, mock_upstream: MockUpstream, capture: Capture
 ) -> None:
-    client = await make_proxy(
-        await upstream(), env=AUDIT_ALL | {"DETPROXY_AUDIT__REUSE_CLIENT_AUTH": "true"}
-    )
+    mock_upstream.on(CHAT, capture.handle)
+    env = AUDIT_ALL | {"DETPROXY_AUDIT__REUSE_CLIENT_AUTH": "true"}
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
     await client.post(
         "/v1/chat/completions", json=chat("auth"), headers={"Authorization": "Bearer client"}
     )
@@ -135,7 +138,7 @@ async def test_shadow_reuses_client_auth_only_when_configured(
     assert capture.requests[1][0]["Authorization"] == "Bearer client"
 
     capture.requests.clear()
-    client = await make_proxy(await upstream(), env=AUDIT_ALL)
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=AUDIT_ALL)
     await client.post(
         "/v1/chat/completions", json=chat("auth"), headers={"Authorization": "Bearer client"}
     )
@@ -289,7 +292,8 @@ async def test_quiet_reads_the_upstream_running_gauge(
                 slow_emulator.url + "/v1/chat/completions", json=chat("elsewhere", max_tokens=60)
             )
         )
-        await asyncio.sleep(0.1)
+        running = lambda: slow_emulator.stats()["running"]  # noqa: E731
+        await eventually(running, what="the other request running on the engine")
         await client.post("/v1/chat/completions", json=chat("mine", max_tokens=2))
         await eventually(lambda: dropped(registry, "quiet_deadline"), what="a quiet_deadline drop")
         assert dropped(registry, "quiet_deadline") == 1
@@ -297,24 +301,20 @@ async def test_quiet_reads_the_upstream_running_gauge(
 
 
 async def test_failed_shadows_are_counted_and_primaries_unaffected(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, registry: CollectorRegistry
 ) -> None:
-    calls = []
-
-    async def primary_ok_shadow_fails(request: web.Request) -> web.Response:
-        calls.append(request.headers.get("X-Detproxy-Shadow"))
+    async def primary_ok_shadow_fails(request: Received) -> Reply:
         if request.headers.get("X-Detproxy-Shadow"):
-            if request.query.get("mode") == "slow":
-                await asyncio.sleep(5)
-            return web.json_response({"error": {"message": "boom", "code": 500}}, status=500)
-        return web.json_response(
+            slow = request.query == "mode=slow"
+            # a shadow past its timeout (0.2 s): the wait is the behaviour under test
+            return Reply.json({"error": {"message": "boom", "code": 500}}, 500, delay_s=5 * slow)
+        return Reply.json(
             {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "ok"}}]}
         )
 
-    upstream_app.router.add_post("/v1/chat/completions", primary_ok_shadow_fails)
-    client = await make_proxy(
-        await upstream(), env=AUDIT_ALL | {"DETPROXY_AUDIT__SHADOW_TIMEOUT_S": "0.2"}
-    )
+    mock_upstream.on(CHAT, primary_ok_shadow_fails)
+    env = AUDIT_ALL | {"DETPROXY_AUDIT__SHADOW_TIMEOUT_S": "0.2"}
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
     resp = await client.post("/v1/chat/completions", json=chat("x"))
     assert resp.status == 200 and (await resp.json())["choices"][0]["message"]["content"] == "ok"
     resp = await client.post("/v1/chat/completions?mode=slow", json=chat("y"))
@@ -338,15 +338,13 @@ async def test_shutdown_cancels_shadow_workers(
 
 
 async def test_a_primary_beyond_the_rate_limit_goes_out_untouched(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, registry: CollectorRegistry
 ) -> None:
     """The rate limit is taken when the primary starts: a primary that will not be replayed is
     forwarded as the client sent it (no logprobs injected) and is not accumulated."""
-    bodies: list[dict[str, Any]] = []
-
-    async def answer(request: web.Request) -> web.Response:
-        bodies.append(await request.json())
-        return web.json_response(
+    mock_upstream.on(
+        CHAT,
+        Reply.json(
             {
                 "id": "chatcmpl-1",
                 "object": "chat.completion",
@@ -360,16 +358,15 @@ async def test_a_primary_beyond_the_rate_limit_goes_out_untouched(
                     }
                 ],
             }
-        )
-
-    upstream_app.router.add_post("/v1/chat/completions", answer)
-    client = await make_proxy(
-        await upstream(), env=AUDIT_ALL | {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1"}
+        ),
     )
+    env = AUDIT_ALL | {"DETPROXY_AUDIT__MAX_SHADOWS_PER_S": "1"}
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
     for i in range(3):
         resp = await client.post("/v1/chat/completions", json=chat(f"r{i}"))
         assert resp.status == 200
     await settle(client)
+    bodies = mock_upstream.bodies(CHAT)
     assert dropped(registry, "rate_limit") == 2
     asked = [b for b in bodies if b.get("logprobs")]
     assert len(bodies) == 4 and len(asked) == 2  # the audited primary and its shadow
@@ -388,8 +385,7 @@ async def test_a_primary_beyond_the_rate_limit_goes_out_untouched(
 )
 async def test_a_refused_shadow_blames_the_logprobs_only_where_the_engine_names_them(
     make_proxy: Any,
-    upstream: Any,
-    upstream_app: web.Application,
+    mock_upstream: MockUpstream,
     status: int,
     message: str,
     blamed: bool,
@@ -397,11 +393,11 @@ async def test_a_refused_shadow_blames_the_logprobs_only_where_the_engine_names_
     """The primary was answered; its shadow refused: only a refusal about the logprobs counts
     against their injection (three in a row suspend it for the model)."""
 
-    async def handle(request: web.Request) -> web.Response:
-        body = await request.json()
+    def handle(request: Received) -> Reply:
+        body = request.json()
         if request.headers.get("X-Detproxy-Shadow") == "1":
             error = {"object": "error", "message": message, "type": "BadRequestError"}
-            return web.json_response({"error": error | {"code": status}}, status=status)
+            return Reply.json({"error": error | {"code": status}}, status)
         answer = {
             "id": "x",
             "object": "chat.completion",
@@ -415,10 +411,10 @@ async def test_a_refused_shadow_blames_the_logprobs_only_where_the_engine_names_
                 }
             ],
         }
-        return web.json_response(answer)
+        return Reply.json(answer)
 
-    upstream_app.router.add_post("/v1/chat/completions", handle)
-    client = await make_proxy(await upstream(), env=AUDIT_ALL)
+    mock_upstream.on(CHAT, handle)
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, env=AUDIT_ALL)
     for i in range(3):
         resp = await client.post("/v1/chat/completions", json=chat(f"refused {i}"))
         assert resp.status == 200

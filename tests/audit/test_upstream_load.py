@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from proxy.engine.load import UpstreamLoad, parse_running
 from proxy.http.errors import UpstreamFailure
 from proxy.testing import MockUpstream, Received, Reply
@@ -57,9 +55,7 @@ async def test_a_quiet_llama_server_reads_as_quiet() -> None:
 async def test_an_upstream_that_cannot_answer_is_unknown() -> None:
     """Refused, an error page, no answer in time: no load known, and nothing raised."""
 
-    async def slow(request: Received) -> Reply:
-        await asyncio.sleep(10)  # past the read's timeout: the sleep is the behaviour here
-        return Reply.text(LLAMA)
+    slow = Reply(200, body=LLAMA.encode(), delay_s=10)  # past the read's timeout
 
     def refused(request: Received) -> Reply:
         raise UpstreamFailure(502, "upstream refused the connection", "refused")

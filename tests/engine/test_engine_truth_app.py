@@ -4,7 +4,6 @@ of the upstream's identity without facts learnt later counting as a change."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import time
@@ -24,6 +23,22 @@ from tests.helpers.waiting import Unmet, eventually, eventually_sync
 FAST = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
 UNKNOWN_ENV_LOG = "vllm-0.23.0-eager-unknown-env.log"
 TRITON_LOG = "vllm-0.23.0-eager-triton-noprefix.log"
+
+
+async def more_readings(client: TestClient[Any, Any], n: int) -> None:
+    """Until the fingerprint poller has read the upstream ``n`` more times."""
+
+    async def read_at() -> float:
+        return float((await status(client))["upstream_state"]["last_reading_at"])
+
+    seen = await read_at()
+    for _ in range(n):
+
+        async def later(after: float = seen) -> float | None:
+            at = await read_at()
+            return at if at > after else None
+
+        seen = await eventually(later, what="another reading")
 
 
 async def status(client: TestClient[Any, Any]) -> dict[str, Any]:
@@ -84,7 +99,7 @@ async def test_a_fallback_and_an_unknown_variable_raise_within_one_reading(
 
         (incident,) = await eventually(recorded, what="an engine_mismatch incident")
         assert {m["field"] for m in incident["mismatches"]} == set(fields)
-        await asyncio.sleep(0.2)  # several more readings (0.05 s apart): no second incident
+        await more_readings(client, 3)  # no second incident
         assert len(await recorded()) == 1, "one incident per new mismatch set"
 
 

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -27,12 +26,14 @@ from proxy.engine.fingerprint import (
     parse_metrics,
 )
 from proxy.events import EventBus, UpstreamFingerprinted, UpstreamRestarted, UpstreamUnreachable
+from proxy.http.errors import UpstreamFailure
 from proxy.http.h1 import H1Upstream
 from proxy.http.upstream import get
 from proxy.testing import MockUpstream, Received, Reply, not_found
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
 from tests.helpers.processes import free_port
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually
 
 VLLM_METRICS = """# HELP vllm:num_requests_running x
@@ -178,26 +179,16 @@ def test_llama_cpp_reading() -> None:
 
 
 async def test_exported_stamped_and_changes_counted(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: CollectorRegistry
+    make_proxy: Any, mock_upstream: MockUpstream, registry: CollectorRegistry
 ) -> None:
     state = {"version": "0.16.0"}
-
-    async def version(request: web.Request) -> web.Response:
-        return web.json_response({"version": state["version"]})
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "m", "max_model_len": 8}]})
-
-    async def answer(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "x"}}]}
-        )
-
-    upstream_app.router.add_get("/version", version)
-    upstream_app.router.add_get("/v1/models", models)
-    upstream_app.router.add_post("/v1/chat/completions", answer)
+    mock_upstream.on("/version", lambda request: Reply.json({"version": state["version"]}))
+    models = {"object": "list", "data": [{"id": "m", "max_model_len": 8}]}
+    mock_upstream.on("/v1/models", Reply.json(models))
+    answer = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"content": "x"}}]}
+    mock_upstream.on("/v1/chat/completions", Reply.json(answer))
     client = await make_proxy(
-        await upstream(), env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
+        MOCK_URL, upstream=mock_upstream, env={"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.05"}
     )
     await eventually(lambda: fingerprint(client), what="the upstream's fingerprint read")
     labels = {"kind": "vllm", "version": "0.16.0", "model": "m"}
@@ -541,23 +532,20 @@ async def test_an_api_base_url_is_named_once(caplog: pytest.LogCaptureFixture) -
 
 
 async def test_a_prefixed_url_is_named_in_the_status(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
+    make_proxy: Any, mock_upstream: MockUpstream
 ) -> None:
-    """A gateway path that holds the API's prefix (here /api: /api/models answers)."""
-
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(MODELS)
-
-    upstream_app.router.add_get("/api/models", models)
-    client = await make_proxy(await upstream() + "/api", env=FAST)
+    """A gateway path that holds the API's prefix (here /api: /api/models answers; the mock
+    is the client of that URL, so it is asked for /models)."""
+    mock_upstream.on("/models", Reply.json(MODELS))
+    client = await make_proxy(MOCK_URL + "/api", upstream=mock_upstream, env=FAST)
 
     async def hint() -> str | None:
         said: str | None = (await upstream_state(client))["hint"]
         return said
 
     said = await eventually(hint, what="a hint in the status")
-    assert "detproxy adds /v1/... itself: use http://127.0.0.1:" in said, said
-    assert not said.rstrip("0123456789").endswith("/api"), said
+    assert f"detproxy adds /v1/... itself: use {MOCK_URL}" in said, said
+    assert not said.endswith("/api"), said
 
 
 async def test_an_engine_that_answers_has_no_hint(emulator: EmulatorServer) -> None:
@@ -610,3 +598,53 @@ def test_server_info_is_told_apart_by_shape(monkeypatch: pytest.MonkeyPatch) -> 
     assert {k for k, v in vllm.values.items() if v} == {"cache", "vllm"}, vllm
     assert {k for k, v in sglang.values.items() if v} == {"cache", "sglang"}, sglang
     assert {k for k, v in llama.values.items() if v} == {"cache", "llama"}, llama
+
+
+# --------------------------------------------------------------------- through the seam
+
+
+async def test_readings_go_through_the_upstream_seam_with_the_urls_credentials(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The poller asks its engine through the client it is given (the app's upstream), with the
+    URL's credentials as an HTTP client sends them; logs and state show the URL masked."""
+    caplog.set_level(logging.INFO, "proxy.engine.fingerprint")
+    engine = MockUpstream(routes={"/version": Reply.json({"version": "0.23.0"})})
+    engine.on("/v1/models", Reply.json(MODELS))
+    poller = FingerprintPoller(engine, "http://user:s3cret@engine:8000", EventBus(), 0)
+    fp = await poller.poll()
+    assert (fp.kind, fp.version, poller.state()["state"]) == ("vllm", "0.23.0", "up")
+    asked = {r.path: r.headers.get("Authorization") for r in engine.requests}
+    assert set(asked) >= {"/version", "/v1/models", "/props", "/metrics"}, asked
+    assert set(asked.values()) == {"Basic dXNlcjpzM2NyZXQ="}, asked
+    assert "s3cret" not in caplog.text + str(poller.state())
+
+
+async def test_faults_of_the_seam_are_said_in_a_few_words() -> None:
+    """The seam's one error vocabulary, as the poller says why the engine is down."""
+    refused = ConnectionRefusedError(111, "Connection refused")
+    unreachable = OSError(113, "No route to host")
+
+    def raising(exc: BaseException) -> Any:
+        def handle(request: Received) -> Reply:
+            raise exc
+
+        return handle
+
+    def failure(kind: str, cause: BaseException | None = None) -> UpstreamFailure:
+        exc = UpstreamFailure(502, "upstream error", kind)
+        exc.__cause__ = cause
+        return exc
+
+    said = {
+        "connection refused": raising(failure("refused", refused)),
+        "cannot connect (No route to host)": raising(failure("refused", unreachable)),
+        "connection closed before an answer": raising(failure("reset")),
+        "no answer within 0.05 s": lambda request: Reply(200, body=b"{}", delay_s=5),
+    }
+    for reason, answer in said.items():
+        poller = FingerprintPoller(
+            MockUpstream(answer), "http://engine", EventBus(), 0, timeout_s=0.05
+        )
+        await poller.poll()
+        assert (poller.state()["state"], poller.state()["reason"]) == ("waiting", reason)

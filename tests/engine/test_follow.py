@@ -130,7 +130,8 @@ async def test_an_unreadable_file_is_said_once(
     task = await running(f)
     try:
         await eventually(lambda: "cannot be read" in caplog.text, what="said")
-        await asyncio.sleep(0.1)  # a few more polls (0.01 s apart) that must not say it again
+        said_at = f.polls  # a few more polls, which must not say it again
+        await eventually(lambda: f.polls >= said_at + 5, what="five more polls")
     finally:
         await stop(task)
     assert caplog.text.count("cannot be read") == 1, caplog.text

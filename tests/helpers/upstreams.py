@@ -16,6 +16,11 @@ from proxy.loops.rendered import SENTINEL
 from proxy.testing import FakeUpstream, Handler, Received, Reply
 from tests.helpers.sse import chat_chunk
 
+# The upstream URL of a detproxy given a ``MockUpstream`` (the ``mock_upstream`` fixture): it
+# names the engine (in the status, the logs); nothing listens there, every request goes to the
+# mock.
+MOCK_URL = "http://engine.test:8000"
+
 # A scripted HTTP/1.1 server for the upstream client's tests: it records each request and the
 # connection it came on, and answers with whatever bytes a test's ``ScriptedReply`` writes.
 
@@ -104,8 +109,8 @@ def replies_with(raw: bytes) -> ScriptedReply:
     return reply
 
 
-# A scripted OpenAI-compatible upstream (routes for a FakeUpstream): a minimal SSE stream and a
-# /version that can change
+# A scripted OpenAI-compatible upstream (routes for a MockUpstream or a FakeUpstream): a minimal
+# SSE stream and a /version that can change
 
 
 @dataclass
@@ -124,7 +129,7 @@ class UpstreamScript:
 
 
 def scripted_routes(script: UpstreamScript) -> dict[str, Handler]:
-    """The paths ``script`` answers, for ``FakeUpstream(routes=...)`` (404 elsewhere)."""
+    """The paths ``script`` answers, for ``MockUpstream(routes=...)`` (404 elsewhere)."""
 
     def version(request: Received) -> Reply:
         script.version_calls += 1

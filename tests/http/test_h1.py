@@ -93,20 +93,7 @@ async def test_every_request_carries_the_servers_via_beside_the_clients_own(
 
 async def test_chunked_body_is_decoded_and_streamed(scripted: Any) -> None:
     parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
-
-    async def reply(req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
-        writer.write(
-            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-            b"Transfer-Encoding: chunked\r\n\r\n"
-        )
-        for part in parts:
-            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
-            await writer.drain()
-            await asyncio.sleep(0.01)
-        writer.write(b"0\r\n\r\n")
-        return True
-
-    srv = await scripted(reply)
+    srv = await scripted(paced_stream(parts))
     up = client(srv.url)
     resp = await up.send("POST", "/s", {}, b"{}")
     got = [chunk async for chunk in resp.chunks()]
@@ -322,7 +309,7 @@ async def test_cancelling_a_request_closes_its_connection(scripted: Any) -> None
     srv = await scripted(never)
     up = client(srv.url, max_connections=1)
     task = asyncio.create_task(up.send("POST", "/", {}, b"{}"))
-    await asyncio.sleep(0.1)
+    await eventually(lambda: srv.requests, what="the request at the upstream")
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -350,7 +337,8 @@ async def test_the_connection_limit_queues_requests(scripted: Any) -> None:
         return await resp.read()
 
     tasks = [asyncio.create_task(one()) for _ in range(3)]
-    await asyncio.sleep(0.2)
+    await eventually(lambda: len(srv.requests) == 2, what="two requests at the upstream")
+    await eventually(lambda: up.waiting == 1, what="the third waiting for a connection")
     assert srv.connections == 2 and not any(t.done() for t in tasks)
     gate.set()
     assert await asyncio.wait_for(asyncio.gather(*tasks), 5) == [b'{"a":1}'] * 3
@@ -380,9 +368,10 @@ async def test_a_slow_reader_pauses_the_upstream(scripted: Any) -> None:
 
     srv = await scripted(reply)
     resp = await client(srv.url).send("GET", "/big", {}, None)
-    await asyncio.sleep(0.3)  # nobody reads: the client must stop reading the socket
-    held = resp._conn.held
-    assert held <= HIGH_WATER + 512 * 1024, held
+    # Nobody reads: the client must stop reading the socket, with little past the mark held.
+    await eventually(lambda: resp.reading_paused, what="reading paused above the high water")
+    held = resp.held
+    assert HIGH_WATER < held <= HIGH_WATER + 512 * 1024, held
     total = 0
     async for chunk in resp.chunks():
         total += len(chunk)
@@ -439,7 +428,7 @@ async def test_a_waiter_woken_then_cancelled_passes_the_slot_on(scripted: Any) -
     first = await up.send("GET", "/", {}, None)  # holds the one slot until read
     woken = asyncio.create_task(up.send("GET", "/", {}, None))
     next_in_line = asyncio.create_task(up.send("GET", "/", {}, None))
-    await asyncio.sleep(0.05)  # both wait for the slot
+    await eventually(lambda: up.waiting == 2, what="both waiting for the slot")
     await first.read()  # frees it: `woken` gets it...
     woken.cancel()  # ...and is cancelled before it runs
     resp = await asyncio.wait_for(next_in_line, 2)
@@ -503,7 +492,8 @@ async def test_a_sink_that_stops_gets_the_rest_from_the_next_pump(scripted: Any)
     first: list[bytes] = []
     assert await resp.pump(lambda d: first.append(d) or False) is False
     assert first == [b"one"]
-    await asyncio.sleep(0.1)  # what comes meanwhile waits in the connection
+    # What comes meanwhile waits in the connection.
+    await eventually(lambda: resp.held >= len(b"twothree"), what="more held in the connection")
     rest: list[bytes] = []
     assert await resp.pump(lambda d: rest.append(d) or True) is True
     assert b"".join(first + rest) == b"".join(parts)

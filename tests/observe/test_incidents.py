@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -163,7 +162,11 @@ async def test_tally_lines_carry_the_denominators(make_proxy: Any, tmp_path: Pat
         }
         for _ in range(3):
             await client.post("/v1/chat/completions", json=body)
-        await asyncio.sleep(0.2)
+
+        def tallied() -> bool:
+            return path.exists() and b'"kind":"tally"' in path.read_bytes()
+
+        await eventually(tallied, what="a periodic tally line")
         await client.close()
     lines = [orjson.loads(x) for x in path.read_bytes().splitlines()]
     tallies = [x for x in lines if x["kind"] == "tally"]

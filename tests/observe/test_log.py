@@ -142,7 +142,7 @@ def test_repeats_keeps_a_bounded_number_of_keys() -> None:
     assert repeats.admit(("m", 4)) is None
     clock.now += 61  # the old ones are stale: forgotten to make room
     assert repeats.admit(("m", 5)) == 0
-    assert len(repeats._keys) <= 3
+    assert repeats.key_count <= 3
 
 
 def test_no_prompt_output_or_upstream_message_reaches_a_line(lines: Lines) -> None:

@@ -1,18 +1,23 @@
-"""``detproxy sweep`` against the in-process emulator and scripted upstreams."""
+"""``detproxy sweep`` against the in-process emulator and scripted upstreams (``MockUpstream``s,
+given to the sweep as its client)."""
 
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
 
+from proxy.testing import MockUpstream
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
+from proxy.tools.sweep import cli
 from proxy.tools.sweep.cli import amain, main
+from proxy.tools.sweep.run import run_sweep
 from tests.helpers.processes import free_port
-from tests.helpers.upstreams import UpstreamScript, scripted_routes
+from tests.helpers.upstreams import MOCK_URL, UpstreamScript, scripted_routes
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -28,8 +33,12 @@ def svg_texts(svg: str) -> list[str]:
     return [el.text or "" for el in root.iter(SVG + "text")]
 
 
-async def serve(fake_upstream: Any, script: UpstreamScript) -> str:
-    return str((await fake_upstream(routes=scripted_routes(script))).url)
+def serve(monkeypatch: pytest.MonkeyPatch, script: UpstreamScript) -> str:
+    """The sweep's upstream client is a ``MockUpstream`` answering ``script``: every request of
+    the sweep goes to it, in process; the URL returned names it."""
+    mock = MockUpstream(routes=scripted_routes(script))
+    monkeypatch.setattr(cli, "run_sweep", partial(run_sweep, upstream=mock))
+    return MOCK_URL
 
 
 async def test_emulator_report_is_consistent(
@@ -142,10 +151,10 @@ def test_help_documents_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 async def test_fingerprint_change_exits_1(
-    fake_upstream: Any, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     script = UpstreamScript(change_version=True)
-    url = await serve(fake_upstream, script)
+    url = serve(monkeypatch, script)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
     chart = tmp_path / "c.svg"
@@ -177,12 +186,12 @@ async def test_fingerprint_change_exits_1(
 
 
 async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
-    fake_upstream: Any, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Its spec-decode counters read 0 after the test request and rise during the sweep: the
     same upstream."""
     script = UpstreamScript(speculative=True)
-    url = await serve(fake_upstream, script)
+    url = serve(monkeypatch, script)
     code, report = await sweep_json(
         capsys, "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2",
         "--repeats", "1",
@@ -194,9 +203,9 @@ async def test_a_fresh_speculative_vllm_is_no_change_after_its_first_drafts(
 
 
 async def test_upstream_change_shows_in_the_table(
-    fake_upstream: Any, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = await serve(fake_upstream, UpstreamScript(change_version=True))
+    url = serve(monkeypatch, UpstreamScript(change_version=True))
     argv = ["--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.2"]
     code = await amain([*argv, "--repeats", "1"])
     out = capsys.readouterr().out
@@ -205,9 +214,9 @@ async def test_upstream_change_shows_in_the_table(
 
 
 async def test_failed_requests_are_counted(
-    fake_upstream: Any, capsys: pytest.CaptureFixture[str]
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = await serve(fake_upstream, UpstreamScript(fail_every=2, tokens=5))
+    url = serve(monkeypatch, UpstreamScript(fail_every=2, tokens=5))
     code, report = await sweep_json(
         capsys,
         "--upstream", url, "--model", "m", "--concurrency", "1", "--duration", "0.5",
