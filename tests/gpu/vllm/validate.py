@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fnmatch
 import math
 import os
 import random
@@ -2284,6 +2285,561 @@ def sweep_step(name: str) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
     return run
 
 
+# ---------------------------------------------------------------- issue 49: loop recovery
+
+# Candidates for the looping prompts (issue 49 item 1): short creative, list and repetitive
+# tasks across topics, on which a 135M model tends to fall into a loop greedily. The screen
+# sends each straight to vLLM and keeps those that loop.
+L49_CANDIDATES = [
+    *(
+        f"Write a poem about {t}."
+        for t in (
+            "the ocean",
+            "love",
+            "the moon",
+            "the stars",
+            "autumn",
+            "a lighthouse",
+            "the city at night",
+            "a river",
+            "friendship",
+            "the wind",
+            "snow",
+            "a cat",
+            "time",
+            "the mountains",
+            "rain",
+        )
+    ),
+    *(
+        f"Write a song about {t}."
+        for t in ("summer", "the road", "home", "dancing", "a broken heart", "the sea")
+    ),
+    *(
+        f"Write a letter to {t}."
+        for t in (
+            "a friend",
+            "your future self",
+            "your mother",
+            "your teacher",
+            "a pen pal in Japan",
+            "your neighbour",
+        )
+    ),
+    *(
+        f"List {t}."
+        for t in (
+            "as many animals as you can",
+            "50 fruits",
+            "100 words that rhyme with day",
+            "50 names for a dog",
+            "all the colours you know",
+            "50 countries",
+            "100 verbs",
+            "as many sports as you can",
+            "50 kinds of flowers",
+            "30 ideas for a birthday party",
+            "20 things to do on a rainy day",
+            "40 famous scientists",
+        )
+    ),
+    *(
+        f"Repeat {t}."
+        for t in (
+            "the word hello 100 times",
+            "the sentence 'I love coding' 50 times",
+            "after me: the sun is bright, the sun is bright",
+            "the alphabet ten times",
+        )
+    ),
+    "Count from 1 to 500.",
+    "Write the multiplication table of 7 up to 100.",
+    "Write a haiku about spring, then another, and keep going.",
+    "Write a story about a dragon who loves to sing.",
+    "Write a story about a boy and his dog.",
+    "Write a fairy tale about a princess and a frog.",
+    "Write a very long story about a dragon, a knight and a village, chapter by chapter.",
+    "Write a speech for a graduation ceremony.",
+    "Write a motivational message for someone starting a new job.",
+    "Write a list of New Year's resolutions.",
+    "Write a birthday wish for my sister.",
+    "Write a description of a beautiful garden.",
+    "Write a prayer for peace.",
+    "Write a product description for a water bottle.",
+    "Write a chant for a football team.",
+    "Write a lullaby for a baby.",
+    "Write twenty tweets about coffee.",
+    "Describe your perfect day, hour by hour.",
+    "Give me 30 tips for better sleep.",
+    "Write a recipe for a chocolate cake.",
+    "Write a nursery rhyme about a little star.",
+]
+L49_LENGTHS = {"1k": 1024, "4k": 4096}  # max_tokens (4k: less where the model's length is short)
+L49_KEEP = 32  # the looping prompts kept from the screen (issue 49 asks for at least 24)
+L49_SCREEN_CONC = 8
+# The configurations compared: [loops] policy = "retry" and these on top of the defaults.
+L49_CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "restart": {"stream_mode": "restart"},
+    "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
+    "ladder3": {
+        "max_attempts": 4,
+        "ladders": [
+            {
+                "models": "*",
+                "attempts": [
+                    {"repetition_penalty": 1.2},
+                    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
+                    {"temperature": 1.0, "frequency_penalty": 1.0},
+                ],
+            }
+        ],
+    },
+}
+L49_CONCS = (8, 1)
+
+
+def l49(ctx: Ctx) -> dict[str, Any]:
+    """The loops49 state kept across calls: the screen's prompts and timings, the parts'."""
+    state: dict[str, Any] = ctx.results.setdefault("loops49", {})
+    return state
+
+
+def l49_s_per_token(ctx: Ctx, conc: int) -> float:
+    """Seconds a token takes at ``conc`` in flight (the screen's measure; else from t1)."""
+    got = l49(ctx).get("s_per_token", {}).get(str(conc))
+    if got:
+        return float(got)
+    return ctx.t1 / MAX_TOKENS * (1.0 if conc == 1 else 1.3)
+
+
+async def direct_chat(
+    http: aiohttp.ClientSession, base: str, prompt: str, max_tokens: int
+) -> dict[str, Any]:
+    """One greedy non-streamed request straight to the engine: text, finish, tokens, time,
+    and whether it loops (the tail, and detproxy's own detector anywhere)."""
+    body = {"model": MODEL, "temperature": 0, "max_tokens": max_tokens, "stream": False,
+            "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        status, raw, _ = await post(http, base + "/v1/chat/completions", body, {})
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return {"status": 0, "error": repr(exc)[:300]}
+    latency = round(time.monotonic() - t0, 4)
+    if status != 200:
+        return {"status": status, "error": raw[:300].decode(errors="replace")}
+    doc = orjson.loads(raw)
+    choice = doc["choices"][0]
+    text = choice["message"].get("content") or ""
+    onset = loop_onset(text)
+    return {
+        "status": 200,
+        "finish": choice.get("finish_reason"),
+        "tokens": int((doc.get("usage") or {}).get("completion_tokens") or 0),
+        "latency_s": latency,
+        "chars": len(text),
+        "tail_loops": looped(text),
+        "onset": onset,
+        "loops": onset is not None or looped(text),
+    }
+
+
+async def max_model_len(http: aiohttp.ClientSession, base: str) -> int | None:
+    with contextlib.suppress(Exception):
+        async with http.get(base + "/v1/models") as resp:
+            value = (await resp.json())["data"][0].get("max_model_len")
+            return int(value) if value else None
+    return None
+
+
+def l49_length(ctx: Ctx, label: str) -> int:
+    """max_tokens of a length label: at most the model's length less room for the prompt."""
+    mml = l49(ctx).get("max_model_len")
+    want = L49_LENGTHS[label]
+    return min(want, int(mml) - 256) if mml else want
+
+
+async def step_loops49_screen(ctx: Ctx) -> dict[str, Any]:
+    """Issue 49's prompt screen: every candidate straight to the stock engine, greedy, at the
+    1k length, L49_SCREEN_CONC in flight; those that ended ``length`` without a loop again at
+    the 4k length if the time left allows; the looping ones kept (at most L49_KEEP). Also the
+    engine's time per token alone and at L49_SCREEN_CONC (the parts' estimates and baselines)."""
+    http, base = ctx.http, ctx.url["stock"]
+    state = l49(ctx)
+    state["max_model_len"] = await max_model_len(http, base)
+    short, long_ = l49_length(ctx, "1k"), l49_length(ctx, "4k")
+    # alone: the time per token (two requests of half the short length)
+    alone = [await direct_chat(http, base, p, short // 2) for p in L49_CANDIDATES[:2]]
+    s1 = sum(a.get("latency_s", 0) for a in alone) / max(1, sum(a.get("tokens", 0) for a in alone))
+    sem = asyncio.Semaphore(L49_SCREEN_CONC)
+
+    async def one(prompt: str, max_tokens: int) -> dict[str, Any]:
+        async with sem:
+            return await direct_chat(http, base, prompt, max_tokens)
+
+    t0 = time.monotonic()
+    first = await asyncio.gather(*(one(p, short) for p in L49_CANDIDATES))
+    screen_1k_s = time.monotonic() - t0
+    ok = [r for r in first if r["status"] == 200]
+    s8 = sum(r["latency_s"] for r in ok) / max(1, sum(r["tokens"] for r in ok))
+    state["s_per_token"] = {"1": round(s1, 6), str(L49_SCREEN_CONC): round(s8, 6)}
+    rows: list[dict[int, dict[str, Any]]] = [{short: r} for r in first]
+    again = [i for i, r in enumerate(first) if r.get("finish") == "length" and not r.get("loops")]
+    waves = -(-len(again) // L49_SCREEN_CONC)
+    est_long = waves * long_ * s8 * 1.2 + 5
+    screened_long = bool(again) and long_ > short and ctx.left() - 60 > est_long
+    if screened_long:
+        second = await asyncio.gather(*(one(L49_CANDIDATES[i], long_) for i in again))
+        for i, r in zip(again, second, strict=True):
+            rows[i][long_] = r
+    looping = [i for i, r in enumerate(first) if r.get("loops")]
+    looping += [i for i in again if (rows[i].get(long_) or {}).get("loops")]
+    keep = looping[:L49_KEEP]
+    state["prompts"] = [L49_CANDIDATES[i] for i in keep]
+    # the direct answer of each kept prompt at each length: tokens, and latency alone and at
+    # L49_SCREEN_CONC (measured at the 1k length in flight; else tokens x time per token)
+    direct: dict[str, dict[str, Any]] = {}
+    for i in keep:
+        row = rows[i]
+        d: dict[str, Any] = {}
+        for label, mt in (("1k", short), ("4k", long_)):
+            got = row.get(mt) or {}
+            # a greedy loop runs to the length: what a longer request would generate
+            tokens = got.get("tokens") or mt
+            d[label] = {
+                "tokens": tokens,
+                "onset": got.get("onset") if got else row[short].get("onset"),
+                "latency_c1_s": round(tokens * s1, 3),
+                f"latency_c{L49_SCREEN_CONC}_s": got.get("latency_s") or round(tokens * s8, 3),
+            }
+        direct[L49_CANDIDATES[i]] = d
+    state["direct"] = direct
+    return {
+        "candidates": len(L49_CANDIDATES),
+        "max_model_len": state["max_model_len"],
+        "lengths": {"1k": short, "4k": long_},
+        "looping_at_1k": len([i for i, r in enumerate(first) if r.get("loops")]),
+        "screened_at_4k": len(again) if screened_long else 0,
+        "looping_total": len(looping),
+        "kept": len(keep),
+        "kept_prompts": state["prompts"],
+        "s_per_token": state["s_per_token"],
+        "screen_1k_wall_s": round(screen_1k_s, 1),
+        "client_errors": sum(1 for r in first if r["status"] != 200),
+        "rows": [
+            {"prompt": p} | {str(mt): got for mt, got in r.items()}
+            for p, r in zip(L49_CANDIDATES, rows, strict=True)
+        ],
+    }
+
+
+def l49_cost(ctx: Ctx, label: str, conc: int) -> float:
+    """Seconds a request of a part takes: measured on an earlier part of the same length and
+    concurrency, else tokens guessed (the loop found, then a retry) x the time per token."""
+    seen = l49(ctx).get("request_s", {}).get(f"{label}_c{conc}")
+    if seen:
+        return float(seen)
+    mt = l49_length(ctx, label)
+    tokens = 0.5 * mt + 400
+    per_token = l49_s_per_token(ctx, L49_SCREEN_CONC if conc > 1 else 1)
+    return tokens * per_token / (conc if conc > 1 else 1)
+
+
+def l49_estimate(cfg: str, label: str, conc: int) -> Callable[[Ctx], float]:
+    def est(ctx: Ctx) -> float:
+        n = 2 * len(l49(ctx).get("prompts") or L49_CANDIDATES[:24])
+        return n * l49_cost(ctx, label, conc) * 1.15 + 20
+
+    return est
+
+
+def truthy(value: Any) -> bool:
+    return value is True or str(value).lower() == "true"
+
+
+def same_beyond_repeats(a: str, b: str, max_unit: int = 2048) -> bool:
+    """``a`` and ``b`` are one text but for whole repeats of a unit one of them shows more
+    of, back to back right after an earlier copy of that unit (a stream's shown repeats)."""
+    if a == b:
+        return True
+    x, y = (a, b) if len(a) > len(b) else (b, a)
+    extra = len(x) - len(y)
+    head = common_prefix(x, y)
+    tail = common_prefix(x[::-1], y[::-1])
+    if head + tail < len(y):
+        return False
+    # x == y[:q] + x[q:q+extra] + y[q:] for any q in [len(y) - tail, head]
+    for q in range(max(0, len(y) - tail), head + 1):
+        block = x[q : q + extra]
+        for unit in range(1, min(extra, max_unit, q) + 1):
+            if extra % unit == 0 and x[q - unit : q] * (extra // unit) == block:
+                return True
+    return False
+
+
+async def sdk_row(http: aiohttp.ClientSession, base: str, prompt: str, mt: int, rid: str
+                  ) -> dict[str, Any]:  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        got = await stream_as_sdk(http, base, prompt, mt, rid)
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
+        return {"status": 0, "error": repr(exc)[:300], "latency_s": time.monotonic() - t0}
+    info = got.get("detproxy") or {}
+    return {
+        "status": got["status"],
+        "text": got["text"],
+        "finish": got["finish"],
+        "attempts": info.get("attempts"),
+        "recovered": info.get("recovered") if info else None,
+        "strategy": info.get("strategy"),
+        "comments": got["comments"],
+        "ttft_s": got["ttft"],
+        "latency_s": round(time.monotonic() - t0, 4),
+    }
+
+
+def l49_part(cfg_name: str, label: str, conc: int) -> Callable[[Ctx], Awaitable[dict[str, Any]]]:
+    async def run(ctx: Ctx) -> dict[str, Any]:
+        return await loops49_part(ctx, cfg_name, label, conc)
+
+    return run
+
+
+async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[str, Any]:
+    """One configuration, one length, one concurrency: every kept looping prompt through a
+    detproxy with ``[loops] policy = "retry"`` and the configuration's knobs, streamed (read as
+    the openai SDK reads it) and not. Per request: finish, whether the content still loops at
+    its end, attempts, what it said of recovery, added latency against the direct answer and
+    (alone) the tokens the engine generated beyond it; then whether the streamed and
+    non-streamed answers of each prompt are one text beyond the repeats the stream showed."""
+    state = l49(ctx)
+    prompts: list[str] = state.get("prompts") or []
+    if not prompts:
+        return {"status": "skipped", "reason": "no looping prompts (loops49_screen first)"}
+    http, base = ctx.http, ctx.url["stock"]
+    mt = l49_length(ctx, label)
+    part = f"{cfg_name}_{label}_c{conc}"
+    cfg = {"loops": {"policy": "retry"} | L49_CONFIGS[cfg_name], "incidents": {"store_text": True}}
+    proxy = Detproxy(base, cfg, ctx.work, f"l49-{part}")
+    rows: list[dict[str, Any]] = []
+    texts: dict[str, dict[str, str]] = {}
+    try:
+        await proxy.ready(http)
+
+        async def one(i: int, stream: bool) -> None:
+            rid = f"l49-{part}-{i}-{int(stream)}"
+            before = after = None
+            if conc == 1:
+                before = (await engine_metrics(http, base), await proxy.metrics(http))
+            if stream:
+                r = await sdk_row(http, proxy.base, prompts[i], mt, rid)
+            else:
+                r = await chat(http, proxy.base, prompts[i], max_tokens=mt, rid=rid)
+            if conc == 1:
+                after = (await engine_metrics(http, base), await proxy.metrics(http))
+            text = r.get("text") or ""
+            texts.setdefault(str(i), {})["stream" if stream else "plain"] = text
+            finish = r.get("finish")
+            qualifies = finish in ("stop", "tool_calls") and bool(text.strip()) and not looped(text)
+            direct = (state.get("direct") or {}).get(prompts[i], {}).get(label, {})
+            base_s = direct.get(f"latency_c{1 if conc == 1 else L49_SCREEN_CONC}_s")
+            row: dict[str, Any] = {
+                "prompt": i,
+                "stream": stream,
+                "status": r["status"],
+                "error": r.get("error"),
+                "finish": finish,
+                "chars": len(text),
+                "tail_loops": looped(text),
+                "attempts": r.get("attempts"),
+                "recovered": r.get("recovered"),
+                "strategy": r.get("strategy"),
+                "qualifies": qualifies,
+                "latency_s": r.get("latency_s"),
+                "added_s": round(r["latency_s"] - base_s, 3)
+                if base_s is not None and r.get("latency_s") is not None
+                else None,
+                "restart_marks": r.get("comments", r.get("restart_marks")),
+            }
+            if before and after:
+                gen = msum(after[0], "vllm:generation_tokens_total") - msum(
+                    before[0], "vllm:generation_tokens_total"
+                )
+                rec = msum(after[1], "detproxy_recovery_tokens_total", kind="generated") - msum(
+                    before[1], "detproxy_recovery_tokens_total", kind="generated"
+                )
+                row["engine_tokens"] = int(gen)
+                row["recovery_tokens"] = int(rec)
+                if direct.get("tokens"):
+                    row["extra_tokens"] = int(gen - direct["tokens"])
+            rows.append(row)
+
+        t0 = time.monotonic()
+        if conc == 1:
+            for i in range(len(prompts)):
+                for stream in (False, True):
+                    await one(i, stream)
+        else:
+            sem = asyncio.Semaphore(conc)
+
+            async def limited(i: int, stream: bool) -> None:
+                async with sem:
+                    await one(i, stream)
+
+            await asyncio.gather(
+                *(limited(i, s) for i in range(len(prompts)) for s in (False, True))
+            )
+        wall = time.monotonic() - t0
+        incidents = [x for x in await proxy.incidents(http) if x.get("kind") == "loop"]
+        m = await proxy.metrics(http)
+    finally:
+        proxy.stop()
+    caught = {str(x.get("request_id")) for x in incidents}
+    for row in rows:
+        rid = f"l49-{part}-{row['prompt']}-{int(row['stream'])}"
+        attempts = row["attempts"]
+        row["acted"] = (
+            rid in caught or (attempts not in (None, "", "1", 1)) or row["finish"] == "repetition"
+        )
+        row["claimed_recovered"] = truthy(row["recovered"])
+        row["dishonest"] = row["claimed_recovered"] and not row["qualifies"]
+    rows.sort(key=lambda g: (g["prompt"], g["stream"]))
+    # the per-request time, for the estimates of the parts still to run
+    state.setdefault("request_s", {})[f"{label}_c{conc}"] = round(wall / max(1, len(rows)), 3)
+    one_path = []
+    for key, pair in sorted(texts.items(), key=lambda kv: int(kv[0])):
+        s, n = pair.get("stream", ""), pair.get("plain", "")
+        acted = [r["acted"] for r in rows if r["prompt"] == int(key)]
+        one_path.append(
+            {
+                "prompt": int(key),
+                "both_acted": all(acted) and len(acted) == 2,
+                "identical": s == n,
+                "same_beyond_repeats": same_beyond_repeats(s, n),
+                "diverge_at": common_prefix(s, n),
+            }
+        )
+    (ctx.args.out / f"loops49-texts-{part}.json").write_bytes(
+        orjson.dumps({prompts[int(k)]: t for k, t in texts.items()})
+    )
+    out = {
+        "config": cfg_name,
+        "knobs": L49_CONFIGS[cfg_name],
+        "max_tokens": mt,
+        "concurrency": conc,
+        "traffic_s": round(wall, 1),
+        **l49_summary(rows, one_path),
+        "recoveries": series(m, "detproxy_recoveries_total"),
+        "recovery_tokens": series(m, "detproxy_recovery_tokens_total"),
+        "loop_incidents": len(incidents),
+        "one_path_rows": one_path,
+        "rows": rows,
+    }
+    return out
+
+
+def l49_summary(rows: list[dict[str, Any]], one_path: list[dict[str, Any]]) -> dict[str, Any]:
+    def by(stream: bool) -> dict[str, Any]:
+        mine = [r for r in rows if r["stream"] == stream]
+        acted = [r for r in mine if r["acted"]]
+        finish: dict[str, int] = {}
+        for r in acted:
+            finish[str(r["finish"])] = finish.get(str(r["finish"]), 0) + 1
+        return {
+            "requests": len(mine),
+            "acted": len(acted),
+            "qualified": rate(sum(r["qualifies"] for r in acted), len(acted)),
+            "finish_of_acted": finish,
+            "tail_loops_of_acted": sum(r["tail_loops"] for r in acted),
+            "claimed_recovered": sum(r["claimed_recovered"] for r in mine),
+            "dishonest": [r["prompt"] for r in mine if r["dishonest"]],
+            "attempts_of_acted": spread([float(r["attempts"]) for r in acted if r["attempts"]]),
+            "added_s_of_acted": spread([r["added_s"] for r in acted if r["added_s"] is not None]),
+            "extra_tokens_of_acted": spread(
+                [float(r["extra_tokens"]) for r in acted if "extra_tokens" in r]
+            ),
+            "client_errors": sum(1 for r in mine if r["status"] != 200),
+        }
+
+    both = [p for p in one_path if p["both_acted"]]
+    return {
+        "plain": by(False),
+        "streamed": by(True),
+        "one_path": {
+            "both_acted": len(both),
+            "identical": sum(p["identical"] for p in both),
+            "same_beyond_repeats": sum(p["same_beyond_repeats"] for p in both),
+        },
+    }
+
+
+def l49_parts() -> list[tuple[str, str, int]]:
+    """(configuration, length, concurrency) in the order they run: the defaults first."""
+    return [(c, label, k) for c in L49_CONFIGS for label in L49_LENGTHS for k in L49_CONCS]
+
+
+def l49_overview(steps: dict[str, Any]) -> list[str]:
+    """Every part run so far, one line each: the share of acted-on requests that ended stop
+    with content that does not loop, streamed and not; dishonest claims; one path."""
+    lines = [
+        "| part | tokens | plain: qualified / acted | streamed: qualified / acted | "
+        "recovered said, not qualifying | one path (beyond repeats / identical / both acted) | "
+        "added s (median) plain / streamed | extra tokens (median) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, s in steps.items():
+        if not name.startswith("loops49_") or name == "loops49_screen":
+            continue
+        if s.get("status") != "done":
+            continue
+        p, st, op = s["plain"], s["streamed"], s["one_path"]
+        extra = p["extra_tokens_of_acted"].get("median", "-")
+        lines.append(
+            f"| {name[8:]} | {s['max_tokens']} | {pct(p['qualified'])} | {pct(st['qualified'])} "
+            f"| {len(p['dishonest']) + len(st['dishonest'])} | {op['same_beyond_repeats']} / "
+            f"{op['identical']} / {op['both_acted']} | "
+            f"{p['added_s_of_acted'].get('median', '-')} / "
+            f"{st['added_s_of_acted'].get('median', '-')} | {extra} |"
+        )
+    lines += [
+        "",
+        "Per configuration, every part pooled (acted-on requests that ended stop or a tool "
+        "call with content that does not loop at its end):",
+        "",
+        "| configuration | plain | streamed | all | one at a time | 8 in flight | recovered "
+        "said, not qualifying | one path |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for cfg in L49_CONFIGS:
+        parts = [
+            s
+            for n, s in steps.items()
+            if n.startswith(f"loops49_{cfg}_") and s.get("status") == "done"
+        ]
+        if not parts:
+            continue
+
+        def pooled(keep: Callable[[dict[str, Any], str], bool], parts: list[Any] = parts) -> str:
+            k = n = 0
+            for s in parts:
+                for side in ("plain", "streamed"):
+                    if keep(s, side):
+                        k += s[side]["qualified"]["k"]
+                        n += s[side]["qualified"]["n"]
+            return pct(rate(k, n))
+
+        dishonest = sum(len(s[x]["dishonest"]) for s in parts for x in ("plain", "streamed"))
+        same = sum(s["one_path"]["same_beyond_repeats"] for s in parts)
+        both = sum(s["one_path"]["both_acted"] for s in parts)
+        lines.append(
+            f"| {cfg} | {pooled(lambda s, x: x == 'plain')} | "
+            f"{pooled(lambda s, x: x == 'streamed')} | {pooled(lambda s, x: True)} | "
+            f"{pooled(lambda s, x: s['concurrency'] == 1)} | "
+            f"{pooled(lambda s, x: s['concurrency'] > 1)} | {dishonest} | {same}/{both} |"
+        )
+    return lines
+
+
 NEEDS_REFS = {f"audit_c{c}" for c in (8, 16, 32, 2, 4)} | {"random10", "spec", "graphs"}
 
 
@@ -2333,7 +2889,24 @@ STEPS: list[tuple[str, Callable[[Ctx], Awaitable[dict[str, Any]]], Callable[[Ctx
          lambda c: len(SWEEP_LEVELS.split(",")) * SWEEP_DURATION * 2 + 15)
         for n in ("stock", "bi", "spec", "graphs")
     ],
+    # Issue 49's loop recovery (opt-in: only when --steps names them, e.g. 'loops49*'): the
+    # screen, then each configuration at each length, 8 in flight and one at a time.
+    (
+        "loops49_screen",
+        step_loops49_screen,
+        lambda c: L49_LENGTHS["1k"] * l49_s_per_token(c, 1)
+        + -(-len(L49_CANDIDATES) // L49_SCREEN_CONC)
+        * L49_LENGTHS["1k"]
+        * l49_s_per_token(c, L49_SCREEN_CONC)
+        + 20,
+    ),
+    *[
+        (f"loops49_{cfg}_{label}_c{conc}", l49_part(cfg, label, conc),
+         l49_estimate(cfg, label, conc))
+        for cfg, label, conc in l49_parts()
+    ],
 ]  # fmt: skip
+OPT_IN = "loops49"  # steps that run only when --steps names them
 
 
 # ---------------------------------------------------------------------------------- report
@@ -2394,6 +2967,11 @@ def markdown(res: dict[str, Any]) -> str:
                 f"| {name} | {s.get('status')} {s.get('reason') or ''} | {s.get('wall_s')} |"
             )
     lines.append("")
+    if any(n.startswith("loops49_") and n != "loops49_screen" for n in steps):
+        try:
+            lines += ["## loops49: every part", "", *l49_overview(steps), ""]
+        except Exception as exc:  # the json has it all
+            lines += [f"(loops49 overview failed: {exc!r})", ""]
     for name, s in steps.items():
         if s.get("status") != "done":
             if s.get("error"):
@@ -2466,6 +3044,38 @@ def md_step(name: str, s: dict[str, Any]) -> list[str]:
                     f"{r['prompt'][:40]!r}"
                 )
         return lines
+    if name == "loops49_screen":
+        return [
+            f"- {s['candidates']} candidates at {s['lengths']} max tokens (model length "
+            f"{s['max_model_len']}): {s['looping_at_1k']} loop at 1k, {s['screened_at_4k']} "
+            f"screened again at 4k, {s['looping_total']} loop, {s['kept']} kept; time per "
+            f"token {s['s_per_token']}; client errors {s['client_errors']}",
+            *(
+                f"  - {r['prompt']!r}: "
+                + "; ".join(
+                    f"{k}: {v.get('finish')} {v.get('tokens')} tok, loops {v.get('loops')}"
+                    for k, v in r.items()
+                    if k != "prompt"
+                )
+                for r in s["rows"]
+            ),
+        ]
+    if name.startswith("loops49_"):
+        return [
+            f"- {s['config']} {s['knobs']}, {s['max_tokens']} max tokens, {s['concurrency']} "
+            f"in flight, {s['traffic_s']} s; loop incidents {s['loop_incidents']}",
+            *(
+                f"- {k}: acted {s[k]['acted']}/{s[k]['requests']}, qualified "
+                f"{pct(s[k]['qualified'])}, finish {s[k]['finish_of_acted']}, still loop at the "
+                f"end {s[k]['tail_loops_of_acted']}, recovered said {s[k]['claimed_recovered']} "
+                f"(not qualifying: prompts {s[k]['dishonest']}), attempts "
+                f"{s[k]['attempts_of_acted']}, added s {s[k]['added_s_of_acted']}, extra tokens "
+                f"{s[k]['extra_tokens_of_acted']}, client errors {s[k]['client_errors']}"
+                for k in ("plain", "streamed")
+            ),
+            f"- one path: {s['one_path']}",
+            f"- recoveries {s['recoveries']}; recovery tokens {s['recovery_tokens']}",
+        ]
     if name.startswith("sweep_"):
         lines = [
             f"exit {s.get('exit_code')}, fingerprint changed {s.get('fingerprint_changed')}",
@@ -2496,6 +3106,10 @@ def quick() -> None:
     SWEEP_LEVELS, SWEEP_DURATION, PROBE_LEVELS, PROBE_RUNS = "1,2", 1.0, "1,2", 3
     del PROMPTS[4:]
     del LOOPING[2:]
+    global L49_KEEP
+    del L49_CANDIDATES[8:]
+    L49_LENGTHS.update({"1k": 256, "4k": 512})
+    L49_KEEP = 4
 
 
 async def main() -> None:
@@ -2511,7 +3125,11 @@ async def main() -> None:
     ap.add_argument("--logs", type=Path, help="vLLM logs to copy tails of into --out")
     ap.add_argument("--deadline-s", type=float, default=560)
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--steps", help="comma separated step names (default: all)")
+    ap.add_argument(
+        "--steps",
+        help="comma separated step names or globs, e.g. 'loops49*' (default: all but the "
+        "opt-in loops49 steps)",
+    )
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
@@ -2522,16 +3140,18 @@ async def main() -> None:
                 PIDS[getattr(args, name)] = args.logs / f"vllm-{name}.pid"
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    wanted = set(args.steps.split(",")) if args.steps else None
+    wanted = args.steps.split(",") if args.steps else None
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(
         timeout=timeout, connector=aiohttp.TCPConnector(limit=256)
     ) as http:
         ctx = Ctx(args, http)
         t0 = time.monotonic()
+        # the loops49 steps need only the stock instance (on_device.sh setup-loops)
+        needs_bi = not wanted or any(not w.startswith(OPT_IN) for w in wanted)
         up = await asyncio.gather(
             engine_up(http, args.stock, min(300, ctx.left() - 30)),
-            engine_up(http, args.bi, min(300, ctx.left() - 30)),
+            *([engine_up(http, args.bi, min(300, ctx.left() - 30))] if needs_bi else []),
         )
         ctx.results["calls"][-1]["engines_up_after_s"] = round(time.monotonic() - t0, 1)
         ctx.results["calls"][-1]["stock_bi_up"] = up
@@ -2541,7 +3161,11 @@ async def main() -> None:
                 ctx.results["vllm_version"] = (await resp.json()).get("version")
         for name, fn, est in STEPS:
             prev = ctx.results["steps"].get(name, {})
-            if prev.get("status") == "done" or (wanted and name not in wanted):
+            if wanted is None and name.startswith(OPT_IN):
+                continue
+            if prev.get("status") == "done" or (
+                wanted is not None and not any(fnmatch.fnmatchcase(name, w) for w in wanted)
+            ):
                 continue
             if name in NEEDS_REFS and not (ctx.refs.get("stock") and ctx.refs.get("bi")):
                 ctx.results["steps"][name] = {"status": "skipped", "reason": "no reference"}
