@@ -7,6 +7,8 @@
 #   bash tests/gpu/vllm/on_device.sh receive        # moves the carried .gpu/vllm/* away
 #   bash tests/gpu/vllm/on_device.sh setup          # install, patch, convert, start vLLM x6
 #   bash tests/gpu/vllm/on_device.sh validate ARGS  # tests/gpu/vllm/validate.py; results in $OUT
+#   bash tests/gpu/vllm/on_device.sh setup-loops    # issue 49: the stock instance alone
+#   bash tests/gpu/vllm/on_device.sh loops ARGS     # issue 49's loops49 steps against it
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 repo=$PWD
@@ -27,7 +29,7 @@ start() {
   local name=$1 port=$2 envs=$3; shift 3
   ( cd "$W" && setsid bash -c 'echo $$ > "$0"; exec "$@"' "$W/vllm-$name.pid" \
       env $envs python3 -m vllm.entrypoints.openai.api_server \
-      --served-model-name smollm2 --max-model-len 4096 --host 127.0.0.1 --port "$port" \
+      --served-model-name smollm2 --max-model-len "${MML:-4096}" --host 127.0.0.1 --port "$port" \
       --max-logprobs 20 --gpu-memory-utilization 0.15 \
       --kv-cache-memory-bytes 4294967296 "$@" > "$W/vllm-$name.log" 2>&1 < /dev/null & )
 }
@@ -43,7 +45,7 @@ info)
   python3 -m pip list 2>/dev/null | grep -iE '^(typing.extensions|aiohttp|uvloop|xxhash|prometheus.client|numpy|safetensors|anyio|httpx|idna|h11|click) ' | tr -s ' ' | tr '\n' ';'; echo
   nproc; free -g | head -2
   ;;
-setup|setup-causes)
+setup|setup-causes|setup-loops)
   t0=$(date +%s)
   (cd "$P" && ls part-* >/dev/null) || { echo "no parts in $P"; exit 1; }
   got=$(cat "$P"/part-? | sha256sum | cut -d' ' -f1)
@@ -68,6 +70,15 @@ setup|setup-causes)
     start bi_ptd 8008 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager \
       --enable-prompt-tokens-details
     left='{"stock": 8001, "bi": 8002, "stock_ptd": 8007, "bi_ptd": 8008}'
+  elif [ "$1" = setup-loops ]; then
+    # Issue 49: the stock instance alone, long enough for 4096 new tokens after a prompt (the
+    # checkpoint's own length if shorter); LOOPS_GRAPHS=1: CUDA graphs and torch.compile
+    # (about 5x faster a token than eager, a slower start) instead of --enforce-eager.
+    MML=$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); print(min(8192, c.get("max_position_embeddings") or 4096))' "$M/config.json")
+    eager=(--enforce-eager); [ "${LOOPS_GRAPHS:-0}" = 1 ] && eager=()
+    MML=$MML start stock 8001 "X=1" "${bf16[@]}" "${eager[@]}"
+    echo "stock :8001 starting, --max-model-len $MML, ${eager[*]:-CUDA graphs}"
+    left='{"stock": 8001}'
   else
   start stock 8001 "X=1" "${bf16[@]}" --enforce-eager
   start bi 8002 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager
@@ -126,5 +137,11 @@ causes)  # after setup-causes: issue 48's step alone (spec and gguf are not runn
     --gguf http://127.0.0.1:9 --stock-ptd http://127.0.0.1:8007 --bi-ptd http://127.0.0.1:8008 \
     --logs "$W" --steps causes "$@"
   ;;
-*) echo "usage: $0 receive|info|setup|setup-causes|validate|causes" >&2; exit 2 ;;
+loops)  # after setup-loops: issue 49's loops49 steps (only the stock instance is running)
+  shift
+  python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
+    --stock http://127.0.0.1:8001 --bi http://127.0.0.1:9 --spec http://127.0.0.1:9 \
+    --gguf http://127.0.0.1:9 --logs "$W" --steps "${L49_STEPS:-loops49*}" "$@"
+  ;;
+*) echo "usage: $0 receive|info|setup|setup-causes|setup-loops|validate|causes|loops" >&2; exit 2 ;;
 esac

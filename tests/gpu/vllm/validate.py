@@ -2548,6 +2548,8 @@ def l49_cost(ctx: Ctx, label: str, conc: int) -> float:
 def l49_estimate(cfg: str, label: str, conc: int) -> Callable[[Ctx], float]:
     def est(ctx: Ctx) -> float:
         n = 2 * len(l49(ctx).get("prompts") or L49_CANDIDATES[:24])
+        if conc == 1:  # one at a time, a part stops when time is up and goes on next call
+            n = min(n, 8)
         return n * l49_cost(ctx, label, conc) * 1.15 + 20
 
     return est
@@ -2620,9 +2622,18 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
     mt = l49_length(ctx, label)
     part = f"{cfg_name}_{label}_c{conc}"
     cfg = {"loops": {"policy": "retry"} | L49_CONFIGS[cfg_name], "incidents": {"store_text": True}}
+    # one at a time, a part goes on over calls (--resume) from the prompts it has done
+    progress: dict[str, Any] = state.setdefault("progress", {}).setdefault(
+        part, {"rows": [], "texts": {}, "caught": [], "traffic_s": 0.0}
+    )
+    if conc > 1:
+        progress.update({"rows": [], "texts": {}, "caught": [], "traffic_s": 0.0})
+    done = {r["prompt"] for r in progress["rows"] if r["stream"]}  # plain, then streamed
+    rows: list[dict[str, Any]] = [r for r in progress["rows"] if r["prompt"] in done]
+    progress["rows"] = rows
+    texts: dict[str, dict[str, str]] = progress["texts"]
+    stopped = False
     proxy = Detproxy(base, cfg, ctx.work, f"l49-{part}")
-    rows: list[dict[str, Any]] = []
-    texts: dict[str, dict[str, str]] = {}
     try:
         await proxy.ready(http)
 
@@ -2676,9 +2687,19 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
 
         t0 = time.monotonic()
         if conc == 1:
+            key = f"{label}_c1"
             for i in range(len(prompts)):
+                if i in done:
+                    continue
+                if ctx.left() < 2 * l49_cost(ctx, label, 1) * 1.5 + 15:
+                    stopped = True
+                    break
+                t1 = time.monotonic()
                 for stream in (False, True):
                     await one(i, stream)
+                progress["traffic_s"] += time.monotonic() - t1
+                state.setdefault("request_s", {})[key] = round(progress["traffic_s"] / len(rows), 3)
+                ctx.save()
         else:
             sem = asyncio.Semaphore(conc)
 
@@ -2694,7 +2715,10 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
         m = await proxy.metrics(http)
     finally:
         proxy.stop()
-    caught = {str(x.get("request_id")) for x in incidents}
+    progress["caught"] = sorted(
+        set(progress["caught"]) | {str(x.get("request_id")) for x in incidents}
+    )
+    caught = set(progress["caught"])
     for row in rows:
         rid = f"l49-{part}-{row['prompt']}-{int(row['stream'])}"
         attempts = row["attempts"]
@@ -2705,7 +2729,8 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
         row["dishonest"] = row["claimed_recovered"] and not row["qualifies"]
     rows.sort(key=lambda g: (g["prompt"], g["stream"]))
     # the per-request time, for the estimates of the parts still to run
-    state.setdefault("request_s", {})[f"{label}_c{conc}"] = round(wall / max(1, len(rows)), 3)
+    if conc > 1:
+        state.setdefault("request_s", {})[f"{label}_c{conc}"] = round(wall / max(1, len(rows)), 3)
     one_path = []
     for key, pair in sorted(texts.items(), key=lambda kv: int(kv[0])):
         s, n = pair.get("stream", ""), pair.get("plain", "")
@@ -2727,7 +2752,8 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
         "knobs": L49_CONFIGS[cfg_name],
         "max_tokens": mt,
         "concurrency": conc,
-        "traffic_s": round(wall, 1),
+        "prompts_done": len({r["prompt"] for r in rows}),
+        "traffic_s": round(progress["traffic_s"] if conc == 1 else wall, 1),
         **l49_summary(rows, one_path),
         "recoveries": series(m, "detproxy_recoveries_total"),
         "recovery_tokens": series(m, "detproxy_recovery_tokens_total"),
@@ -2735,6 +2761,11 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
         "one_path_rows": one_path,
         "rows": rows,
     }
+    if stopped:  # the next call (--resume) goes on with the prompts left
+        out["status"] = "partial"
+        out["reason"] = f"{out['prompts_done']} of {len(prompts)} prompts, time is up"
+    else:
+        del state["progress"][part]
     return out
 
 
@@ -2774,8 +2805,16 @@ def l49_summary(rows: list[dict[str, Any]], one_path: list[dict[str, Any]]) -> d
 
 
 def l49_parts() -> list[tuple[str, str, int]]:
-    """(configuration, length, concurrency) in the order they run: the defaults first."""
-    return [(c, label, k) for c in L49_CONFIGS for label in L49_LENGTHS for k in L49_CONCS]
+    """(configuration, length, concurrency) in the order they run: the defaults' parts, 8 in
+    flight first; then every other configuration 8 in flight (cheap: a batch costs about
+    what one request does); then the others one at a time."""
+    first, *others = L49_CONFIGS
+    conc, *_ = L49_CONCS
+    return (
+        [(first, label, k) for k in L49_CONCS for label in L49_LENGTHS]
+        + [(c, label, conc) for c in others for label in L49_LENGTHS]
+        + [(c, label, k) for c in others for k in L49_CONCS[1:] for label in L49_LENGTHS]
+    )
 
 
 def l49_overview(steps: dict[str, Any]) -> list[str]:
@@ -2790,8 +2829,10 @@ def l49_overview(steps: dict[str, Any]) -> list[str]:
     for name, s in steps.items():
         if not name.startswith("loops49_") or name == "loops49_screen":
             continue
-        if s.get("status") != "done":
+        if s.get("status") not in ("done", "partial"):
             continue
+        if s["status"] == "partial":
+            name += f" (partial: {s['prompts_done']} prompts)"
         p, st, op = s["plain"], s["streamed"], s["one_path"]
         extra = p["extra_tokens_of_acted"].get("median", "-")
         lines.append(
@@ -2814,7 +2855,7 @@ def l49_overview(steps: dict[str, Any]) -> list[str]:
         parts = [
             s
             for n, s in steps.items()
-            if n.startswith(f"loops49_{cfg}_") and s.get("status") == "done"
+            if n.startswith(f"loops49_{cfg}_") and s.get("status") in ("done", "partial")
         ]
         if not parts:
             continue
@@ -2973,7 +3014,7 @@ def markdown(res: dict[str, Any]) -> str:
         except Exception as exc:  # the json has it all
             lines += [f"(loops49 overview failed: {exc!r})", ""]
     for name, s in steps.items():
-        if s.get("status") != "done":
+        if s.get("status") not in ("done", "partial"):
             if s.get("error"):
                 lines += [f"## {name}: error", "", "```", s["error"][-1500:], "```", ""]
             continue
