@@ -76,7 +76,7 @@ setup|setup-causes|setup-loops)
     # (about 5x faster a token than eager, a slower start) instead of --enforce-eager.
     MML=$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); print(min(8192, c.get("max_position_embeddings") or 4096))' "$M/config.json")
     eager=(--enforce-eager); [ "${LOOPS_GRAPHS:-0}" = 1 ] && eager=()
-    MML=$MML start stock 8001 "X=1" "${bf16[@]}" "${eager[@]}"
+    MML=$MML start stock 8001 "X=1" "${bf16[@]}" ${eager[@]+"${eager[@]}"}
     echo "stock :8001 starting, --max-model-len $MML, ${eager[*]:-CUDA graphs}"
     left='{"stock": 8001}'
   else
@@ -137,11 +137,17 @@ causes)  # after setup-causes: issue 48's step alone (spec and gguf are not runn
     --gguf http://127.0.0.1:9 --stock-ptd http://127.0.0.1:8007 --bi-ptd http://127.0.0.1:8008 \
     --logs "$W" --steps causes "$@"
   ;;
-loops)  # after setup-loops: issue 49's loops49 steps (only the stock instance is running)
+loops)  # after setup-loops: issue 49's loops49 steps (only the stock instance is running);
+  # always --resume: the screen's prompts and a one-at-a-time part's progress carry over calls
   shift
+  # a later session's fresh machine goes on from an earlier one's results.json, carried as
+  # .gpu/vllm/results.json (the screen's prompts and direct answers, the parts done)
+  if [ -f .gpu/vllm/results.json ] && [ ! -f "$W/results/results.json" ]; then
+    mkdir -p "$W/results" && mv .gpu/vllm/results.json "$W/results/results.json"
+  fi
   python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
     --stock http://127.0.0.1:8001 --bi http://127.0.0.1:9 --spec http://127.0.0.1:9 \
-    --gguf http://127.0.0.1:9 --logs "$W" --steps "${L49_STEPS:-loops49*}" "$@"
+    --gguf http://127.0.0.1:9 --logs "$W" --resume --steps "${L49_STEPS:-loops49*}" "$@"
   ;;
 *) echo "usage: $0 receive|info|setup|setup-causes|setup-loops|validate|causes|loops" >&2; exit 2 ;;
 esac
