@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import fnmatch
+import gzip
 import math
 import os
 import random
@@ -2745,9 +2746,7 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
                 "diverge_at": common_prefix(s, n),
             }
         )
-    (ctx.args.out / f"loops49-texts-{part}.json").write_bytes(
-        orjson.dumps({prompts[int(k)]: t for k, t in texts.items()})
-    )
+    l49_save_texts(ctx, part, {prompts[int(k)]: t for k, t in texts.items()})
     out = {
         "config": cfg_name,
         "knobs": L49_CONFIGS[cfg_name],
@@ -2768,6 +2767,18 @@ async def loops49_part(ctx: Ctx, cfg_name: str, label: str, conc: int) -> dict[s
     else:
         del state["progress"][part]
     return out
+
+
+def l49_save_texts(ctx: Ctx, part: str, texts: dict[str, dict[str, str]]) -> None:
+    """Every part's answers in one gzipped file, in --work and --out (at most 8 files of
+    $OUT come back from the device)."""
+    name = "loops49-texts.json.gz"
+    path = ctx.work / name
+    every = orjson.loads(gzip.decompress(path.read_bytes())) if path.exists() else {}
+    every[part] = texts
+    blob = gzip.compress(orjson.dumps(every))
+    for folder in {ctx.work, ctx.args.out}:
+        (folder / name).write_bytes(blob)
 
 
 def l49_summary(rows: list[dict[str, Any]], one_path: list[dict[str, Any]]) -> dict[str, Any]:
