@@ -2835,7 +2835,7 @@ def l49_overview(steps: dict[str, Any]) -> list[str]:
     lines = [
         "| part | tokens | plain: qualified / acted | streamed: qualified / acted | "
         "recovered said, not qualifying | one path (beyond repeats / identical / both acted) | "
-        "added s (median) plain / streamed | extra tokens (median) |",
+        "added s (median) plain / streamed | extra tokens, alone (median) plain / streamed |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, s in steps.items():
@@ -2846,7 +2846,10 @@ def l49_overview(steps: dict[str, Any]) -> list[str]:
         if s["status"] == "partial":
             name += f" (partial: {s['prompts_done']} prompts)"
         p, st, op = s["plain"], s["streamed"], s["one_path"]
-        extra = p["extra_tokens_of_acted"].get("median", "-")
+        extra = (
+            f"{p['extra_tokens_of_acted'].get('median', '-')} / "
+            f"{st['extra_tokens_of_acted'].get('median', '-')}"
+        )
         lines.append(
             f"| {name[8:]} | {s['max_tokens']} | {pct(p['qualified'])} | {pct(st['qualified'])} "
             f"| {len(p['dishonest']) + len(st['dishonest'])} | {op['same_beyond_repeats']} / "
