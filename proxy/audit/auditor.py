@@ -398,7 +398,9 @@ class Auditor:
         alone: bool | None = None
         if result.overlapped:
             alone = False
-        elif audit.max_concurrent_shadows == 1:
+        elif audit.max_concurrent_shadows == 1 and self._settings.server.one_process:
+            # With several workers, another's clients may have shared the shadow's batch
+            # unseen here: not known (the triage's replays read the engine's own count).
             alone = True
         now = time.time()
         return TriageCase(

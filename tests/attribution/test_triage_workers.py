@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.processes import bare_env, free_port, wait_healthy
-from tests.helpers.triage import FAST
+from tests.helpers.triage import FAST, causes_of, idle
 from tests.helpers.waiting import Unmet, eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,3 +106,28 @@ async def test_a_burst_over_two_workers_gets_its_causes(tmp_path: Path) -> None:
     # other worker's table says so), and the cause rests on it.
     colds = [i["cause_evidence"]["runs"][0]["cache"] for i in incidents]
     assert colds == ["cold"] * len(incidents), colds
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_a_shadow_is_called_alone_only_where_its_worker_sees_every_request(
+    make_proxy: Any, workers: int
+) -> None:
+    """Serial requests, each shadow with nothing of its own process beside it: with one
+    process that is alone; with several, another worker's clients may have shared its batch
+    unseen, so it is not known (a shadow "alone" that differs from cold replays alone would
+    read as intrinsic)."""
+    config = EmulatorConfig(flip_probability=0.5, token_latency_s=0.002, seed=3)
+    async with EmulatorServer(config) as emu:
+        env = FAST | {"DETPROXY_AUDIT__SCHEDULE": "quiet", "DETPROXY_WORKERS": str(workers)}
+        client = await make_proxy(emu.url, env=env)
+        for i in range(6):
+            resp = await client.post("/v1/chat/completions", json=chat(f"serial {i}", f"s{i}"))
+            assert resp.status == 200
+            await resp.read()
+            await idle(client)
+        incidents = await causes_of(client)
+    assert incidents, "no divergence to read"
+    shadows = [i["cause_evidence"]["runs"][1] for i in incidents]
+    assert {r["name"] for r in shadows} == {"shadow"}
+    expected = True if workers == 1 else None
+    assert [r["alone"] for r in shadows] == [expected] * len(shadows), shadows
