@@ -16,9 +16,8 @@ from typing import Any
 
 import orjson
 
-from proxy.audit.inject import strip_logprobs
 from proxy.http.sse import encode_event
-from proxy.openai import REASONING_KEYS, reasoning_of
+from proxy.openai import REASONING_KEYS, reasoning_of, strip_logprobs
 from proxy.relay.inspectors import Delta, Item
 
 
