@@ -41,7 +41,7 @@ from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
 from proxy.relay.result import StreamResult, tally
-from proxy.relay.transform import Transforms
+from proxy.relay.transform import transforms
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +114,7 @@ class StreamRelay:
         self._decoder = SSEDecoder(max_event_bytes)
         self._t0 = t0
         self.plan = plan
-        # Changes the client's bytes need: they outlive inspection (see rewrite_only).
-        self.rewriting = (
-            plan.strip_logprobs or plan.id_override is not None or plan.reasoning_as_content
-        )
-        self.transforms = Transforms(
+        self.transforms = transforms(
             strip_logprobs=plan.strip_logprobs,
             id_override=plan.id_override,
             reasoning_as_content=plan.reasoning_as_content,
@@ -128,6 +124,8 @@ class StreamRelay:
             # Not a method of this relay: no reference cycle (it goes by reference counting).
             on_overflow=lambda: bus.publish(InspectionStopped(endpoint, "hold_overflow")),
         )
+        # Changes the client's bytes need: they outlive inspection (see rewrite_only).
+        self.rewriting = bool(self.transforms.rewrites)
         # The chars (content, reasoning) of the held-back tail a decision dropped.
         self.unshown: tuple[int, int] = (0, 0)
         # Templates: none where every chunk is rewritten (strip_logprobs changes them).
@@ -148,15 +146,7 @@ class StreamRelay:
     def raw(self) -> bool:
         """Nothing looks at the events or changes them: each read's complete events go out as
         they came, and are only counted."""
-        plan = self.plan
-        return self._fast and not (
-            self.inspectors
-            or plan.strip_logprobs
-            or plan.id_override is not None
-            or plan.hold_reasoning
-            or plan.reasoning_as_content
-            or plan.hold_back_chars > 0
-        )
+        return self._fast and not (self.inspectors or self.rewriting or self.transforms.holds)
 
     def now(self) -> float:
         return self._clock() - self._t0
