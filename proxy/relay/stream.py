@@ -273,7 +273,24 @@ class StreamRelay:
             return exc.pending
         if not events:
             return b""
-        return b"".join([self.rewrite_only(event.data, event.raw) for event in events])
+        raws = [event.raw for event in events]
+        return self._rewrite_events(b"".join(raws), [event.data for event in events], raws)
+
+    def _rewrite_events(
+        self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None
+    ) -> bytes:
+        """Events after inspection stopped (laid out in ``src`` as in ``_events``), each
+        rewritten if it parses, else as it came: the one rewrite-only path."""
+        parts: list[bytes] = []
+        kept = offset = 0
+        for i, data in enumerate(datas):
+            size = len(raws[i]) if raws is not None else len(data or b"") + 8
+            raw = src[offset : offset + size]
+            written = self.rewrite_only(data, raw)
+            if written is not raw:
+                kept = _splice(parts, src, kept, offset, size, written)
+            offset += size
+        return self._take(parts, src, kept, len(src))
 
     # -- one read ----------------------------------------------------------------------------
 
@@ -346,15 +363,10 @@ class StreamRelay:
         while i < n:
             if not self.inspecting:
                 if self.rewriting:  # the rest is rewritten, not inspected
-                    while i < n:
-                        data = datas[i]
-                        size = len(raws[i]) if raws is not None else len(data or b"") + 8
-                        raw = src[offset : offset + size]
-                        written = self.rewrite_only(data, raw)
-                        if written is not raw:
-                            kept = _splice(parts, src, kept, offset, size, written)
-                        offset += size
-                        i += 1
+                    rest = self._rewrite_events(
+                        src[offset:], datas[i:], raws[i:] if raws is not None else None
+                    )
+                    return self._take(parts, src, kept, offset) + rest
                 break  # the rest goes out as it came
             run = extractor.deltas(datas, i)
             for delta in run:  # token chunks templates read
