@@ -14,7 +14,6 @@ import orjson
 
 from policies.base import Abort, Retry
 from proxy.attempts import AttemptEnd, Attempts, Generated, Stages, run_attempts
-from proxy.audit.inject import strip_logprobs
 from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
@@ -31,7 +30,7 @@ from proxy.loops.continuation import (
 )
 from proxy.loops.recovery import cut_answer, is_empty
 from proxy.loops.verdict import ending
-from proxy.openai import first_choice, first_message, usage_of
+from proxy.openai import first_choice, first_message, strip_logprobs, usage_of
 
 
 def attempt_headers(attempts: Attempts) -> dict[str, str]:

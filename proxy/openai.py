@@ -5,6 +5,11 @@ Every function reads a parsed JSON object (plain dicts, as orjson gives them) an
 raises on junk: a member of the wrong type reads as absent. They run once per SSE event on
 the relay's hot path, so they use plain ``dict.get`` and ``type(x) is ...`` checks.
 
+Two rewrite a parsed chunk in place, for whoever hands it on (the relay's rewrites, the whole
+answer's): ``strip_logprobs`` (logprobs detproxy injected for an audit, set back to null) and
+``move_reasoning_to_content`` (after a closed reasoning, reasoning is the answer's content).
+They live here, beside the views, so that no stage imports another's package for them.
+
 ``stream_event`` is the one builder of a chunk detproxy writes itself (a policy's last event, a
 held reasoning it hands back), shaped as the upstream's own.
 
@@ -30,8 +35,10 @@ __all__ = [
     "error_message",
     "first_choice",
     "first_message",
+    "move_reasoning_to_content",
     "reasoning_of",
     "stream_event",
+    "strip_logprobs",
     "usage_of",
 ]
 
@@ -145,3 +152,34 @@ def error_message(body: dict[str, Any]) -> str | None:
     if body.get("error") is None and body.get("object") != "error":
         return None
     return error_detail(body) or "error"
+
+
+def strip_logprobs(answer: dict[str, Any]) -> bool:
+    """Set every choice's logprobs back to null, in place (a chunk or a whole answer).
+
+    Returns whether anything changed, so an unchanged chunk keeps its original bytes."""
+    changed = False
+    choices = answer.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("logprobs") is not None:
+                choice["logprobs"] = None
+                changed = True
+    return changed
+
+
+def move_reasoning_to_content(chunk: dict[str, Any]) -> None:
+    """A streamed chunk after closed reasoning: its reasoning delta is the answer's content."""
+    choices = chunk.get("choices")
+    if type(choices) is not list:
+        return
+    for choice in choices:
+        delta = choice.get("delta") if type(choice) is dict else None
+        if type(delta) is not dict:
+            continue
+        text = reasoning_of(delta)
+        for key in REASONING_KEYS:
+            delta.pop(key, None)
+        if text:
+            own = delta.get("content")
+            delta["content"] = (own if type(own) is str else "") + text

@@ -162,7 +162,7 @@ def dumps(value: Any) -> bytes:
 
 def without_logprobs(value: Any) -> Any:
     """What the client gets of an answer to a request whose logprobs only the audit asked for:
-    every choice's logprobs back to null (``proxy.audit.inject.strip_logprobs``'s contract)."""
+    every choice's logprobs back to null (``proxy.openai.strip_logprobs``'s contract)."""
     if isinstance(value, dict) and isinstance(value.get("choices"), list):
         value = copy.deepcopy(value)
         for choice in value["choices"]:

@@ -44,17 +44,3 @@ def plan_logprobs(
     if _is_int(body.get("logprobs")):
         return LogprobPlan(body, injected=False)
     return LogprobPlan({**body, "logprobs": k}, injected=True)
-
-
-def strip_logprobs(answer: dict[str, Any]) -> bool:
-    """Set every choice's logprobs back to null, in place (a chunk or a whole answer).
-
-    Returns whether anything changed, so an unchanged chunk keeps its original bytes."""
-    changed = False
-    choices = answer.get("choices")
-    if isinstance(choices, list):
-        for choice in choices:
-            if isinstance(choice, dict) and choice.get("logprobs") is not None:
-                choice["logprobs"] = None
-                changed = True
-    return changed

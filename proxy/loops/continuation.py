@@ -302,20 +302,3 @@ def text_event(endpoint: str, chunk_id: str | None, model: str, text: str) -> by
     else:
         choice["text"] = text
     return stream_event(endpoint, chunk_id, model, choice)
-
-
-def move_reasoning_to_content(chunk: dict[str, Any]) -> None:
-    """A streamed chunk after closed reasoning: its reasoning delta is the answer's content."""
-    choices = chunk.get("choices")
-    if type(choices) is not list:
-        return
-    for choice in choices:
-        delta = choice.get("delta") if type(choice) is dict else None
-        if type(delta) is not dict:
-            continue
-        text = reasoning_of(delta)
-        for key in REASONING_KEYS:
-            delta.pop(key, None)
-        if text:
-            own = delta.get("content")
-            delta["content"] = (own if type(own) is str else "") + text

@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import orjson
 
-from proxy.loops.continuation import move_reasoning_to_content
+from proxy.openai import move_reasoning_to_content
 from proxy.relay.inspectors import Delta
 from proxy.relay.template import Templates, decode, plain_shape
 

@@ -6,17 +6,20 @@ transform changes them, so a stream that breaks mid-event can still be ended cle
 in-band error. Two paths, one result (the client gets the same bytes, whatever the split of
 the reads, and ``StreamResult`` the same counts):
 
-- raw: when nothing looks at the events (no inspector, nothing rewritten or held), each read's
-  complete events go out in one write, as they came; they are still read for the counts;
-- inspected: each read is cut into events (``SSEDecoder``: a read of plain ``data:`` lines is
-  cut with bytes operations), each event's data becomes a ``Delta`` or a parsed chunk
-  (``proxy.relay.extract``: learned templates read token chunks without parsing them), which
-  is counted (``proxy.relay.result.tally``) and handed to the inspectors (``InspectorSet``: a
-  watcher's trigger stops the read at its event, ``plan.on_trigger`` answers it in the relay's
-  task (never inside the upstream's data callback), and a retry or an abort ends the relay
-  there); then the transforms (``proxy.relay.transform``: the rewrites of a parsed chunk,
-  reasoning held until it ends, the last chars of text held back). Unchanged events go out as
-  slices of the read.
+- raw (``_read_raw``, chosen once per stream): when nothing looks at the events (no
+  inspector, nothing rewritten or held), each read's complete events go out in one write, as
+  they came; they are still read for the counts;
+- inspected (``_read``): each read is cut into events (a read that is one token event is read
+  whole by a template; else ``SSEDecoder``: a read of plain ``data:`` lines is cut with bytes
+  operations), each event's data becomes a ``Delta`` or a parsed chunk
+  (``proxy.relay.extract``: learned templates read token chunks without parsing them), and
+  each goes through one step, ``_inspect``: counted (``proxy.relay.result.tally``) and handed
+  to the inspectors (``InspectorSet``: a watcher's trigger stops the read at its event,
+  ``plan.on_trigger`` answers it in the relay's task (never inside the upstream's data
+  callback), and a retry or an abort ends the relay there); then the transform chain
+  (``proxy.relay.transform``: the rewrites of a parsed chunk, reasoning held until it ends, the
+  last chars of text held back). Unchanged events go out as slices of the read. After
+  inspection stops, the rewrites alone run (``_rewrite_events``), where there are any.
 
 Inspection is best effort: malformed SSE or JSON switches it off for this response and the bytes
 go on; what the client's bytes need (the rewrites) still applies to every event that parses.
@@ -41,7 +44,7 @@ from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
 from proxy.relay.result import StreamResult, tally
-from proxy.relay.transform import Transforms
+from proxy.relay.transform import transforms
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +117,7 @@ class StreamRelay:
         self._decoder = SSEDecoder(max_event_bytes)
         self._t0 = t0
         self.plan = plan
-        # Changes the client's bytes need: they outlive inspection (see rewrite_only).
-        self.rewriting = (
-            plan.strip_logprobs or plan.id_override is not None or plan.reasoning_as_content
-        )
-        self.transforms = Transforms(
+        self.transforms = transforms(
             strip_logprobs=plan.strip_logprobs,
             id_override=plan.id_override,
             reasoning_as_content=plan.reasoning_as_content,
@@ -128,6 +127,8 @@ class StreamRelay:
             # Not a method of this relay: no reference cycle (it goes by reference counting).
             on_overflow=lambda: bus.publish(InspectionStopped(endpoint, "hold_overflow")),
         )
+        # Changes the client's bytes need: they outlive inspection (see rewrite_only).
+        self.rewriting = bool(self.transforms.rewrites)
         # The chars (content, reasoning) of the held-back tail a decision dropped.
         self.unshown: tuple[int, int] = (0, 0)
         # Templates: none where every chunk is rewritten (strip_logprobs changes them).
@@ -148,15 +149,7 @@ class StreamRelay:
     def raw(self) -> bool:
         """Nothing looks at the events or changes them: each read's complete events go out as
         they came, and are only counted."""
-        plan = self.plan
-        return self._fast and not (
-            self.inspectors
-            or plan.strip_logprobs
-            or plan.id_override is not None
-            or plan.hold_reasoning
-            or plan.reasoning_as_content
-            or plan.hold_back_chars > 0
-        )
+        return self._fast and not (self.inspectors or self.rewriting or self.transforms.holds)
 
     def now(self) -> float:
         return self._clock() - self._t0
@@ -183,11 +176,25 @@ class StreamRelay:
             self._stop_inspecting("malformed_json")
             return self.transforms.end_hold(raw)
         chunk, item = parsed
+        return self._inspect(item, chunk, raw, at)
+
+    def _inspect(
+        self, item: Item, chunk: dict[str, Any] | None, raw: bytes, at: float
+    ) -> bytes | None:
+        """One extracted event (a template's delta: ``chunk`` None) through the rest of the
+        stages: counted and inspected (``observe``), then transformed: the bytes to write now
+        (None: held). A trigger defers it instead (None, ``_deferred`` set)."""
         if self.observe(item, at):
-            self._deferred = _Deferred(item, chunk, at=at)
+            self._deferred = _Deferred(item, chunk, raw, at)
             return None
+        return self._transform(item, chunk, raw)
+
+    def _transform(self, item: Item, chunk: dict[str, Any] | None, raw: bytes) -> bytes | None:
+        """An observed event through the transform chain (a delta is never rewritten)."""
         transforms = self.transforms
-        return transforms.hold(item, transforms.rewrite(chunk, raw))
+        if chunk is not None:
+            return transforms.hold(item, transforms.rewrite(chunk, raw))
+        return transforms.hold(item, raw) if transforms.holds else raw
 
     def _parse(self, data: bytes) -> tuple[dict[str, Any], Item] | None:
         """A data field parsed (None: not a JSON object), and what the inspectors see of it."""
@@ -255,13 +262,7 @@ class StreamRelay:
     def _resume(self, deferred: _Deferred) -> bytes:
         """The deferred event (observed already) through the transforms, then the rest of its
         read as ``_read`` would have relayed it."""
-        transforms = self.transforms
-        raw = deferred.raw
-        if deferred.chunk is not None:
-            written = transforms.hold(deferred.item, transforms.rewrite(deferred.chunk, raw))
-        else:
-            written = transforms.hold(deferred.item, raw) if transforms.holds else raw
-        out = written or b""
+        out = self._transform(deferred.item, deferred.chunk, deferred.raw) or b""
         if deferred.datas:
             out += self._events(deferred.src, deferred.datas, deferred.raws, deferred.at)
         if deferred.tail and not self.inspecting:
@@ -283,7 +284,24 @@ class StreamRelay:
             return exc.pending
         if not events:
             return b""
-        return b"".join([self.rewrite_only(event.data, event.raw) for event in events])
+        raws = [event.raw for event in events]
+        return self._rewrite_events(b"".join(raws), [event.data for event in events], raws)
+
+    def _rewrite_events(
+        self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None
+    ) -> bytes:
+        """Events after inspection stopped (laid out in ``src`` as in ``_events``), each
+        rewritten if it parses, else as it came: the one rewrite-only path."""
+        parts: list[bytes] = []
+        kept = offset = 0
+        for i, data in enumerate(datas):
+            size = len(raws[i]) if raws is not None else len(data or b"") + 8
+            raw = src[offset : offset + size]
+            written = self.rewrite_only(data, raw)
+            if written is not raw:
+                kept = _splice(parts, src, kept, offset, size, written)
+            offset += size
+        return self._take(parts, src, kept, len(src))
 
     # -- one read ----------------------------------------------------------------------------
 
@@ -296,50 +314,67 @@ class StreamRelay:
             return held + (self._rewrite_read(data) if self.rewriting else data)
         decoder = self._decoder
         if self._fast and not decoder.pending:
-            # A token streamed on its own (the usual read), read as one event by a template:
-            # counted, inspected and transformed as in _events.
+            # A token streamed on its own (the usual read), read as one event by a template,
+            # then through the same stages as in _events.
             delta = self.extractor.delta(data, event=True)
             if delta is not None:
                 at = self._clock() - self._t0
-                result = self.result
-                result.add_events(1, at)
-                if self._counting:
-                    tally(result, delta, at)
-                    return data
-                if self.observe(delta, at):
-                    self._deferred = _Deferred(delta, None, data, at, tail=True)
-                    return b""
-                transforms = self.transforms
-                return (transforms.hold(delta, data) or b"") if transforms.holds else data
-        raws: list[bytes] | None = None
+                self.result.add_events(1, at)
+                written = self._inspect(delta, None, data, at)
+                if self._deferred is not None:
+                    self._deferred.tail = True  # the read's end follows, after the decision
+                return written or b""
         try:
-            split = decoder.feed_data(data) if self._fast else None
-            if split is None:
-                events = decoder.feed(data)
-                raws = [event.raw for event in events]
-                src = b"".join(raws)
-                datas: list[bytes | None] = [event.data for event in events]
-            else:
-                src = split[0]
-                datas = cast("list[bytes | None]", split[1])  # each a data field
+            src, datas, raws = self._split(data)
         except SSEOverflow as exc:
-            if self._counting:
-                self.inspecting = False  # nothing was inspected: nothing to report
             self._stop_inspecting("event_too_large")
             return self.transforms.release(b"") + exc.pending
         if not datas:
             return b""
         at = self.now()
         self.result.add_events(len(datas), at)
-        if self._counting:
-            self._count(datas, at)
-            return src
         out = self._events(src, datas, raws, at)
         if self._deferred is not None:
             self._deferred.tail = True  # what follows the read's events, after the decision
         elif not self.inspecting:  # raw from here on, or decoded for rewriting alone
             out += self.transforms.release(b"" if self.rewriting else decoder.take_pending())
         return out
+
+    def _read_raw(self, data: bytes) -> bytes:
+        """One upstream read on the raw path (nothing inspects or changes the events): its
+        complete events read and counted as ``_read`` counts them, the read relayed as it
+        came."""
+        if not self.inspecting:
+            return data
+        if not self._decoder.pending:
+            delta = self.extractor.delta(data, event=True)  # a token on its own, as in _read
+            if delta is not None:
+                at = self._clock() - self._t0
+                result = self.result
+                result.add_events(1, at)
+                tally(result, delta, at)
+                return data
+        try:
+            src, datas, _ = self._split(data)
+        except SSEOverflow as exc:
+            self.inspecting = False  # nothing was inspected: nothing to report
+            return exc.pending
+        if datas:
+            at = self.now()
+            self.result.add_events(len(datas), at)
+            self._count(datas, at)
+        return src
+
+    def _split(self, data: bytes) -> tuple[bytes, list[bytes | None], list[bytes] | None]:
+        """A read's complete events: their bytes, their data fields, and each event's bytes
+        where an event is not ``b"data: " + data + b"\n\n"`` (None: each is)."""
+        decoder = self._decoder
+        split = decoder.feed_data(data) if self._fast else None
+        if split is None:
+            events = decoder.feed(data)
+            raws = [event.raw for event in events]
+            return b"".join(raws), [event.data for event in events], raws
+        return split[0], cast("list[bytes | None]", split[1]), None  # each a data field
 
     def _events(
         self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None, at: float
@@ -351,36 +386,30 @@ class StreamRelay:
         kept = 0  # src[kept:] is relayed unchanged so far
         offset = 0  # where datas[i]'s event starts in src
         i, n = 0, len(datas)
-        extractor, transforms = self.extractor, self.transforms
+        extractor = self.extractor
         written: bytes | None
         while i < n:
             if not self.inspecting:
                 if self.rewriting:  # the rest is rewritten, not inspected
-                    while i < n:
-                        data = datas[i]
-                        size = len(raws[i]) if raws is not None else len(data or b"") + 8
-                        raw = src[offset : offset + size]
-                        written = self.rewrite_only(data, raw)
-                        if written is not raw:
-                            kept = _splice(parts, src, kept, offset, size, written)
-                        offset += size
-                        i += 1
+                    rest = self._rewrite_events(
+                        src[offset:], datas[i:], raws[i:] if raws is not None else None
+                    )
+                    return self._take(parts, src, kept, offset) + rest
                 break  # the rest goes out as it came
             run = extractor.deltas(datas, i)
-            for delta in run:  # token chunks templates read
-                data = datas[i]
-                size = len(raws[i]) if raws is not None else len(data or b"") + 8
-                if self.observe(delta, at):
-                    self._deferred = _Deferred(delta, None, at=at)
-                    return self._defer(parts, src, kept, offset, size, datas=datas, raws=raws, i=i)
-                if transforms.holds:
+            if run:  # token chunks templates read
+                for delta in run:
+                    size = len(raws[i]) if raws is not None else len(datas[i] or b"") + 8
                     raw = src if size == len(src) else src[offset : offset + size]
-                    written = transforms.hold(delta, raw)
+                    written = self._inspect(delta, None, raw, at)
+                    if self._deferred is not None:
+                        return self._defer(
+                            parts, src, kept, offset, size, datas=datas, raws=raws, i=i
+                        )
                     if written is not raw:
                         kept = _splice(parts, src, kept, offset, size, written)
-                offset += size
-                i += 1
-            if run:
+                    offset += size
+                    i += 1
                 continue
             data = datas[i]
             size = len(raws[i]) if raws is not None else len(data or b"") + 8
@@ -477,13 +506,15 @@ class StreamRelay:
 
         last = b""  # the bytes last handed to the client
         write = resp.write_nowait  # looked up once, not per event
+        # The raw pass-through or the inspected pipeline, chosen once.
+        read = self._read_raw if self._counting else self._read
         trailed = self.plan.trailer is not None
 
         def relay(data: bytes) -> bool:
             # Called from the upstream read's callback: it only hands bytes on, and stops the
             # pump at a trigger (the policies answer it in this task, below).
             nonlocal last
-            out = self._read(data)
+            out = read(data)
             if not out:
                 return self._deferred is None
             if trailed:

@@ -16,10 +16,10 @@ from proxy.loops.continuation import (
     closed_reasoning,
     content_of,
     merge_closed,
-    move_reasoning_to_content,
     reasoning_keys,
 )
 from proxy.loops.detector import LoopDetector
+from proxy.openai import move_reasoning_to_content
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.emulator import chat, knobs
 from tests.helpers.metrics import metric
