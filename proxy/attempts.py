@@ -244,13 +244,6 @@ class Attempts:
     def retried(self, decision: Retry, generated: Generated) -> tuple[bytes, Continued | None]:
         """The next attempt's body, and what it continues (None for a restart), from what the
         attempt that ended ``generated``."""
-        # The tokens of the text it goes on from: a continued attempt generated the text after
-        # its own prefix only, whose tokens were kept.
-        tokens = self.generated + self.kept_tokens
-        if generated.tokens != tokens:
-            generated = Generated(
-                generated.text, generated.reasoning, tokens, generated.shown, generated.offset
-            )
         # What a retry needs of the request, as plain values (made only when one is sent).
         recovery = self._recovery
         asked = Asked(

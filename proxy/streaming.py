@@ -217,12 +217,12 @@ class StreamedAnswer:
         client = continued.shown if continued is not None and content else ""
         shown = watch.shown(trigger.choice, trigger.channel)
         if kept is None or shown is None:
-            return Generated(prior or None, reasoning, 0, prior, len(prior), client)
+            return Generated(prior or None, reasoning, prior, len(prior), client)
         unshown_content, unshown_reasoning = self._unshown
         held = unshown_reasoning if trigger.channel == "reasoning" else unshown_content
         if held:
             shown = shown[: max(0, len(shown) - held)]
-        return Generated(prior + kept, reasoning, 0, prior + shown, len(prior), client)
+        return Generated(prior + kept, reasoning, prior + shown, len(prior), client)
 
     def _ending(self, result: StreamResult) -> str:
         """How a retried attempt's stream ended (``proxy.loops.verdict``): its finish, and the

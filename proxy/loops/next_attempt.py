@@ -72,7 +72,6 @@ class Generated:
     # included); None: not kept.
     text: str | None
     reasoning: str | None = None  # its reasoning (a chat answer's, where kept)
-    tokens: int = 0  # the tokens generated for ``text`` (a kept prefix's included); 0: unknown
     # A stream's: how much of ``text`` its client was shown (the rest held back or in the
     # triggering chunk), as that text; None: not streamed.
     shown: str | None = None
@@ -169,7 +168,9 @@ def next_attempt(
         if not found:
             return restart
         prefix = found
-    kept = estimate_tokens(carried + prefix, carried + text, generated.tokens)
+    # The retry's limit: the client's max_tokens less the kept text's tokens, one estimate
+    # from the kept text alone (the same streamed or not).
+    kept = estimate_tokens(carried + prefix)
     message = closed_reasoning(prefix, *asked.markers) if closes else prefix
     body = continuation_body(endpoint, base, overrides, message, kept, carried)
     if body is None:

@@ -37,10 +37,10 @@ def test_a_clients_own_seed_wins_then_the_ladders() -> None:
 
 
 def test_streamed_or_not_the_retry_goes_on_from_the_onset_and_one_unit() -> None:
-    whole = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT, tokens=100))
+    whole = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT))
     shown = TEXT[: len(PREFIX) + 3 * len(UNIT) + 4]  # the stream showed more repeats
     streamed = next_attempt(
-        Asked("chat", body(stream=True)), ONSET, RETRY, Generated(TEXT, tokens=100, shown=shown)
+        Asked("chat", body(stream=True)), ONSET, RETRY, Generated(TEXT, shown=shown)
     )
     assert whole.strategy == streamed.strategy == "continue"
     assert whole.continued is not None and streamed.continued is not None
