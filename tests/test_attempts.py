@@ -95,7 +95,7 @@ def lifecycle(
     bus = EventBus()
     seen = Seen(bus)
     recovery = Recovery(config, PolicyChain([policy]), bus, budget=budget, clock=lambda: 1000.0)
-    attempts = Attempts(recovery, "rid", MODEL, "chat", stream, 200, BASE)
+    attempts = Attempts(recovery.context, "rid", MODEL, "chat", stream, 200, BASE)
     return attempts, budget, seen
 
 
