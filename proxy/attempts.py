@@ -11,9 +11,10 @@ transitions, and ``run_attempts`` is the loop that does:
   recovery budget, and no retry goes past the request's one attempt cap.
 - ``ended(end)``: the attempt ended; its tokens are accounted (the client's own attempt adds to
   what the model generated, a recovery's settles what it reserved).
-- ``retried(decision, generated)``: the next attempt's body (a restart, or a continuation of
-  what the attempt that ended generated): ``proxy.loops.next_attempt``, a pure function of
-  what was asked, the loop, the retry and what was generated and shown.
+- ``retried(decision, generated)``: the next attempt (a restart, or a continuation of what the
+  attempt that ended generated), and what goes in its place if it is refused:
+  ``proxy.loops.next_attempt``, a pure function of what was asked, the loop, the retry and what
+  was generated and shown.
 - ``refused()``: the retry could not be sent (its upstream failed or refused it): what it
   reserved is released; the client gets the answer it had, or its own request.
 
@@ -33,8 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import orjson
-
 from policies.base import CONTINUE, Abort, Decision, PolicyContext, Retry, Trigger
 from proxy.config import Settings
 from proxy.events import (
@@ -47,8 +46,7 @@ from proxy.events import (
 from proxy.exchange import Exchange, Lifecycle
 from proxy.http.upstream import Upstream
 from proxy.loops.context import RecoveryContext
-from proxy.loops.continuation import Continued
-from proxy.loops.next_attempt import Asked, Generated, next_attempt
+from proxy.loops.next_attempt import Asked, Generated, NextAttempt, next_attempt
 from proxy.loops.recovery import Recovery
 from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.relay.inspectors import InspectorFactory
@@ -110,7 +108,7 @@ class AttemptEnd:
         self.ending = ending
 
 
-__all__ = ["AttemptEnd", "Attempts", "Generated", "Stages", "run_attempts"]
+__all__ = ["AttemptEnd", "Attempts", "Generated", "NextAttempt", "Stages", "run_attempts"]
 
 
 class Attempts:
@@ -246,9 +244,9 @@ class Attempts:
             self._account(end.generated)
         return decision
 
-    def retried(self, decision: Retry, generated: Generated) -> tuple[bytes, Continued | None]:
-        """The next attempt's body, and what it continues (None for a restart), from what the
-        attempt that ended ``generated``."""
+    def retried(self, decision: Retry, generated: Generated) -> NextAttempt:
+        """The next attempt (its body, what it continues, what goes in its place if refused),
+        from what the attempt that ended ``generated``: one decision, made here."""
         # What a retry needs of the request, as plain values (made only when one is sent).
         settings = self._context.settings
         asked = Asked(
@@ -262,7 +260,7 @@ class Attempts:
         self.strategy = nxt.strategy
         self.kept_tokens = nxt.kept_tokens
         self.count += 1
-        return orjson.dumps(nxt.body), nxt.continued
+        return nxt
 
     def refused(self, fallback: bool = False) -> None:
         """The retry was not sent (its upstream failed or refused it): its outcome is an
@@ -351,10 +349,10 @@ class Answer(Protocol):
     def generated(self) -> Generated:
         """What the attempt that ended generated, for a retry to go on from."""
 
-    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
-        """Send the next attempt (``continued``: what it goes on from, None for a restart);
-        False when it could not be sent (``Attempts.refused``) and the answer has what to
-        give the client."""
+    async def retry(self, nxt: NextAttempt, decision: Retry) -> bool:
+        """Send the next attempt (``nxt.continued``: what it goes on from, None for a restart;
+        ``nxt.fallbacks``: what goes in its place where that fits the answer); False when it
+        could not be sent (``Attempts.refused``) and the answer has what to give the client."""
 
 
 async def run_attempts(answer: Answer) -> Decision | None:
@@ -368,7 +366,7 @@ async def run_attempts(answer: Answer) -> Decision | None:
         decision = attempts.ended(end)
         if not isinstance(decision, Retry):
             return decision
-        body, continued = attempts.retried(decision, answer.generated())
+        nxt = attempts.retried(decision, answer.generated())
         answer.exchange.ticket = None  # an answer produced under overrides is not audited
-        if not await answer.retry(body, continued, decision):
+        if not await answer.retry(nxt, decision):
             return None
