@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from policies.base import Abort, Retry
-from proxy.attempts import AttemptEnd, Attempts, Generated, Stages, run_attempts
+from proxy.attempts import AttemptEnd, Attempts, Generated, NextAttempt, Stages, run_attempts
 from proxy.audit.outcome import Outcome, outcome_from_response
 from proxy.events import UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
@@ -190,8 +190,11 @@ class WholeAnswer:
         text = content_of(endpoint, answer, channel)
         return Generated(text, content_of(endpoint, answer, "reasoning"))
 
-    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
+    async def retry(self, nxt: NextAttempt, decision: Retry) -> bool:
+        """Send ``nxt``; refused, the client has the answer it had (not ``nxt.fallbacks``)."""
         ex, stages = self.exchange, self._stages
+        continued = nxt.continued
+        body = orjson.dumps(nxt.body)
         # The answer goes on after a reasoning: the fields the looping answer carried it in.
         after_reasoning = continued is not None and (
             continued.closes_reasoning or bool(continued.reasoning)

@@ -11,15 +11,20 @@ transitions, and ``run_attempts`` is the loop that does:
   recovery budget, and no retry goes past the request's one attempt cap.
 - ``ended(end)``: the attempt ended; its tokens are accounted (the client's own attempt adds to
   what the model generated, a recovery's settles what it reserved).
-- ``retried(decision, generated)``: the next attempt's body (a restart, or a continuation of
-  what the attempt that ended generated): ``proxy.loops.next_attempt``, a pure function of
-  what was asked, the loop, the retry and what was generated and shown.
+- ``retried(decision, generated)``: the next attempt (a restart, or a continuation of what the
+  attempt that ended generated), and what goes in its place if it is refused:
+  ``proxy.loops.next_attempt``, a pure function of what was asked, the loop, the retry and what
+  was generated and shown.
 - ``refused()``: the retry could not be sent (its upstream failed or refused it): what it
   reserved is released; the client gets the answer it had, or its own request.
 
 The cap is ``[loops] max_attempts``; the policies see it (``PolicyContext.max_attempts``) so
 that a ladder gives up in its own way, and a retry a policy still asks for at the cap is not
 sent.
+
+``Attempts`` owns the request's recovery and reaches through nothing for it: it is given one
+``proxy.loops.context.RecoveryContext`` (the loop settings as plain values, and the seams it
+acts through: the policies, the event bus, the recovery budget and its gauge, as Protocols).
 """
 
 from __future__ import annotations
@@ -28,8 +33,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import orjson
 
 from policies.base import CONTINUE, Abort, Decision, PolicyContext, Retry, Trigger
 from proxy.config import Settings
@@ -42,8 +45,8 @@ from proxy.events import (
 )
 from proxy.exchange import Exchange, Lifecycle
 from proxy.http.upstream import Upstream
-from proxy.loops.continuation import Continued
-from proxy.loops.next_attempt import Asked, Generated, next_attempt
+from proxy.loops.context import RecoveryContext
+from proxy.loops.next_attempt import Asked, Generated, NextAttempt, next_attempt
 from proxy.loops.recovery import Recovery
 from proxy.loops.watch import EMPTY, LoopWatch
 from proxy.relay.inspectors import InspectorFactory
@@ -105,7 +108,7 @@ class AttemptEnd:
         self.ending = ending
 
 
-__all__ = ["AttemptEnd", "Attempts", "Generated", "Stages", "run_attempts"]
+__all__ = ["AttemptEnd", "Attempts", "Generated", "NextAttempt", "Stages", "run_attempts"]
 
 
 class Attempts:
@@ -113,7 +116,7 @@ class Attempts:
 
     def __init__(
         self,
-        recovery: Recovery,
+        context: RecoveryContext,
         request_id: str,
         model: str,
         endpoint: str,
@@ -121,14 +124,14 @@ class Attempts:
         max_tokens: int | None,
         retry_base: dict[str, Any],
     ) -> None:
-        self._recovery = recovery
+        self._context = context
         self.request_id = request_id
         self.model = model
         self.endpoint = endpoint
         self.stream = stream
         self.max_tokens = max_tokens  # the client request's limit, when it set one
         self.retry_base = retry_base  # the client's request, which a retry's overrides apply to
-        self.max_attempts = recovery.max_attempts  # the one cap
+        self.max_attempts = context.settings.max_attempts  # the one cap
         self.count = 1  # the attempt now running (1: the client's own request)
         self.looped = False  # some attempt had a trigger
         self.pending_retry = False  # a retry's outcome is known when the next attempt ends
@@ -153,7 +156,7 @@ class Attempts:
         client's own request, the retry refused) is relayed as it comes."""
         if self.fell_back:
             return None
-        return self._recovery.watch(self.endpoint, empty_stop=self.stream and self.count > 1)
+        return self._context.settings.watch(self.endpoint, self.stream and self.count > 1)
 
     def decided(
         self,
@@ -165,7 +168,7 @@ class Attempts:
     ) -> Decision:
         """The attempt stopped on ``trigger``, or ended (``trigger`` None, ``answer`` a whole
         one's): what the policies make of it. Settles a pending retry's outcome first."""
-        recovery = self._recovery
+        context = self._context
         if self.pending_retry:
             self.pending_retry = False
             empty = trigger is None and status == 200 and empty
@@ -180,10 +183,10 @@ class Attempts:
                 # Recovered means an answer: the ladder goes on from an empty one.
                 trigger = Trigger(EMPTY, "content", 0)
         self.trigger = trigger
-        chain = recovery.chain
-        if trigger is None and (self.stream or not chain.reads_clean_answers):
+        policies = context.policies
+        if trigger is None and (self.stream or not policies.reads_clean_answers):
             return CONTINUE
-        decision = chain.decide(
+        decision = policies.decide(
             PolicyContext(
                 self.endpoint,
                 self.model,
@@ -208,7 +211,7 @@ class Attempts:
             return decision
         self.looped = True
         if trigger.source != EMPTY:  # an empty answer is no loop: the retry's outcome says it
-            recovery.bus.publish(
+            context.bus.publish(
                 LoopDetected(
                     self.request_id,
                     self.model,
@@ -241,30 +244,23 @@ class Attempts:
             self._account(end.generated)
         return decision
 
-    def retried(self, decision: Retry, generated: Generated) -> tuple[bytes, Continued | None]:
-        """The next attempt's body, and what it continues (None for a restart), from what the
-        attempt that ended ``generated``."""
-        # The tokens of the text it goes on from: a continued attempt generated the text after
-        # its own prefix only, whose tokens were kept.
-        tokens = self.generated + self.kept_tokens
-        if generated.tokens != tokens:
-            generated = Generated(
-                generated.text, generated.reasoning, tokens, generated.shown, generated.offset
-            )
+    def retried(self, decision: Retry, generated: Generated) -> NextAttempt:
+        """The next attempt (its body, what it continues, what goes in its place if refused),
+        from what the attempt that ended ``generated``: one decision, made here."""
         # What a retry needs of the request, as plain values (made only when one is sent).
-        recovery = self._recovery
+        settings = self._context.settings
         asked = Asked(
             self.endpoint,
             self.retry_base,
-            recovery.markers(self.model),
-            recovery.stream_continues,
-            recovery.detector,
+            settings.markers(self.model),
+            settings.one_path,
+            settings.detector,
         )
         nxt = next_attempt(asked, self.trigger, decision, generated)
         self.strategy = nxt.strategy
         self.kept_tokens = nxt.kept_tokens
         self.count += 1
-        return orjson.dumps(nxt.body), nxt.continued
+        return nxt
 
     def refused(self, fallback: bool = False) -> None:
         """The retry was not sent (its upstream failed or refused it): its outcome is an
@@ -282,10 +278,10 @@ class Attempts:
     def _account(self, tokens: int) -> None:
         """The attempt generated ``tokens``: the client's own request adds to what the model
         generated, a recovery's settles what it reserved."""
-        recovery = self._recovery
+        context = self._context
         self.generated = tokens
         if self.count > 1:
-            recovery.bus.publish(
+            context.bus.publish(
                 RecoveryTokens(
                     self.model,
                     self.strategy,
@@ -295,7 +291,7 @@ class Attempts:
                     self.count,
                 )
             )
-        budget = recovery.budget
+        budget = context.budget
         if budget is None:
             return
         if self.count == 1:
@@ -305,8 +301,8 @@ class Attempts:
     def _settle(self, tokens: int, attempt: int | None = None) -> None:
         """Settle the reservation of ``attempt`` with the ``tokens`` it generated; ``attempt``
         None releases every reservation left (attempts that will not be sent)."""
-        recovery = self._recovery
-        budget = recovery.budget
+        context = self._context
+        budget = context.budget
         if budget is None:
             return
         settled = False
@@ -315,13 +311,13 @@ class Attempts:
             if reserved:
                 budget.settle(self.model, reserved, tokens)
                 settled = True
-        if recovery.budget_gauge_due(self.model, settled or self.count > 1):
+        if context.gauge.due(self.model, settled or self.count > 1):
             use = budget.use(self.model)
-            recovery.bus.publish(RecoveryBudgetUsed(self.model, use.spent, use.allowed))
+            context.bus.publish(RecoveryBudgetUsed(self.model, use.spent, use.allowed))
 
     def _acted(self, action: str, outcome: str) -> None:
         self.history.append(outcome)
-        self._recovery.bus.publish(
+        self._context.bus.publish(
             PolicyActed(
                 self.request_id,
                 self.model,
@@ -353,10 +349,10 @@ class Answer(Protocol):
     def generated(self) -> Generated:
         """What the attempt that ended generated, for a retry to go on from."""
 
-    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
-        """Send the next attempt (``continued``: what it goes on from, None for a restart);
-        False when it could not be sent (``Attempts.refused``) and the answer has what to
-        give the client."""
+    async def retry(self, nxt: NextAttempt, decision: Retry) -> bool:
+        """Send the next attempt (``nxt.continued``: what it goes on from, None for a restart;
+        ``nxt.fallbacks``: what goes in its place where that fits the answer); False when it
+        could not be sent (``Attempts.refused``) and the answer has what to give the client."""
 
 
 async def run_attempts(answer: Answer) -> Decision | None:
@@ -370,7 +366,7 @@ async def run_attempts(answer: Answer) -> Decision | None:
         decision = attempts.ended(end)
         if not isinstance(decision, Retry):
             return decision
-        body, continued = attempts.retried(decision, answer.generated())
+        nxt = attempts.retried(decision, answer.generated())
         answer.exchange.ticket = None  # an answer produced under overrides is not audited
-        if not await answer.retry(body, continued, decision):
+        if not await answer.retry(nxt, decision):
             return None

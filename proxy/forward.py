@@ -172,7 +172,13 @@ class Forwarder:
                 ex.ticket = None
         recovery = self._recovery
         attempts = Attempts(
-            recovery, rid, view.model, ex.endpoint, view.stream, max_tokens_of(body), retry_base
+            recovery.context,
+            rid,
+            view.model,
+            ex.endpoint,
+            view.stream,
+            max_tokens_of(body),
+            retry_base,
         )
         if is_event_stream_response(upstream):
             await StreamedAnswer(self._stages, ex, attempts, upstream).respond()

@@ -16,19 +16,15 @@ import asyncio
 import orjson
 
 from policies.base import Abort, Decision, Retry
-from proxy.attempts import AttemptEnd, Attempts, Generated, Stages, run_attempts
+from proxy.attempts import AttemptEnd, Attempts, Generated, NextAttempt, Stages, run_attempts
 from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
 from proxy.http.errors import UpstreamFailure, inband_error_event
 from proxy.http.headers import headers_for_client, is_event_stream_response
 from proxy.http.upstream import UpstreamResponse
-from proxy.loops.continuation import (
-    Continued,
-    continuation_body,
-    reasoning_event,
-    text_event,
-)
+from proxy.loops.continuation import Continued, reasoning_event, text_event
+from proxy.loops.next_attempt import Fallback
 from proxy.loops.recovery import abort_chunk, recovery_chunk, recovery_info, retry_comment
 from proxy.loops.verdict import RECOVERED, ending
 from proxy.loops.watch import LoopWatch
@@ -217,12 +213,12 @@ class StreamedAnswer:
         client = continued.shown if continued is not None and content else ""
         shown = watch.shown(trigger.choice, trigger.channel)
         if kept is None or shown is None:
-            return Generated(prior or None, reasoning, 0, prior, len(prior), client)
+            return Generated(prior or None, reasoning, prior, len(prior), client)
         unshown_content, unshown_reasoning = self._unshown
         held = unshown_reasoning if trigger.channel == "reasoning" else unshown_content
         if held:
             shown = shown[: max(0, len(shown) - held)]
-        return Generated(prior + kept, reasoning, 0, prior + shown, len(prior), client)
+        return Generated(prior + kept, reasoning, prior + shown, len(prior), client)
 
     def _ending(self, result: StreamResult) -> str:
         """How a retried attempt's stream ended (``proxy.loops.verdict``): its finish, and the
@@ -244,70 +240,46 @@ class StreamedAnswer:
 
     # -- the next attempt ----------------------------------------------------------------------
 
-    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
+    async def retry(self, nxt: NextAttempt, decision: Retry) -> bool:
+        """Send ``nxt``, else (refused) each of its fallbacks in turn, as ``next_attempt``
+        decided them; an attempt from the answer's start is marked with an SSE comment once."""
         ex, attempts = self.exchange, self.attempts
         if self._gone is not None:
             return False  # nobody to answer any more
+        assert ex.view is not None
+        model = ex.view.model
         marker = retry_comment(attempts.count, decision.reason)
-        if continued is None:  # a restart: the client sees the answer start again
-            await self._client.write(marker)
-        self._continued = continued
-        upstream = await self._open(body, continued)
-        missing = continued.missing if continued is not None else ""
-        if upstream is not None and missing:
-            # Held back, never shown: the part of the prefix the continuation goes on from.
-            assert ex.view is not None
-            await self._client.write(
-                text_event(ex.endpoint, self._first_id, ex.view.model, missing)
-            )
+        marked = False
         hidden = self._result.hidden_reasoning_keys if self._result is not None else ()
-        if upstream is not None and continued is not None and continued.closes_reasoning and hidden:
-            # The reasoning was held, never shown: the client gets the kept part of it.
-            assert ex.view is not None
-            await self._client.write(
-                reasoning_event(self._first_id, ex.view.model, continued.prefix, hidden)
-            )
-        if upstream is None:
-            # Refused: the client's own request, the answer it would have had.
-            attempts.refused(fallback=True)
-            self._continued = None
-            own = self._own_continued(continued)
-            if own is not None:
-                # Shown a part already: the client's own request, going on from that part
-                # (its own sampling), so that it still reads one answer; it goes on after the
-                # reasoning too (what it writes is content).
-                upstream = await self._open(own)
-                self._continued = continued if upstream is not None else None
-                if upstream is not None and missing:
-                    assert ex.view is not None
-                    await self._client.write(
-                        text_event(ex.endpoint, self._first_id, ex.view.model, missing)
-                    )
+        tries = (Fallback(nxt.body, nxt.continued), *nxt.fallbacks)
+        for number, attempt in enumerate(tries):
+            if number == 1:
+                attempts.refused(fallback=True)  # the retry's outcome; the client's own follows
+            continued = attempt.continued
+            if continued is None and not marked:  # the client sees the answer start again
+                await self._client.write(marker)
+                marked = True
+            body = ex.original if attempt.body is None else orjson.dumps(attempt.body)
+            self._continued = continued
+            # A fallback is the client's own request: sent as it is, not on a rendered prompt.
+            upstream = await self._open(body, continued if number == 0 else None)
             if upstream is None:
-                upstream = await self._open(ex.original)
-                if upstream is not None and continued is not None:
-                    await self._client.write(marker)  # the client's own request, from its start
-        if upstream is None:
-            await self._client.write(inband_error_event(502, "retry after a loop failed"))
-            return False
-        self._upstream = upstream
-        return True
-
-    def _own_continued(self, continued: Continued | None) -> bytes | None:
-        """The client's own request going on from a continued content's shown text (None:
-        nothing continued, or closed reasoning, which its own request would not do)."""
-        ex = self.exchange
-        if continued is None or continued.closes_reasoning:
-            return None
-        body = continuation_body(
-            ex.endpoint,
-            self.attempts.retry_base,
-            {},
-            continued.message,
-            self.attempts.kept_tokens,
-            continued.reasoning,
-        )
-        return None if body is None else orjson.dumps(body)
+                continue
+            if continued is not None and continued.missing:
+                # Held back, never shown: the part of the prefix the continuation goes on from.
+                await self._client.write(
+                    text_event(ex.endpoint, self._first_id, model, continued.missing)
+                )
+            if continued is not None and continued.closes_reasoning and hidden:
+                # The reasoning was held, never shown: the client gets the kept part of it.
+                await self._client.write(
+                    reasoning_event(self._first_id, model, continued.prefix, hidden)
+                )
+            self._upstream = upstream
+            return True
+        self._continued = None
+        await self._client.write(inband_error_event(502, "retry after a loop failed"))
+        return False
 
     async def _open(
         self, body: bytes, continued: Continued | None = None

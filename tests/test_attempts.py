@@ -22,8 +22,7 @@ from proxy.events import (
     RecoveryTokens,
 )
 from proxy.exchange import Exchange
-from proxy.loops.continuation import Continued
-from proxy.loops.next_attempt import request_seed
+from proxy.loops.next_attempt import NextAttempt, request_seed
 from proxy.loops.recovery import Recovery
 from proxy.loops.watch import LoopWatch
 from proxy.tools.emulator import EmulatorServer
@@ -95,7 +94,7 @@ def lifecycle(
     bus = EventBus()
     seen = Seen(bus)
     recovery = Recovery(config, PolicyChain([policy]), bus, budget=budget, clock=lambda: 1000.0)
-    attempts = Attempts(recovery, "rid", MODEL, "chat", stream, 200, BASE)
+    attempts = Attempts(recovery.context, "rid", MODEL, "chat", stream, 200, BASE)
     return attempts, budget, seen
 
 
@@ -130,7 +129,8 @@ def test_the_client_attempt_records_what_it_generated_and_a_retry_settles_its_re
     decision = attempts.ended(AttemptEnd(120, decide=True, trigger=LOOP))
     assert isinstance(decision, Retry)
     assert budget.use(MODEL).generated == 120, "the client's own attempt was not recorded"
-    body, continued = attempts.retried(decision, Generated("text"))
+    nxt = attempts.retried(decision, Generated("text"))
+    body, continued = orjson.dumps(nxt.body), nxt.continued
     assert continued is None and attempts.strategy == "restart" and attempts.count == 2
     assert decision.overrides, "the default ladder's first step has no overrides"
     # The request again under the overrides, seeded from the request (no seed of its own).
@@ -153,7 +153,8 @@ def test_a_continued_retry_keeps_the_prefix_and_accounts_its_tokens_as_kept() ->
     assert isinstance(decision, Retry)
     looping = "Once upon a time " + "ab, " * 20
     continue_ = Retry(decision.reason, {}, decision.reserved_tokens, strategy="continue")
-    body, continued = attempts.retried(continue_, Generated(looping))
+    nxt = attempts.retried(continue_, Generated(looping))
+    body, continued = orjson.dumps(nxt.body), nxt.continued
     assert continued is not None and looping.startswith(continued.prefix)
     assert attempts.strategy == "continue" and 0 < attempts.kept_tokens < 40
     sent = orjson.loads(body)
@@ -242,8 +243,8 @@ class Looping:
     def generated(self) -> Generated:
         return Generated(None)
 
-    async def retry(self, body: bytes, continued: Continued | None, decision: Retry) -> bool:
-        self.sent.append(body)
+    async def retry(self, nxt: NextAttempt, decision: Retry) -> bool:
+        self.sent.append(orjson.dumps(nxt.body))
         return True
 
 

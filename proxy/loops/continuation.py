@@ -156,12 +156,15 @@ def continuation_body(
     return body
 
 
-def estimate_tokens(prefix: str, text: str, tokens: int) -> int:
-    """The prefix's share of the tokens the attempt generated for ``text`` (4 chars a token
-    when the attempt's count is unknown)."""
-    if tokens > 0 and text:
-        return max(1, round(tokens * len(prefix) / len(text)))
-    return max(1, len(prefix) // 4)
+def estimate_tokens(kept: str) -> int:
+    """The tokens of a kept prefix, estimated from its text alone: 4 UTF-8 bytes a token.
+
+    One computation from the text a retry keeps, and nothing else: a stream stopped at its loop
+    and a whole answer read to its end count their own tokens over different texts, so a share
+    of either count would give the same loop two limits, and a greedy request two answers,
+    depending on ``stream``. Bytes, not chars: a script of several bytes a char (CJK) is
+    nearer a token a char than four chars a token."""
+    return max(1, len(kept.encode()) // 4)
 
 
 def merge_answer(

@@ -17,6 +17,15 @@ Otherwise (``restart``, ``hold_reasoning``) the ladder's strategy says: a restar
 continuation (``continue``, ``close_reasoning``) from the onset where that keeps the answer
 whole (``proxy.loops.continuation``).
 
+Where a retry's upstream refuses it, what goes in its place is decided here too, with it
+(``NextAttempt.fallbacks``, in order): the client's own request under its own sampling, going on
+from the same kept text where the client holds a part of the answer already (so that it still
+reads one answer), then the client's own request as it came. A whole answer has the answer it
+had instead (``proxy.answer``); a stream walks the list (``proxy.streaming``).
+
+The retry's limit is the client's ``max_tokens`` less the kept text's tokens, estimated from
+that text alone (``estimate_tokens``): the same limit for the same loop, streamed or not.
+
 The retry's seed: the client's own ``seed`` when it sent one, else the ladder's, else one
 derived from the request (``request_seed``: a stable hash of its canonical body), so that the
 same request recovers the same way each time, streamed or not.
@@ -72,7 +81,6 @@ class Generated:
     # included); None: not kept.
     text: str | None
     reasoning: str | None = None  # its reasoning (a chat answer's, where kept)
-    tokens: int = 0  # the tokens generated for ``text`` (a kept prefix's included); 0: unknown
     # A stream's: how much of ``text`` its client was shown (the rest held back or in the
     # triggering chunk), as that text; None: not streamed.
     shown: str | None = None
@@ -84,13 +92,27 @@ class Generated:
 
 
 @dataclass(frozen=True, slots=True)
+class Fallback:
+    """An attempt sent in a refused retry's place: the client's own request, its own sampling."""
+
+    body: dict[str, Any] | None  # None: the client's own request as it came (its own bytes)
+    continued: Continued | None = None  # what it goes on from (None: the answer's start)
+
+
+ORIGINAL = Fallback(None)  # the client's own request as it came
+
+
+@dataclass(frozen=True, slots=True)
 class NextAttempt:
-    """The attempt a retry sends."""
+    """The attempt a retry sends, and what goes in its place when it is refused."""
 
     body: dict[str, Any]
     strategy: str  # restart | continue | close_reasoning
     continued: Continued | None = None  # what it goes on from (None: a restart)
     kept_tokens: int = 0  # the tokens of the kept prefix (0: a restart)
+    # Sent in its place, in order, when its upstream refuses it (each tried once): the last is
+    # the client's own request as it came.
+    fallbacks: tuple[Fallback, ...] = (ORIGINAL,)
 
 
 def request_seed(body: Mapping[str, Any]) -> int:
@@ -169,7 +191,9 @@ def next_attempt(
         if not found:
             return restart
         prefix = found
-    kept = estimate_tokens(carried + prefix, carried + text, generated.tokens)
+    # The retry's limit: the client's max_tokens less the kept text's tokens, one estimate
+    # from the kept text alone (the same streamed or not).
+    kept = estimate_tokens(carried + prefix)
     message = closed_reasoning(prefix, *asked.markers) if closes else prefix
     body = continuation_body(endpoint, base, overrides, message, kept, carried)
     if body is None:
@@ -185,4 +209,12 @@ def next_attempt(
     else:
         held = generated.held + shown[generated.offset :] + missing
     continued = Continued(prefix, closes, message, carried, missing, held)
-    return NextAttempt(body, "close_reasoning" if closes else "continue", continued, kept)
+    fallbacks: tuple[Fallback, ...] = (ORIGINAL,)
+    if not closes:
+        # The client's own request going on from the same text (the client may hold a part of
+        # it): a closed reasoning is not what its own request would do.
+        own = continuation_body(endpoint, base, {}, message, kept, carried)
+        if own is not None:
+            fallbacks = (Fallback(own, continued), ORIGINAL)
+    strategy = "close_reasoning" if closes else "continue"
+    return NextAttempt(body, strategy, continued, kept, fallbacks)

@@ -1,11 +1,13 @@
-"""Loop recovery for one app: each attempt's loop watch, the policies and the recovery budget a
-request's attempts ask (``proxy.attempts.Attempts``), and how a loop's answer ends (an abort's
-last chunk, a retry's ``detproxy`` chunk, a non-streamed answer cut at the loop). The body of
-the attempt a retry sends is ``proxy.loops.next_attempt``'s, a pure function."""
+"""Loop recovery for one app, wired once: the ``RecoveryContext`` every request's attempts are
+given (``proxy.attempts.Attempts`` owns a request's recovery: its watches, the policies' decision,
+the budget its retries spend, what it tells), what the answers that relay those attempts read of
+``[loops]`` (how a stream holds text back, how a closed reasoning is continued), and how a loop's
+answer ends (an abort's last chunk, a retry's ``detproxy`` chunk, a non-streamed answer cut at
+the loop). The body of the attempt a retry sends is ``proxy.loops.next_attempt``'s, a pure
+function."""
 
 from __future__ import annotations
 
-import fnmatch
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -14,18 +16,21 @@ import orjson
 
 from policies.base import PolicyChain, Trigger
 from policies.budget import RecoveryBudget
-from proxy.config import LoopConfig, ReasoningMarkersConfig
+from proxy.config import LoopConfig
 from proxy.events import EventBus
 from proxy.injection import REPETITION_DETECTION, InjectionGuard
+from proxy.loops.context import BudgetGauge, RecoveryContext, loop_settings
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.rendered import RenderedContinuation
-from proxy.loops.watch import EMPTY, LoopWatch
+from proxy.loops.watch import EMPTY
 from proxy.openai import REASONING_KEYS, stream_event
-
-MAX_PUBLISHED = 1024  # models whose budget gauge is rate-limited (client-controlled names)
 
 
 class Recovery:
+    """``[loops]`` for one app: the context its requests' attempts are given, and what the
+    answers relaying them read. It keeps no service of its own for anyone to reach through:
+    the policies, the bus and the budget go into ``context``, once."""
+
     def __init__(
         self,
         config: LoopConfig,
@@ -35,28 +40,21 @@ class Recovery:
         budget: RecoveryBudget | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._config = config
+        settings = loop_settings(config)
+        # What every request's attempts are given: the settings, the policies, where events
+        # go, and the budget (None: loops are off) with its gauge.
+        self.context = RecoveryContext(settings, chain, bus, budget, BudgetGauge(clock))
         # What each request asks, read once: compiled, these are loads, and the frozen
         # configuration's fields attribute lookups.
-        self._enabled = config.enabled
-        self._runaway = config.runaway
+        self._enabled = settings.enabled
+        self._detector = settings.detector
+        self._stream_continues = settings.one_path
         self._engine_detection = config.engine_detection
+        self._hold_reasoning = config.stream_mode == "hold_reasoning"
+        self._hold_back_chars = config.hold_back_chars if settings.one_path else 0
+        self._hold_max_bytes = config.hold_max_bytes
+        self._reads_answers = settings.enabled or chain.reads_clean_answers
         self._guard = guard
-        self.budget = budget  # None: loops are off
-        self.max_attempts = config.max_attempts  # the one cap on a request's attempts
-        self._clock = clock
-        self._published: dict[str, int] = {}  # model -> second its budget gauge was last set
-        self.chain = chain
-        self.bus = bus
-        self._detector = DetectorConfig(**config.detector)  # type: ignore[arg-type]
-        # Whether some ladder continues: then a stream's text is kept for its prefix.
-        self._continues = config.stream_mode == "continue" or any(
-            attempt.get("strategy") in ("continue", "close_reasoning")
-            for ladder in config.ladder_list()
-            for attempt in ladder.attempts
-        )
-        # A streamed retry goes on from what the client was shown (restarts while nothing was).
-        self._stream_continues = config.stream_mode == "continue"
         # A closed reasoning continued on the rendered prompt where the template drops it.
         self.rendered = RenderedContinuation(config.reasoning_markers, bus, clock)
 
@@ -73,11 +71,11 @@ class Recovery:
     def reads_answers(self) -> bool:
         """Whether a whole non-streamed answer is looked at: by the loop watch, or by a policy
         that reads answers without a trigger."""
-        return self._enabled or self.chain.reads_clean_answers
+        return self._reads_answers
 
     @property
     def hold_reasoning(self) -> bool:
-        return self._config.stream_mode == "hold_reasoning"
+        return self._hold_reasoning
 
     @property
     def stream_continues(self) -> bool:
@@ -87,24 +85,11 @@ class Recovery:
     @property
     def hold_back_chars(self) -> int:
         """The tail a continuing stream holds back from its client (0: none)."""
-        return self._config.hold_back_chars if self._stream_continues else 0
+        return self._hold_back_chars
 
     @property
     def hold_max_bytes(self) -> int:
-        return self._config.hold_max_bytes
-
-    def watch(self, endpoint: str, empty_stop: bool = False) -> LoopWatch | None:
-        """The loop watch of one streamed attempt (``empty_stop``: a retry's, where an answer
-        that stops with nothing in it is a trigger too)."""
-        if not self._enabled:
-            return None
-        return LoopWatch(
-            endpoint,
-            self._detector,
-            runaway=self._runaway,
-            keep=self._continues,
-            empty_stop=empty_stop,
-        )
+        return self._hold_max_bytes
 
     def prepare(self, body: dict[str, Any], model: str) -> dict[str, Any]:
         """Add vLLM's repetition_detection where the operator says the upstream has it (and
@@ -115,25 +100,6 @@ class Recovery:
         if self._guard is not None and not self._guard.allows(model, REPETITION_DETECTION):
             return body
         return {**body, "repetition_detection": engine.model_dump()}
-
-    def markers(self, model: str) -> tuple[str, str]:
-        """The reasoning markers of ``model`` (``[[loops.reasoning_markers]]``)."""
-        markers = next(
-            (m for m in self._config.reasoning_markers if fnmatch.fnmatchcase(model, m.models)),
-            ReasoningMarkersConfig(),
-        )
-        return markers.start, markers.end
-
-    def budget_gauge_due(self, model: str, moved: bool) -> bool:
-        """Whether ``RecoveryBudgetUsed`` for ``model`` is due: at once when a recovery moved
-        its account (``moved``), else once a second per model (each request's tokens move
-        "allowed" a little; not worth an update each)."""
-        now = int(self._clock())
-        if not moved and self._published.get(model) == now:
-            return False
-        if len(self._published) < MAX_PUBLISHED or model in self._published:
-            self._published[model] = now
-        return True
 
 
 def is_empty(endpoint: str, body: Mapping[str, Any] | None) -> bool:

@@ -44,11 +44,11 @@ import orjson  # noqa: E402
 import xxhash  # noqa: E402
 from bench_proxy import LAUNCHER, MODEL, REQ_ID, _words, machine  # noqa: E402
 
-from proxy.audit.inject import strip_logprobs  # noqa: E402
 from proxy.audit.outcome import StreamAccumulator  # noqa: E402
 from proxy.http.sse import SSEDecoder, encode_event  # noqa: E402
 from proxy.loops.detector import DetectorConfig  # noqa: E402
 from proxy.loops.watch import LoopWatch  # noqa: E402
+from proxy.openai import strip_logprobs  # noqa: E402
 from proxy.relay.inspectors import Delta  # noqa: E402
 from tests.helpers.processes import free_port  # noqa: E402
 

@@ -15,7 +15,7 @@ timed alone on its own inputs:
 - ``parse_answer``; the passive checks' steps (``canonical_request_key`` of the request,
   ``outcome_from_response`` and ``digest_outcome`` of the answer); ``Attempts.decided`` on a
   clean answer (the real ladder policy);
-- loops on only: ``Recovery.watch`` + ``LoopWatch.on_answer`` on the ~1 KB answer.
+- loops on only: ``LoopSettings.watch`` + ``LoopWatch.on_answer`` on the ~1 KB answer.
 
 Then the whole path, twice (``[loops] enabled = false``, then the default ``true``; audit off):
 ``Forwarder.handle`` on an in-memory client (its body buffered, its answer kept) against an
@@ -299,22 +299,22 @@ async def main() -> int:
     run_sync("passive: digest_outcome", lambda: digest_outcome(outcome))
 
     def decide() -> None:
-        attempts = Attempts(recovery, rid, view.model, "chat", False, None, parsed)
+        attempts = Attempts(recovery.context, rid, view.model, "chat", False, None, parsed)
         attempts.decided(None, 200, parsed_answer)
 
     run_sync("Attempts + Attempts.decided (clean answer)", decide)
 
     def watch() -> None:
-        w = recovery.watch("chat")
+        w = recovery.context.settings.watch("chat")
         assert w is not None
         w.on_answer(parsed_answer)
 
-    run_sync("loops on: Recovery.watch + LoopWatch.on_answer", watch)
+    run_sync("loops on: LoopSettings.watch + LoopWatch.on_answer", watch)
 
     # The whole path below runs with passive checks off: their steps are not in the sums.
     left_out = ("loops on", "request_id_of (given)", "passive: ")
     total_off = sum(v for k, v in rows if not k.startswith(left_out))
-    total_on = total_off + dict(rows)["loops on: Recovery.watch + LoopWatch.on_answer"]
+    total_on = total_off + dict(rows)["loops on: LoopSettings.watch + LoopWatch.on_answer"]
 
     whole: list[tuple[str, float]] = []
     for label, app in (("loops off", app_off), ("loops on", app_on)):

@@ -85,8 +85,10 @@ def test_the_continuation_request() -> None:
     )
     assert completion == {"prompt": "Once upon", "max_tokens": 7}
     assert continuation_body("chat", base, {}, "Hello", 100) is None  # nothing left to generate
-    assert estimate_tokens("abcd", "abcdabcd", 10) == 5
-    assert estimate_tokens("abcdefgh", "", 0) == 2
+    # The kept text's tokens, from that text alone: 4 UTF-8 bytes a token, at least one.
+    assert estimate_tokens("abcdefgh") == 2
+    assert estimate_tokens("ab") == 1
+    assert estimate_tokens("一二三四") == 3  # 12 bytes: CJK is not 4 chars a token
 
 
 def test_the_client_gets_prefix_and_continuation_as_one_answer() -> None:

@@ -6,7 +6,14 @@ from typing import Any
 
 from policies.base import Retry, Trigger
 from proxy.loops.detector import DetectorConfig
-from proxy.loops.next_attempt import Asked, Generated, next_attempt, request_seed, seeded
+from proxy.loops.next_attempt import (
+    ORIGINAL,
+    Asked,
+    Generated,
+    next_attempt,
+    request_seed,
+    seeded,
+)
 
 UNIT = " and then it repeats."
 TEXT = "Once upon a time" + UNIT * 12
@@ -37,10 +44,10 @@ def test_a_clients_own_seed_wins_then_the_ladders() -> None:
 
 
 def test_streamed_or_not_the_retry_goes_on_from_the_onset_and_one_unit() -> None:
-    whole = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT, tokens=100))
+    whole = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT))
     shown = TEXT[: len(PREFIX) + 3 * len(UNIT) + 4]  # the stream showed more repeats
     streamed = next_attempt(
-        Asked("chat", body(stream=True)), ONSET, RETRY, Generated(TEXT, tokens=100, shown=shown)
+        Asked("chat", body(stream=True)), ONSET, RETRY, Generated(TEXT, shown=shown)
     )
     assert whole.strategy == streamed.strategy == "continue"
     assert whole.continued is not None and streamed.continued is not None
@@ -98,3 +105,23 @@ def test_a_loop_the_engine_reported_goes_on_from_the_onset_the_detector_finds() 
     calm = "A calm answer that the engine stopped anyway."
     nxt = next_attempt(asked, engine, RETRY, Generated(calm))
     assert nxt.continued is not None and nxt.continued.prefix == calm  # no loop found: all of it
+
+
+def test_what_goes_in_a_refused_retrys_place_is_decided_with_it() -> None:
+    # A continuation: the client's own request (no overrides, its own seed or none) going on
+    # from the same kept text, then the client's own request as it came.
+    shown = TEXT[: len(PREFIX) + 2 * len(UNIT)]
+    nxt = next_attempt(Asked("chat", body(stream=True)), ONSET, RETRY, Generated(TEXT, shown=shown))
+    assert nxt.continued is not None
+    own, original = nxt.fallbacks
+    assert original == ORIGINAL and own.continued == nxt.continued
+    assert own.body is not None and "presence_penalty" not in own.body and "seed" not in own.body
+    assert own.body["messages"] == nxt.body["messages"], "the fallback goes on from other text"
+    assert own.body["max_tokens"] == nxt.body["max_tokens"] == 500 - nxt.kept_tokens
+    # A restart, or a closed reasoning (not what the client's own request would do): as it came.
+    assert next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(None)).fallbacks == (
+        ORIGINAL,
+    )
+    trigger = Trigger("proxy", "reasoning", 0, len(UNIT), 12, len("Once upon a time"))
+    closed = next_attempt(Asked("chat", body()), trigger, RETRY, Generated(TEXT))
+    assert closed.strategy == "close_reasoning" and closed.fallbacks == (ORIGINAL,)

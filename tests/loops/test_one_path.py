@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+import pytest
+
 from proxy.testing import Received, Reply
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.emulator import CHAT, knobs
@@ -18,7 +21,7 @@ MODEL = "emulator-model"
 RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
 UNIT = " and then the model repeats itself."  # the emulator's loop unit
 LOOP = knobs(loop_channel="content", loop_after_tokens=5, loop_escape_probability=1.0)
-DELIVERY = ("stream", "stream_options", "max_tokens")  # how it is delivered; the kept tokens
+DELIVERY = ("stream", "stream_options")  # how it is delivered
 
 
 def ask(stream: bool, **extra: Any) -> dict[str, Any]:
@@ -119,7 +122,40 @@ async def test_streamed_and_whole_retries_ask_the_same(fake_upstream: Any, make_
     whole, streamed, again = (
         {k: v for k, v in bodies[i].items() if k not in DELIVERY} for i in (1, 3, 5)
     )
-    # The same point (the loop's onset and one unit), the same overrides, the same seed.
+    # The same point (the loop's onset and one unit), the same overrides, seed and limit.
     assert whole == streamed == again, (whole, streamed)
     assert whole["messages"][-1]["content"].count(UNIT) == 1
     assert isinstance(whole["seed"], int) and "seed" not in bodies[0]
+
+
+def counted(usage: bool) -> Any:
+    """``looping``, its whole answers counting their tokens (``usage``) or not."""
+
+    def reply(request: Received) -> Reply:
+        out = looping(request)
+        if usage and not request.json().get("stream"):
+            answer = orjson.loads(out.body)
+            tokens = 4 + 8 * 40  # the opening, then 40 repeats of the unit
+            answer["usage"] = {"prompt_tokens": 9, "completion_tokens": tokens}
+            return Reply.json(answer)
+        return out
+
+    return reply
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["no usage", "usage"])
+async def test_streamed_and_whole_retries_ask_the_same_max_tokens(
+    fake_upstream: Any, make_proxy: Any, usage: bool
+) -> None:
+    """The retry's limit is the client's max_tokens less the kept prefix's tokens, one estimate
+    from the kept text: the same streamed or not, however the looping answer counted its own."""
+    engine = await fake_upstream(routes={CHAT: counted(usage)})
+    env = RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
+    client = await make_proxy(engine.url, env=env)
+    for stream in (False, True):
+        await answer_text(client, stream=stream)
+    bodies = engine.bodies(CHAT)
+    assert len(bodies) == 4, [b.get("stream") for b in bodies]
+    whole, streamed = bodies[1]["max_tokens"], bodies[3]["max_tokens"]
+    assert whole == streamed, f"whole retry asked {whole}, streamed {streamed}"
+    assert 0 < whole < 300, whole  # the kept tokens were taken off
