@@ -175,6 +175,7 @@ def _triage(
         scheduler=scheduler,
         upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
         engine_running=load.running,
+        engine_counts=load.counts,
         sees_all=settings.server.one_process,
         account=triage_account(settings.attribution, processes, shared),
         turns=turns,

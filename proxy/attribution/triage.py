@@ -64,6 +64,7 @@ from proxy.audit.shadow import (
 from proxy.audit.turns import EngineTurns, LocalTurns
 from proxy.config import AttributionConfig, AuditConfig
 from proxy.engine.identity import Fingerprint
+from proxy.engine.load import EngineCounts
 from proxy.events import CauseAttributed, EventBus, TriageDropped, UpstreamFingerprinted
 from proxy.hashing import canonical_request_key
 from proxy.http.upstream import Upstream
@@ -127,6 +128,7 @@ class Triage:
         scheduler: ShadowScheduler | None = None,
         upstream_running: Callable[[], Awaitable[int | None]] | None = None,
         engine_running: Callable[[], Awaitable[int | None]] | None = None,
+        engine_counts: Callable[[], Awaitable[EngineCounts | None]] | None = None,
         sees_all: bool = True,
         rng: random.Random | None = None,
         account: TriageAccount | None = None,
@@ -151,6 +153,10 @@ class Triage:
         # shares a batch too. ``sees_all``: this process is the engine's only detproxy
         # client (one worker), so its own counts can say "alone" where the engine cannot.
         self._engine_running = engine_running
+        # Read before and after each replay: nothing running at either end and one request
+        # finished between them (the replay) says it ran alone, however short it was (a read
+        # while it runs can come after a short replay ended: vLLM's /metrics is slow).
+        self._engine_counts = engine_counts
         self._sees_all = sees_all
         self._rng = rng or random.Random()
         self._waiting: OrderedDict[Key, _Experiment] = OrderedDict()  # in the order they came
@@ -655,11 +661,16 @@ class Triage:
         if target == "same":
             fp = self._current()
             identity = fp.fingerprint if fp is not None else None
+        same = target == "same"
+        before = await self._engine_read() if same else None
         sent, engine_count = await self._replay_counted(
-            upstream, case.raw_path, headers, body, target == "same"
+            upstream, case.raw_path, headers, body, same
         )
         if isinstance(sent, str):
             return Observed(name, target, cache, None, None, identity, None, sent)
+        after = await self._engine_read() if before is not None else None
+        if engine_count is None and _alone_between(before, after):
+            engine_count = 1  # nothing else ran on the engine from before it to after it
         shadows = scheduler is not None and (scheduler.sent != shadows_before or shadows_running)
         alone = self._alone(not sent.overlapped and not shadows, engine_count)
         if sent.status != 200 or not isinstance(sent.parsed, dict):
@@ -698,6 +709,15 @@ class Triage:
             if not sending.done():  # cancelled (shutdown): the replay goes with it
                 sending.cancel()
 
+    async def _engine_read(self) -> EngineCounts | None:
+        if self._engine_counts is None:
+            return None
+        try:
+            return await self._engine_counts()
+        except Exception:
+            log.debug("the engine's counts could not be read", exc_info=True)
+            return None
+
     def _alone(self, by_own_counts: bool, engine_count: int | None) -> bool | None:
         """Alone by detproxy's counts and by the engine's, read while the replay ran: more
         than one running there is company detproxy did not see. Without a reading, detproxy's
@@ -707,6 +727,14 @@ class Triage:
         if engine_count == 1:
             return True
         return True if self._sees_all else None
+
+
+def _alone_between(before: EngineCounts | None, after: EngineCounts | None) -> bool:
+    """Nothing running just before a replay was sent nor just after it ended, and exactly one
+    request finished between the two reads (the replay): no other request overlapped it."""
+    if before is None or after is None or before.finished is None or after.finished is None:
+        return False
+    return before.running == 0 and after.running == 0 and after.finished - before.finished == 1
 
 
 class _Runner:

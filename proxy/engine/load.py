@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from proxy.engine.promtext import sum_samples
 from proxy.http.errors import UpstreamError
@@ -14,6 +15,16 @@ from proxy.redact import mask_url
 log = logging.getLogger(__name__)
 
 RUNNING = ("vllm:num_requests_running", "llamacpp:requests_processing")
+FINISHED = "vllm:request_success_total"  # every finished_reason, every engine
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounts:
+    """One read of the engine's /metrics: requests running now, and requests finished so far
+    (None where the engine exports no such counter)."""
+
+    running: int
+    finished: int | None
 
 
 def parse_running(text: str) -> float | None:
@@ -44,3 +55,20 @@ class UpstreamLoad:
         text = got.body.decode("utf-8", "replace")
         value = parse_running(text)
         return None if value is None else int(value)
+
+    async def counts(self) -> EngineCounts | None:
+        """Running and finished in one read; None when the engine exports no running count or
+        cannot be reached."""
+        try:
+            got = await get(self._upstream, "/metrics", self._timeout_s, self._headers)
+        except UpstreamError as exc:
+            log.debug("cannot read %s: %r", mask_url(self._url), exc)
+            return None
+        if got.status != 200:
+            return None
+        totals = sum_samples(got.body.decode("utf-8", "replace"), (*RUNNING, FINISHED))
+        running = [v for k, v in totals.items() if k in RUNNING]
+        if not running:
+            return None
+        finished = totals.get(FINISHED)
+        return EngineCounts(int(sum(running)), None if finished is None else int(finished))

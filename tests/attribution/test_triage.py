@@ -22,6 +22,7 @@ from proxy.audit.outcome import ChoiceOutcome, Outcome, TokenLogprob
 from proxy.audit.shadow import wait_quiet
 from proxy.audit.turns import SharedTurns
 from proxy.config import AttributionConfig, AuditConfig
+from proxy.engine.load import EngineCounts
 from proxy.events import CauseAttributed, EventBus, TriageDropped
 from proxy.http.upstream import Upstream
 from tests.helpers.waiting import eventually
@@ -608,3 +609,52 @@ async def test_an_experiment_still_over_the_budget_is_not_given_up_twice() -> No
     await t.close()
     assert [c.cause for c in causes(seen)[1:]] == ["unknown", "unknown"]
     assert drops(seen) == ["token_budget", "token_budget"] and len(upstream.bodies) == 7
+
+
+@pytest.mark.parametrize(
+    ("reads", "alone"),
+    [
+        ([(0, 10), (0, 11)] * 2, True),  # nothing running either side, one request finished
+        ([(0, 10), (0, 12)] * 2, None),  # another finished in between: it may have overlapped
+        ([(1, 10), (0, 11)] * 2, None),  # one was running as the replay was sent
+        ([(0, 10), (1, 11)] * 2, None),  # one was running as it ended
+        ([None] * 2, None),  # no counts before a replay: none read after it
+    ],
+)
+async def test_a_short_replay_is_alone_by_the_engines_counts_either_side(
+    reads: list[tuple[int, int] | None], alone: bool | None
+) -> None:
+    """Several workers: a replay that ends before the engine's running count could be read
+    (vLLM's /metrics is slow) is alone when nothing ran just before it and just after it, and
+    the engine finished exactly one request (the replay) in between."""
+    left = list(reads)
+
+    async def running() -> int | None:
+        return None  # read after the short replay ended: nothing of its company
+
+    async def counts() -> EngineCounts | None:
+        read = left.pop(0)
+        return None if read is None else EngineCounts(*read)
+
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(CauseAttributed, seen.append)
+    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
+    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
+    t = Triage(
+        config,
+        audit,
+        bus,
+        cast(Upstream, Scripted(lambda n: "b")),
+        Load(),
+        engine_running=running,
+        engine_counts=counts,
+        sees_all=False,
+    )
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
+    await t.close()
+    replays = causes(seen)[0].evidence["runs"][2:]
+    assert [r["alone"] for r in replays] == [alone, alone], replays
+    assert left == [], f"{len(left)} reads left: one before and one after each replay"

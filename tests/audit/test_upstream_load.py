@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.engine.load import UpstreamLoad, parse_running
+from proxy.engine.load import EngineCounts, UpstreamLoad, parse_running
 from proxy.http.errors import UpstreamFailure
 from proxy.testing import MockUpstream, Received, Reply
 
@@ -64,3 +64,19 @@ async def test_an_upstream_that_cannot_answer_is_unknown() -> None:
         engine = MockUpstream(routes={"/metrics": metrics})
         assert await UpstreamLoad(engine, "http://engine", timeout_s=0.05).running() is None
         assert engine.received("/metrics"), "it was asked"
+
+
+async def test_vllm_counts_read_running_and_finished_in_one_read() -> None:
+    text = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 7.0\n'
+        'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 3.0\n'
+    )
+    engine = MockUpstream(routes={"/metrics": lambda request: Reply.text(text)})
+    assert await UpstreamLoad(engine, "http://engine").counts() == EngineCounts(1, 10)
+    quiet = MockUpstream(
+        routes={"/metrics": lambda request: Reply.text("llamacpp:requests_processing 0\n")}
+    )
+    assert await UpstreamLoad(quiet, "http://engine").counts() == EngineCounts(0, None)
+    none = MockUpstream(routes={"/metrics": lambda request: Reply.text("other 1\n")})
+    assert await UpstreamLoad(none, "http://engine").counts() is None
