@@ -142,7 +142,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 @contextlib.contextmanager
 def run_detproxy(logdir: Path, upstream: str, config: str = "") -> Iterator[str]:
     """detproxy in front of ``upstream``, started the way a user starts it, with this TOML
-    config; its log in ``logdir``."""
+    config; its log in ``logdir``. One worker (``DETPROXY_WORKERS`` in the environment asks
+    for more)."""
     port = free_port()
     cfg = logdir / f"detproxy-{port}.toml"
     cfg.write_text(config)
@@ -162,6 +163,8 @@ def run_detproxy(logdir: Path, upstream: str, config: str = "") -> Iterator[str]
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
+        # one worker, as bare_env gives (the default, one per core, has its own tests)
+        env={**os.environ, ONE_WORKER_ENV: os.environ.get(ONE_WORKER_ENV) or "1"},
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/detproxy/health", proc, timeout=30)
