@@ -85,7 +85,12 @@ def _recipe_change(ev: Evidence) -> Attribution | None:
         and primary.identity not in others
         and len(groups) == 1
         and primary.group not in groups
-        and (shadow is None or (shadow.group in groups and shadow.identity != primary.identity))
+        # a shadow on the reference is another engine: it says nothing of the upstream's recipe
+        and (
+            shadow is None
+            or shadow.target != "same"
+            or (shadow.group in groups and shadow.identity != primary.identity)
+        )
     ):
         return Attribution(
             "recipe_change",
