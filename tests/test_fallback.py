@@ -528,11 +528,11 @@ async def test_a_refused_retry_gives_the_client_the_answer_it_had(
 async def test_a_refused_streamed_retry_goes_on_with_the_clients_own_request(
     aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    # stream_mode continue (the default): the client was shown part of the answer; its own
-    # request (no overrides) goes on from exactly that part, so it still reads one answer.
+    # stream_mode continue: the client was shown part of the answer; its own request (no
+    # overrides) goes on from exactly that part, so it still reads one answer.
     scripted = Looping("no_overrides")
     url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY)
+    proxy = await make_proxy(url, env=LOOP_RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "continue"})
     # Room after the kept text (its tokens, estimated from it, are taken off max_tokens).
     body = request_body(CHAT, stream=True) | {"max_tokens": 64}
     resp = await proxy.post(CHAT, json=body)

@@ -96,7 +96,9 @@ def test_the_gauge_is_due_at_once_when_moved_else_once_a_second() -> None:
 
 def test_the_settings_are_the_configurations_values() -> None:
     markers = [ReasoningMarkersConfig(models="qwen*", start="<a>", end="</a>")]
-    settings = loop_settings(LoopConfig(max_attempts=4, reasoning_markers=markers))
+    settings = loop_settings(
+        LoopConfig(max_attempts=4, stream_mode="continue", reasoning_markers=markers)
+    )
     assert settings.max_attempts == 4 and settings.one_path and settings.keep
     assert settings.markers("qwen-7b") == ("<a>", "</a>")
     assert settings.markers("other") == ("<think>", "</think>")

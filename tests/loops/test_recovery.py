@@ -18,7 +18,12 @@ from tests.helpers.waiting import eventually
 
 MODEL = "emulator-model"
 ENGINE_DETECTION = '{"min_pattern_size": 2, "max_pattern_size": 16, "min_count": 3}'
-RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+# These tests are about continuations (stream_mode continue); the default restarts.
+RETRY = {
+    "DETPROXY_LOOPS__POLICY": "retry",
+    "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+    "DETPROXY_LOOPS__STREAM_MODE": "continue",
+}
 RESTART = RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "restart"}  # not the default
 
 

@@ -18,7 +18,12 @@ from tests.helpers.metrics import metric
 from tests.helpers.sse import sse_chunks
 
 MODEL = "emulator-model"
-RETRY = {"DETPROXY_LOOPS__POLICY": "retry", "DETPROXY_AUDIT__PASSIVE_CHECKS": "false"}
+# These tests are about continuations (stream_mode continue); the default restarts.
+RETRY = {
+    "DETPROXY_LOOPS__POLICY": "retry",
+    "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
+    "DETPROXY_LOOPS__STREAM_MODE": "continue",
+}
 UNIT = " and then the model repeats itself."
 CONFIG = DetectorConfig()
 
