@@ -45,16 +45,8 @@ class UpstreamLoad:
 
     async def running(self) -> int | None:
         """None when the upstream exports no such metric or cannot be reached."""
-        try:
-            got = await get(self._upstream, "/metrics", self._timeout_s, self._headers)
-        except UpstreamError as exc:
-            log.debug("cannot read %s: %r", mask_url(self._url), exc)
-            return None
-        if got.status != 200:
-            return None
-        text = got.body.decode("utf-8", "replace")
-        value = parse_running(text)
-        return None if value is None else int(value)
+        counts = await self.counts()
+        return None if counts is None else counts.running
 
     async def counts(self) -> EngineCounts | None:
         """Running and finished in one read; None when the engine exports no running count or
