@@ -9,6 +9,7 @@
 #   bash tests/gpu/vllm/on_device.sh validate ARGS  # tests/gpu/vllm/validate.py; results in $OUT
 #   bash tests/gpu/vllm/on_device.sh setup-loops    # issue 49: the stock instance alone
 #   bash tests/gpu/vllm/on_device.sh loops ARGS     # issue 49's loops49 steps against it
+#   bash tests/gpu/vllm/on_device.sh setup-both     # issues 48 and 49 side by side (loops :8009)
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 repo=$PWD
@@ -45,7 +46,7 @@ info)
   python3 -m pip list 2>/dev/null | grep -iE '^(typing.extensions|aiohttp|uvloop|xxhash|prometheus.client|numpy|safetensors|anyio|httpx|idna|h11|click) ' | tr -s ' ' | tr '\n' ';'; echo
   nproc; free -g | head -2
   ;;
-setup|setup-causes|setup-loops)
+setup|setup-causes|setup-loops|setup-both)
   t0=$(date +%s)
   (cd "$P" && ls part-* >/dev/null) || { echo "no parts in $P"; exit 1; }
   got=$(cat "$P"/part-? | sha256sum | cut -d' ' -f1)
@@ -61,7 +62,7 @@ setup|setup-causes|setup-loops)
   [ -f "$M/model.safetensors" ] || { echo "conversion failed"; exit 1; }
   echo "converted in $(( $(date +%s) - t0 )) s"
   bf16=(--model "$M" --tokenizer "$M" --dtype bfloat16)
-  if [ "$1" = setup-causes ]; then
+  if [ "$1" = setup-causes ] || [ "$1" = setup-both ]; then
     # Issue 48: stock and batch-invariant, each also with --enable-prompt-tokens-details
     # (each answer then reports its cached prompt tokens).
     start stock 8001 "X=1" "${bf16[@]}" --enforce-eager
@@ -70,6 +71,13 @@ setup|setup-causes|setup-loops)
     start bi_ptd 8008 "VLLM_BATCH_INVARIANT=1" "${bf16[@]}" --enforce-eager \
       --enable-prompt-tokens-details
     left='{"stock": 8001, "bi": 8002, "stock_ptd": 8007, "bi_ptd": 8008}'
+    if [ "$1" = setup-both ]; then
+      # issue 49's instance beside them (CUDA graphs, the checkpoint's length): `loops` with
+      # LOOPS_PORT=8009 while `causes` runs (separate servers: no shared batch)
+      MML=$(python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); print(min(8192, c.get("max_position_embeddings") or 4096))' "$M/config.json")
+      MML=$MML start loops 8009 "X=1" "${bf16[@]}"
+      left='{"stock": 8001, "bi": 8002, "stock_ptd": 8007, "bi_ptd": 8008, "loops": 8009}'
+    fi
   elif [ "$1" = setup-loops ]; then
     # Issue 49: the stock instance alone, long enough for 4096 new tokens after a prompt (the
     # checkpoint's own length if shorter); LOOPS_GRAPHS=1: CUDA graphs and torch.compile
@@ -132,7 +140,8 @@ validate)
   ;;
 causes)  # after setup-causes: issue 48's step alone (spec and gguf are not running)
   shift
-  python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
+  # its own results and $OUT/causes: `loops` may run beside it (setup-both)
+  python3 tests/gpu/vllm/validate.py --work "$W/results-causes" --out "${OUT:-$W/out}/causes" \
     --stock http://127.0.0.1:8001 --bi http://127.0.0.1:8002 --spec http://127.0.0.1:9 \
     --gguf http://127.0.0.1:9 --stock-ptd http://127.0.0.1:8007 --bi-ptd http://127.0.0.1:8008 \
     --logs "$W" --steps causes "$@"
@@ -146,8 +155,8 @@ loops)  # after setup-loops: issue 49's loops49 steps (only the stock instance i
     mkdir -p "$W/results" && mv .gpu/vllm/results.json "$W/results/results.json"
   fi
   python3 tests/gpu/vllm/validate.py --work "$W/results" --out "${OUT:-$W/out}" \
-    --stock http://127.0.0.1:8001 --bi http://127.0.0.1:9 --spec http://127.0.0.1:9 \
+    --stock "http://127.0.0.1:${LOOPS_PORT:-8001}" --bi http://127.0.0.1:9 --spec http://127.0.0.1:9 \
     --gguf http://127.0.0.1:9 --logs "$W" --resume --steps "${L49_STEPS:-loops49*}" "$@"
   ;;
-*) echo "usage: $0 receive|info|setup|setup-causes|setup-loops|validate|causes|loops" >&2; exit 2 ;;
+*) echo "usage: $0 receive|info|setup|setup-causes|setup-loops|setup-both|validate|causes|loops" >&2; exit 2 ;;
 esac

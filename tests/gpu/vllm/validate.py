@@ -2380,8 +2380,8 @@ L49_KEEP = 24  # the looping prompts kept from the screen (issue 49 asks for at 
 L49_SCREEN_CONC = 8
 # The configurations compared: [loops] policy = "retry" and these on top of the defaults.
 L49_CONFIGS: dict[str, dict[str, Any]] = {
-    "default": {},
-    "restart": {"stream_mode": "restart"},
+    "default": {},  # stream_mode "restart" since 2026-12-07
+    "continue": {"stream_mode": "continue"},
     "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
     "ladder3": {
         "max_attempts": 4,
