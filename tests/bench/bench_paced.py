@@ -77,6 +77,8 @@ from bench_proxy import (
     machine,
     make_json_answer,
     metric_lines,
+    nginx_said,
+    nginx_workers,
     spy_profile,
     stream_words,
     tree,
@@ -280,7 +282,7 @@ queue_size = 100000
 }
 WHAT = {
     "direct": "nginx + echo module itself (the paced upstream)",
-    "nginx": "nginx reverse proxy, proxy_buffering off, 1 worker",
+    "nginx": "nginx reverse proxy, proxy_buffering off",
     "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit 5%)",
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
     "dp-raw": "detproxy, loops off and passive checks off: no stream is inspected (raw relay)",
@@ -370,6 +372,7 @@ def start(
     log_level: str,
     gc_timed: bool,
     baseline: Path | None = None,
+    nginx: str = "1",
 ) -> tuple[int, int]:
     """Starts the upstream and the targets; returns the bytes of one stream's events and the
     upstream's port. ``baseline``: each detproxy target has a twin, ``NAME@base``, running
@@ -403,8 +406,8 @@ def start(
         conf = NGINX_COMMON.format(
             dir=tmp, name="proxy", body=proxy.format(host=HOST, port=px, upstream_port=up)
         )
-        proc = _nginx(bench, "proxy", conf, px)
-        bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
+        proc = _nginx(bench, "proxy", nginx_workers(conf, nginx), px)
+        bench.targets.append(Target("nginx", px, WHAT["nginx"], proc, nginx_said(nginx)))
     relays = (("ht-relay", []), ("ht-relay-task", ["task"]), ("ht-relay-coalesce", ["coalesce"]))
     for name, mode in relays:
         if name in names:
@@ -712,6 +715,13 @@ def main() -> int:
         help="after the tables, run detproxy's defaults under cProfile for this many seconds"
         " at the largest --streams and print its functions' time per event",
     )
+    ap.add_argument(
+        "--nginx-workers",
+        default="1",
+        metavar="N|auto",
+        help="the nginx target's worker_processes (default 1; auto: one per core, as nginx's"
+        " packaged configuration has it); the paced upstream keeps 1",
+    )
     ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     ap.add_argument(
@@ -745,7 +755,13 @@ def main() -> int:
     print("\n".join(machine()))
     try:
         events_bytes, upstream_port = start(
-            bench, workers, names, args.log_level, args.gc_timings, args.baseline
+            bench,
+            workers,
+            names,
+            args.log_level,
+            args.gc_timings,
+            args.baseline,
+            args.nginx_workers,
         )
         wire = check(bench)
         cells = len(streams) * len(bench.targets) * args.rounds

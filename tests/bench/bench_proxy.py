@@ -440,6 +440,19 @@ def worker_settings(text: str) -> list[str]:
     return out
 
 
+def nginx_workers(conf: str, setting: str) -> str:
+    """``conf`` (NGINX_COMMON's) with ``worker_processes setting``: 1, N or auto."""
+    if setting != AUTO and not (setting.isdigit() and int(setting) > 0):
+        raise SystemExit(f"--nginx-workers: {setting!r} is neither auto nor a positive count")
+    return conf.replace("worker_processes 1;", f"worker_processes {setting};", 1)
+
+
+def nginx_said(setting: str) -> str:
+    if setting == AUTO:
+        return f"worker_processes auto ({os.cpu_count()} workers: one per core)"
+    return f"worker_processes {setting}"
+
+
 def detproxy_runs(
     configs: dict[str, str], workers: list[str], named: list[str]
 ) -> list[tuple[str, str, str]]:
@@ -577,8 +590,8 @@ class Bench:
         self.procs.append(proc)
         return proc
 
-    def nginx(self, name: str, body: str, port: int) -> Popen:
-        conf = NGINX_COMMON.format(dir=self.tmp, name=name, body=body)
+    def nginx(self, name: str, body: str, port: int, workers: str = "1") -> Popen:
+        conf = nginx_workers(NGINX_COMMON.format(dir=self.tmp, name=name, body=body), workers)
         path = self.tmp / f"{name}.conf"
         path.write_text(conf)
         proc = self.spawn(
@@ -595,10 +608,12 @@ class Bench:
         only: tuple[str, ...] = (),
         baseline: Path | None = None,
         workers: tuple[str, ...] = (AUTO,),
+        nginx_workers: str = "1",
     ) -> None:
         """``only``: these detproxy targets alone (all when empty); ``baseline``: each detproxy
         target has a twin, ``NAME@base``, running that checkout's code (``PYTHONPATH``);
-        ``workers``: each N adds ``dp-default-wN`` (``--workers N``) to ``dp-default``."""
+        ``workers``: each N adds ``dp-default-wN`` (``--workers N``) to ``dp-default``;
+        ``nginx_workers``: the proxy nginx's ``worker_processes`` (1 or auto)."""
         tmp = self.tmp
         (tmp / "www").mkdir()
         (tmp / "tmp").mkdir()
@@ -620,8 +635,10 @@ class Bench:
         )
         self.targets.append(Target("direct", up, "nginx static files (the upstream)", static))
         px = free_port()
-        proxy = self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
-        self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off", proxy))
+        body = NGINX_PROXY.format(host=HOST, port=px, upstream_port=up)
+        proxy = self.nginx("proxy", body, px, nginx_workers)
+        what = "nginx reverse proxy, proxy_buffering off"
+        self.targets.append(Target("nginx", px, what, proxy, nginx_said(nginx_workers)))
         if ceiling:
             for name, script, what in (
                 ("aio-static", AIOHTTP_STATIC,
@@ -1216,6 +1233,13 @@ def main() -> int:
         " one at a time, interleaved: time to first token and what each adds over direct",
     )
     ap.add_argument("--ttft-only", action="store_true", help="--ttft alone, no wrk tables")
+    ap.add_argument(
+        "--nginx-workers",
+        default="1",
+        metavar="N|auto",
+        help="the nginx target's worker_processes (default 1; auto: one per core, as nginx's"
+        " packaged configuration has it); the upstream nginx keeps 1",
+    )
     args = ap.parse_args()
     if args.quick:
         args.duration, args.rounds = 2.0, 1
@@ -1257,7 +1281,7 @@ def main() -> int:
     )
     t_start = time.monotonic()
     try:
-        bench.start(args.log_level, args.ceiling, only, args.baseline, workers)
+        bench.start(args.log_level, args.ceiling, only, args.baseline, workers, args.nginx_workers)
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
