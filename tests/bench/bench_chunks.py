@@ -597,6 +597,8 @@ def rss_with_streams(streams: int, audit: bool) -> None:
             str(port),
             "--log-level",
             "WARNING",
+            "--workers",
+            "1",  # the RSS of one process: memory per stream is one worker's
         ],
         stdout=log,
         stderr=subprocess.STDOUT,

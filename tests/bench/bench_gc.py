@@ -160,6 +160,7 @@ def main() -> int:
             argv += ["serve", "--config", str(tmp / f"{name}.toml")]
             argv += ["--upstream", f"http://{HOST}:{up}", "--port", str(port)]
             argv += ["--log-level", "WARNING"]
+            argv += ["--workers", "1"]  # the timed collections are this process's alone
             proc = bench.spawn(argv, f"{name}.log")
             wait_port(port, proc, f"detproxy ({name})")
             bench.targets.append(Target(name, port, conf.replace("\n", " ").strip(), proc))

@@ -1,7 +1,7 @@
 """Paced streaming benchmark: one SSE event per token, tokens 20 ms apart, as an engine writes them.
 
 Run: ``.venv/bin/python tests/bench/bench_paced.py [--seconds 5] [--rounds 1]
-[--streams 100,400,1000] [--workers 1,2]``. Needs ``nginx`` with Debian's echo module
+[--streams 100,400,1000] [--workers auto,1]``. Needs ``nginx`` with Debian's echo module
 (``apt-get install -y nginx libnginx-mod-http-echo``) and ``wrk``. Prints figures only.
 
 bench_proxy.py streams a pre-generated answer whole, so a 200-event stream arrives in one or
@@ -16,8 +16,11 @@ two reads. Here the upstream writes what vLLM writes, paced:
   reverse proxy, ``proxy_buffering off``), ``dp-default`` (detproxy with its defaults: loop
   inspection on, passive checks on, audit off), ``dp-noloops`` (the defaults with
   ``[loops] enabled = false``), ``dp-audit`` (the defaults with every greedy request audited
-  and the shadow budgets raised, as bench_proxy.py's dp-audit), and with ``--workers 1,2`` also
-  ``dp-default-w2`` (the defaults, ``detproxy serve --workers 2``);
+  and the shadow budgets raised, as bench_proxy.py's dp-audit), each started as serve starts
+  by default (one worker per core; ``dp-default`` is ``detproxy serve --upstream URL`` and
+  nothing else), and with ``--workers auto,1,2`` also ``dp-default-w1`` and ``dp-default-w2``
+  (the defaults, ``detproxy serve --workers N``); the listing says each one's workers and build
+  (source, or compiled where ``--baseline`` names a ``tests/compiled_tree.py`` copy);
 - wrk (one thread) holds ``--streams`` connections, each POSTing a streamed greedy chat request
   (a different prompt each time, so passive duplicate checks see no duplicates) and reading the
   stream to its end; per cell (streams, target) one wrk run of ``--seconds``, the targets in a
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pstats
 import resource
 import shutil
@@ -54,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gc import TIMED_LAUNCHER, collections
 from bench_proxy import (
+    AUTO,
+    DEFAULTS,
     HOST,
     LAUNCHER,
     MODEL,
@@ -63,16 +67,26 @@ from bench_proxy import (
     TICK,
     Bench,
     Target,
+    build_of,
     cpu_s,
+    detproxy_argv,
+    detproxy_env,
+    detproxy_runs,
     free_port,
     lua_string,
     machine,
     make_json_answer,
     metric_lines,
+    nginx_said,
+    nginx_workers,
     spy_profile,
     stream_words,
     tree,
     wait_port,
+    wait_workers,
+    worker_count,
+    worker_settings,
+    workers_said,
 )
 
 TOKENS = 64
@@ -250,8 +264,7 @@ finally:
     profile.dump_stats(sys.argv[1])
 """
 
-DEFAULTS = ""  # detproxy's defaults: loops on, passive checks on, audit 5%
-CONFIGS = {
+CONFIGS = {  # each run as serve starts by default: one worker per core (bench_proxy.py)
     "dp-default": DEFAULTS,
     "dp-noloops": "[loops]\nenabled = false\n",
     # Nothing inspects a stream: its events take the raw relay (the I/O skeleton's cost).
@@ -269,7 +282,7 @@ queue_size = 100000
 }
 WHAT = {
     "direct": "nginx + echo module itself (the paced upstream)",
-    "nginx": "nginx reverse proxy, proxy_buffering off, 1 worker",
+    "nginx": "nginx reverse proxy, proxy_buffering off",
     "dp-default": "detproxy, defaults (loop inspection on, passive checks on, audit 5%)",
     "dp-noloops": "detproxy, defaults with [loops] enabled = false",
     "dp-raw": "detproxy, loops off and passive checks off: no stream is inspected (raw relay)",
@@ -354,11 +367,12 @@ GC_OFF = "[server]\ngc_freeze = false\ngc_threshold = [700, 10, 10]\n"  # before
 
 def start(
     bench: Bench,
-    workers: list[int],
+    workers: list[str],
     names: list[str],
     log_level: str,
     gc_timed: bool,
     baseline: Path | None = None,
+    nginx: str = "1",
 ) -> tuple[int, int]:
     """Starts the upstream and the targets; returns the bytes of one stream's events and the
     upstream's port. ``baseline``: each detproxy target has a twin, ``NAME@base``, running
@@ -392,8 +406,8 @@ def start(
         conf = NGINX_COMMON.format(
             dir=tmp, name="proxy", body=proxy.format(host=HOST, port=px, upstream_port=up)
         )
-        proc = _nginx(bench, "proxy", conf, px)
-        bench.targets.append(Target("nginx", px, WHAT["nginx"], proc))
+        proc = _nginx(bench, "proxy", nginx_workers(conf, nginx), px)
+        bench.targets.append(Target("nginx", px, WHAT["nginx"], proc, nginx_said(nginx)))
     relays = (("ht-relay", []), ("ht-relay-task", ["task"]), ("ht-relay-coalesce", ["coalesce"]))
     for name, mode in relays:
         if name in names:
@@ -402,36 +416,37 @@ def start(
             proc = bench.spawn(argv, f"{name}.log", cwd=tmp)
             wait_port(port, proc, name)
             bench.targets.append(Target(name, port, WHAT[name], proc))
-    runs: list[tuple[str, str, int]] = []
-    configs = {**CONFIGS, "dp-gcoff": GC_OFF}
-    for name, config in configs.items():
-        if name in names:
-            runs.append((name, config, 1 if 1 in workers else workers[0]))
-    for n in workers:
-        if n != 1 and f"dp-default-w{n}" in names:
-            runs.append((f"dp-default-w{n}", DEFAULTS, n))
-    trees: list[tuple[str, dict[str, str] | None]] = [("", None)]
+    configs = {name: c for name, c in {**CONFIGS, "dp-gcoff": GC_OFF}.items() if name in names}
+    runs = detproxy_runs(configs, workers, names)
+    # dp-gcoff is there for its collections, timed in one process only.
+    runs = [(name, c, "1" if name == "dp-gcoff" else w) for name, c, w in runs]
+    trees: list[tuple[str, dict[str, str]]] = [("", detproxy_env())]
     if baseline is not None:
-        trees.append(("@base", {**os.environ, "PYTHONPATH": str(baseline)}))
-    for name, config, n in runs:
+        trees.append(("@base", detproxy_env(baseline)))
+    builds = {suffix: build_of(env, tmp) for suffix, env in trees}
+    for name, config, setting in runs:
+        count = worker_count(setting)
         for suffix, env in trees:
             port = free_port()
-            cfg = tmp / f"{name}{suffix}.toml"
-            cfg.write_text(config.format(shadow_url=f"http://{HOST}:{shadow}"))
-            argv = [sys.executable, "-c", LAUNCHER]
-            if gc_timed and n == 1:  # every collection timed, written at exit (bench_gc.py)
-                argv = [sys.executable, "-c", TIMED_LAUNCHER, str(tmp / f"{name}{suffix}.gc.json")]
-            argv += ["serve", "--config", str(cfg)]
-            argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
-            argv += ["--log-level", log_level]
-            if n != 1:
-                argv += ["--workers", str(n)]
+            launcher = [sys.executable, "-c", LAUNCHER]
+            if gc_timed and count == 1:  # every collection timed, written at exit (bench_gc.py)
+                gc_out = str(tmp / f"{name}{suffix}.gc.json")
+                launcher = [sys.executable, "-c", TIMED_LAUNCHER, gc_out]
+            argv = detproxy_argv(
+                launcher,
+                config.format(shadow_url=f"http://{HOST}:{shadow}"),
+                tmp / f"{name}{suffix}.toml",
+                f"http://{HOST}:{up}",
+                port,
+                log_level,
+                setting,
+            )
             proc = bench.spawn(argv, f"{name}{suffix}.log", cwd=tmp, env=env)
             wait_port(port, proc, f"detproxy ({name}{suffix})")
-            what = WHAT.get(name) or f"detproxy, defaults, serve --workers {n}"
-            if suffix:
-                what += f", the code of {baseline}"
-            bench.targets.append(Target(name + suffix, port, what, proc))
+            wait_workers(proc, count, f"detproxy ({name}{suffix})")
+            what = WHAT.get(name, "detproxy, defaults")
+            runs_as = f"{workers_said(setting)}, {builds[suffix]}"
+            bench.targets.append(Target(name + suffix, port, what, proc, runs_as))
     return sum(len(e) for e in events), up
 
 
@@ -569,7 +584,8 @@ def cprofiled(bench: Bench, wire: dict[str, int], up: int, streams: int, seconds
     cfg.write_text(DEFAULTS)
     argv = [sys.executable, "-c", CPROFILE_LAUNCHER, str(stats), "serve", "--config", str(cfg)]
     argv += ["--upstream", f"http://{HOST}:{up}", "--host", HOST, "--port", str(port)]
-    proc = bench.spawn(argv, "dp-cprofile.log", cwd=bench.tmp)
+    argv += ["--workers", "1"]  # cProfile sees this process only
+    proc = bench.spawn(argv, "dp-cprofile.log", cwd=bench.tmp, env=detproxy_env())
     wait_port(port, proc, "detproxy (dp-cprofile)")
     target = Target("dp-cprofile", port, "detproxy, defaults, under cProfile", proc)
     wire[target.name] = wire_stream(target)[0]
@@ -640,7 +656,7 @@ def print_table(results: dict[tuple[int, str], list[Cell]], bench: Bench, stream
         " round, which this machine's drift between rounds moves less; stream times in s)"
     )
     print(
-        f"{'target':14} {'events/s':>9} {'CPU/ev':>7} {'xN':>5} {'xN/r':>5} {'p50':>6} {'p99':>6}"
+        f"{'target':18} {'events/s':>9} {'CPU/ev':>7} {'xN':>5} {'xN/r':>5} {'p50':>6} {'p99':>6}"
         f" {'streams':>8} {'errors':>6}  per round (CPU/ev)"
     )
     nginx = results.get((streams, "nginx"))
@@ -656,7 +672,7 @@ def print_table(results: dict[tuple[int, str], list[Cell]], bench: Bench, stream
         cpu = f"{c.cpu_us:7.1f}" if target.proc else "      -"
         rounds = " ".join(f"{x.cpu_us:.1f}" for x in cells) if target.proc else ""
         print(
-            f"{target.name:14} {c.events_s:9.0f} {cpu} {ratio} {per_round} {c.p50_s:6.2f}"
+            f"{target.name:18} {c.events_s:9.0f} {cpu} {ratio} {per_round} {c.p50_s:6.2f}"
             f" {c.p99_s:6.2f} {c.streams:8d} {c.errors:6d}  {rounds}"
         )
 
@@ -668,8 +684,10 @@ def main() -> int:
     ap.add_argument("--streams", default=",".join(map(str, STREAMS)), help="default 100,400,1000")
     ap.add_argument(
         "--workers",
-        default="1",
-        help="detproxy worker counts: 1,2 adds dp-default-w2 (serve --workers 2); default 1",
+        default=AUTO,
+        metavar="LIST",
+        help="auto (default): every detproxy target as serve starts it, one worker per core;"
+        " each N (e.g. auto,1) adds dp-default-wN, the defaults under serve --workers N",
     )
     ap.add_argument(
         "--targets",
@@ -697,6 +715,13 @@ def main() -> int:
         help="after the tables, run detproxy's defaults under cProfile for this many seconds"
         " at the largest --streams and print its functions' time per event",
     )
+    ap.add_argument(
+        "--nginx-workers",
+        default="1",
+        metavar="N|auto",
+        help="the nginx target's worker_processes (default 1; auto: one per core, as nginx's"
+        " packaged configuration has it); the paced upstream keeps 1",
+    )
     ap.add_argument("--log-level", default="WARNING", help="detproxy --log-level")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (configs, logs)")
     ap.add_argument(
@@ -708,10 +733,8 @@ def main() -> int:
     )
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",") if s]
-    workers = [int(w) for w in args.workers.split(",") if w]
-    names = [n for n in args.targets.split(",") if n] or (
-        ["nginx", *CONFIGS] + [f"dp-default-w{n}" for n in workers if n != 1]
-    )
+    workers = worker_settings(args.workers)
+    names = [n for n in args.targets.split(",") if n] or ["nginx", *CONFIGS]
     if args.gc_timings and "dp-gcoff" not in names:
         names.append("dp-gcoff")
     for tool in ("nginx", "wrk"):
@@ -732,7 +755,13 @@ def main() -> int:
     print("\n".join(machine()))
     try:
         events_bytes, upstream_port = start(
-            bench, workers, names, args.log_level, args.gc_timings, args.baseline
+            bench,
+            workers,
+            names,
+            args.log_level,
+            args.gc_timings,
+            args.baseline,
+            args.nginx_workers,
         )
         wire = check(bench)
         cells = len(streams) * len(bench.targets) * args.rounds
@@ -747,7 +776,7 @@ def main() -> int:
             + ", ".join(f"{k} {v}" for k, v in wire.items())
         )
         for t in bench.targets:
-            print(f"  {t.name:14} :{t.port:<5}  {t.what}")
+            print(f"  {t.name:18} :{t.port:<5}  {t.said()}")
         print(f"load    : {loadavg()} (1, 5, 15 min) before the run")
         for t in bench.targets:  # warm-up: connections, templates, first-request costs
             run_cell(bench, wire, t, 50, 2, f"warm-{t.name}")

@@ -29,6 +29,7 @@ own prompt (``wrk_script``), so that none is a passive duplicate of another.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import os
@@ -43,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -424,6 +426,137 @@ new_event_loop("auto").run_until_complete(main())
 # ``detproxy serve`` exactly as a user runs it, with the venv's interpreter.
 LAUNCHER = "import sys; from proxy.cli import main; sys.exit(main(sys.argv[1:]))"
 
+# ``--workers``: serve's default (no flag: one worker per core it may use), or N.
+AUTO = "auto"
+DEFAULTS = ""  # dp-default's configuration: none at all, as `detproxy serve --upstream URL`
+
+
+def worker_settings(text: str) -> list[str]:
+    """``--workers auto,1,2`` -> ["auto", "1", "2"]: each "auto" or a positive count."""
+    out = [w.strip() for w in text.split(",") if w.strip()]
+    bad = [w for w in out if w != AUTO and not (w.isdigit() and int(w) > 0)]
+    if bad:
+        raise SystemExit(f"--workers: {bad[0]!r} is neither auto nor a positive count")
+    return out
+
+
+def nginx_workers(conf: str, setting: str) -> str:
+    """``conf`` (NGINX_COMMON's) with ``worker_processes setting``: 1, N or auto."""
+    if setting != AUTO and not (setting.isdigit() and int(setting) > 0):
+        raise SystemExit(f"--nginx-workers: {setting!r} is neither auto nor a positive count")
+    return conf.replace("worker_processes 1;", f"worker_processes {setting};", 1)
+
+
+def nginx_said(setting: str) -> str:
+    if setting == AUTO:
+        return f"worker_processes auto ({os.cpu_count()} workers: one per core)"
+    return f"worker_processes {setting}"
+
+
+def detproxy_runs(
+    configs: dict[str, str], workers: list[str], named: list[str]
+) -> list[tuple[str, str, str]]:
+    """(name, configuration, workers setting) of each detproxy target: every one of
+    ``configs`` as serve starts by default (no --workers flag: one worker per core), then
+    ``dp-default-wN``, the defaults under ``--workers N``, for each N of ``workers`` and each
+    ``dp-default-wN`` in ``named``."""
+    runs = [(name, config, AUTO) for name, config in configs.items()]
+    counts = [w for w in workers if w != AUTO]
+    counts += [m.group(1) for n in named if (m := re.fullmatch(r"dp-default-w(\d+)", n))]
+    runs += [(f"dp-default-w{n}", DEFAULTS, n) for n in dict.fromkeys(counts)]
+    return runs
+
+
+def worker_count(setting: str) -> int:
+    """The workers serve runs for ``setting``: "auto" resolved as serve resolves it."""
+    from proxy.cores import usable_cores
+
+    return usable_cores() if setting == AUTO else int(setting)
+
+
+def workers_said(setting: str) -> str:
+    n = worker_count(setting)
+    plural = "worker" if n == 1 else "workers"
+    if setting == AUTO:
+        return f"{n} {plural} (serve's default: one per core)"
+    return f"{n} {plural} (--workers {setting})"
+
+
+def detproxy_argv(
+    launcher: list[str],
+    config: str,
+    cfg: Path,
+    upstream: str,
+    port: int,
+    log_level: str,
+    setting: str,
+) -> list[str]:
+    """``launcher`` + serve's arguments. The defaults (``DEFAULTS``) get nothing but the
+    upstream, the address and the worker count: `detproxy serve --upstream URL` as a user runs
+    it; every other configuration its file (``cfg``) and ``--log-level``."""
+    argv = [*launcher, "serve", "--upstream", upstream, "--host", HOST, "--port", str(port)]
+    if config != DEFAULTS:
+        cfg.write_text(config)
+        argv += ["--config", str(cfg), "--log-level", log_level]
+    if setting != AUTO:
+        argv += ["--workers", setting]
+    return argv
+
+
+def detproxy_env(code: Path | None = None) -> dict[str, str]:
+    """A detproxy target's environment: the caller's without its DETPROXY_* variables (a shell
+    with DETPROXY_WORKERS=1 or a config in DETPROXY_CONFIG would change the defaults), and
+    ``code`` (another checkout, a compiled tree) ahead of the installed package."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DETPROXY_")}
+    if code is not None:
+        env["PYTHONPATH"] = str(code)
+    return env
+
+
+# Which build a target's interpreter imports: how many of the modules the compiled build
+# compiles (pyproject.toml's [tool.detproxy] compiled) are extensions, and from where.
+BUILD_PROBE = """\
+import importlib, json, sys
+import proxy
+compiled = [m for m in sys.argv[1:] if importlib.import_module(m).__file__.endswith(".so")]
+print(json.dumps([len(compiled), proxy.__file__]))
+"""
+
+
+def build_of(env: dict[str, str], cwd: Path) -> str:
+    """Source or compiled build (and where its code is): what ``env`` imports as detproxy."""
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["detproxy"]["compiled"]
+    modules = [path.removesuffix(".py").replace("/", ".") for path in listed]
+    out = subprocess.run(
+        [sys.executable, "-c", BUILD_PROBE, *modules],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        check=False,
+    )
+    if out.returncode != 0:
+        return f"build unknown ({out.stderr.strip().splitlines()[-1:]})"
+    compiled, where = json.loads(out.stdout)
+    code = Path(where).parent.parent
+    if compiled == 0:
+        return f"source build ({code})"
+    if compiled == len(modules):
+        return f"compiled build ({compiled} modules mypyc-compiled, {code})"
+    return f"partly compiled build ({compiled} of {len(modules)} modules, {code})"
+
+
+def wait_workers(proc: Popen, count: int, what: str, timeout: float = 60.0) -> None:
+    """Until ``count`` workers run (a supervisor and its workers; one: the process alone)."""
+    want = 1 if count == 1 else count + 1
+    deadline = time.monotonic() + timeout
+    while len(tree(proc.pid)) < want:
+        if proc.poll() is not None:
+            raise SystemExit(f"{what} exited with {proc.returncode} at start (see its log)")
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{what}: {len(tree(proc.pid))} processes, {want} expected")
+        time.sleep(0.1)
+
 
 @dataclass
 class Target:
@@ -431,6 +564,10 @@ class Target:
     port: int
     what: str
     proc: subprocess.Popen[bytes] | None = None
+    runs: str = ""  # a detproxy's workers and build
+
+    def said(self) -> str:
+        return f"{self.what}; {self.runs}" if self.runs else self.what
 
 
 @dataclass
@@ -453,8 +590,8 @@ class Bench:
         self.procs.append(proc)
         return proc
 
-    def nginx(self, name: str, body: str, port: int) -> Popen:
-        conf = NGINX_COMMON.format(dir=self.tmp, name=name, body=body)
+    def nginx(self, name: str, body: str, port: int, workers: str = "1") -> Popen:
+        conf = nginx_workers(NGINX_COMMON.format(dir=self.tmp, name=name, body=body), workers)
         path = self.tmp / f"{name}.conf"
         path.write_text(conf)
         proc = self.spawn(
@@ -470,9 +607,13 @@ class Bench:
         ceiling: bool = False,
         only: tuple[str, ...] = (),
         baseline: Path | None = None,
+        workers: tuple[str, ...] = (AUTO,),
+        nginx_workers: str = "1",
     ) -> None:
         """``only``: these detproxy targets alone (all when empty); ``baseline``: each detproxy
-        target has a twin, ``NAME@base``, running that checkout's code (``PYTHONPATH``)."""
+        target has a twin, ``NAME@base``, running that checkout's code (``PYTHONPATH``);
+        ``workers``: each N adds ``dp-default-wN`` (``--workers N``) to ``dp-default``;
+        ``nginx_workers``: the proxy nginx's ``worker_processes`` (1 or auto)."""
         tmp = self.tmp
         (tmp / "www").mkdir()
         (tmp / "tmp").mkdir()
@@ -494,8 +635,10 @@ class Bench:
         )
         self.targets.append(Target("direct", up, "nginx static files (the upstream)", static))
         px = free_port()
-        proxy = self.nginx("proxy", NGINX_PROXY.format(host=HOST, port=px, upstream_port=up), px)
-        self.targets.append(Target("nginx", px, "nginx reverse proxy, proxy_buffering off", proxy))
+        body = NGINX_PROXY.format(host=HOST, port=px, upstream_port=up)
+        proxy = self.nginx("proxy", body, px, nginx_workers)
+        what = "nginx reverse proxy, proxy_buffering off"
+        self.targets.append(Target("nginx", px, what, proxy, nginx_said(nginx_workers)))
         if ceiling:
             for name, script, what in (
                 ("aio-static", AIOHTTP_STATIC,
@@ -511,44 +654,33 @@ class Bench:
         configs = dict(DETPROXY_CONFIGS)
         if only:
             configs = {name: conf for name, conf in configs.items() if name in only}
-        trees: list[tuple[str, dict[str, str] | None]] = [("", None)]
+        trees: list[tuple[str, dict[str, str]]] = [("", detproxy_env())]
         if baseline is not None:
-            trees.append(("@base", {**os.environ, "PYTHONPATH": str(baseline)}))
-        for (name, conf), (suffix, env) in itertools.product(configs.items(), trees):
+            trees.append(("@base", detproxy_env(baseline)))
+        builds = {suffix: build_of(env, tmp) for suffix, env in trees}
+        runs = detproxy_runs(configs, list(workers), list(only))
+        for (name, conf, setting), (suffix, env) in itertools.product(runs, trees):
             port = free_port()
-            cfg = tmp / f"{name}.toml"
-            cfg.write_text(conf.format(shadow_url=f"http://{HOST}:{shadow}"))
-            proc = self.spawn(
-                [
-                    sys.executable,
-                    "-c",
-                    LAUNCHER,
-                    "serve",
-                    "--config",
-                    str(cfg),
-                    "--upstream",
-                    f"http://{HOST}:{up}",
-                    "--host",
-                    HOST,
-                    "--port",
-                    str(port),
-                    "--log-level",
-                    log_level,
-                ],
-                f"{name}{suffix}.log",
-                cwd=tmp,
-                env=env,
+            argv = detproxy_argv(
+                [sys.executable, "-c", LAUNCHER],
+                conf.format(shadow_url=f"http://{HOST}:{shadow}"),
+                tmp / f"{name}.toml",
+                f"http://{HOST}:{up}",
+                port,
+                log_level,
+                setting,
             )
+            proc = self.spawn(argv, f"{name}{suffix}.log", cwd=tmp, env=env)
             wait_port(port, proc, f"detproxy ({name}{suffix})")
+            wait_workers(proc, worker_count(setting), f"detproxy ({name}{suffix})")
             what = {
                 "dp-default": "detproxy, defaults (loops on, passive checks on, audit 5%)",
                 "dp-off": "detproxy, audit off, passive checks off, loops disabled",
                 "dp-audit": "detproxy, 100% of greedy requests audited, loops disabled",
                 "dp-loops": "detproxy, audit off, passive checks off, loop inspection on",
-            }[name]
-            if suffix:
-                what += f", the code of {baseline}"
-            self.targets.append(Target(name + suffix, port, what, proc))
+            }.get(name, "detproxy, defaults")
+            runs_as = f"{workers_said(setting)}, {builds[suffix]}"
+            self.targets.append(Target(name + suffix, port, what, proc, runs_as))
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -761,10 +893,107 @@ def metric_lines(target: Target, prefixes: tuple[str, ...]) -> list[str]:
 
 
 def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """VmRSS of ``pid`` and its descendants (a supervisor's workers)."""
+    total = 0
+    for each in tree(pid):
+        try:
+            lines = Path(f"/proc/{each}/status").read_text().splitlines()
+        except OSError:
+            continue
+        total += next((int(ln.split()[1]) for ln in lines if ln.startswith("VmRSS:")), 0)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------
+# --ttft: time to first token at one connection, a fresh connection per request
+
+
+def ttft_request(port: int, n: int) -> bytes:
+    """A streamed request with a prompt of its own (passive checks see no duplicate)."""
+    head, tail = request_body(True).split(PROMPT)
+    body = head + f"a token stream, ttft {n}.".encode() + tail
+    return (
+        f"POST {PATH}?bench=sse HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
+        "Content-Type: application/json\r\nAuthorization: Bearer bench\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+
+def _complete(data: bytes) -> bool:
+    """The whole response is in ``data`` (Content-Length or chunked framing)."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    m = re.search(rb"(?im)^content-length:\s*(\d+)", head)
+    if m is not None:
+        return len(body) >= int(m.group(1))
+    return body.endswith(b"\r\n0\r\n\r\n") or body == b"0\r\n\r\n"
+
+
+def ttft_once(port: int, request: bytes, marker: bytes) -> float:
+    """Seconds from opening a connection to the first token's bytes; the response is then read
+    to its end and the connection closed (the next request opens a new one)."""
+    began = time.perf_counter()
+    first = 0.0
+    with socket.create_connection((HOST, port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(request)
+        data = b""
+        while not _complete(data):
+            part = sock.recv(262144)
+            if not part:
+                raise SystemExit(f"--ttft: :{port} closed after {len(data)} bytes")
+            data += part
+            if not first and marker in data:
+                first = time.perf_counter() - began
+    if not first or not data.startswith(b"HTTP/1.1 200"):
+        raise SystemExit(f"--ttft: :{port} answered {data[:120]!r}")
+    return first
+
+
+def _pct(values: list[float], p: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+
+
+def measure_ttft(targets: list[Target], count: int, warmup: int = 50) -> None:
+    """``count`` streamed requests per target, each on a fresh connection, one at a time, the
+    targets interleaved (a rotated order per request); p50, p90, p99 of the time to the first
+    token, and what each target adds over direct: the difference of the percentiles (+p50,
+    +p99) and the percentiles of the per-request differences (the same turn's direct request)."""
+    marker = b'"content":"' + stream_words()[0].encode() + b'"'
+    times: dict[str, list[float]] = {t.name: [] for t in targets}
+    gc_was = gc.isenabled()
+    gc.collect()
+    gc.disable()  # the client's own collections out of the figures
+    try:
+        for i in range(-warmup, count):
+            k = i % len(targets)
+            for t in targets[k:] + targets[:k]:
+                took = ttft_once(t.port, ttft_request(t.port, i), marker)
+                if i >= 0:
+                    times[t.name].append(took * 1000)
+    finally:
+        if gc_was:
+            gc.enable()
+    direct = times["direct"]
+    print(
+        f"\n== time to first token, streamed (~200 SSE chunks), one connection, a fresh one per"
+        f" request ==  ({count} requests per target, interleaved; ms from connect to the first"
+        " token's bytes; +p50, +p99: over direct's percentile; d50, d99: percentiles of each"
+        " request's time minus the same turn's direct one)"
+    )
+    print(
+        f"{'target':18} {'p50':>7} {'p90':>7} {'p99':>7} {'+p50':>7} {'+p99':>7} {'d50':>7}"
+        f" {'d99':>7}"
+    )
+    for t in targets:
+        mine = times[t.name]
+        diffs = [a - b for a, b in zip(mine, direct, strict=True)]
+        print(
+            f"{t.name:18} {_pct(mine, 50):7.3f} {_pct(mine, 90):7.3f} {_pct(mine, 99):7.3f}"
+            f" {_pct(mine, 50) - _pct(direct, 50):+7.3f} {_pct(mine, 99) - _pct(direct, 99):+7.3f}"
+            f" {_pct(diffs, 50):+7.3f} {_pct(diffs, 99):+7.3f}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -814,8 +1043,8 @@ def print_table(
     )
     cell = f"{'req/s':>8} {'p50':>7} {'p99':>7} {'xD':>5} {'xN':>5} {'+p50':>6}"
     width = len(cell)
-    print(f"{'':9}" + " | ".join(f"{'c=' + str(c):^{width}}" for c in concs))
-    print(f"{'target':9}" + " | ".join(cell for _ in concs))
+    print(f"{'':18}" + " | ".join(f"{'c=' + str(c):^{width}}" for c in concs))
+    print(f"{'target':18}" + " | ".join(cell for _ in concs))
     for target in targets:
         cells = []
         for c in concs:
@@ -826,13 +1055,13 @@ def print_table(
                 f"{s.rps:8.0f} {fmt_ms(s.p50):>7} {fmt_ms(s.p99):>7} "
                 f"{s.rps / d.rps:5.2f} {s.rps / n.rps:5.2f} {s.p50 - d.p50:+6.2f}"
             )
-        print(f"{target.name:9}" + " | ".join(cells))
+        print(f"{target.name:18}" + " | ".join(cells))
     print("CPU per request, us (user + system of the target's processes, from /proc):")
     for target in targets:
         cpus = [results[(mode, c, target.name)].cpu_us for c in concs]
         if any(cpus):
             print(
-                f"  {target.name:14}"
+                f"  {target.name:18}"
                 + "  ".join(f"c={c} {x:6.1f}" for c, x in zip(concs, cpus, strict=True) if x)
             )
 
@@ -906,6 +1135,7 @@ def spy_profile(
             "--output",
             str(out),
             "--nonblocking",
+            "--subprocesses",  # a supervisor's workers
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -987,11 +1217,37 @@ def main() -> int:
         help="a checkout of another commit (git worktree add DIR COMMIT): each detproxy target"
         " gets a twin, NAME@base, running DIR's code, in the same interleaved rounds",
     )
+    ap.add_argument(
+        "--workers",
+        default=AUTO,
+        metavar="LIST",
+        help="auto (default): every detproxy target as serve starts it, one worker per core;"
+        " each N (e.g. auto,1) adds dp-default-wN, the defaults under serve --workers N",
+    )
+    ap.add_argument(
+        "--ttft",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the tables, N streamed requests per target, each on a fresh connection,"
+        " one at a time, interleaved: time to first token and what each adds over direct",
+    )
+    ap.add_argument("--ttft-only", action="store_true", help="--ttft alone, no wrk tables")
+    ap.add_argument(
+        "--nginx-workers",
+        default="1",
+        metavar="N|auto",
+        help="the nginx target's worker_processes (default 1; auto: one per core, as nginx's"
+        " packaged configuration has it); the upstream nginx keeps 1",
+    )
     args = ap.parse_args()
     if args.quick:
         args.duration, args.rounds = 2.0, 1
+    if args.ttft_only:
+        args.modes, args.ttft = "", args.ttft or 2000
     concs = tuple(int(c) for c in args.concurrency.split(","))
     modes = tuple(m for m in args.modes.split(",") if m)
+    workers = tuple(worker_settings(args.workers))
     for tool in ("nginx", "wrk"):
         if shutil.which(tool) is None:
             print(f"{tool} not found on PATH: apt-get install -y nginx wrk", file=sys.stderr)
@@ -1011,24 +1267,28 @@ def main() -> int:
     bench = Bench(tmp)
     only = tuple(t for t in args.targets.split(",") if t)
     extra = 2 * args.ceiling
-    detproxies = (len(only) or len(DETPROXY_CONFIGS) + extra) * (2 if args.baseline else 1)
+    dp_runs = detproxy_runs(
+        {n: c for n, c in DETPROXY_CONFIGS.items() if not only or n in only}, list(workers), []
+    )
+    detproxies = (len(dp_runs) + extra) * (2 if args.baseline else 1)
     runs = len(modes) * len(concs) * (2 + 2 * args.ceiling + detproxies) * args.rounds
     print("\n".join(machine()))
     print(
         f"plan    : {runs} wrk runs of {args.duration:g}s (wrk -t 1), modes {','.join(modes)},"
         f" concurrency {','.join(map(str, concs))}, {args.rounds} interleaved round(s);"
         f" about {runs * (args.duration + 0.3) + 15:.0f}s"
+        + (f"; --ttft {args.ttft} requests per target" if args.ttft else "")
     )
     t_start = time.monotonic()
     try:
-        bench.start(args.log_level, args.ceiling, only, args.baseline)
+        bench.start(args.log_level, args.ceiling, only, args.baseline, workers, args.nginx_workers)
         check(bench)
         print(
             f"bodies  : JSON answer {len(bench.answer)} B; SSE stream {len(bench.stream)} B in"
             f" {bench.events} events (~{len(bench.stream) // bench.events} B each)"
         )
         for t in bench.targets:
-            print(f"  {t.name:9} :{t.port:<5}  {t.what}")
+            print(f"  {t.name:18} :{t.port:<5}  {t.said()}")
         # Warm-up: every target, both modes, so first-connection costs are not measured.
         for t in bench.targets:
             for mode in modes:
@@ -1053,10 +1313,12 @@ def main() -> int:
         results = {k: median_sample(v) for k, v in raw.items()}
         for mode in modes:
             print_table(mode, results, bench.targets, concs)
+        if args.ttft:
+            measure_ttft(bench.targets, args.ttft)
         errors = {k: v.errors for k, v in results.items() if v.errors}
         print(f"\nerrors (non-2xx + socket errors, all rounds): {errors or 'none'}")
         print(
-            "detproxy RSS (MB), after warm-up -> after the run: "
+            "detproxy RSS (MB, its processes together), after warm-up -> after the run: "
             + ", ".join(
                 f"{t.name} {rss_before[t.name] / 1024:.0f} -> {rss_kb(t.proc.pid) / 1024:.0f}"
                 for t in detproxies

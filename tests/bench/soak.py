@@ -83,6 +83,8 @@ async def main() -> None:
         "1",
         "--loop-policy",
         "retry",
+        "--workers",
+        "1",  # RSS, fds and tasks are read from this one process
         stderr=asyncio.subprocess.DEVNULL,
     )
     base = f"http://127.0.0.1:{port}"
