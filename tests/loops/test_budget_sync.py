@@ -40,28 +40,32 @@ class Clock:
         return self.now
 
 
-def replica(url: str, name: str, clock: Clock, bus: EventBus | None = None) -> RedisBudgetSync:
+def replica(
+    url: str, name: str, clock: Clock, bus: EventBus | None = None
+) -> tuple[RedisBudgetSync, RecoveryBudget]:
+    """A replica's sync and the budget it keeps in step (the one its recoveries draw on)."""
     budget = RecoveryBudget(share=0.0, floor_tokens=100, window_s=60)
-    return RedisBudgetSync(url, budget, bus or EventBus(), 0.05, replica=name, clock=clock)
+    sync = RedisBudgetSync(url, budget, bus or EventBus(), 0.05, replica=name, clock=clock)
+    return sync, budget
 
 
 async def test_each_replica_decides_on_the_fleets_totals(redis_url: str) -> None:
     clock = Clock()
-    a, b = replica(redis_url, "a", clock), replica(redis_url, "b", clock)
+    (a, a_budget), (b, b_budget) = replica(redis_url, "a", clock), replica(redis_url, "b", clock)
     try:
-        a._budget.record_generated(MODEL, 500)
-        assert a._budget.try_reserve(MODEL, 60)
+        a_budget.record_generated(MODEL, 500)
+        assert a_budget.try_reserve(MODEL, 60)
         # Alone, b would allow 100 (its floor); before any sync it does not know a's 60.
-        assert b._budget.use(MODEL).spent == 0
+        assert b_budget.use(MODEL).spent == 0
         await a.sync_once()
         await b.sync_once()
-        use = b._budget.use(MODEL)
+        use = b_budget.use(MODEL)
         assert (use.generated, use.spent, use.allowed) == (500, 60, 100)
-        assert not b._budget.try_reserve(MODEL, 60)  # 60 + 60 over the fleet's 100
-        assert b._budget.try_reserve(MODEL, 40)
+        assert not b_budget.try_reserve(MODEL, 60)  # 60 + 60 over the fleet's 100
+        assert b_budget.try_reserve(MODEL, 40)
         await b.sync_once()
         await a.sync_once()
-        assert a._budget.use(MODEL).spent == 100  # its 60 and b's 40
+        assert a_budget.use(MODEL).spent == 100  # its 60 and b's 40
         assert a.replicas == b.replicas == 2
         client = redis.Redis.from_url(redis_url)
         try:
@@ -78,15 +82,18 @@ async def test_each_replica_decides_on_the_fleets_totals(redis_url: str) -> None
 
 async def test_a_replica_that_stopped_syncing_is_dropped(redis_url: str) -> None:
     a_clock, b_clock = Clock(), Clock()
-    a, b = replica(redis_url, "a", a_clock), replica(redis_url, "b", b_clock)
+    (a, a_budget), (b, b_budget) = (
+        replica(redis_url, "a", a_clock),
+        replica(redis_url, "b", b_clock),
+    )
     try:
-        assert a._budget.try_reserve(MODEL, 80)
+        assert a_budget.try_reserve(MODEL, 80)
         await a.sync_once()
         await b.sync_once()
-        assert b._budget.use(MODEL).spent == 80
+        assert b_budget.use(MODEL).spent == 80
         b_clock.now += b.stale_s + 1  # a has not written since
         await b.sync_once()
-        assert b._budget.use(MODEL).spent == 0
+        assert b_budget.use(MODEL).spent == 0
         assert b.replicas == 1
         client = redis.Redis.from_url(redis_url)
         try:
@@ -103,8 +110,8 @@ async def test_a_missing_redis_leaves_each_replica_its_own_budget() -> None:
     failed: list[SharedStoreFailed] = []
     bus.subscribe(SharedStoreFailed, failed.append)
     clock = Clock()
-    sync = replica(f"redis://127.0.0.1:{free_port()}/0", "a", clock, bus)
-    sync._budget.set_others({MODEL: (0, 90)})  # what the others had spent, long ago
+    sync, budget = replica(f"redis://127.0.0.1:{free_port()}/0", "a", clock, bus)
+    budget.set_others({MODEL: (0, 90)})  # what the others had spent, long ago
     task = asyncio.get_running_loop().create_task(sync.run())
     try:
         await eventually(lambda: sync.errors >= 2 or Unmet(sync.errors), what="two failed syncs")
@@ -113,8 +120,8 @@ async def test_a_missing_redis_leaves_each_replica_its_own_budget() -> None:
         await asyncio.gather(task, return_exceptions=True)
         await sync.close()
     assert sync.errors >= 2 and failed and failed[0].store == "recovery_budget"
-    assert sync._budget.use(MODEL).spent == 0  # never synced: the others' totals are not held
-    assert sync._budget.try_reserve(MODEL, 100)  # and the replica's own floor still serves
+    assert budget.use(MODEL).spent == 0  # never synced: the others' totals are not held
+    assert budget.try_reserve(MODEL, 100)  # and the replica's own floor still serves
     assert sync.status()["last_sync_age_s"] is None
 
 
