@@ -155,6 +155,30 @@ class SSEDecoder:
         return _parse_block(rest, lines) if lines else None
 
 
+class Decoded:
+    """A response's first events, cut by the stage that read them before the relay
+    (``proxy.fallback.first_event``), handed on with the decoder that cut them (holding the
+    bytes of an event not ended yet): the relay goes on from there, and no byte of the
+    response is decoded twice. ``src`` is those events' bytes (``raws``, one per event, laid
+    out in it; ``datas`` their data fields); ``overflowed``: the decoder gave up on an event
+    over its bound, and ``src`` is every byte it was given (no events)."""
+
+    __slots__ = ("datas", "decoder", "overflowed", "raws", "src")
+
+    def __init__(
+        self,
+        decoder: SSEDecoder,
+        events: list[SSEEvent],
+        *,
+        overflowed: bytes | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.raws = [event.raw for event in events]
+        self.datas: list[bytes | None] = [event.data for event in events]
+        self.src = b"".join(self.raws) if overflowed is None else overflowed
+        self.overflowed = overflowed is not None
+
+
 def ends_with_done(relayed: bytes) -> bool:
     """Whether relayed bytes end with a whole ``data: [DONE]`` event: the stream's end, as a
     client reads it (the upstream's own framing may still be on its way)."""

@@ -39,7 +39,7 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import SSEDecoder, SSEOverflow, ends_with_done
+from proxy.http.sse import Decoded, SSEDecoder, SSEOverflow, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
@@ -327,18 +327,44 @@ class StreamRelay:
         try:
             src, datas, raws = self._split(data)
         except SSEOverflow as exc:
-            self._stop_inspecting("event_too_large")
-            return self.transforms.release(b"") + exc.pending
-        if not datas:
-            return b""
+            return self._overflowed(exc.pending)
+        return self._cut(src, datas, raws) if datas else b""
+
+    def _cut(self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None) -> bytes:
+        """A read's complete events (as ``_split`` cuts them) on the inspected path: counted,
+        through the stages: the bytes to write now."""
         at = self.now()
         self.result.add_events(len(datas), at)
         out = self._events(src, datas, raws, at)
         if self._deferred is not None:
             self._deferred.tail = True  # what follows the read's events, after the decision
         elif not self.inspecting:  # raw from here on, or decoded for rewriting alone
-            out += self.transforms.release(b"" if self.rewriting else decoder.take_pending())
+            out += self.transforms.release(b"" if self.rewriting else self._decoder.take_pending())
         return out
+
+    def _overflowed(self, pending: bytes) -> bytes:
+        """An event over the bound: nothing more is inspected; what the decoder kept goes on
+        as it came."""
+        if self._counting:
+            self.inspecting = False  # nothing was inspected: nothing to report
+            return pending
+        self._stop_inspecting("event_too_large")
+        return self.transforms.release(b"") + pending
+
+    def _read_decoded(self, decoded: Decoded) -> bytes:
+        """The response's first events, cut by the stage that read them before the relay: what
+        a read of the bytes they were cut from gives (their decoder is this relay's now)."""
+        if decoded.overflowed:
+            return self._overflowed(decoded.src)
+        datas = decoded.datas
+        if not datas:
+            return b""
+        if not self._counting:
+            return self._cut(decoded.src, datas, decoded.raws)
+        at = self.now()
+        self.result.add_events(len(datas), at)
+        self._count(datas, at)
+        return decoded.src
 
     def _read_raw(self, data: bytes) -> bytes:
         """One upstream read on the raw path (nothing inspects or changes the events): its
@@ -357,8 +383,7 @@ class StreamRelay:
         try:
             src, datas, _ = self._split(data)
         except SSEOverflow as exc:
-            self.inspecting = False  # nothing was inspected: nothing to report
-            return exc.pending
+            return self._overflowed(exc.pending)
         if datas:
             at = self.now()
             self.result.add_events(len(datas), at)
@@ -457,12 +482,22 @@ class StreamRelay:
 
     # -- the stream -------------------------------------------------------------------------
 
-    async def run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
+    @property
+    def decoder(self) -> SSEDecoder:
+        """The decoder that cuts this stream's events: the one ``run`` was handed, if any."""
+        return self._decoder
+
+    async def run(
+        self, upstream: UpstreamResponse, resp: ClientSide, decoded: Decoded | None = None
+    ) -> StreamResult:
         """Relay until the upstream ends or a decision stops it. Client write errors and
         cancellation propagate; ``result.complete`` then tells whether the client had the
-        whole stream."""
+        whole stream. ``decoded``: the response's first events, cut by a stage before this one
+        (the rest of ``upstream`` comes after them); the relay goes on with their decoder."""
         self._counting = self.raw
-        return await self._run(upstream, resp)
+        if decoded is not None:
+            self._decoder = decoded.decoder
+        return await self._run(upstream, resp, decoded)
 
     def _trailed(self, out: bytes) -> bytes:
         """``out`` with the plan's trailer before its ``[DONE]``, where it ends with one."""
@@ -473,6 +508,16 @@ class StreamRelay:
         if at < 0:
             return out
         return out[:at] + trailer(self.result) + out[at:]
+
+    def _write(self, out: bytes, write: Callable[[bytes], bool], last: bytes) -> bytes:
+        """``out`` (trailed where it ends the stream) handed to the client, outside the
+        upstream's data callback: the bytes last handed over."""
+        if not out:
+            return last
+        if self.plan.trailer is not None:
+            out = self._trailed(out)
+        write(out)
+        return out
 
     def _client_left(self, last: bytes) -> None:
         """The client left (or its handler was cancelled) while the relay waited. A stream
@@ -500,7 +545,9 @@ class StreamRelay:
             return self.decide()
         return processed or b""
 
-    async def _run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
+    async def _run(
+        self, upstream: UpstreamResponse, resp: ClientSide, decoded: Decoded | None
+    ) -> StreamResult:
         result = self.result
         decoder = self._decoder
 
@@ -524,17 +571,17 @@ class StreamRelay:
             return more and self._deferred is None
 
         try:
+            ended = False
+            if decoded is not None:  # read already: relayed as a read of its bytes would be
+                last = self._write(self._read_decoded(decoded), write, last)
             while True:
-                ended = await upstream.pump(relay)
+                if self._deferred is None:  # else a trigger in the first events: decided first
+                    ended = await upstream.pump(relay)
                 if self._deferred is not None:
                     out = self.decide()
                     if result.decision is not None:
                         return result
-                    if out:
-                        if trailed:
-                            out = self._trailed(out)
-                        write(out)
-                        last = out
+                    last = self._write(out, write, last)
                 if ended:
                     break
                 await resp.drain()
