@@ -21,6 +21,11 @@ the reads, and ``StreamResult`` the same counts):
   last chars of text held back). Unchanged events go out as slices of the read. After
   inspection stops, the rewrites alone run (``_rewrite_events``), where there are any.
 
+Each response is decoded once: events a stage before the relay cut (``Decoded``: a stream's
+first events, read to decide a fallback, with the decoder that cut them; a rendered
+continuation's chat events, converted read by read) go through the same steps as cut, never
+as bytes to decode again.
+
 Inspection is best effort: malformed SSE or JSON switches it off for this response and the bytes
 go on; what the client's bytes need (the rewrites) still applies to every event that parses.
 ``fast_paths=False`` is the reference the tests compare with: no raw path, no templates, every
@@ -39,7 +44,7 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import Decoded, SSEDecoder, SSEOverflow, ends_with_done
+from proxy.http.sse import Decoded, DecodedReads, SSEDecoder, SSEOverflow, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
@@ -352,19 +357,26 @@ class StreamRelay:
         return self.transforms.release(b"") + pending
 
     def _read_decoded(self, decoded: Decoded) -> bytes:
-        """The response's first events, cut by the stage that read them before the relay: what
-        a read of the bytes they were cut from gives (their decoder is this relay's now)."""
+        """Events a stage before the relay cut (``Decoded``): what a read of their bytes
+        gives, without decoding them again."""
+        src, datas = decoded.src, decoded.datas
         if decoded.overflowed:
-            return self._overflowed(decoded.src)
-        datas = decoded.datas
+            return self._overflowed(src)
+        if not self.inspecting:  # as ``_read`` and ``_read_raw`` go on
+            if self._counting:
+                return src
+            held = self.transforms.release(b"")
+            return held + (
+                self._rewrite_events(src, datas, decoded.raws) if self.rewriting else src
+            )
         if not datas:
             return b""
         if not self._counting:
-            return self._cut(decoded.src, datas, decoded.raws)
+            return self._cut(src, datas, decoded.raws)
         at = self.now()
         self.result.add_events(len(datas), at)
         self._count(datas, at)
-        return decoded.src
+        return src
 
     def _read_raw(self, data: bytes) -> bytes:
         """One upstream read on the raw path (nothing inspects or changes the events): its
@@ -488,16 +500,21 @@ class StreamRelay:
         return self._decoder
 
     async def run(
-        self, upstream: UpstreamResponse, resp: ClientSide, decoded: Decoded | None = None
+        self,
+        upstream: UpstreamResponse,
+        resp: ClientSide,
+        decoded: Decoded | None = None,
+        reads: DecodedReads | None = None,
     ) -> StreamResult:
         """Relay until the upstream ends or a decision stops it. Client write errors and
         cancellation propagate; ``result.complete`` then tells whether the client had the
         whole stream. ``decoded``: the response's first events, cut by a stage before this one
-        (the rest of ``upstream`` comes after them); the relay goes on with their decoder."""
+        (the rest of ``upstream`` comes after them); the relay goes on with their decoder.
+        ``reads``: ``upstream`` read as a stage before this one decodes it, read by read."""
         self._counting = self.raw
-        if decoded is not None:
+        if decoded is not None and decoded.decoder is not None:
             self._decoder = decoded.decoder
-        return await self._run(upstream, resp, decoded)
+        return await self._run(upstream, resp, decoded, reads)
 
     def _trailed(self, out: bytes) -> bytes:
         """``out`` with the plan's trailer before its ``[DONE]``, where it ends with one."""
@@ -546,18 +563,23 @@ class StreamRelay:
         return processed or b""
 
     async def _run(
-        self, upstream: UpstreamResponse, resp: ClientSide, decoded: Decoded | None
+        self,
+        upstream: UpstreamResponse,
+        resp: ClientSide,
+        decoded: Decoded | None,
+        reads: DecodedReads | None,
     ) -> StreamResult:
         result = self.result
-        decoder = self._decoder
-
         last = b""  # the bytes last handed to the client
         write = resp.write_nowait  # looked up once, not per event
-        # The raw pass-through or the inspected pipeline, chosen once.
-        read = self._read_raw if self._counting else self._read
+        # The raw pass-through or the inspected pipeline, chosen once; a read is bytes, or
+        # the events a stage before this one cut (``reads``).
+        read: Callable[[Any], bytes] = self._read_raw if self._counting else self._read
+        if reads is not None:
+            read = self._read_decoded
         trailed = self.plan.trailer is not None
 
-        def relay(data: bytes) -> bool:
+        def relay(data: Any) -> bool:
             # Called from the upstream read's callback: it only hands bytes on, and stops the
             # pump at a trigger (the policies answer it in this task, below).
             nonlocal last
@@ -576,7 +598,9 @@ class StreamRelay:
                 last = self._write(self._read_decoded(decoded), write, last)
             while True:
                 if self._deferred is None:  # else a trigger in the first events: decided first
-                    ended = await upstream.pump(relay)
+                    ended = await (
+                        upstream.pump(relay) if reads is None else reads.pump_decoded(relay)
+                    )
                 if self._deferred is not None:
                     out = self.decide()
                     if result.decision is not None:
@@ -590,21 +614,30 @@ class StreamRelay:
             raise
         except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
-            # Bytes of an unfinished event are dropped; a blank line first ends any partial
-            # line already relayed in raw mode, so the error event parses on its own.
-            prefix = self.transforms.release(b"") + (b"" if self.inspecting else b"\n\n")
-            error = inband_error_event(502, "upstream connection lost mid-stream")
-            await resp.write(prefix + error)
+            await resp.write(self._broken())
             self.inspectors.on_end(False)
             return result
-        out = self.transforms.release(b"")
-        if decoder.pending:
-            out += self._last_event() + self.transforms.release(b"")
+        out = self._ending()
         if out:
-            await resp.write(self._trailed(out) if trailed else out)
+            await resp.write(out)
         result.complete = result.decision is None
         self.inspectors.on_end(result.complete)
         return result
+
+    def _broken(self) -> bytes:
+        """What ends the client's stream where the upstream's broke: what was held, then an
+        in-band error. Bytes of an unfinished event are dropped; a blank line first ends any
+        partial line already relayed in raw mode, so the error event parses on its own."""
+        prefix = self.transforms.release(b"") + (b"" if self.inspecting else b"\n\n")
+        return prefix + inband_error_event(502, "upstream connection lost mid-stream")
+
+    def _ending(self) -> bytes:
+        """The stream's last bytes, once the upstream's ended: what was held, and a last
+        event that came without its blank line."""
+        out = self.transforms.release(b"")
+        if self._decoder.pending:
+            out += self._last_event() + self.transforms.release(b"")
+        return self._trailed(out) if out and self.plan.trailer is not None else out
 
 
 def _splice(

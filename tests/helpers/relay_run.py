@@ -13,6 +13,7 @@ from proxy.fallback import Prefetched, first_event
 from proxy.http.errors import UpstreamBodyError
 from proxy.http.sse import Decoded
 from proxy.loops.detector import DetectorConfig
+from proxy.loops.rendered import RenderedResponse
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import StreamResult
@@ -83,13 +84,17 @@ def relay(
     max_event_bytes: int = 1 << 20,
     endpoint: str = "chat",
     first: bool = False,
+    rendered: str | None = None,
     **plan: Any,
 ) -> RelayRun:
     """Relay these upstream reads through a ``StreamRelay`` (``general``: the reference, every
     event decoded and parsed: no templates, no raw path); ``decision`` answers every trigger of
     the loop watch (``loops``), or of ``watch``, a watcher in its place. ``first``: the stream
     read up to its first event before the relay (``proxy.fallback.first_event``, as an
-    altered request's is), the events cut there handed to the relay with their decoder."""
+    altered request's is), the events cut there handed to the relay with their decoder.
+    ``rendered``: the reads are a completions stream, converted to chat events
+    (``RenderedResponse``) and relayed as the events cut (``"events"``) or as the bytes they
+    are written to (``"bytes"``)."""
     bus = EventBus()
     decided: list[Any] = []
 
@@ -123,6 +128,10 @@ def relay(
 
     async def relayed() -> StreamResult:
         upstream = MockResponse(200, (), scripted_reads(reads, fail))
+        if rendered is not None:
+            converted = RenderedResponse(upstream, True, None)
+            cut = converted if rendered == "events" else None
+            return await r.run(converted, client, None, cut)  # type: ignore[arg-type]
         if not first:
             # RecordedWrites is the writing half of a ClientSide only: what the relay uses.
             return await r.run(upstream, client)  # type: ignore[arg-type]
