@@ -7,7 +7,9 @@ answer is relayed: the client gets what it would have got without detproxy. Any 
 (an unknown model's 404, a 401, a 429, a 400 about the messages, a 5xx, a stream that ends or
 breaks before its first event) is the client's request's own: relayed once, as it came. Nothing
 has reached the client by then: what was read to decide (an error body's start, a stream's
-first event) is handed on in front of the rest (``Prefetched``).
+first event) is handed on in front of the rest (``Prefetched``); a stream's first events go on
+as the decoder that cut them left them (``Prefetched.take_decoded``): the relay goes on with
+that decoder, not decoding those bytes again.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import orjson
 
 from proxy.events import EventBus, FallbackSent
 from proxy.http.headers import HeaderFields, is_event_stream_response
-from proxy.http.sse import SSEDecoder, SSEOverflow
+from proxy.http.sse import Decoded, SSEDecoder, SSEEvent, SSEOverflow
 from proxy.http.upstream import (
     READ_ERRORS,
     Sink,
@@ -51,7 +53,16 @@ class Prefetched:
     after them: the rest of the response, its end (``ended``), or the error that broke it
     (``error``), raised again where a reader of the response would have met it."""
 
-    __slots__ = ("_ended", "_error", "_head", "_inner", "_rest", "raw_fields", "status")
+    __slots__ = (
+        "_decoded",
+        "_ended",
+        "_error",
+        "_head",
+        "_inner",
+        "_rest",
+        "raw_fields",
+        "status",
+    )
 
     def __init__(
         self,
@@ -60,9 +71,11 @@ class Prefetched:
         *,
         ended: bool = False,
         error: BaseException | None = None,
+        decoded: Decoded | None = None,
     ) -> None:
         self._inner = inner
         self._head = head
+        self._decoded = decoded  # the head's events, where a decoder cut them
         # The inner response is done: never read again (its connection went back to the pool).
         self._ended = ended
         self._error = error
@@ -73,6 +86,15 @@ class Prefetched:
     @property
     def headers(self) -> Mapping[str, str]:
         return self._inner.headers
+
+    def take_decoded(self) -> Decoded | None:
+        """The head as the events a decoder cut from it, and that decoder (None: not
+        decoded): the head is then the taker's, never handed out again as bytes, so that no
+        second decoder reads it (the relay goes on with this one)."""
+        decoded, self._decoded = self._decoded, None
+        if decoded is not None:
+            self._head = b""
+        return decoded
 
     def chunks(self) -> AsyncIterator[bytes]:
         """The head, then the response's own chunks (an async iterator, not a generator:
@@ -123,30 +145,39 @@ async def first_event(
     upstream: UpstreamResponse, max_event_bytes: int
 ) -> tuple[UpstreamResponse, bytes | None]:
     """Read a stream up to its first data event. Returns the response to relay (the bytes
-    read kept in front, then the rest as it comes) and that event's data: None where the
+    read kept in front, and the events cut from them with their decoder: ``take_decoded``;
+    then the rest as it comes) and that event's data: None where the
     stream ended or broke before one, or its first event is over the size bound (the relay
     decides what to do with it)."""
     decoder = SSEDecoder(max_event_bytes)
     head: list[bytes] = []
+    decoded: list[SSEEvent] = []  # every event cut so far: the relay goes on from them
     first: list[bytes] = []  # the first data event's data
+    overflowed: list[bytes] = []
 
     def until_first(data: bytes) -> bool:
         head.append(data)
         try:
             events = decoder.feed(data)
         except SSEOverflow:
+            overflowed.append(b"".join(head))
             return False
+        decoded.extend(events)
         for event in events:
             if event.data is not None:  # not a comment or a keep-alive
                 first.append(event.data)
                 return False
         return True
 
+    def handed_on(ended: bool, error: BaseException | None) -> Prefetched:
+        cut = Decoded(decoder, decoded, overflowed=overflowed[0] if overflowed else None)
+        return Prefetched(upstream, b"".join(head), ended=ended, error=error, decoded=cut)
+
     try:
         ended = await upstream.pump(until_first)
     except READ_ERRORS as exc:
-        return Prefetched(upstream, b"".join(head), error=exc), None
-    return Prefetched(upstream, b"".join(head), ended=ended), first[0] if first else None
+        return handed_on(False, exc), None
+    return handed_on(ended, None), first[0] if first else None
 
 
 async def _error_start(upstream: UpstreamResponse) -> tuple[UpstreamResponse, bytes]:

@@ -20,12 +20,14 @@ from proxy.attempts import AttemptEnd, Attempts, Generated, NextAttempt, Stages,
 from proxy.audit.outcome import StreamAccumulator
 from proxy.events import InspectionStopped, StreamTimed, UpstreamFailed
 from proxy.exchange import CLIENT_GONE, Exchange
+from proxy.fallback import Prefetched
 from proxy.http.errors import UpstreamFailure, inband_error_event
 from proxy.http.headers import headers_for_client, is_event_stream_response
 from proxy.http.upstream import UpstreamResponse
 from proxy.loops.continuation import Continued, reasoning_event, text_event
 from proxy.loops.next_attempt import Fallback
 from proxy.loops.recovery import abort_chunk, recovery_chunk, recovery_info, retry_comment
+from proxy.loops.rendered import RenderedResponse
 from proxy.loops.verdict import RECOVERED, ending
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet, StreamInspector
@@ -160,8 +162,14 @@ class StreamedAnswer:
             stages.clock,
         )
         result = self._result = relay.result
+        upstream = self._upstream
+        # A stream read up to its first event (the fallback's check): the relay goes on with
+        # the events cut and their decoder, not decoding those bytes again.
+        decoded = upstream.take_decoded() if isinstance(upstream, Prefetched) else None
+        # A rendered continuation's events, converted as read: the relay takes them as cut.
+        reads = upstream if isinstance(upstream, RenderedResponse) else None
         try:
-            await relay.run(self._upstream, self._client)
+            await relay.run(upstream, self._client, decoded, reads)
         except CLIENT_GONE as exc:
             if not result.complete:
                 raise

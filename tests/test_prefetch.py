@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from proxy.fallback import first_event
+from proxy.fallback import Prefetched, first_event
 from proxy.http.errors import UpstreamBodyError
+from proxy.http.sse import SSEDecoder
 
 
 class Scripted:
@@ -102,3 +103,43 @@ async def test_a_stream_that_breaks_before_an_event_breaks_for_the_relay_too(pum
             async for part in response.chunks():
                 parts.append(part)
     assert parts == [b"data: {"]
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [
+        [b": ping\n\n", b'data: {"choices"', b": []}\n\nda", b"ta: [DONE]\n\n", b": end\n\n"],
+        [b'data: {"a": 1}\n\ndata: {"b"', b": 2}\n\n", b"data: [DONE]\n\n"],
+        [b'data: {"a": 1}\r\n\r\n: x\r\n\r\n', b"data: [DONE]\r\n\r\n"],
+        [b": ping\n\n", b"data: [DONE]"],  # ends without its blank line
+    ],
+)
+async def test_the_first_events_are_handed_on_decoded_with_their_decoder(
+    parts: list[bytes],
+) -> None:
+    """Decoded once: the events cut and the decoder that cut them (holding an unended event's
+    bytes) go on; the bytes they came from are never handed out again."""
+    response, first = await first_event(Scripted(parts), 1 << 20)
+    assert isinstance(response, Prefetched)
+    decoded = response.take_decoded()
+    assert decoded is not None
+    assert response.take_decoded() is None  # taken once
+    rest = [part async for part in response.chunks()]
+    head = b"".join(parts[: len(parts) - len(rest)])
+    assert rest == parts[len(parts) - len(rest) :], "the head was handed out again"
+    assert decoded.src + decoded.decoder.pending == head
+    events = SSEDecoder().feed(head)
+    assert decoded.raws == [event.raw for event in events]
+    assert decoded.datas == [event.data for event in events]
+    assert not decoded.overflowed
+    assert first == next((data for data in decoded.datas if data is not None), None)
+
+
+async def test_an_event_past_the_size_bound_is_handed_on_as_the_bytes_read() -> None:
+    parts = [b": ping\n\ndata: " + b"x" * 64, b"x" * 64, b"\n\ndata: [DONE]\n\n"]
+    response, first = await first_event(Scripted(parts), 32)
+    assert isinstance(response, Prefetched) and first is None
+    decoded = response.take_decoded()
+    assert decoded is not None and decoded.overflowed
+    assert decoded.src == parts[0] and decoded.datas == []
+    assert [part async for part in response.chunks()] == parts[1:]

@@ -12,7 +12,8 @@ only the data fields, or declines (``None``, nothing consumed) so the caller use
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
 # Byte values, not one-byte strings: ``13 in data`` is a memchr, ``b"\r" in data`` costs
@@ -153,6 +154,41 @@ class SSEDecoder:
         rest, self._buf = self._buf, b""
         lines = [ln for ln in _LINE_END.split(rest) if ln]
         return _parse_block(rest, lines) if lines else None
+
+
+class Decoded:
+    """Events cut from a response's bytes by a stage before the relay, handed on so that the
+    relay goes on from them and no byte of the response is decoded twice: a stream's first
+    events (``proxy.fallback.first_event``), with the ``decoder`` that cut them (holding the
+    bytes of an event not ended yet: the relay goes on with it), or a converted stream's events
+    read by read (``proxy.loops.rendered``: ``decoder`` None, the relay decodes nothing of it).
+    ``src`` is the events' bytes (``raws``, one per event, laid out in it; ``datas`` their data
+    fields); ``overflowed``: the decoder gave up on an event over its bound, and ``src`` is
+    every byte it was given (no events)."""
+
+    __slots__ = ("datas", "decoder", "overflowed", "raws", "src")
+
+    def __init__(
+        self,
+        decoder: SSEDecoder | None,
+        events: list[SSEEvent],
+        *,
+        overflowed: bytes | None = None,
+    ) -> None:
+        self.decoder = decoder
+        self.raws = [event.raw for event in events]
+        self.datas: list[bytes | None] = [event.data for event in events]
+        self.src = b"".join(self.raws) if overflowed is None else overflowed
+        self.overflowed = overflowed is not None
+
+
+class DecodedReads(Protocol):
+    """A response a stage decodes as it reads it (and converts: ``proxy.loops.rendered``):
+    each read handed on as the events it cut (``Decoded``), not as bytes to decode again."""
+
+    async def pump_decoded(self, sink: Callable[[Decoded], bool]) -> bool:
+        """As ``UpstreamResponse.pump``, a read's events to ``sink`` (none: not called)."""
+        ...
 
 
 def ends_with_done(relayed: bytes) -> bool:

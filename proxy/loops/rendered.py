@@ -45,7 +45,7 @@ from proxy.config import ReasoningMarkersConfig
 from proxy.events import EventBus, TemplateProbed
 from proxy.http.errors import UpstreamError
 from proxy.http.headers import HeaderFields
-from proxy.http.sse import SSEDecoder
+from proxy.http.sse import Decoded, SSEDecoder, SSEEvent
 from proxy.http.upstream import Sink, Upstream, UpstreamResponse
 from proxy.loops.continuation import Continued, closed_reasoning
 from proxy.openai import REASONING_KEYS
@@ -541,33 +541,43 @@ def role_chunk(chunk: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class ChatEvents:
-    """Completions SSE bytes in (any split), chat SSE bytes out: each ``data:`` object
+    """Completions SSE bytes in (any split), chat SSE events out: each ``data:`` object
     converted, [DONE], comments and errors as they came."""
 
     def __init__(self) -> None:
         self._decoder = SSEDecoder()
         self._started = False
 
-    def feed(self, data: bytes) -> bytes:
-        out: list[bytes] = []
+    def events(self, data: bytes) -> list[SSEEvent]:
+        """The chat events of a read's complete completions events."""
+        out: list[SSEEvent] = []
         for event in self._decoder.feed(data):
             payload = event.data
             if payload is None or event.is_done:
-                out.append(event.raw)
+                out.append(event)
                 continue
             try:
                 chunk = orjson.loads(payload)
             except orjson.JSONDecodeError:
-                out.append(event.raw)
+                out.append(event)
                 continue
             if type(chunk) is not dict or "error" in chunk or "choices" not in chunk:
-                out.append(event.raw)
+                out.append(event)
                 continue
             if not self._started:
                 self._started = True
-                out.append(b"data: " + orjson.dumps(role_chunk(chunk)) + b"\n\n")
-            out.append(b"data: " + orjson.dumps(chat_chunk(chunk)) + b"\n\n")
-        return b"".join(out)
+                out.append(_event(role_chunk(chunk)))
+            out.append(_event(chat_chunk(chunk)))
+        return out
+
+    def feed(self, data: bytes) -> bytes:
+        """The chat events' bytes."""
+        return b"".join([event.raw for event in self.events(data)])
+
+
+def _event(chunk: dict[str, Any]) -> SSEEvent:
+    data = orjson.dumps(chunk)
+    return SSEEvent(b"data: " + data + b"\n\n", data)
 
 
 class RenderedResponse:
@@ -601,6 +611,18 @@ class RenderedResponse:
         def convert(data: bytes) -> bool:
             converted = self._convert(data)
             return sink(converted) if converted else True
+
+        return await self._inner.pump(convert)
+
+    async def pump_decoded(self, sink: Callable[[Decoded], bool]) -> bool:
+        """As ``pump`` (a 200 stream), each read's chat events handed on as cut
+        (``proxy.http.sse.DecodedReads``): the relay reads them without decoding the bytes
+        they were encoded to again."""
+        events = self._events
+
+        def convert(data: bytes) -> bool:
+            converted = events.events(data)
+            return sink(Decoded(None, converted)) if converted else True
 
         return await self._inner.pump(convert)
 

@@ -21,6 +21,11 @@ the reads, and ``StreamResult`` the same counts):
   last chars of text held back). Unchanged events go out as slices of the read. After
   inspection stops, the rewrites alone run (``_rewrite_events``), where there are any.
 
+Each response is decoded once: events a stage before the relay cut (``Decoded``: a stream's
+first events, read to decide a fallback, with the decoder that cut them; a rendered
+continuation's chat events, converted read by read) go through the same steps as cut, never
+as bytes to decode again.
+
 Inspection is best effort: malformed SSE or JSON switches it off for this response and the bytes
 go on; what the client's bytes need (the rewrites) still applies to every event that parses.
 ``fast_paths=False`` is the reference the tests compare with: no raw path, no templates, every
@@ -39,7 +44,7 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import ClientSide
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import SSEDecoder, SSEOverflow, ends_with_done
+from proxy.http.sse import Decoded, DecodedReads, SSEDecoder, SSEOverflow, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
@@ -327,18 +332,51 @@ class StreamRelay:
         try:
             src, datas, raws = self._split(data)
         except SSEOverflow as exc:
-            self._stop_inspecting("event_too_large")
-            return self.transforms.release(b"") + exc.pending
-        if not datas:
-            return b""
+            return self._overflowed(exc.pending)
+        return self._cut(src, datas, raws) if datas else b""
+
+    def _cut(self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None) -> bytes:
+        """A read's complete events (as ``_split`` cuts them) on the inspected path: counted,
+        through the stages: the bytes to write now."""
         at = self.now()
         self.result.add_events(len(datas), at)
         out = self._events(src, datas, raws, at)
         if self._deferred is not None:
             self._deferred.tail = True  # what follows the read's events, after the decision
         elif not self.inspecting:  # raw from here on, or decoded for rewriting alone
-            out += self.transforms.release(b"" if self.rewriting else decoder.take_pending())
+            out += self.transforms.release(b"" if self.rewriting else self._decoder.take_pending())
         return out
+
+    def _overflowed(self, pending: bytes) -> bytes:
+        """An event over the bound: nothing more is inspected; what the decoder kept goes on
+        as it came."""
+        if self._counting:
+            self.inspecting = False  # nothing was inspected: nothing to report
+            return pending
+        self._stop_inspecting("event_too_large")
+        return self.transforms.release(b"") + pending
+
+    def _read_decoded(self, decoded: Decoded) -> bytes:
+        """Events a stage before the relay cut (``Decoded``): what a read of their bytes
+        gives, without decoding them again."""
+        src, datas = decoded.src, decoded.datas
+        if decoded.overflowed:
+            return self._overflowed(src)
+        if not self.inspecting:  # as ``_read`` and ``_read_raw`` go on
+            if self._counting:
+                return src
+            held = self.transforms.release(b"")
+            return held + (
+                self._rewrite_events(src, datas, decoded.raws) if self.rewriting else src
+            )
+        if not datas:
+            return b""
+        if not self._counting:
+            return self._cut(src, datas, decoded.raws)
+        at = self.now()
+        self.result.add_events(len(datas), at)
+        self._count(datas, at)
+        return src
 
     def _read_raw(self, data: bytes) -> bytes:
         """One upstream read on the raw path (nothing inspects or changes the events): its
@@ -357,8 +395,7 @@ class StreamRelay:
         try:
             src, datas, _ = self._split(data)
         except SSEOverflow as exc:
-            self.inspecting = False  # nothing was inspected: nothing to report
-            return exc.pending
+            return self._overflowed(exc.pending)
         if datas:
             at = self.now()
             self.result.add_events(len(datas), at)
@@ -457,12 +494,27 @@ class StreamRelay:
 
     # -- the stream -------------------------------------------------------------------------
 
-    async def run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
+    @property
+    def decoder(self) -> SSEDecoder:
+        """The decoder that cuts this stream's events: the one ``run`` was handed, if any."""
+        return self._decoder
+
+    async def run(
+        self,
+        upstream: UpstreamResponse,
+        resp: ClientSide,
+        decoded: Decoded | None = None,
+        reads: DecodedReads | None = None,
+    ) -> StreamResult:
         """Relay until the upstream ends or a decision stops it. Client write errors and
         cancellation propagate; ``result.complete`` then tells whether the client had the
-        whole stream."""
+        whole stream. ``decoded``: the response's first events, cut by a stage before this one
+        (the rest of ``upstream`` comes after them); the relay goes on with their decoder.
+        ``reads``: ``upstream`` read as a stage before this one decodes it, read by read."""
         self._counting = self.raw
-        return await self._run(upstream, resp)
+        if decoded is not None and decoded.decoder is not None:
+            self._decoder = decoded.decoder
+        return await self._run(upstream, resp, decoded, reads)
 
     def _trailed(self, out: bytes) -> bytes:
         """``out`` with the plan's trailer before its ``[DONE]``, where it ends with one."""
@@ -473,6 +525,16 @@ class StreamRelay:
         if at < 0:
             return out
         return out[:at] + trailer(self.result) + out[at:]
+
+    def _write(self, out: bytes, write: Callable[[bytes], bool], last: bytes) -> bytes:
+        """``out`` (trailed where it ends the stream) handed to the client, outside the
+        upstream's data callback: the bytes last handed over."""
+        if not out:
+            return last
+        if self.plan.trailer is not None:
+            out = self._trailed(out)
+        write(out)
+        return out
 
     def _client_left(self, last: bytes) -> None:
         """The client left (or its handler was cancelled) while the relay waited. A stream
@@ -500,17 +562,24 @@ class StreamRelay:
             return self.decide()
         return processed or b""
 
-    async def _run(self, upstream: UpstreamResponse, resp: ClientSide) -> StreamResult:
+    async def _run(
+        self,
+        upstream: UpstreamResponse,
+        resp: ClientSide,
+        decoded: Decoded | None,
+        reads: DecodedReads | None,
+    ) -> StreamResult:
         result = self.result
-        decoder = self._decoder
-
         last = b""  # the bytes last handed to the client
         write = resp.write_nowait  # looked up once, not per event
-        # The raw pass-through or the inspected pipeline, chosen once.
-        read = self._read_raw if self._counting else self._read
+        # The raw pass-through or the inspected pipeline, chosen once; a read is bytes, or
+        # the events a stage before this one cut (``reads``).
+        read: Callable[[Any], bytes] = self._read_raw if self._counting else self._read
+        if reads is not None:
+            read = self._read_decoded
         trailed = self.plan.trailer is not None
 
-        def relay(data: bytes) -> bool:
+        def relay(data: Any) -> bool:
             # Called from the upstream read's callback: it only hands bytes on, and stops the
             # pump at a trigger (the policies answer it in this task, below).
             nonlocal last
@@ -524,17 +593,19 @@ class StreamRelay:
             return more and self._deferred is None
 
         try:
+            ended = False
+            if decoded is not None:  # read already: relayed as a read of its bytes would be
+                last = self._write(self._read_decoded(decoded), write, last)
             while True:
-                ended = await upstream.pump(relay)
+                if self._deferred is None:  # else a trigger in the first events: decided first
+                    ended = await (
+                        upstream.pump(relay) if reads is None else reads.pump_decoded(relay)
+                    )
                 if self._deferred is not None:
                     out = self.decide()
                     if result.decision is not None:
                         return result
-                    if out:
-                        if trailed:
-                            out = self._trailed(out)
-                        write(out)
-                        last = out
+                    last = self._write(out, write, last)
                 if ended:
                     break
                 await resp.drain()
@@ -543,21 +614,30 @@ class StreamRelay:
             raise
         except READ_ERRORS as exc:
             self._bus.publish(UpstreamFailed(self._endpoint, read_error_kind(exc), "body"))
-            # Bytes of an unfinished event are dropped; a blank line first ends any partial
-            # line already relayed in raw mode, so the error event parses on its own.
-            prefix = self.transforms.release(b"") + (b"" if self.inspecting else b"\n\n")
-            error = inband_error_event(502, "upstream connection lost mid-stream")
-            await resp.write(prefix + error)
+            await resp.write(self._broken())
             self.inspectors.on_end(False)
             return result
-        out = self.transforms.release(b"")
-        if decoder.pending:
-            out += self._last_event() + self.transforms.release(b"")
+        out = self._ending()
         if out:
-            await resp.write(self._trailed(out) if trailed else out)
+            await resp.write(out)
         result.complete = result.decision is None
         self.inspectors.on_end(result.complete)
         return result
+
+    def _broken(self) -> bytes:
+        """What ends the client's stream where the upstream's broke: what was held, then an
+        in-band error. Bytes of an unfinished event are dropped; a blank line first ends any
+        partial line already relayed in raw mode, so the error event parses on its own."""
+        prefix = self.transforms.release(b"") + (b"" if self.inspecting else b"\n\n")
+        return prefix + inband_error_event(502, "upstream connection lost mid-stream")
+
+    def _ending(self) -> bytes:
+        """The stream's last bytes, once the upstream's ended: what was held, and a last
+        event that came without its blank line."""
+        out = self.transforms.release(b"")
+        if self._decoder.pending:
+            out += self._last_event() + self.transforms.release(b"")
+        return self._trailed(out) if out and self.plan.trailer is not None else out
 
 
 def _splice(

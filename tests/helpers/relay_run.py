@@ -9,8 +9,11 @@ from typing import Any
 
 from policies.base import Continue
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
+from proxy.fallback import Prefetched, first_event
 from proxy.http.errors import UpstreamBodyError
+from proxy.http.sse import Decoded
 from proxy.loops.detector import DetectorConfig
+from proxy.loops.rendered import RenderedResponse
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import InspectorSet
 from proxy.relay.result import StreamResult
@@ -65,6 +68,7 @@ class RelayRun:
         self.stopped: list[str] = []
         self.failed: list[str] = []
         self.decided: list[Any] = []
+        self.decoded: Decoded | None = None  # the first events cut before the relay
 
 
 def relay(
@@ -79,11 +83,18 @@ def relay(
     general: bool = False,
     max_event_bytes: int = 1 << 20,
     endpoint: str = "chat",
+    first: bool = False,
+    rendered: str | None = None,
     **plan: Any,
 ) -> RelayRun:
     """Relay these upstream reads through a ``StreamRelay`` (``general``: the reference, every
     event decoded and parsed: no templates, no raw path); ``decision`` answers every trigger of
-    the loop watch (``loops``), or of ``watch``, a watcher in its place."""
+    the loop watch (``loops``), or of ``watch``, a watcher in its place. ``first``: the stream
+    read up to its first event before the relay (``proxy.fallback.first_event``, as an
+    altered request's is), the events cut there handed to the relay with their decoder.
+    ``rendered``: the reads are a completions stream, converted to chat events
+    (``RenderedResponse``) and relayed as the events cut (``"events"``) or as the bytes they
+    are written to (``"bytes"``)."""
     bus = EventBus()
     decided: list[Any] = []
 
@@ -113,9 +124,24 @@ def relay(
     bus.subscribe(InspectionStopped, lambda ev: stopped.append(ev.reason))
     bus.subscribe(UpstreamFailed, lambda ev: failed.append(ev.kind))
     client = RecordedWrites()
-    upstream = MockResponse(200, (), scripted_reads(reads, fail))
-    # RecordedWrites is the writing half of a ClientSide only: what the relay uses of it.
-    result = asyncio.run(r.run(upstream, client))  # type: ignore[arg-type]
+    handed: list[Decoded | None] = [None]
+
+    async def relayed() -> StreamResult:
+        upstream = MockResponse(200, (), scripted_reads(reads, fail))
+        if rendered is not None:
+            converted = RenderedResponse(upstream, True, None)
+            cut = converted if rendered == "events" else None
+            return await r.run(converted, client, None, cut)  # type: ignore[arg-type]
+        if not first:
+            # RecordedWrites is the writing half of a ClientSide only: what the relay uses.
+            return await r.run(upstream, client)  # type: ignore[arg-type]
+        response, _ = await first_event(upstream, max_event_bytes)
+        assert isinstance(response, Prefetched)
+        handed[0] = response.take_decoded()
+        return await r.run(response, client, handed[0])  # type: ignore[arg-type]
+
+    result = asyncio.run(relayed())
     run = RelayRun(r, client, result)
+    run.decoded = handed[0]
     run.stopped, run.failed, run.decided = stopped + dropped, failed, decided
     return run

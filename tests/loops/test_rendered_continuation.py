@@ -11,9 +11,13 @@ from typing import Any
 import openai
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from proxy.http.sse import SSEEvent
 from proxy.loops.continuation import Continued
 from proxy.loops.rendered import (
+    ChatEvents,
     RenderedContinuation,
     chat_answer,
     chat_chunk,
@@ -21,11 +25,13 @@ from proxy.loops.rendered import (
     paths_of,
     supported,
 )
-from proxy.testing import FakeUpstream, Reply
+from proxy.testing import FakeUpstream, Reply, completion_stream
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.answers import no_loop_in
 from tests.helpers.emulator import knobs
+from tests.helpers.relay_run import relay
 from tests.helpers.settings import rendering
+from tests.helpers.sse import sse_event
 from tests.helpers.upstreams import probes
 
 MODEL = "emulator-model"
@@ -355,3 +361,87 @@ async def test_never_asks_nothing() -> None:
 
     closed = Continued("y", True, "<think>\ny\n</think>\n\n")
     assert await rendered.open(Refuses(), "/v1/chat/completions", {}, body, closed) is None  # type: ignore[arg-type]
+
+
+# -- decoded once ------------------------------------------------------------------------------
+
+
+RENDERED = b"".join(
+    [
+        b": ping\n\n",
+        *[
+            sse_event(chunk)
+            for chunk in completion_stream([f" word{i % 7}" for i in range(40)], usage=True)
+        ],
+        b"data: [DONE]\n\n",
+    ]
+)
+
+
+def split(stream: bytes, cuts: list[int]) -> list[bytes]:
+    cuts = sorted(c for c in cuts if c <= len(stream))
+    return [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+
+
+# A malformed event stops inspection: what follows is rewritten (or released) alone.
+MALFORMED = RENDERED.replace(b"\n\ndata: {", b"\n\ndata: {not json\n\ndata: {", 20).replace(
+    b"data: {not json\n\n", b"", 19
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.sampled_from([RENDERED, MALFORMED]),
+    st.lists(st.integers(0, len(RENDERED)), max_size=10),
+    st.sampled_from(
+        [
+            {},
+            {"loops": True},
+            {"loops": True, "id_override": "chatcmpl-first"},
+            {"loops": True, "hold_back_chars": 8},
+        ]
+    ),
+    st.booleans(),
+)
+def test_the_relay_takes_the_converted_events_as_cut(
+    stream: bytes, cuts: list[int], plan: dict[str, Any], fail: bool
+) -> None:
+    """A rendered continuation's stream is decoded once, as it is converted: the relay reads
+    the chat events as cut, and relays what it relays of the bytes they are written to."""
+    reads = split(stream, cuts)
+    as_cut = relay(reads, rendered="events", fail=fail, **plan)
+    as_bytes = relay(reads, rendered="bytes", fail=fail, **plan)
+    assert as_cut.client.body == as_bytes.client.body
+    assert as_cut.result.events == as_bytes.result.events > 0
+    assert as_cut.result.token_events == as_bytes.result.token_events
+    assert as_cut.result.complete == as_bytes.result.complete == (not fail)
+    assert as_cut.stopped == as_bytes.stopped
+    assert (b"{not json" in as_cut.client.body) == (stream is MALFORMED)
+
+
+async def test_a_streamed_rendered_answer_is_decoded_once(
+    make_proxy: Any, seen: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the app: the completions stream's events are converted as cut and handed to
+    the relay; never written to bytes for the relay to decode again."""
+    cut: list[int] = []
+    written: list[bytes] = []
+    events, feed = ChatEvents.events, ChatEvents.feed
+
+    def counted(self: ChatEvents, data: bytes) -> list[SSEEvent]:
+        out = events(self, data)
+        cut.append(len(out))
+        return out
+
+    def encoded(self: ChatEvents, data: bytes) -> bytes:
+        out = feed(self, data)
+        written.append(out)
+        return out
+
+    monkeypatch.setattr(ChatEvents, "events", counted)  # loops.rendered: not compiled
+    monkeypatch.setattr(ChatEvents, "feed", encoded)
+    client = await make_proxy(seen.url, env=ENV)
+    chunks = await sdk_stream(client)
+    assert seen.bodies("/v1/completions"), "no rendered continuation"
+    assert sum(cut) > 2 and chunks
+    assert not written, "the converted events were written to bytes the relay decoded again"

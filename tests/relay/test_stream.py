@@ -456,3 +456,54 @@ def test_a_relay_is_freed_by_reference_counting_when_its_stream_ends(kind: str) 
         assert relays() == before
     finally:
         gc.enable()
+
+
+# --- a stream read up to its first event before the relay -----------------------------------
+
+
+FIRST_READ = [
+    *STREAMS[:2],
+    b": ping\n\n" + CLEAN,  # a comment before the first event
+    CLEAN.replace(b"\n\n", b"\r\n\r\n"),  # the general decoder's framing
+    CLEAN[:-2],  # a last event without its blank line: the handed decoder holds it
+]
+PLANS: list[dict[str, Any]] = [
+    {},  # the raw path
+    {"loops": True},
+    {"loops": True, "hold": True},
+    {"loops": True, "general": True},
+    {"loops": True, "id_override": "chatcmpl-first"},
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.sampled_from(FIRST_READ),
+    st.lists(st.integers(0, 12000), max_size=8),
+    st.sampled_from(DECISIONS),
+    st.sampled_from(PLANS),
+    st.sampled_from([1 << 20, 200]),
+    st.booleans(),
+)
+def test_events_cut_before_the_relay_are_not_decoded_again(
+    stream: bytes, cuts: list[int], decision: Any, plan: dict[str, Any], bound: int, fail: bool
+) -> None:
+    """A stream read up to its first event (an altered request's, by the fallback) is decoded
+    once: the relay goes on with the events cut and the decoder that cut them, and relays what
+    it relays of the bytes alone, whatever the split, a trigger or an event over the bound
+    among those first events, or a stream that breaks."""
+    reads = split(stream, cuts)
+    kw = {"decision": decision, "max_event_bytes": bound, "fail": fail, **plan}
+    handed = relay(reads, first=True, **kw)
+    assert handed.decoded is not None, "first_event handed no decoded events on"
+    assert handed.relay.decoder is handed.decoded.decoder, "a second decoder read the stream"
+    # A decision counts the events of the reads before it: the first events are one read.
+    assert summary(handed, decision is None) == summary(relay(reads, **kw), decision is None)
+
+
+def test_a_trigger_among_the_first_events_is_decided_before_reading_on() -> None:
+    for decision in DECISIONS:
+        handed = relay([CONTENT_LOOP], first=True, loops=True, decision=decision)
+        assert handed.decoded is not None and len(handed.decoded.datas) > 20
+        assert summary(handed) == summary(relay([CONTENT_LOOP], loops=True, decision=decision))
+        assert handed.result.trigger is not None
