@@ -1198,7 +1198,7 @@ async def triage_load(ctx: Ctx, name: str, conc: int, n: int) -> dict[str, Any]:
 
 
 CAUSES_BURST = 16  # salted requests at once, per wave (issue 48's burst)
-CAUSES_WAVES = 3
+CAUSES_WAVES = int(os.environ.get("CAUSES_WAVES", "3"))  # fewer where device time is short
 CAUSES_WARM = 8  # one long prompt, one request at a time, no salt: warm from the second
 CAUSES_CONTROL = 8  # distinct prompts, one at a time, each with a fresh salt
 
