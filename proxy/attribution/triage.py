@@ -704,6 +704,11 @@ class Triage:
                     log.debug("the engine's running count could not be read", exc_info=True)
                 if sending.done():
                     reading = None  # read after the replay ended: nothing of its company
+                elif reading == 0:
+                    # The replay is running, so 0 is a count from before it: vLLM updates its
+                    # gauges once per engine step (H100, 2026-12-07: every replay read 0 at
+                    # 20 ms). Not a reading: the counts either side decide.
+                    reading = None
             return await sending, reading
         finally:
             if not sending.done():  # cancelled (shutdown): the replay goes with it

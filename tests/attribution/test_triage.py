@@ -611,6 +611,46 @@ async def test_an_experiment_still_over_the_budget_is_not_given_up_twice() -> No
     assert drops(seen) == ["token_budget", "token_budget"] and len(upstream.bodies) == 7
 
 
+async def test_a_running_count_of_zero_while_the_replay_runs_is_no_reading() -> None:
+    """vLLM's gauges lag an engine step: read while the replay runs, the engine may still say 0
+    (every replay on an H100, 2026-12-07). The replay itself was running, so that is a count
+    from before it: the counts either side decide, and here they say it ran alone."""
+    left = [(0, 10), (0, 11)] * 2
+    mid_reads = 0
+
+    async def running() -> int | None:
+        nonlocal mid_reads
+        mid_reads += 1
+        return 0
+
+    async def counts() -> EngineCounts | None:
+        return EngineCounts(*left.pop(0))
+
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(CauseAttributed, seen.append)
+    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
+    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
+    t = Triage(
+        config,
+        audit,
+        bus,
+        cast(Upstream, Slow(lambda n: "b", delay_s=0.2)),
+        Load(),
+        engine_running=running,
+        engine_counts=counts,
+        sees_all=False,
+    )
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
+    await t.close()
+    replays = causes(seen)[0].evidence["runs"][2:]
+    assert [r["alone"] for r in replays] == [True, True], replays
+    assert mid_reads == 2, f"{mid_reads} reads while the replays ran, not one each"
+    assert left == [], f"{len(left)} reads left: one before and one after each replay"
+
+
 @pytest.mark.parametrize(
     ("reads", "alone"),
     [

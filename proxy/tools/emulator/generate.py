@@ -159,6 +159,7 @@ class Run:
             raise
         finally:
             state.running -= 1
+            state.running_reported = state.running  # the step that finished it
 
     def _record_fault(self, position: int | None, **detail: Any) -> None:
         self.fault_fired = True
@@ -201,6 +202,7 @@ class Run:
     def _step(self, i: int) -> Step | None:
         gen = self.gens[i]
         step = gen.step(self.state.running)
+        self.state.running_reported = self.state.running  # the gauges, once per step
         for rec in gen.events:
             self.state.record(rec)
         gen.events.clear()

@@ -63,6 +63,10 @@ class EmulatorState:
     # When this emulator's process started (a real server's process collector says so).
     started_at: float = field(default_factory=time.time)
     running: int = 0
+    # What /metrics says is running: like vLLM's gauges, set once per engine step, so a request
+    # just sent is not counted before its first token (prefill) and one just finished is not
+    # counted after its last.
+    running_reported: int = 0
     completed: int = 0
     aborted: int = 0
     faulted: int = 0

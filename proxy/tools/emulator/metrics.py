@@ -39,7 +39,7 @@ def render_metrics(cfg: EmulatorConfig, state: EmulatorState) -> str:
     family("process_start_time_seconds", "gauge", "Start time of the process since unix epoch.")
     lines.append(f"process_start_time_seconds {state.started_at:.2f}")
     family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")
-    per_model("vllm:num_requests_running", float(state.running))
+    per_model("vllm:num_requests_running", float(state.running_reported))
     family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")
     per_model("vllm:num_requests_waiting", 0.0)
     family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.")

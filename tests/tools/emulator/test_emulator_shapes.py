@@ -210,12 +210,39 @@ async def test_misc_endpoints(make_client: MakeClient) -> None:
     assert f'finished_reason="{reason}",model_name="m1"}} 1.0' in text
 
 
+RUNNING_ONE = 'vllm:num_requests_running{engine="0",model_name="emulator-model"} 1.0'
+RUNNING_ZERO = 'vllm:num_requests_running{engine="0",model_name="emulator-model"} 0.0'
+
+
 async def test_running_gauge_while_generating(make_client: MakeClient) -> None:
     client, server = await make_client(token_latency_s=0.02)
     task = asyncio.create_task(client.chat(chat(max_tokens=20)))
-    await eventually(lambda: server.stats()["running"], what="a request running")
-    text = (await client.get("/metrics")).raw.decode()
-    assert 'vllm:num_requests_running{engine="0",model_name="emulator-model"} 1.0' in text
+
+    async def gauge() -> str:
+        return (await client.get("/metrics")).raw.decode()
+
+    seen = ""
+    deadline = asyncio.get_running_loop().time() + 10
+    while RUNNING_ONE not in seen and not task.done():
+        assert asyncio.get_running_loop().time() < deadline, "the gauge never said 1 running"
+        seen = await gauge()
+    assert RUNNING_ONE in seen, "the request ended before the gauge counted it"
     await task
+    assert RUNNING_ZERO in await gauge(), "a finished request still counted running"
     assert server.stats()["running"] == 0
     assert server.stats()["completed"] == 1
+
+
+async def test_running_gauge_counts_a_request_from_its_first_engine_step(
+    make_client: MakeClient,
+) -> None:
+    """Like vLLM's gauges (set once per engine step): a request accepted but not yet through
+    its first step is not counted yet (on an H100, every read 20 ms after sending said 0)."""
+    client, server = await make_client(headers_delay_s=0.5)
+    task = asyncio.create_task(client.chat(chat(max_tokens=2)))
+    await eventually(lambda: server.stats()["running"], what="the request accepted")
+    assert not task.done(), "the request ended before the gauge could be read"
+    assert RUNNING_ZERO in (await client.get("/metrics")).raw.decode(), (
+        "a request not yet through a step counted running"
+    )
+    await task
