@@ -43,6 +43,7 @@ from proxy.http.eventloop import loop_name
 from proxy.http.h1 import H1Upstream
 from proxy.http.upstream import Upstream
 from proxy.injection import InjectionGuard
+from proxy.loops.budget_folder import FolderBudgetSync
 from proxy.loops.recovery import Recovery
 from proxy.observe.fleet import Fleet
 from proxy.observe.incidents import IncidentLog
@@ -84,7 +85,7 @@ class Runtime:
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
-BUDGET_SYNC = web.AppKey["RedisBudgetSync | None"]("budget_sync")
+BUDGET_SYNC = web.AppKey["RedisBudgetSync | FolderBudgetSync | None"]("budget_sync")
 TARGET = web.AppKey[Upstream]("target")  # the upstream requests are forwarded to
 REFERENCE = web.AppKey[Upstream | None]("reference")  # the control engine shadows go to
 # The engine reads' (fingerprint, load): the target's client, or, where the app made that one,
@@ -265,7 +266,8 @@ def build_app(
     bus = EventBus()
     metrics = Metrics(
         registry if registry is not None else CollectorRegistry(),
-        budget_shared=settings.loops.recovery_budget_store == "redis",
+        # Redis or the workers' folder: every worker reports the one account, whole.
+        budget_shared=settings.loops.recovery_budget_store == "redis" or fleet_dir is not None,
     )
     metrics.subscribe(bus)
     budget = _recovery_budget(settings)
@@ -306,6 +308,7 @@ def build_app(
         inspector_factories,
         clock,
         server_id or new_server_id(),
+        fleet_dir,
     )
     app.cleanup_ctx.extend(lifetime.contexts())
     admin = app[ADMIN] = Admin(settings.server)
@@ -342,6 +345,7 @@ class _Lifetime:
     inspector_factories: Sequence[InspectorFactory]
     clock: Callable[[], float]
     server_id: str  # marks what goes upstream: X-Detproxy-Via
+    fleet_dir: Path | None  # a worker's (--workers): the folder the workers share
 
     def contexts(self) -> list[Callable[[web.Application], AsyncIterator[None]]]:
         return [
@@ -515,14 +519,22 @@ class _Lifetime:
     async def budget_sync_ctx(self, app: web.Application) -> AsyncIterator[None]:
         loops = self.settings.loops
         tasks = TaskOwner("app")
-        sync = None
+        sync: RedisBudgetSync | FolderBudgetSync | None = None
         if loops.enabled and loops.recovery_budget_store == "redis":
             from proxy.loops.budget_sync import RedisBudgetSync  # the optional `redis` extra
 
-            sync = RedisBudgetSync(
+            redis_sync = RedisBudgetSync(
                 loops.recovery_budget_redis_url, self.budget, self.bus, loops.recovery_budget_sync_s
             )
-            tasks.spawn(sync.run(), name="recovery-budget-sync")
+            tasks.spawn(redis_sync.run(), name="recovery-budget-sync")
+            sync = redis_sync
+        elif loops.enabled and self.fleet_dir is not None:
+            # --workers: one budget for the server, as one process had (not a floor split N ways)
+            folder_sync = FolderBudgetSync(
+                self.fleet_dir, self.budget, loops.recovery_budget_sync_s
+            )
+            tasks.spawn(folder_sync.run(), name="recovery-budget-workers")
+            sync = folder_sync
         app[BUDGET_SYNC] = sync
         yield
         await tasks.close()
@@ -534,7 +546,7 @@ async def _health(request: AdminRequest) -> Reply:
     return json_reply({"status": "ok"})
 
 
-def _budget_store_status(sync: RedisBudgetSync | None) -> dict[str, object]:
+def _budget_store_status(sync: RedisBudgetSync | FolderBudgetSync | None) -> dict[str, object]:
     return {"store": "memory"} if sync is None else sync.status()
 
 

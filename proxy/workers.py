@@ -81,13 +81,12 @@ def resolve_workers(settings: Settings, cores: Callable[[], int] = usable_cores)
 
 def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
     """Environment overrides that split the server's budgets across ``count`` workers, so that
-    together they hold to what the configuration says: shadows per second and the recovery
-    budget's token floor (unless Redis shares it). (Shares, ``max_token_share`` and
-    ``recovery_token_share``, hold per worker as they do for the whole.) A worker whose
+    together they hold to what the configuration says: shadows per second. (Shares,
+    ``max_token_share``, hold per worker as they do for the whole.) A worker whose
     clients are busier than the others' reaches its part sooner: the whole stays under the
     limit, never over it. The audit's token allowance is split too, and its floor (one audit
     per model every ``at_least_every_s``) stretched by ``count``: together, about one."""
-    audit, loops = settings.audit, settings.loops
+    audit = settings.audit
     # Concurrent shadows are not split: every worker's shadow takes one of the server's
     # max_concurrent_shadows turns in the folder they share (proxy/audit/turns.py).
     split = {
@@ -97,9 +96,9 @@ def worker_budgets(settings: Settings, count: int) -> dict[str, str]:
         # Triage is not split: its rate and tokens are one ledger in the workers' shared folder
         # (proxy/attribution/account.py), its experiments one at a time (proxy/audit/turns.py).
     }
-    # A budget shared through Redis is one account for every worker already.
-    if loops.recovery_budget_store == "memory":
-        split["DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR"] = str(loops.recovery_token_floor // count)
+    # The recovery budget is not split either: the workers add each other's totals through
+    # their shared folder (proxy/loops/budget_folder.py), or Redis shares it across replicas.
+    # Split, a 1/N floor could hold less than one retry of max_tokens.
     return split
 
 

@@ -15,12 +15,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from proxy.config import Settings, load_settings
 from proxy.cores import usable_cores
 from proxy.observe.ui.incident import incident_id
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from proxy.workers import resolve_workers, worker_budgets
+from tests.helpers.emulator import knobs
 from tests.helpers.metrics import metric_samples
 from tests.helpers.processes import bare_env, free_port, wait_healthy
 from tests.helpers.waiting import Unmet, eventually
@@ -122,11 +124,11 @@ async def test_two_workers_answer_share_metrics_restart_and_stop(tmp_path: Path)
         assert len(set(pids.values())) == 2 and proc.pid not in pids.values()
         async with fresh() as http, http.get(base + "/detproxy/status") as resp:
             config = (await resp.json())["config"]
-        # Each worker holds half of the server's budgets (defaults: 100/s, 32768); concurrent
-        # shadows are the server's, taken in turns in the workers' shared folder.
+        # Each worker holds half of the server's shadow rate (default 100/s); concurrent
+        # shadows and the recovery budget are the server's, shared in the workers' folder.
         assert config["audit"]["max_shadows_per_s"] == 50
         assert config["audit"]["max_concurrent_shadows"] == 4
-        assert config["loops"]["recovery_token_floor"] == 16384
+        assert config["loops"]["recovery_token_floor"] == 32768
 
         async with fresh() as http:
             for _ in range(40):
@@ -306,16 +308,17 @@ async def test_a_port_in_use_stops_the_supervisor_at_start(tmp_path: Path) -> No
     assert f"cannot listen on 127.0.0.1:{port}" in err.decode()
 
 
-def test_the_workers_split_the_budgets_a_redis_store_does_not_need_split() -> None:
-    memory = Settings.model_validate({"loops": {"recovery_token_floor": 3000}})
-    split = worker_budgets(memory, 3)
-    assert split["DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR"] == "1000"
-    shared = Settings.model_validate(
-        {"loops": {"recovery_token_floor": 3000, "recovery_budget_store": "redis"}}
+@pytest.mark.parametrize("store", ["memory", "redis"])
+def test_the_workers_share_the_recovery_floor_rather_than_split_it(store: str) -> None:
+    """Split 16 ways, the default floor held less than one 4096-token retry per worker: the
+    workers add each other's totals instead (proxy/loops/budget_folder.py), Redis across
+    replicas."""
+    settings = Settings.model_validate(
+        {"loops": {"recovery_token_floor": 3000, "recovery_budget_store": store}}
     )
-    split = worker_budgets(shared, 3)
-    assert "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR" not in split  # one account for all of them
-    assert split["DETPROXY_AUDIT__MAX_SHADOWS_PER_S"] == repr(shared.audit.max_shadows_per_s / 3)
+    split = worker_budgets(settings, 3)
+    assert "DETPROXY_LOOPS__RECOVERY_TOKEN_FLOOR" not in split, split
+    assert split["DETPROXY_AUDIT__MAX_SHADOWS_PER_S"] == repr(settings.audit.max_shadows_per_s / 3)
 
 
 def test_the_workers_split_the_audit_allowance_and_stretch_its_floor() -> None:
@@ -337,3 +340,30 @@ def test_the_workers_do_not_split_triage_they_share_one_ledger() -> None:
     # A third of the allowance would not fit one experiment: the workers keep the server's
     # and start and spend from one ledger (tests/attribution/test_account.py).
     assert not any(name.startswith("DETPROXY_ATTRIBUTION__") for name in split), split
+
+
+async def test_every_worker_retries_a_loop_whose_retry_needs_more_than_its_share_of_the_floor(
+    tmp_path: Path,
+) -> None:
+    """The default floor (32768 tokens) split two ways held 16384 a worker, so a retry that
+    reserves its max_tokens of 20000 was refused and the loop cut without one (on an H100 with
+    16 workers, 14 of 48 requests at 4096 tokens ended after one attempt). The workers share
+    one floor instead."""
+    loop = knobs(loop_channel="content", loop_after_tokens=5, loop_escape_probability=1.0)
+    body = {**CHAT, "max_tokens": 20000}
+    long_enough = EmulatorConfig(max_model_len=32768)
+    async with (
+        EmulatorServer(long_enough) as emu,
+        supervised(emu.url, tmp_path / "serve.log", "--loop-policy", "retry") as (base, _),
+    ):
+        await workers_seen(base)
+        async with fresh() as http:
+            for _ in range(6):  # a connection each: whichever worker, 20000 > 16384
+                async with http.post(
+                    base + "/v1/chat/completions", json=body, headers=loop
+                ) as resp:
+                    assert resp.status == 200, await resp.text()
+                    assert resp.headers.get("X-Detproxy-Attempts") == "2", (
+                        f"the loop was not retried: {dict(resp.headers)}"
+                    )
+                    assert resp.headers.get("X-Detproxy-Recovered") == "true"

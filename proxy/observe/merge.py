@@ -170,7 +170,7 @@ def merge_status(own: Mapping[str, Any], peers: Sequence[WorkerStatus]) -> dict[
     store = own.get("recovery_budget_store") or {}
     if store.get("store", "memory") == "memory":  # each worker's own account, its share
         out["recovery_budget"] = _summed(s.get("recovery_budget") for s in live) or {}
-    # else: Redis shares one account, which every worker reports whole (its own is it).
+    # else: Redis or the workers' folder shares one account, which every worker reports whole.
     out["workers"] = sorted(
         (worker_line(w, w is mine) for w in everyone), key=lambda w: (w["index"], -w["alive"])
     )

@@ -233,8 +233,9 @@ class Metrics:
     shared by the workers and a scrape, whichever worker answers it, sums them."""
 
     def __init__(self, registry: CollectorRegistry, budget_shared: bool = False) -> None:
-        """``budget_shared``: the recovery budget is the whole fleet's (Redis), so every worker
-        reports the same account: across workers it is their max, not their sum."""
+        """``budget_shared``: the recovery budget is the whole server's or fleet's (the workers'
+        folder, Redis), so every worker reports the same account: across workers it is their
+        max, not their sum."""
         self.registry = registry
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self._own: list[Collector] = []  # exported by this process itself, multiprocess or not
@@ -418,7 +419,7 @@ class Metrics:
             " reserved (kind=spent), and what the window allows (kind=allowed)",
             ["model", "kind"],
             registry=registry,
-            # Each worker keeps its own part of the budget, unless Redis shares one account.
+            # One account every worker reports whole where it is shared; else each its own.
             multiprocess_mode="livemax" if budget_shared else "livesum",
         )
         self.recoveries = Counter(
