@@ -7,8 +7,8 @@ request path) and, once per ``interval_s``, writes its own window totals to
 replicas. So the server holds one floor and one share, as one process did, instead of each
 worker holding a 1/N part of the floor: split, the default 32768-token floor left a worker of 16
 less than one 4096-token retry (H100, 2026-12-07: 14 of 48 requests at 4096 tokens ended
-``repetition`` after one attempt, as a refused retry ends them). A worker's file older than ``stale_s`` is left out (a worker that
-stopped); its own file goes with it.
+``repetition`` after one attempt, as a refused retry ends them). A worker's file older than
+``stale_s`` is left out (a worker that stopped); its own file goes with it.
 """
 
 from __future__ import annotations
