@@ -3247,10 +3247,14 @@ async def main() -> None:
             print(f"{name}: {res['status']} in {res['wall_s']} s", flush=True)
         ctx.save()
     if args.logs:
+        # One file for every server's tail: a call brings back at most 8 files from $OUT
+        # (2026-12-07: one per server left the step's results.json behind).
+        tails = []
         for log in sorted(args.logs.glob("vllm-*.log")):
             lines = log.read_text(errors="replace").splitlines()
             keep = [x for x in lines if re.search(r"(?i)error|warn|backend|took|KV cache", x)]
-            (args.out / f"{log.stem}-tail.txt").write_text("\n".join(keep[-60:] + lines[-30:]))
+            tails.append(f"== {log.name}\n" + "\n".join(keep[-60:] + lines[-30:]))
+        (args.out / "vllm-tails.txt").write_text("\n\n".join(tails))
     print((args.out / "results.md").read_text())
 
 
