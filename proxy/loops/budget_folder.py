@@ -84,7 +84,7 @@ class FolderBudgetSync:
         while True:
             try:
                 self.sync_once()
-            except OSError as exc:
+            except Exception as exc:  # a sync that fails costs the sharing, never the worker
                 self.errors += 1
                 log.warning("recovery budget: the workers' folder is unavailable: %r", exc)
                 if self.last_sync is None or self._clock() - self.last_sync > self.stale_s:
