@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
@@ -444,6 +444,36 @@ class Slow(Scripted):
         return await super().send(method, raw_path, headers, body)
 
 
+async def alone_of_replays(
+    upstream: Any,
+    running: Callable[[], Awaitable[int | None]],
+    counts: Callable[[], Awaitable[EngineCounts | None]] | None = None,
+    sees_all: bool = False,
+) -> list[bool | None]:
+    """A case triaged with two cold replays and no warm one, the engine's counts read through
+    ``running`` (while a replay runs) and ``counts`` (either side): each replay's ``alone``."""
+    bus = EventBus()
+    seen: list[object] = []
+    bus.subscribe(CauseAttributed, seen.append)
+    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
+    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
+    t = Triage(
+        config,
+        audit,
+        bus,
+        cast(Upstream, upstream),
+        Load(),
+        engine_running=running,
+        engine_counts=counts,
+        sees_all=sees_all,
+    )
+    t.start()
+    t.offer(case())
+    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
+    await t.close()
+    return [r["alone"] for r in causes(seen)[0].evidence["runs"][2:]]
+
+
 @pytest.mark.parametrize(
     ("engine_count", "sees_all", "alone"),
     [
@@ -463,19 +493,8 @@ async def test_a_replay_is_alone_only_where_the_engines_running_count_agrees(
         reads += 1
         return engine_count
 
-    bus = EventBus()
-    seen: list[object] = []
-    bus.subscribe(CauseAttributed, seen.append)
-    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
-    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
-    upstream = cast(Upstream, Slow(lambda n: "b", delay_s=0.2))
-    t = Triage(config, audit, bus, upstream, Load(), engine_running=running, sees_all=sees_all)
-    t.start()
-    t.offer(case())
-    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
-    await t.close()
-    replays = causes(seen)[0].evidence["runs"][2:]
-    assert [r["alone"] for r in replays] == [alone, alone], replays
+    replays = await alone_of_replays(Slow(lambda n: "b", delay_s=0.2), running, sees_all=sees_all)
+    assert replays == [alone, alone], replays
     assert reads == 2
 
 
@@ -626,27 +645,8 @@ async def test_a_running_count_of_zero_while_the_replay_runs_is_no_reading() -> 
     async def counts() -> EngineCounts | None:
         return EngineCounts(*left.pop(0))
 
-    bus = EventBus()
-    seen: list[object] = []
-    bus.subscribe(CauseAttributed, seen.append)
-    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
-    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
-    t = Triage(
-        config,
-        audit,
-        bus,
-        cast(Upstream, Slow(lambda n: "b", delay_s=0.2)),
-        Load(),
-        engine_running=running,
-        engine_counts=counts,
-        sees_all=False,
-    )
-    t.start()
-    t.offer(case())
-    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
-    await t.close()
-    replays = causes(seen)[0].evidence["runs"][2:]
-    assert [r["alone"] for r in replays] == [True, True], replays
+    replays = await alone_of_replays(Slow(lambda n: "b", delay_s=0.2), running, counts)
+    assert replays == [True, True], replays
     assert mid_reads == 2, f"{mid_reads} reads while the replays ran, not one each"
     assert left == [], f"{len(left)} reads left: one before and one after each replay"
 
@@ -676,25 +676,6 @@ async def test_a_short_replay_is_alone_by_the_engines_counts_either_side(
         read = left.pop(0)
         return None if read is None else EngineCounts(*read)
 
-    bus = EventBus()
-    seen: list[object] = []
-    bus.subscribe(CauseAttributed, seen.append)
-    config = AttributionConfig(cold_method="cache_salt", cold_replays=2, warm_replays=0)
-    audit = AuditConfig(quiet_settle_s=0, quiet_poll_s=0.005)
-    t = Triage(
-        config,
-        audit,
-        bus,
-        cast(Upstream, Scripted(lambda n: "b")),
-        Load(),
-        engine_running=running,
-        engine_counts=counts,
-        sees_all=False,
-    )
-    t.start()
-    t.offer(case())
-    await eventually(lambda: len(causes(seen)) == 1, what="a cause")
-    await t.close()
-    replays = causes(seen)[0].evidence["runs"][2:]
-    assert [r["alone"] for r in replays] == [alone, alone], replays
+    replays = await alone_of_replays(Scripted(lambda n: "b"), running, counts)
+    assert replays == [alone, alone], replays
     assert left == [], f"{len(left)} reads left: one before and one after each replay"
