@@ -2383,6 +2383,25 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},  # stream_mode "restart" since 2026-12-07
     "continue": {"stream_mode": "continue"},
     "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
+    # the default ladder and a third rung for the loops that survive both (2026-12-07: 3 of 96)
+    "rung3": {
+        "max_attempts": 4,
+        "ladders": [
+            {
+                "models": "*",
+                "attempts": [
+                    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
+                    {"frequency_penalty": 1.0},
+                    {
+                        "temperature": 1.0,
+                        "top_p": 0.95,
+                        "presence_penalty": 1.5,
+                        "frequency_penalty": 1.0,
+                    },
+                ],
+            }
+        ],
+    },
     "ladder3": {
         "max_attempts": 4,
         "ladders": [
