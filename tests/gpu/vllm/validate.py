@@ -1268,6 +1268,12 @@ async def causes_one(ctx: Ctx, name: str) -> dict[str, Any]:
                 "explained": after["explained"] - before["explained"],
                 "triage_tokens": after["tokens"] - before["tokens"],
                 "s_per_experiment": round(wait_s / experiments, 2) if experiments else None,
+                # what an incident left without a cause says of itself (why it has none)
+                "uncaused": [
+                    {k: i.get(k) for k in ("request_id", "mode", "choice", "verdict", "process",
+                                           "ts", "upstream")}
+                    for i in divergent if "cause" not in i
+                ][:6],
                 "unknown_missing": sorted(
                     {m for i in divergent if i.get("cause") == "unknown"
                      for m in (i.get("cause_evidence") or {}).get("missing", [])}
