@@ -123,13 +123,26 @@ def chunk_strategy() -> st.SearchStrategy[dict[str, Any]]:
     )
 
 
+def as_answer(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chunk as a whole answer's shape: each choice's ``delta`` as its ``message``
+    (the chunks drawn here have no ``message`` of their own)."""
+    choices = [
+        {("message" if key == "delta" else key): value for key, value in choice.items()}
+        for choice in chunk["choices"]
+    ]
+    return {**chunk, "choices": choices}
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(chunk_strategy(), max_size=120), st.booleans())
 def test_fast_path_triggers_like_the_general_walk(chunks: list[Any], chat: bool) -> None:
+    """A streamed chunk's fast path (a single choice already watched, read inline) triggers as
+    the general walk of every choice does: ``on_answer`` walks the same chunk in a whole
+    answer's shape."""
     endpoint = "chat" if chat else "completions"
     fast, general = LoopWatch(endpoint, DetectorConfig()), LoopWatch(endpoint, DetectorConfig())
     for chunk in chunks:
-        assert fast.on_delta(chunk) == general._choices_of(chunk, "delta")
+        assert fast.on_delta(chunk) == general.on_answer(as_answer(chunk))
 
 
 @settings(max_examples=200, deadline=None)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from proxy.audit.verdict import VERDICTS, Verdict
@@ -101,13 +102,50 @@ def test_every_verdict_series_of_a_model_and_mode_starts_together_at_zero() -> N
     assert 'mode="prefill"' not in text  # only the mode that was seen
 
 
-def test_a_shared_recovery_budget_is_the_max_across_workers_not_the_sum() -> None:
-    # Every worker reports the fleet's account when Redis shares it (--workers N aggregates
-    # gauges by their multiprocess mode); its own part of the budget otherwise.
-    own = Metrics(CollectorRegistry()).recovery_budget
-    shared = Metrics(CollectorRegistry(), budget_shared=True).recovery_budget
-    assert own._multiprocess_mode == "livesum"
-    assert shared._multiprocess_mode == "livemax"
+# One worker of ``serve --workers N`` (its metrics in PROMETHEUS_MULTIPROC_DIR's files): its
+# recovery budget for model m, as the budget publishes it, with ``spent`` tokens of 1000.
+BUDGET_WORKER = """
+import sys
+from prometheus_client import CollectorRegistry
+from proxy.events import EventBus, RecoveryBudgetUsed
+from proxy.observe.metrics import Metrics
+bus = EventBus()
+Metrics(CollectorRegistry(), budget_shared=sys.argv[1] == "shared").subscribe(bus)
+bus.publish(RecoveryBudgetUsed("m", int(sys.argv[2]), 1000))
+"""
+
+
+async def test_a_shared_recovery_budget_is_the_max_across_workers_not_the_sum(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every worker reports the fleet's account when Redis shares it (a scrape aggregates the
+    # workers' gauges); its own part of the budget otherwise. Two workers, one scrape.
+    async def worker(folder: Path, budget: str, spent: int) -> None:
+        env = bare_env(PYTHONPATH=ROOT, PROMETHEUS_MULTIPROC_DIR=str(folder))
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", BUDGET_WORKER, budget, str(spent), env=env
+        )
+        assert await proc.wait() == 0, f"the {budget} budget's worker failed"
+
+    scraped = {}
+    for budget in ("own", "shared"):
+        folder = tmp_path / budget
+        folder.mkdir()
+        await asyncio.gather(worker(folder, budget, 100), worker(folder, budget, 300))
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(folder))
+        text = Metrics(CollectorRegistry()).exposition().decode()
+        scraped[budget] = metric_samples(text, "detproxy_recovery_budget_tokens")
+    name = "detproxy_recovery_budget_tokens"
+    assert scraped == {
+        "own": {
+            f'{name}{{kind="allowed",model="m"}}': 2000,
+            f'{name}{{kind="spent",model="m"}}': 400,
+        },
+        "shared": {
+            f'{name}{{kind="allowed",model="m"}}': 1000,
+            f'{name}{{kind="spent",model="m"}}': 300,
+        },
+    }
 
 
 async def test_two_workers_count_an_upstream_restart_once(tmp_path: Path) -> None:

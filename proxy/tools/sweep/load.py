@@ -120,7 +120,9 @@ class RequestRecord:
         return None if self.first_token is None else self.first_token - self.sent
 
 
-def _on_event(rec: RequestRecord, payload: Any, now: float, deadline: float) -> None:
+def record_event(rec: RequestRecord, payload: Any, now: float, deadline: float) -> None:
+    """Count one parsed SSE event of ``rec``'s stream, read at ``now``: its usage, an in-band
+    error, a finish, and a token (a chunk with text) up to ``deadline``."""
     if not isinstance(payload, dict):
         return
     message = error_message(payload) if "choices" not in payload else None
@@ -183,7 +185,7 @@ async def _read_stream(
             if event.is_done:
                 rec.done = now <= deadline
                 return
-            _on_event(rec, orjson.loads(event.data), now, deadline)
+            record_event(rec, orjson.loads(event.data), now, deadline)
             if rec.error is not None:
                 return
     if rec.finish_seen:  # no [DONE], but the server said it had finished

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from proxy.tools.sweep.chart import to_html, to_svg
-from proxy.tools.sweep.load import RequestRecord, Target, Window, _on_event
+from proxy.tools.sweep.load import RequestRecord, Target, Window, record_event
 from proxy.tools.sweep.render import to_markdown, to_text
 from proxy.tools.sweep.run import normalise_base
 from proxy.tools.sweep.stats import level_summary, percentile, warnings_for
@@ -21,15 +21,15 @@ def chunk(**delta: Any) -> dict[str, Any]:
 
 def test_text_reasoning_and_completions_chunks_count_as_tokens() -> None:
     rec = RequestRecord(sent=0.0)
-    _on_event(rec, chunk(role="assistant", content=""), 0.1, 10.0)  # no text: not a token
-    _on_event(rec, chunk(reasoning="think"), 0.2, 10.0)
-    _on_event(rec, chunk(reasoning_content="more"), 0.25, 10.0)
-    _on_event(rec, chunk(content="answer"), 0.35, 10.0)
-    _on_event(rec, {"choices": [{"index": 0, "text": "t", "finish_reason": None}]}, 0.5, 10.0)
-    _on_event(rec, chunk(content="late"), 11.0, 10.0)  # after the deadline: not counted
+    record_event(rec, chunk(role="assistant", content=""), 0.1, 10.0)  # no text: not a token
+    record_event(rec, chunk(reasoning="think"), 0.2, 10.0)
+    record_event(rec, chunk(reasoning_content="more"), 0.25, 10.0)
+    record_event(rec, chunk(content="answer"), 0.35, 10.0)
+    record_event(rec, {"choices": [{"index": 0, "text": "t", "finish_reason": None}]}, 0.5, 10.0)
+    record_event(rec, chunk(content="late"), 11.0, 10.0)  # after the deadline: not counted
     assert rec.chunk_tokens == 4 and rec.ttft == pytest.approx(0.2)
     assert rec.gaps == pytest.approx([0.05, 0.1, 0.15])
-    _on_event(rec, {"choices": [], "usage": {"completion_tokens": 9}}, 0.6, 10.0)
+    record_event(rec, {"choices": [], "usage": {"completion_tokens": 9}}, 0.6, 10.0)
     assert rec.tokens == 4  # usage counts only for a request that completed in the window
     rec.done = True
     assert rec.tokens == 9
@@ -37,7 +37,7 @@ def test_text_reasoning_and_completions_chunks_count_as_tokens() -> None:
 
 def test_in_band_error_is_recorded() -> None:
     rec = RequestRecord(sent=0.0)
-    _on_event(rec, {"error": {"message": "boom", "code": 500}}, 0.1, 10.0)
+    record_event(rec, {"error": {"message": "boom", "code": 500}}, 0.1, 10.0)
     assert rec.error == "in-band error: boom"
 
 
