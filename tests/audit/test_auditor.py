@@ -12,6 +12,7 @@ from proxy.classify import classify
 from proxy.config import load_settings
 from proxy.events import AuditCompleted, EventBus
 from tests.helpers.answers import chat_body
+from tests.helpers.waiting import eventually
 
 BODY: dict[str, Any] = {
     "model": "m",
@@ -66,9 +67,9 @@ async def test_a_store_that_must_be_awaited_is_checked_off_the_request_path() ->
     answered(auditor, "same")
     answered(auditor, "same")
     assert [e for e in seen if e.mode == "duplicate"] == []  # not yet: the checks are tasks
-    for _ in range(10):
-        await asyncio.sleep(0)
-    duplicates = [e for e in seen if e.mode == "duplicate"]
+    duplicates = await eventually(
+        lambda: [e for e in seen if e.mode == "duplicate"], what="the duplicate check's verdict"
+    )
     assert len(duplicates) == 1 and duplicates[0].verdict.verdict == "identical"
     await auditor.close()
 

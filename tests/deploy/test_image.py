@@ -30,6 +30,7 @@ import pytest
 import yaml
 
 from tests.deploy.test_docker import DETPROXY_UID, env_of, exec_form, flag, load_compose
+from tests.helpers.metrics import metric_samples
 from tests.helpers.processes import free_port
 from tests.helpers.waiting import Unmet, eventually_sync
 
@@ -183,6 +184,13 @@ def chat(port: int, *, stream: bool, max_tokens: int) -> tuple[int, str]:
         conn.close()
 
 
+def in_flight(port: int) -> float | Unmet:
+    """detproxy's requests in flight, as its metrics count them (0: not yet)."""
+    status, text = get(port, "/detproxy/metrics")
+    count = metric_samples(text, "detproxy_inflight_requests").get("detproxy_inflight_requests")
+    return count if status == 200 and count else Unmet((status, count))
+
+
 def get(port: int, path: str) -> tuple[int, str]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -279,7 +287,9 @@ def test_serve_in_the_image_in_front_of_the_emulator(
             target=lambda: drained.update(answer=chat(port, stream=True, max_tokens=100))
         )
         client.start()
-        time.sleep(0.5)  # the stream is under way (100 tokens at 30 ms: about 3 s)
+        eventually_sync(  # the stream is under way (100 tokens at 30 ms: about 3 s)
+            lambda: in_flight(port), timeout_s=10, what="the streamed chat in flight"
+        )
         stopped = time.monotonic()
         os.kill(pid, signal.SIGTERM)
         runner.wait(timeout=GRACE_S + 10)
