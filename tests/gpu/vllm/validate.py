@@ -2408,6 +2408,26 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
             }
         ],
     },
+    # one path (continue) with rung3's ladder
+    "cont3": {
+        "stream_mode": "continue",
+        "max_attempts": 4,
+        "ladders": [
+            {
+                "models": "*",
+                "attempts": [
+                    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
+                    {"frequency_penalty": 1.0},
+                    {
+                        "temperature": 1.0,
+                        "top_p": 0.95,
+                        "presence_penalty": 1.5,
+                        "frequency_penalty": 1.0,
+                    },
+                ],
+            }
+        ],
+    },
     "ladder3": {
         "max_attempts": 4,
         "ladders": [
@@ -2842,16 +2862,10 @@ def l49_summary(rows: list[dict[str, Any]], one_path: list[dict[str, Any]]) -> d
 
 
 def l49_parts() -> list[tuple[str, str, int]]:
-    """(configuration, length, concurrency) in the order they run: the defaults' parts, 8 in
-    flight first; then every other configuration 8 in flight (cheap: a batch costs about
-    what one request does); then the others one at a time."""
-    first, *others = L49_CONFIGS
-    conc, *_ = L49_CONCS
-    return (
-        [(first, label, k) for k in L49_CONCS for label in L49_LENGTHS]
-        + [(c, label, conc) for c in others for label in L49_LENGTHS]
-        + [(c, label, k) for c in others for k in L49_CONCS[1:] for label in L49_LENGTHS]
-    )
+    """(configuration, length, concurrency) in the order they run: every configuration 8 in
+    flight first (cheap: a batch costs about what one request does), then one at a time,
+    each at 1024 tokens before 4096."""
+    return [(c, label, k) for k in L49_CONCS for label in L49_LENGTHS for c in L49_CONFIGS]
 
 
 def l49_overview(steps: dict[str, Any]) -> list[str]:
