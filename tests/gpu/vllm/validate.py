@@ -2387,8 +2387,6 @@ L49_SCREEN_CONC = 8
 # The configurations compared: [loops] policy = "retry" and these on top of the defaults.
 L49_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},  # stream_mode "restart" since 2026-12-07
-    "continue": {"stream_mode": "continue"},
-    "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
     # the default ladder and a third rung for the loops that survive both (2026-12-07: 3 of 96)
     "rung3": {
         "max_attempts": 4,
@@ -2403,6 +2401,34 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
                         "top_p": 0.95,
                         "presence_penalty": 1.5,
                         "frequency_penalty": 1.0,
+                    },
+                ],
+            }
+        ],
+    },
+    # one path, each rung with a repetition_penalty: vLLM's presence and frequency penalties
+    # count only the tokens this request generated, never the kept text a continuation sends
+    # as the start of its answer (the loop's unit included); repetition_penalty counts both
+    "contrep": {
+        "stream_mode": "continue",
+        "max_attempts": 4,
+        "ladders": [
+            {
+                "models": "*",
+                "attempts": [
+                    {
+                        "temperature": 0.7,
+                        "top_p": 0.95,
+                        "presence_penalty": 1.5,
+                        "repetition_penalty": 1.1,
+                    },
+                    {"frequency_penalty": 1.0, "repetition_penalty": 1.2},
+                    {
+                        "temperature": 1.0,
+                        "top_p": 0.95,
+                        "presence_penalty": 1.5,
+                        "frequency_penalty": 1.0,
+                        "repetition_penalty": 1.3,
                     },
                 ],
             }
@@ -2428,6 +2454,8 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
             }
         ],
     },
+    "continue": {"stream_mode": "continue"},
+    "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
     "ladder3": {
         "max_attempts": 4,
         "ladders": [
