@@ -542,15 +542,13 @@ class LoopConfig(_Section):
     # What a loop leads to when no ladder is configured (the --loop-policy flag).
     policy: Literal["retry", "abort", "observe"] = "observe"
     enabled: bool = True
-    # restart: every retry, streamed or not, starts the answer again under the ladder's
-    # overrides (a stream's after an SSE comment), seeded from the request: one path;
-    # continue: every retry goes on from the loop's onset and one unit, a stream after what its
-    # client was shown (a delta-reading client gets one answer), with what is left of
-    # max_tokens; hold_reasoning: reasoning held back until it ends. restart by default: on
-    # llama-server (2026-12-07, tests/integration/test_loop_recovery_llama_server.py) continuing
-    # a loop caught late at 1024 tokens ran out of tokens (5 of 9 ended length), as real vLLM's
-    # streamed continuations did (4 of 7 ended stop), where restarts ended stop (6 of 7).
-    stream_mode: Literal["continue", "restart", "hold_reasoning"] = "restart"
+    # continue (the default): every retry, streamed or not, goes on from the loop's onset and
+    # one unit, a stream after what its client was shown: a delta-reading client (the openai SDK
+    # ignores SSE comments) gets one answer, the one a non-streamed request gets, up to the
+    # repeats it was shown (one path); restart: every retry starts the answer again (a stream's
+    # after an SSE comment: only for clients that read comments); hold_reasoning: reasoning held
+    # back until it ends.
+    stream_mode: Literal["continue", "restart", "hold_reasoning"] = "continue"
     # continue: the last chars of text a stream holds back from its client, so that a loop is
     # caught before its repeats are shown (0: none; each chunk then goes out as it comes).
     hold_back_chars: int = Field(default=0, ge=0)
