@@ -2386,9 +2386,11 @@ L49_KEEP = 24  # the looping prompts kept from the screen (issue 49 asks for at 
 L49_SCREEN_CONC = 8
 # The configurations compared: [loops] policy = "retry" and these on top of the defaults.
 L49_CONFIGS: dict[str, dict[str, Any]] = {
-    "default": {},  # stream_mode "restart" since 2026-12-07
-    # the default ladder and a third rung for the loops that survive both (2026-12-07: 3 of 96)
+    "default": {},  # stream_mode "continue" (again) since 2026-12-07 afternoon
+    "restart": {"stream_mode": "restart"},
+    # restart, the default ladder and a third rung for the loops that survive both
     "rung3": {
+        "stream_mode": "restart",
         "max_attempts": 4,
         "ladders": [
             {
@@ -2454,7 +2456,6 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
             }
         ],
     },
-    "continue": {"stream_mode": "continue"},
     "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
     "ladder3": {
         "max_attempts": 4,
