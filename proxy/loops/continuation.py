@@ -76,6 +76,23 @@ def prefix_of(text: str, trigger: Trigger) -> str | None:
     return text[: word_end(text, end)]
 
 
+def periodic_completion(shown: str, kept: int, onset: int, period: int) -> str:
+    """What a stream that showed ``shown``, past the kept text (its first ``kept`` chars: the
+    loop's onset and one unit), writes before the continuation so that its client's text is
+    the kept text with whole units of the loop inserted: the loop's text from where ``shown``
+    ends to the next point in the kept end's phase. A stream caught mid-unit would otherwise
+    join the continuation to a partial unit ("A love that" + "wind,"). "" where ``shown``
+    does not repeat one unit from ``onset`` (nothing is written then)."""
+    end = len(shown)
+    if period <= 0 or onset < 0 or end <= kept or end - period < onset:
+        return ""
+    text = shown
+    if any(text[i] != text[i - period] for i in range(max(onset + period, kept), end)):
+        return ""
+    need = (kept - end) % period
+    return text[end - period : end - period + need]
+
+
 def word_end(text: str, end: int) -> int:
     """``end``, or the nearest word end before it (a non-space followed by a space), within
     ``SNAP_CHARS``. Byte-level BPE and SentencePiece tokenizers attach a space to the word

@@ -49,6 +49,7 @@ from proxy.loops.continuation import (
     closed_reasoning,
     continuation_body,
     estimate_tokens,
+    periodic_completion,
     prefix_of,
     word_end,
 )
@@ -140,17 +141,20 @@ def seeded(body: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, A
     return {**overrides, "seed": request_seed(body)}
 
 
-def _onset_prefix(text: str, trigger: Trigger, detector: DetectorConfig | None) -> str:
+def _onset_prefix(
+    text: str, trigger: Trigger, detector: DetectorConfig | None
+) -> tuple[str, tuple[int, int] | None]:
     """``text`` up to the loop's onset and one unit: the trigger's, else (a loop the engine
-    reported, a runaway) the run the detector finds at its end; all of it where neither is."""
+    reported, a runaway) the run the detector finds at its end; all of it where neither is.
+    With the loop's (onset, period) where one is known."""
     prefix = prefix_of(text, trigger)
-    if prefix is not None:
-        return prefix
+    if prefix is not None and trigger.start_offset is not None and trigger.period is not None:
+        return prefix, (trigger.start_offset, trigger.period)
     run = tail_loop(text, detector) if detector is not None else None
     if run is None:
-        return text
+        return text, None
     start, period = run
-    return text[: word_end(text, start + period)]
+    return text[: word_end(text, start + period)], run
 
 
 def next_attempt(
@@ -169,6 +173,7 @@ def next_attempt(
     if generated.reasoning and endpoint == "chat" and trigger.channel == "content":
         carried = generated.reasoning
     streamed = generated.shown is not None
+    loop: tuple[int, int] | None = None  # the loop's (onset, period) in ``text``, where known
     if asked.one_path:
         if not can_continue_shown(endpoint, base, trigger) or (
             not streamed and base.get("logprobs")  # the prefix's own would be missing
@@ -176,7 +181,9 @@ def next_attempt(
             return restart
         closes = trigger.channel == "reasoning"
         at = generated.offset
-        prefix = text[:at] + _onset_prefix(text[at:], trigger, asked.detector)
+        looping, run = _onset_prefix(text[at:], trigger, asked.detector)
+        prefix = text[:at] + looping
+        loop = (at + run[0], run[1]) if run is not None else None
     else:
         closes = decision.strategy == "close_reasoning"
         if decision.strategy not in ("continue", "close_reasoning") or not (
@@ -202,6 +209,9 @@ def next_attempt(
     shown = generated.shown
     if shown is not None and not closes and len(prefix) > len(shown) and prefix.startswith(shown):
         missing = prefix[len(shown) :]  # held back, never shown: written before what follows
+    elif shown is not None and not closes and loop is not None and shown.startswith(prefix):
+        # shown past the kept text, into the loop: whole units, the last one completed
+        missing = periodic_completion(shown, len(prefix), *loop)
     if closes:
         held = ""  # the answer's content starts with the continuation
     elif shown is None:

@@ -52,13 +52,44 @@ def test_streamed_or_not_the_retry_goes_on_from_the_onset_and_one_unit() -> None
     assert whole.strategy == streamed.strategy == "continue"
     assert whole.continued is not None and streamed.continued is not None
     assert whole.continued.prefix == streamed.continued.prefix == PREFIX
-    assert streamed.continued.missing == ""  # the client holds the prefix already
+    # the client holds the prefix and three repeats and a partial fourth: the fourth is
+    # completed before the continuation, so its text is the prefix with whole units inserted
+    assert streamed.continued.missing == UNIT[4:]
+    assert shown + streamed.continued.missing == PREFIX + UNIT * 4
     assert {k: v for k, v in whole.body.items() if k != "stream"} == {
         k: v for k, v in streamed.body.items() if k != "stream"
     }
     assert whole.body["messages"][-1] == {"role": "assistant", "content": PREFIX}
     assert whole.body["seed"] == request_seed(body())
     assert whole.body["max_tokens"] == 500 - whole.kept_tokens
+
+
+def test_a_stream_shown_whole_units_past_the_prefix_writes_nothing_before_going_on() -> None:
+    shown = PREFIX + UNIT * 2
+    nxt = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT, shown=shown))
+    assert nxt.continued is not None and nxt.continued.missing == ""
+
+
+def test_a_partial_unit_is_completed_in_the_phase_of_a_prefix_cut_mid_unit() -> None:
+    # a unit whose end is no word end: the prefix is cut back to one, inside the unit
+    head, unit = "Ode:\n", "A love that is not just for the heart,"
+    text = head + unit * 9
+    trigger = Trigger("proxy", "content", 0, len(unit), 9, len(head))
+    plain = next_attempt(Asked("chat", body()), trigger, RETRY, Generated(text))
+    assert plain.continued is not None
+    prefix = plain.continued.prefix
+    assert prefix == head + "A love that is not just for the"  # cut back to a word end
+    shown = head + unit * 6 + "A love"
+    streamed = next_attempt(Asked("chat", body()), trigger, RETRY, Generated(text, shown=shown))
+    assert streamed.continued is not None and streamed.continued.prefix == prefix
+    # six whole units shown, then the seventh up to where the prefix ends in its unit
+    assert shown + streamed.continued.missing == head + unit * 6 + prefix[len(head) :]
+
+
+def test_text_shown_past_the_prefix_that_does_not_repeat_the_unit_gets_nothing_added() -> None:
+    shown = PREFIX + UNIT * 2 + " and then it stops"  # not the loop's text: never completed
+    nxt = next_attempt(Asked("chat", body()), ONSET, RETRY, Generated(TEXT, shown=shown))
+    assert nxt.continued is not None and nxt.continued.missing == ""
 
 
 def test_what_the_stream_held_back_of_the_prefix_is_missing() -> None:

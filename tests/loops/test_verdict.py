@@ -18,7 +18,7 @@ from tests.helpers.metrics import metric
 from tests.helpers.sse import sse_chunks
 
 MODEL = "emulator-model"
-# These tests are about continuations (stream_mode continue); the default restarts.
+# These tests are about continuations (stream_mode continue, the default, set here too).
 RETRY = {
     "DETPROXY_LOOPS__POLICY": "retry",
     "DETPROXY_AUDIT__PASSIVE_CHECKS": "false",
