@@ -559,9 +559,10 @@ class Triage:
         return None if any(x is None for x in limits) else max(x for x in limits if x is not None)
 
     async def _admitted(self, experiment: _Experiment) -> bool:
-        """Wait for the rate and the token budget, up to ``max_wait_s`` from when the
-        experiment was queued; past it, every incident it would explain ends ``unknown``
-        naming the budget it waited for."""
+        """Wait for the rate, up to ``max_wait_s`` from when the experiment was queued; past
+        it, every incident it would explain ends ``unknown`` naming the budget it waited for.
+        Over the token budget, they end so at once (the first time) and the experiment is kept
+        to be triaged again when the budget frees."""
         deadline = experiment.queued_at + self._config.max_wait_s
         while True:
             limit = self._fix_limit(experiment)
@@ -570,6 +571,12 @@ class Triage:
             if held is None:
                 experiment.limit, experiment.started, experiment.reserved = limit, True, cost
                 return True
+            if held == "token_budget" and experiment.earlier is None:
+                # The token budget frees as the primaries' tokens grow or the window moves:
+                # minutes maybe. Its incidents say so now (unknown, naming it) rather than
+                # having no cause meanwhile, and are triaged again when it frees.
+                self._give_up_all(experiment, held)
+                return False
             wait = _BUDGET_POLL_S if held == "token_budget" else self._account.wait_s()
             left = deadline - time.monotonic()
             if left <= 0:

@@ -202,6 +202,24 @@ async def test_the_token_budget_holds_an_experiment_until_its_wait_ends() -> Non
     assert len(upstream.bodies) == 7
 
 
+async def test_over_the_token_budget_incidents_say_so_at_once_not_after_the_wait() -> None:
+    """On real vLLM (2026-12-07) a burst's last experiment waited for the token budget with
+    its 7 incidents causeless for minutes (max_wait_s is 600 s by default)."""
+    upstream = Scripted(lambda n: "b", usage=(4, 6))
+    t, seen = triage(upstream, token_allowance=100, max_token_share=0.0, max_wait_s=600.0)
+    t.start()
+    t.offer(case(1))  # 10 tokens x 7 runs fits 100; the next does not
+    await eventually(lambda: len(causes(seen)) == 1, interval_s=0.005, what="one cause")
+    t.offer(case(2))
+    await eventually(
+        lambda: len(causes(seen)) == 2, timeout_s=10, interval_s=0.005, what="its unknown now"
+    )
+    assert causes(seen)[1].cause == "unknown" and "token_budget" in str(causes(seen)[1].evidence)
+    assert drops(seen) == ["token_budget"] and t.status()["again_incidents"] == 1
+    await t.close()
+    assert len(upstream.bodies) == 7
+
+
 async def test_more_requests_waiting_than_the_queue_holds_are_dropped() -> None:
     t, seen = triage(Scripted(lambda n: "b"), queue_size=1)
     t.offer(case(1))
