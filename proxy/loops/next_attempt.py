@@ -6,14 +6,14 @@ looping answer generated and showed (``Generated``) give the body of the next at
 it goes on from (``NextAttempt``). Nothing here reads configuration, publishes, or keeps state;
 ``proxy.attempts.Attempts`` calls it.
 
-One path (``[loops] stream_mode = "continue"``): streamed or not, a retry goes on
+One path (``[loops] stream_mode = "continue"``, the default): streamed or not, a retry goes on
 from the same point, the looping channel's text up to the loop's onset and one unit (a loop the
 engine reported, a runaway: the run the detector finds at the text's end, else all of it), under
 the same overrides and seed; a loop in the reasoning channel closes the reasoning there. A
 stream's client holds what it was shown: the continuation follows that (the repeats shown before
 the loop was caught stay), and the part of the kept prefix it was not shown (held back) is
 written first (``missing``).
-Otherwise (``restart``, the default, and ``hold_reasoning``) the ladder's strategy says: a
+Otherwise (``restart`` and ``hold_reasoning``) the ladder's strategy says: a
 restart, or a continuation (``continue``, ``close_reasoning``) from the onset where that keeps
 the answer whole (``proxy.loops.continuation``).
 
