@@ -58,8 +58,9 @@ class Continued:
     # (chat: the assistant message's ``reasoning``; rendered: between the markers) so that
     # the engine goes on from the answer as the model wrote it; "" where it had none.
     reasoning: str = ""
-    # A stream's: the part of the prefix its client was not shown (held back), written before
-    # the continuation; "" where it was shown whole (or not streamed).
+    # A stream's, written before the continuation: the part of the prefix its client was not
+    # shown (held back), or the rest of a loop's unit it was shown part of; "" where neither
+    # (or not streamed).
     missing: str = ""
     # The text of its channel the client holds before the continuation (a stream: what it was
     # shown, repeats included, and ``missing``; not streamed: the prefix).

@@ -11,8 +11,9 @@ from the same point, the looping channel's text up to the loop's onset and one u
 engine reported, a runaway: the run the detector finds at the text's end, else all of it), under
 the same overrides and seed; a loop in the reasoning channel closes the reasoning there. A
 stream's client holds what it was shown: the continuation follows that (the repeats shown before
-the loop was caught stay), and the part of the kept prefix it was not shown (held back) is
-written first (``missing``).
+the loop was caught stay), and what makes that one text is written first (``missing``): the
+part of the kept prefix it was not shown (held back), or, shown into the loop, the rest of the
+unit it was shown part of (``periodic_completion``).
 Otherwise (``restart`` and ``hold_reasoning``) the ladder's strategy says: a
 restart, or a continuation (``continue``, ``close_reasoning``) from the onset where that keeps
 the answer whole (``proxy.loops.continuation``).
