@@ -274,7 +274,8 @@ class StreamedAnswer:
             if upstream is None:
                 continue
             if continued is not None and continued.missing:
-                # Held back, never shown: the part of the prefix the continuation goes on from.
+                # What makes the client's text the prefix the continuation goes on from (with
+                # whole repeats): its part held back, or the rest of a unit shown in part.
                 await self._client.write(
                     text_event(ex.endpoint, self._first_id, model, continued.missing)
                 )
