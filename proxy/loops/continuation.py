@@ -87,11 +87,10 @@ def periodic_completion(shown: str, kept: int, onset: int, period: int) -> str:
     end = len(shown)
     if period <= 0 or onset < 0 or end <= kept or end - period < onset:
         return ""
-    text = shown
-    if any(text[i] != text[i - period] for i in range(max(onset + period, kept), end)):
+    if any(shown[i] != shown[i - period] for i in range(max(onset + period, kept), end)):
         return ""
-    need = (kept - end) % period
-    return text[end - period : end - period + need]
+    need = (kept - end) % period  # to the next point in the kept end's phase
+    return shown[end - period : end - period + need]
 
 
 def word_end(text: str, end: int) -> int:
