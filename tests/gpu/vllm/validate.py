@@ -2384,6 +2384,25 @@ L49_CANDIDATES = [
 L49_LENGTHS = {"1k": 1024, "4k": 4096}  # max_tokens (4k: less where the model's length is short)
 L49_KEEP = 24  # the looping prompts kept from the screen (issue 49 asks for at least 24)
 L49_SCREEN_CONC = 8
+# The default ladder and a third rung (temperature 1.0, both penalties), 4 attempts.
+L49_RUNG3: dict[str, Any] = {
+    "max_attempts": 4,
+    "ladders": [
+        {
+            "models": "*",
+            "attempts": [
+                {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
+                {"frequency_penalty": 1.0},
+                {
+                    "temperature": 1.0,
+                    "top_p": 0.95,
+                    "presence_penalty": 1.5,
+                    "frequency_penalty": 1.0,
+                },
+            ],
+        }
+    ],
+}
 # The configurations compared: [loops] policy = "retry" and these on top of the defaults.
 L49_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},  # stream_mode "continue" (again) since 2026-12-07 afternoon
@@ -2391,22 +2410,7 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
     # restart, the default ladder and a third rung for the loops that survive both
     "rung3": {
         "stream_mode": "restart",
-        "max_attempts": 4,
-        "ladders": [
-            {
-                "models": "*",
-                "attempts": [
-                    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
-                    {"frequency_penalty": 1.0},
-                    {
-                        "temperature": 1.0,
-                        "top_p": 0.95,
-                        "presence_penalty": 1.5,
-                        "frequency_penalty": 1.0,
-                    },
-                ],
-            }
-        ],
+        **L49_RUNG3,
     },
     # one path, each rung with a repetition_penalty: vLLM's presence and frequency penalties
     # count only the tokens this request generated, never the kept text a continuation sends
@@ -2439,22 +2443,7 @@ L49_CONFIGS: dict[str, dict[str, Any]] = {
     # one path (continue) with rung3's ladder
     "cont3": {
         "stream_mode": "continue",
-        "max_attempts": 4,
-        "ladders": [
-            {
-                "models": "*",
-                "attempts": [
-                    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
-                    {"frequency_penalty": 1.0},
-                    {
-                        "temperature": 1.0,
-                        "top_p": 0.95,
-                        "presence_penalty": 1.5,
-                        "frequency_penalty": 1.0,
-                    },
-                ],
-            }
-        ],
+        **L49_RUNG3,
     },
     "hold256": {"stream_mode": "continue", "hold_back_chars": 256},
     "ladder3": {
