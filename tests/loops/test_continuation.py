@@ -20,9 +20,10 @@ from proxy.loops.continuation import (
     prefix_of,
     word_end,
 )
-from proxy.testing import FakeUpstream, Handler, Received, Reply
+from proxy.testing import Handler, MockUpstream, Received, Reply
 from tests.helpers.metrics import metric
 from tests.helpers.sse import sse_chunks
+from tests.helpers.upstreams import MOCK_URL
 
 CHAT = "/v1/chat/completions"
 UNIT = " The waves roll in and the waves roll out again."
@@ -164,7 +165,7 @@ ENV = {
 }
 
 
-def continued_prefix(upstream: FakeUpstream, onset: bool = True) -> str:
+def continued_prefix(upstream: MockUpstream, onset: bool = True) -> str:
     """The prefix the second attempt continued from (``onset``: cut at the loop's onset and
     one unit, as a non-streamed continuation is)."""
     (second,) = upstream.bodies(CHAT)[1:]
@@ -188,11 +189,11 @@ def continued_prefix(upstream: FakeUpstream, onset: bool = True) -> str:
 
 
 async def test_a_non_streamed_loop_is_continued(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    upstream = await fake_upstream(routes={CHAT: scripted()})
-    url = upstream.url
-    proxy = await make_proxy(url, env=ENV)
+    upstream = mock_upstream
+    upstream.on(CHAT, scripted())
+    proxy = await make_proxy(MOCK_URL, upstream=upstream, env=ENV)
     resp = await proxy.post(CHAT, json=ask(False))
     answer = await resp.json()
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -209,11 +210,11 @@ async def test_a_non_streamed_loop_is_continued(
 
 
 async def test_a_streamed_loop_is_continued_after_what_the_client_has(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    upstream = await fake_upstream(routes={CHAT: scripted()})
-    url = upstream.url
-    proxy = await make_proxy(url, env=ENV)
+    upstream = mock_upstream
+    upstream.on(CHAT, scripted())
+    proxy = await make_proxy(MOCK_URL, upstream=upstream, env=ENV)
     resp = await proxy.post(CHAT, json=ask(True))
     raw = await resp.read()
     assert b": detproxy retry" not in raw  # no restart: nothing to mark
@@ -246,14 +247,14 @@ async def test_a_streamed_loop_is_continued_after_what_the_client_has(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_what_cannot_be_continued_restarts(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry, stream: bool
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry, stream: bool
 ) -> None:
-    upstream = await fake_upstream(routes={CHAT: scripted()})
-    url = upstream.url
+    upstream = mock_upstream
+    upstream.on(CHAT, scripted())
     # Streamed, the default goes on from what the client was shown, logprobs or not (the shown
     # tokens had theirs): the ladder's own continue strategy is what restart mode keeps.
     env = ENV | ({"DETPROXY_LOOPS__STREAM_MODE": "restart"} if stream else {})
-    proxy = await make_proxy(url, env=env)
+    proxy = await make_proxy(MOCK_URL, upstream=upstream, env=env)
     resp = await proxy.post(CHAT, json=ask(stream) | {"logprobs": True})
     await resp.read()
     assert "continue_final_message" not in upstream.bodies(CHAT)[1]
