@@ -9,11 +9,12 @@ import openai
 import pytest
 from prometheus_client import CollectorRegistry
 
-from proxy.testing import Received, Reply
+from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.emulator import CHAT, knobs
 from tests.helpers.metrics import metric
 from tests.helpers.sse import sse_chunks, sse_comments
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually
 
 MODEL = "emulator-model"
@@ -383,11 +384,13 @@ def empty_first_retry(request: Received) -> Reply:
 
 
 async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = await fake_upstream(routes={CHAT: empty_first_retry})
-    url = engine.url
-    client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
+    engine = mock_upstream
+    engine.on(CHAT, empty_first_retry)
+    client = await make_proxy(
+        MOCK_URL, upstream=engine, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
+    )
     resp = await client.post("/v1/chat/completions", json=chat())
     answer = await resp.json()
     # Both retries went on from the loop's onset and one unit (the empty one added nothing).
@@ -405,16 +408,16 @@ async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
 
 
 async def test_an_empty_answer_at_the_end_of_the_ladder_is_not_recovered(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = await fake_upstream(routes={CHAT: empty_first_retry})
-    url = engine.url
+    engine = mock_upstream
+    engine.on(CHAT, empty_first_retry)
     ladder = '[{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]'
     env = RETRY | {
         "DETPROXY_LOOPS__LADDERS": ladder,
         "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
     }
-    client = await make_proxy(url, env=env)
+    client = await make_proxy(MOCK_URL, upstream=engine, env=env)
     resp = await client.post("/v1/chat/completions", json=chat())
     answer = await resp.json()
     assert resp.headers["X-Detproxy-Recovered"] == "false", "an empty answer counted as recovered"
@@ -434,11 +437,13 @@ def streamed_text(chunks: list[dict[str, Any]]) -> str:
 
 
 async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = await fake_upstream(routes={CHAT: empty_first_retry})
-    url = engine.url
-    client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
+    engine = mock_upstream
+    engine.on(CHAT, empty_first_retry)
+    client = await make_proxy(
+        MOCK_URL, upstream=engine, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
+    )
     resp = await client.post("/v1/chat/completions", json=chat(stream=True))
     raw = await resp.read()
     chunks = sse_chunks(raw)
@@ -463,16 +468,16 @@ async def test_a_streamed_retry_that_answers_nothing_is_empty_and_the_ladder_goe
 
 
 async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_came(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = await fake_upstream(routes={CHAT: empty_first_retry})
-    url = engine.url
+    engine = mock_upstream
+    engine.on(CHAT, empty_first_retry)
     ladder = '[{"models": "*", "attempts": [{"presence_penalty": 1.5}]}]'
     env = RETRY | {
         "DETPROXY_LOOPS__LADDERS": ladder,
         "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
     }
-    client = await make_proxy(url, env=env)
+    client = await make_proxy(MOCK_URL, upstream=engine, env=env)
     resp = await client.post("/v1/chat/completions", json=chat(stream=True))
     chunks = sse_chunks(await resp.read())
     assert chunks[-1]["detproxy"]["recovered"] is False, "an empty answer counted as recovered"
@@ -501,11 +506,13 @@ def loops_twice(request: Received) -> Reply:
 
 
 async def test_a_continuation_that_loops_again_is_continued_from_its_own_onset(
-    fake_upstream: Any, make_proxy: Any
+    mock_upstream: MockUpstream, make_proxy: Any
 ) -> None:
-    engine = await fake_upstream(routes={CHAT: loops_twice})
-    url = engine.url
-    client = await make_proxy(url, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"})
+    engine = mock_upstream
+    engine.on(CHAT, loops_twice)
+    client = await make_proxy(
+        MOCK_URL, upstream=engine, env=RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
+    )
     resp = await client.post("/v1/chat/completions", json=chat(stream=True, max_tokens=2000))
     chunks = sse_chunks(await resp.read())
     assert chunks[-1]["detproxy"]["attempts"] == 3, chunks[-1]
