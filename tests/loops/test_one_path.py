@@ -12,10 +12,11 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.testing import Received, Reply
+from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.emulator import CHAT, knobs
 from tests.helpers.sse import sse_chunks
+from tests.helpers.upstreams import MOCK_URL
 
 MODEL = "emulator-model"
 # These tests are about continuations (stream_mode continue, the default, set here too).
@@ -116,10 +117,13 @@ def looping(request: Received) -> Reply:
     return Reply.sse([*chunks, {"id": "chatcmpl-s", "choices": [end]}])
 
 
-async def test_streamed_and_whole_retries_ask_the_same(fake_upstream: Any, make_proxy: Any) -> None:
-    engine = await fake_upstream(routes={CHAT: looping})
+async def test_streamed_and_whole_retries_ask_the_same(
+    mock_upstream: MockUpstream, make_proxy: Any
+) -> None:
+    engine = mock_upstream
+    engine.on(CHAT, looping)
     env = RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
-    client = await make_proxy(engine.url, env=env)
+    client = await make_proxy(MOCK_URL, upstream=engine, env=env)
     for stream in (False, True, False):
         await answer_text(client, stream=stream)
     bodies = engine.bodies(CHAT)
@@ -150,13 +154,14 @@ def counted(usage: bool) -> Any:
 
 @pytest.mark.parametrize("usage", [False, True], ids=["no usage", "usage"])
 async def test_streamed_and_whole_retries_ask_the_same_max_tokens(
-    fake_upstream: Any, make_proxy: Any, usage: bool
+    mock_upstream: MockUpstream, make_proxy: Any, usage: bool
 ) -> None:
     """The retry's limit is the client's max_tokens less the kept prefix's tokens, one estimate
     from the kept text: the same streamed or not, however the looping answer counted its own."""
-    engine = await fake_upstream(routes={CHAT: counted(usage)})
+    engine = mock_upstream
+    engine.on(CHAT, counted(usage))
     env = RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
-    client = await make_proxy(engine.url, env=env)
+    client = await make_proxy(MOCK_URL, upstream=engine, env=env)
     for stream in (False, True):
         await answer_text(client, stream=stream)
     bodies = engine.bodies(CHAT)
