@@ -11,11 +11,12 @@ from prometheus_client import CollectorRegistry
 
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.verdict import ending, loop_at_end
-from proxy.testing import Received, Reply
+from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorServer
 from tests.helpers.emulator import CHAT, knobs
 from tests.helpers.metrics import metric
 from tests.helpers.sse import sse_chunks
+from tests.helpers.upstreams import MOCK_URL
 
 MODEL = "emulator-model"
 # These tests are about continuations (stream_mode continue, the default, set here too).
@@ -122,11 +123,12 @@ def repeats_at_its_end(request: Received) -> Reply:
 
 
 async def test_a_stream_that_ends_in_the_loop_it_showed_is_not_recovered(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
-    engine = await fake_upstream(routes={CHAT: repeats_at_its_end})
+    engine = mock_upstream
+    engine.on(CHAT, repeats_at_its_end)
     env = RETRY | {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0"}
-    client = await make_proxy(engine.url, env=env)
+    client = await make_proxy(MOCK_URL, upstream=engine, env=env)
     resp = await client.post("/v1/chat/completions", json=ask(True))
     recovered, finish = await said(resp, True)
     assert finish == "stop"
