@@ -4,46 +4,35 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
-from multidict import CIMultiDict
-
+from proxy.testing import MockResponse, MockUpstream, Received, Reply
 from tests.helpers.metrics import metric
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually
 
-SEEN: list[tuple[str, str, CIMultiDict[str], bytes]] = []
+
+def echo(request: Received) -> Reply:
+    """What the upstream received, as JSON, with a header of its own and hop-by-hop ones."""
+    path = request.path + ("?" + request.query if request.query else "")
+    seen = {
+        "method": request.method,
+        "path": path,
+        "body": request.body.decode(),
+        "headers": {k.lower(): v for k, v in request.headers.items()},
+    }
+    hop = {"X-Upstream-Header": "kept", "Keep-Alive": "timeout=5", "Connection": "keep-alive"}
+    return Reply.json(seen, headers=hop)
 
 
-async def echo(request: web.Request) -> web.Response:
-    body = await request.read()
-    return web.json_response(
-        {
-            "method": request.method,
-            "path": request.path_qs,
-            "body": body.decode(),
-            "headers": {k.lower(): v for k, v in request.headers.items()},
-        },
-        headers={
-            "X-Upstream-Header": "kept",
-            "Keep-Alive": "timeout=5",
-            "Connection": "keep-alive",
-        },
-    )
-
-
-async def metrics(request: web.Request) -> web.Response:
+def metrics(request: Received) -> Reply:
     body = gzip.compress(b"vllm:num_requests_running 3\n")
-    return web.Response(
-        body=body, headers={"Content-Encoding": "gzip", "Content-Type": "text/plain"}
-    )
+    return Reply(200, (("Content-Encoding", "gzip"), ("Content-Type", "text/plain")), body)
 
 
-async def test_other_paths_and_methods(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
-) -> None:
-    upstream_app.router.add_route("*", "/{tail:.*}", echo)
-    client = await make_proxy(await upstream())
+async def test_other_paths_and_methods(make_proxy: Any) -> None:
+    client = await make_proxy(MOCK_URL, upstream=MockUpstream(echo))
     for method, path in [
         ("GET", "/v1/models"),
         ("GET", "/health"),
@@ -61,11 +50,8 @@ async def test_other_paths_and_methods(
         assert "Keep-Alive" not in resp.headers
 
 
-async def test_hop_by_hop_headers_are_not_forwarded(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
-) -> None:
-    upstream_app.router.add_route("*", "/{tail:.*}", echo)
-    client = await make_proxy(await upstream())
+async def test_hop_by_hop_headers_are_not_forwarded(make_proxy: Any) -> None:
+    client = await make_proxy(MOCK_URL, upstream=MockUpstream(echo))
     resp = await client.get(
         "/v1/models",
         headers={
@@ -83,33 +69,23 @@ async def test_hop_by_hop_headers_are_not_forwarded(
     assert seen["x-request-id"] == resp.headers["X-Request-Id"]
 
 
-async def test_encoded_bodies_pass_untouched(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
-) -> None:
-    upstream_app.router.add_get("/metrics", metrics)
-    client = await make_proxy(await upstream())
+async def test_encoded_bodies_pass_untouched(make_proxy: Any, mock_upstream: MockUpstream) -> None:
+    mock_upstream.on("/metrics", metrics)
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.get("/metrics", auto_decompress=False)
     assert resp.headers["Content-Encoding"] == "gzip"
     assert gzip.decompress(await resp.read()) == b"vllm:num_requests_running 3\n"
 
 
-async def test_upstream_statuses_pass_through(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
-) -> None:
-    async def dead(request: web.Request) -> web.Response:
-        return web.Response(status=503, text="engine dead")
-
-    upstream_app.router.add_get("/health", dead)
-    client = await make_proxy(await upstream())
+async def test_upstream_statuses_pass_through(make_proxy: Any, mock_upstream: MockUpstream) -> None:
+    mock_upstream.on("/health", Reply.text("engine dead", 503))
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.get("/health")
     assert (resp.status, await resp.text()) == (503, "engine dead")
 
 
-async def test_detproxy_endpoints_are_never_forwarded(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: Any
-) -> None:
-    upstream_app.router.add_route("*", "/{tail:.*}", echo)
-    client = await make_proxy(await upstream())
+async def test_detproxy_endpoints_are_never_forwarded(make_proxy: Any, registry: Any) -> None:
+    client = await make_proxy(MOCK_URL, upstream=MockUpstream(echo))
     assert (await (await client.get("/detproxy/health")).json()) == {"status": "ok"}
     resp = await client.get("/detproxy/nope")
     assert resp.status == 404 and "detproxy" in (await resp.json())["error"]["message"]
@@ -117,7 +93,7 @@ async def test_detproxy_endpoints_are_never_forwarded(
     text = await (await client.get("/detproxy/metrics")).text()
     assert 'detproxy_requests_total{deterministic="false",endpoint="other"' in text
     status = await (await client.get("/detproxy/status")).json()
-    assert status["upstream"].startswith("http://127.0.0.1") and status["inflight"] == 0
+    assert status["upstream"] == MOCK_URL and status["inflight"] == 0
     assert (
         metric(
             registry, "detproxy_request_duration_seconds_count", endpoint="other", stream="false"
@@ -127,23 +103,22 @@ async def test_detproxy_endpoints_are_never_forwarded(
 
 
 async def test_a_stream_the_client_leaves_on_done_is_whole_not_a_disconnect(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application, registry: Any
+    make_proxy: Any, mock_upstream: MockUpstream, registry: Any
 ) -> None:
     """A route passed through that streams SSE (vLLM's streamed transcriptions, say): the
     openai SDK closes the connection once it reads ``data: [DONE]``, here a second before the
     upstream ends its framing. The client had the whole stream: a 200, not a disconnect."""
 
-    async def transcribe(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b'data: {"delta": "hello"}\n\n')
-        await resp.write(b"data: [DONE]\n\n")
-        await asyncio.sleep(1.0)
-        await resp.write_eof()
-        return resp
+    async def events() -> AsyncIterator[bytes]:
+        yield b'data: {"delta": "hello"}\n\n'
+        yield b"data: [DONE]\n\n"
+        await asyncio.sleep(1.0)  # the stream's end comes a second after [DONE]
 
-    upstream_app.router.add_post("/v1/audio/transcriptions", transcribe)
-    client = await make_proxy(await upstream())
+    def transcribe(request: Received) -> MockResponse:
+        return MockResponse(headers={"Content-Type": "text/event-stream"}, body=events())
+
+    mock_upstream.on("/v1/audio/transcriptions", transcribe)
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post("/v1/audio/transcriptions", data=b"audio")
     got = b""
     while not got.endswith(b"data: [DONE]\n\n"):
@@ -166,14 +141,11 @@ async def test_a_stream_the_client_leaves_on_done_is_whole_not_a_disconnect(
 
 
 async def test_upstream_errors_passed_through_are_counted_by_their_class(
-    make_proxy: Any, fake_upstream: Any, registry: Any
+    make_proxy: Any, mock_upstream: MockUpstream, registry: Any
 ) -> None:
-    from proxy.testing import Reply
-
-    upstream = await fake_upstream(
-        routes={"/v1/embeddings": Reply.error(400, "not an embedding model"), "/health": Reply(503)}
-    )
-    client = await make_proxy(upstream.url)
+    mock_upstream.on("/v1/embeddings", Reply.error(400, "not an embedding model"))
+    mock_upstream.on("/health", Reply(503))
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     for method, path, status in [
         ("GET", "/v1/models", 404),  # nothing scripted: 404
         ("POST", "/v1/embeddings", 400),
