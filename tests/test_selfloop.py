@@ -11,7 +11,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import BUS, build_app
@@ -19,6 +18,7 @@ from proxy.config import SERVER_ID_ENV, Settings, load_settings
 from proxy.observe.log import EventLog
 from proxy.selfloop import LOOP_STATUS, points_back, server_id
 from proxy.serving import serving
+from proxy.testing import Reply
 from tests.helpers.metrics import metric, metric_samples, metric_total
 from tests.helpers.processes import detproxy_serve, free_port
 
@@ -152,20 +152,19 @@ async def test_a_request_that_comes_back_is_answered_508_at_once_and_logged_once
 
 
 async def test_a_client_that_came_through_another_detproxy_is_forwarded_with_both_ids(
-    make_proxy: Any, upstream: Any, upstream_app: web.Application
+    make_proxy: Any, fake_upstream: Any
 ) -> None:
     """A client's X-Detproxy-Via (a detproxy in front of this one) is no loop: passed on, this
     server's own beside it."""
-    seen: list[list[str]] = []
-
-    async def models(request: web.Request) -> web.Response:
-        seen.append(request.headers.getall("X-Detproxy-Via", []))
-        return web.json_response({"data": []})
-
-    upstream_app.router.add_get("/v1/models", models)
-    client = await make_proxy(await upstream(), env=QUIET)
+    # On a socket: detproxy's own id is written by its HTTP client, on the wire (proxy/http/h1.py).
+    upstream = await fake_upstream(routes={"/v1/models": Reply.json({"data": []})})
+    client = await make_proxy(upstream.url, env=QUIET)
     resp = await client.get("/v1/models", headers={"X-Detproxy-Via": "f00dfeedf00dfeed"})
     assert resp.status == 200
+    seen = [
+        [v for k, v in r.headers.items() if k.lower() == "x-detproxy-via"]
+        for r in upstream.received("/v1/models")
+    ]
     assert len(seen) == 1 and len(seen[0]) == 2 and "f00dfeedf00dfeed" in seen[0], seen
 
 
