@@ -95,6 +95,7 @@ async def test_non_streaming_is_byte_faithful(
 async def test_the_upstream_gets_the_clients_fields_as_they_came_less_hop_by_hop(
     make_proxy: Any, upstream: Any, upstream_app: web.Application
 ) -> None:
+    # On a socket: about the head's bytes detproxy's client writes (raw fields, Host, length).
     received: list[list[tuple[bytes, bytes]]] = []
 
     async def answer(request: web.Request) -> web.Response:
@@ -438,7 +439,8 @@ async def test_with_loops_off_an_answer_nothing_reads_is_not_parsed(
 
 
 class RawUpstream:
-    """Records each request's head as bytes; answers a JSON answer with ``field`` in its head."""
+    """Records each request's head as bytes; answers a JSON answer with ``field`` in its head
+    (on a socket: these tests are about the bytes of the heads on the wire)."""
 
     def __init__(self, field: bytes) -> None:
         self.field = field
