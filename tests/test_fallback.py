@@ -10,21 +10,24 @@ detproxy added (an unknown model, a 5xx, ...) is the client's: answered once, as
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp import ClientSession, web
 from prometheus_client import CollectorRegistry
 
 from proxy.app import BUS
 from proxy.config import LogConfig
 from proxy.observe.log import EventLog
-from proxy.testing import Received, Reply
+from proxy.testing import MockResponse, MockUpstream, Received, Reply, answers
 from tests.helpers.metrics import metric, metric_total
 from tests.helpers.settings import NO_SHADOWS
 from tests.helpers.sse import sse_event
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually, settle
 
 CHAT = "/v1/chat/completions"
@@ -44,9 +47,16 @@ def asks_logprobs(body: dict[str, Any]) -> bool:
     return value is True or (isinstance(value, int) and not isinstance(value, bool))
 
 
-def vllm_error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+def vllm_error(status: int, message: str) -> Reply:
+    return Reply.error(status, message)
+
+
+def json_answer(body: dict[str, Any]) -> Reply:
+    """A whole answer as aiohttp's ``json_response`` writes it (``json.dumps``: spaced, which
+    detproxy's own orjson would not write: its bytes show whether they were passed on)."""
+    return Reply(
+        200, (("Content-Type", "application/json; charset=utf-8"),), json.dumps(body).encode()
+    )
 
 
 def answer(path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -77,14 +87,13 @@ class Refusing:
         self.mode = mode
         self.bodies: list[dict[str, Any]] = []
 
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post(CHAT, self.handle)
-        app.router.add_post(COMPLETIONS, self.handle)
-        return app
+    def route(self, upstream: MockUpstream) -> None:
+        """Answer ``upstream``'s chat and completions requests."""
+        upstream.on(CHAT, self.handle)
+        upstream.on(COMPLETIONS, self.handle)
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+    def handle(self, request: Received) -> Reply:
+        body = request.json()
         self.bodies.append(body)
         lp = asks_logprobs(body)
         if body.get("model") == "unknown":
@@ -96,23 +105,19 @@ class Refusing:
         if not body.get("stream"):
             if lp and self.mode == "nan":
                 return vllm_error(400, NAN)
-            return web.json_response(answer(request.path, body))
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+            return json_answer(answer(request.path, body))
         if lp and self.mode == "stream_error_first":
-            await resp.write(sse_event({"error": STREAMED_LOGPROBS_REFUSED}))
-            await resp.write(b"data: [DONE]\n\n")
-            return resp
+            return Reply.sse([sse_event({"error": STREAMED_LOGPROBS_REFUSED})])
         nan = lp and self.mode == "nan"
-        await resp.write(chunk(request.path, " Paris", None, nan))
-        await resp.write(chunk(request.path, ".", "stop", nan))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        path = request.path
+        return Reply.sse([chunk(path, " Paris", None, nan), chunk(path, ".", "stop", nan)])
 
 
-async def direct(url: str, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
-    async with ClientSession() as session, session.post(url + path, json=body) as resp:
-        return resp.status, await resp.read()
+async def direct(upstream: MockUpstream, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    """What the client gets from the upstream without detproxy: its request sent to it."""
+    head = {"Content-Type": "application/json"}
+    resp = await upstream.send("POST", path, head, orjson.dumps(body))
+    return resp.status, await resp.read()
 
 
 def request_body(path: str, stream: bool, model: str = "m") -> dict[str, Any]:
@@ -130,7 +135,7 @@ def request_body(path: str, stream: bool, model: str = "m") -> dict[str, Any]:
     [("nan", False), ("stream_error_first", True)],
 )
 async def test_audited_requests_answer_as_without_detproxy(
-    aiohttp_server: Any,
+    mock_upstream: MockUpstream,
     make_proxy: Any,
     registry: CollectorRegistry,
     path: str,
@@ -138,10 +143,10 @@ async def test_audited_requests_answer_as_without_detproxy(
     stream: bool,
 ) -> None:
     scripted = Refusing(mode)
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=AUDIT_ALL)
+    scripted.route(mock_upstream)
+    proxy = await make_proxy(MOCK_URL, upstream=mock_upstream, env=AUDIT_ALL)
     body = request_body(path, stream)
-    expected_status, expected = await direct(url, path, body)
+    expected_status, expected = await direct(mock_upstream, path, body)
     assert expected_status == 200
     scripted.bodies.clear()
     for _ in range(5):
@@ -172,15 +177,15 @@ async def test_audited_requests_answer_as_without_detproxy(
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 async def test_streamed_nan_logprobs_are_relayed_and_refused_shadows_suspend_the_audit(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry, path: str
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry, path: str
 ) -> None:
     """vLLM streams NaN logprobs as null (the stream works) but refuses them non-streamed, so
     every shadow fails: three in a row suspend the model's logprob injection."""
     scripted = Refusing("nan")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=AUDIT_ALL)
+    scripted.route(mock_upstream)
+    proxy = await make_proxy(MOCK_URL, upstream=mock_upstream, env=AUDIT_ALL)
     body = request_body(path, stream=True)
-    _, expected = await direct(url, path, body)
+    _, expected = await direct(mock_upstream, path, body)
     for _ in range(3):
         resp = await proxy.post(path, json=body)
         assert resp.status == 200
@@ -205,12 +210,12 @@ async def test_streamed_nan_logprobs_are_relayed_and_refused_shadows_suspend_the
 
 
 async def test_suspension_stops_injecting(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     scripted = Refusing("nan")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    scripted.route(mock_upstream)
     env = AUDIT_ALL | {"DETPROXY_INJECTION__FAILURES_TO_SUSPEND": "2"}
-    proxy = await make_proxy(url, env=env)
+    proxy = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
     body = request_body(CHAT, stream=False)
     for _ in range(2):
         assert (await proxy.post(CHAT, json=body)).status == 200
@@ -231,12 +236,12 @@ async def test_suspension_stops_injecting(
 
 
 async def test_a_client_that_asks_logprobs_itself_is_still_audited_while_suspended(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     scripted = Refusing("stream_error_first")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    scripted.route(mock_upstream)
     env = AUDIT_ALL | {"DETPROXY_INJECTION__FAILURES_TO_SUSPEND": "1"}
-    proxy = await make_proxy(url, env=env)
+    proxy = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
     await (await proxy.post(CHAT, json=request_body(CHAT, stream=True))).read()
     assert metric(registry, "detproxy_injection_suspended", model="m", kind="logprobs") == 1
     scripted.bodies.clear()
@@ -252,21 +257,21 @@ MAX_LOGPROBS = "Requested sample logprobs of 20, which is greater than max allow
 
 
 async def test_an_error_the_clients_own_request_gets_too_is_relayed_and_not_blamed(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     """The refusal names logprobs, so the client's own request goes; the upstream refuses
     that too (a prompt over the context): its error is the client's answer, and neither the
     injection nor the audit is blamed for it."""
-    upstream = await fake_upstream()
+    upstream = mock_upstream
     too_long = Reply.error(400, "This model's maximum context length is 16 tokens.")
 
     def refuses(request: Received) -> Reply:
         return Reply.error(400, MAX_LOGPROBS) if asks_logprobs(request.json()) else too_long
 
     upstream.on(CHAT, refuses)
-    proxy = await make_proxy(upstream.url, env=AUDIT_ALL)
+    proxy = await make_proxy(MOCK_URL, upstream=upstream, env=AUDIT_ALL)
     body = request_body(CHAT, stream=False)
-    expected = await direct(upstream.url, CHAT, body)
+    expected = await direct(upstream, CHAT, body)
     for _ in range(4):
         resp = await proxy.post(CHAT, json=body)
         assert (resp.status, await resp.read()) == expected
@@ -310,7 +315,7 @@ CASES = [(case, *shape) for case in CLIENTS_OWN for shape in SHAPES] + [
 
 @pytest.mark.parametrize(("case", "path", "stream"), CASES)
 async def test_an_error_not_about_the_injection_is_answered_once_as_it_came(
-    fake_upstream: Any,
+    mock_upstream: MockUpstream,
     make_proxy: Any,
     registry: CollectorRegistry,
     caplog: pytest.LogCaptureFixture,
@@ -320,9 +325,10 @@ async def test_an_error_not_about_the_injection_is_answered_once_as_it_came(
 ) -> None:
     refusal = CLIENTS_OWN[case]
     refusal = Reply(refusal.status, (*refusal.headers, ("X-Upstream", "as-sent")), refusal.body)
-    upstream = await fake_upstream(routes={path: refusal})
-    proxy = await make_proxy(upstream.url, env=AUDIT_ALL)
-    EventLog(LogConfig(repeat_s=0), upstream.url).subscribe(proxy.server.app[BUS])
+    upstream = mock_upstream
+    upstream.on(path, refusal)
+    proxy = await make_proxy(MOCK_URL, upstream=upstream, env=AUDIT_ALL)
+    EventLog(LogConfig(repeat_s=0), MOCK_URL).subscribe(proxy.server.app[BUS])
     caplog.set_level(logging.DEBUG)
     resp = await proxy.post(path, json=request_body(path, stream))
     assert (resp.status, await resp.read()) == (refusal.status, refusal.body)
@@ -356,19 +362,20 @@ async def test_an_error_not_about_the_injection_is_answered_once_as_it_came(
     ids=["max_logprobs", "top_logprobs", "fastapi_422"],
 )
 async def test_a_refusal_of_the_injected_logprobs_falls_back_to_the_clients_own(
-    fake_upstream: Any,
+    mock_upstream: MockUpstream,
     make_proxy: Any,
     registry: CollectorRegistry,
     path: str,
     stream: bool,
     refusal: Reply,
 ) -> None:
-    upstream = await fake_upstream()  # answers every request it is not scripted for
+    upstream = mock_upstream
+    upstream.on(path, answers())  # answers every request to it that is not scripted
     body = request_body(path, stream)
-    expected = await direct(upstream.url, path, body)
+    expected = await direct(upstream, path, body)
     upstream.requests.clear()
     upstream.script(path, refusal)
-    proxy = await make_proxy(upstream.url, env=AUDIT_ALL)
+    proxy = await make_proxy(MOCK_URL, upstream=upstream, env=AUDIT_ALL)
     resp = await proxy.post(path, json=body)
     assert (resp.status, await resp.read()) == expected  # the fallback's answer, as it came
     await settle(proxy)
@@ -386,15 +393,16 @@ async def test_a_refusal_of_the_injected_logprobs_falls_back_to_the_clients_own(
 
 
 async def relayed_alike(
-    fake_upstream: Any, make_proxy: Any, path: str, reply: Reply
+    mock_upstream: MockUpstream, make_proxy: Any, path: str, reply: Reply
 ) -> tuple[bytes, bytes, list[bool]]:
     """The same streamed answer through an audited detproxy and an unaudited one: what each
     client read, and whether each request the audited one sent asked for logprobs."""
-    upstream = await fake_upstream(routes={path: reply})
+    upstream = mock_upstream
+    upstream.on(path, reply)
     body = request_body(path, stream=True)
     proxies = [
-        await make_proxy(upstream.url, env=AUDIT_ALL),
-        await make_proxy(upstream.url, env={"DETPROXY_AUDIT__SAMPLE_RATE": "0"}),
+        await make_proxy(MOCK_URL, upstream=upstream, env=AUDIT_ALL),
+        await make_proxy(MOCK_URL, upstream=upstream, env={"DETPROXY_AUDIT__SAMPLE_RATE": "0"}),
     ]
     audited, plain = [await (await p.post(path, json=body)).read() for p in proxies]
     await settle(proxies[0])
@@ -404,11 +412,11 @@ async def relayed_alike(
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 async def test_a_stream_opening_with_the_engines_own_error_is_relayed_once(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry, path: str
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry, path: str
 ) -> None:
     error = {"message": "EngineCore died", "type": "InternalServerError", "code": 500}
     reply = Reply.sse([{"error": error}])
-    audited, plain, sent = await relayed_alike(fake_upstream, make_proxy, path, reply)
+    audited, plain, sent = await relayed_alike(mock_upstream, make_proxy, path, reply)
     assert audited == plain == b"".join(reply.events or ())
     assert sent == [True]  # once
     assert metric_total(registry, "detproxy_fallbacks_total") == 0
@@ -416,10 +424,10 @@ async def test_a_stream_opening_with_the_engines_own_error_is_relayed_once(
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
 async def test_a_stream_cut_before_its_first_event_is_relayed_once(
-    fake_upstream: Any, make_proxy: Any, registry: CollectorRegistry, path: str
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry, path: str
 ) -> None:
     reply = Reply.sse([{"choices": []}], cut_after=0)  # headers, then the connection is gone
-    audited, plain, sent = await relayed_alike(fake_upstream, make_proxy, path, reply)
+    audited, plain, sent = await relayed_alike(mock_upstream, make_proxy, path, reply)
     assert audited == plain  # the in-band error and [DONE] an unaltered request gets
     assert audited.endswith(b"data: [DONE]\n\n") and b'"error"' in audited
     assert sent == [True]
@@ -429,18 +437,18 @@ async def test_a_stream_cut_before_its_first_event_is_relayed_once(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_rejected_repetition_detection_falls_back_and_is_suspended(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry, stream: bool
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry, stream: bool
 ) -> None:
     scripted = Refusing("repetition")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
+    scripted.route(mock_upstream)
     env = {
         "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0",
         "DETPROXY_LOOPS__ENGINE_DETECTION": "{}",
         "DETPROXY_AUDIT__SAMPLE_RATE": "1.0",
     }
-    proxy = await make_proxy(url, env=env)
+    proxy = await make_proxy(MOCK_URL, upstream=mock_upstream, env=env)
     body = request_body(CHAT, stream)
-    _, expected = await direct(url, CHAT, body)
+    _, expected = await direct(mock_upstream, CHAT, body)
     for _ in range(4):
         resp = await proxy.post(CHAT, json=body)
         assert resp.status == 200
@@ -466,8 +474,8 @@ class Looping(Refusing):
     """Loops under greedy decoding; a presence penalty ends the loop (``mode="ok"``) or is
     refused (``mode="no_overrides"``). Answers logprobs when asked."""
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+    def handle(self, request: Received) -> Reply:
+        body = request.json()
         self.bodies.append(body)
         penalised = body.get("presence_penalty") is not None
         if penalised and self.mode == "no_overrides":
@@ -484,9 +492,8 @@ class Looping(Refusing):
                 choice["logprobs"] = {
                     "content": [{"token": t, "logprob": -0.5, "top_logprobs": []} for t in texts]
                 }
-            return web.json_response(reply)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+            return json_answer(reply)
+        events = []
         for i, text in enumerate(texts):
             last = i == len(texts) - 1
             event = orjson.loads(chunk(CHAT, text, finish if last else None, False)[6:])
@@ -494,25 +501,23 @@ class Looping(Refusing):
                 event["choices"][0]["logprobs"] = {
                     "content": [{"token": text, "logprob": -0.5, "top_logprobs": []}]
                 }
-            try:
-                await resp.write(sse_event(event))
-            except ConnectionResetError:
-                return resp  # detproxy closed the looping attempt
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+            events.append(sse_event(event))
+        return Reply.sse(events)
 
 
 LOOP_RETRY = {"DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0", "DETPROXY_LOOPS__POLICY": "retry"}
 
 
 async def test_a_refused_retry_gives_the_client_the_answer_it_had(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     scripted = Looping("no_overrides")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY | NO_SHADOWS)  # bytes as the engine's
+    scripted.route(mock_upstream)
+    proxy = await make_proxy(
+        MOCK_URL, upstream=mock_upstream, env=LOOP_RETRY | NO_SHADOWS
+    )  # bytes as the engine's
     body = request_body(CHAT, stream=False)
-    _, expected = await direct(url, CHAT, body)
+    _, expected = await direct(mock_upstream, CHAT, body)
     resp = await proxy.post(CHAT, json=body)
     assert resp.status == 200
     assert await resp.read() == expected  # the looping answer, as without detproxy
@@ -526,13 +531,17 @@ async def test_a_refused_retry_gives_the_client_the_answer_it_had(
 
 
 async def test_a_refused_streamed_retry_goes_on_with_the_clients_own_request(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     # stream_mode continue: the client was shown part of the answer; its own request (no
     # overrides) goes on from exactly that part, so it still reads one answer.
     scripted = Looping("no_overrides")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "continue"})
+    scripted.route(mock_upstream)
+    proxy = await make_proxy(
+        MOCK_URL,
+        upstream=mock_upstream,
+        env=LOOP_RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "continue"},
+    )
     # Room after the kept text (its tokens, estimated from it, are taken off max_tokens).
     body = request_body(CHAT, stream=True) | {"max_tokens": 64}
     resp = await proxy.post(CHAT, json=body)
@@ -556,13 +565,17 @@ async def test_a_refused_streamed_retry_goes_on_with_the_clients_own_request(
 
 
 async def test_a_refused_streamed_retry_relays_the_clients_own_request(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     scripted = Looping("no_overrides")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "restart"})
+    scripted.route(mock_upstream)
+    proxy = await make_proxy(
+        MOCK_URL,
+        upstream=mock_upstream,
+        env=LOOP_RETRY | {"DETPROXY_LOOPS__STREAM_MODE": "restart"},
+    )
     body = request_body(CHAT, stream=True)
-    _, expected = await direct(url, CHAT, body)
+    _, expected = await direct(mock_upstream, CHAT, body)
     scripted.bodies.clear()
     resp = await proxy.post(CHAT, json=body)
     assert resp.status == 200
@@ -588,11 +601,13 @@ async def test_a_refused_streamed_retry_relays_the_clients_own_request(
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_retried_answer_carries_no_logprobs_the_client_did_not_ask_for(
-    aiohttp_server: Any, make_proxy: Any, stream: bool
+    mock_upstream: MockUpstream, make_proxy: Any, stream: bool
 ) -> None:
     scripted = Looping("ok")
-    url = str((await aiohttp_server(scripted.app())).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=LOOP_RETRY | {"DETPROXY_AUDIT__SAMPLE_RATE": "1.0"})
+    scripted.route(mock_upstream)
+    proxy = await make_proxy(
+        MOCK_URL, upstream=mock_upstream, env=LOOP_RETRY | {"DETPROXY_AUDIT__SAMPLE_RATE": "1.0"}
+    )
     resp = await proxy.post(CHAT, json=request_body(CHAT, stream))
     assert resp.status == 200
     got = await resp.read()
@@ -611,6 +626,8 @@ async def test_the_sdk_gets_no_error_from_an_emulated_vllm_with_nan_logprobs(
 
     from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 
+    # On a socket: the emulator is a server, and the SDK reads it directly for the answer
+    # without detproxy.
     async with EmulatorServer(EmulatorConfig(nan_logprobs=True)) as emulator:
         proxy = await make_proxy(emulator.url, env=AUDIT_ALL)
         through = openai.AsyncOpenAI(
@@ -663,33 +680,25 @@ async def test_the_sdk_gets_no_error_from_an_emulated_vllm_with_nan_logprobs(
 
 
 async def test_a_client_that_leaves_before_the_first_event_closes_the_upstream(
-    aiohttp_server: Any, make_proxy: Any
+    mock_upstream: MockUpstream, make_proxy: Any
 ) -> None:
-    import asyncio
-
     import aiohttp
 
-    closed = asyncio.Event()
+    async def pings() -> AsyncIterator[bytes]:
+        for _ in range(200):  # keep-alive comments, never an event
+            yield b": ping\n\n"
+            await asyncio.sleep(0.02)
 
-    async def stalls(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        try:
-            for _ in range(200):  # keep-alive comments, never an event
-                await resp.write(b": ping\n\n")
-                await asyncio.sleep(0.02)
-        except (ConnectionResetError, asyncio.CancelledError):
-            closed.set()  # the connection was closed (this server cancels its handler then)
-            raise
-        return resp
+    def stalls(request: Received) -> MockResponse:
+        return MockResponse(headers={"Content-Type": "text/event-stream"}, body=pings())
 
-    app = web.Application()
-    app.router.add_post(CHAT, stalls)
-    url = str((await aiohttp_server(app)).make_url("")).rstrip("/")
-    proxy = await make_proxy(url, env=AUDIT_ALL)  # audited: its first event is awaited
+    mock_upstream.on(CHAT, stalls)
+    proxy = await make_proxy(
+        MOCK_URL, upstream=mock_upstream, env=AUDIT_ALL
+    )  # audited: its first event is awaited
     with pytest.raises(asyncio.TimeoutError):
         await proxy.post(
             CHAT, json=request_body(CHAT, stream=True), timeout=aiohttp.ClientTimeout(total=0.2)
         )
-    await asyncio.wait_for(closed.wait(), 2)  # the engine saw its connection go
+    (upstream,) = mock_upstream.responses
+    await eventually(lambda: upstream.closed, what="the upstream answer closed", timeout_s=2)
