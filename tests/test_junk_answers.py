@@ -13,7 +13,6 @@ few values anywhere in the tree with junk, or deletes them.
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import random
@@ -23,8 +22,9 @@ from typing import Any
 import orjson
 import pytest
 
+from proxy.testing import MockUpstream, Received, Reply, not_found
 from tests.helpers.sse import parse_sse
-from tests.helpers.upstreams import ScriptedRequest, ScriptedServer
+from tests.helpers.upstreams import MOCK_URL
 
 Path = tuple[str | int, ...]
 
@@ -172,13 +172,13 @@ def without_logprobs(value: Any) -> Any:
 
 
 class JunkUpstream:
-    """A vLLM stand-in that answers every request with ``answer`` (bytes of JSON), or streams
-    ``events`` (each one SSE event, in its own HTTP chunk)."""
+    """A vLLM stand-in (``mock``, detproxy's upstream) that answers every request with
+    ``answer`` (bytes of JSON), or streams ``events`` (each one SSE event, in its own piece)."""
 
     def __init__(self) -> None:
         self.answer = b""
         self.events: list[bytes] = []
-        self.server = ScriptedServer(self.reply)
+        self.mock = MockUpstream(self.reply)
         self.primary: dict[str, Any] = {}  # the last request that was not a shadow
 
     def injected(self, client: dict[str, Any]) -> bool:
@@ -186,37 +186,22 @@ class JunkUpstream:
         (it does not when the audit's rate limit skips a request)."""
         return "logprobs" in self.primary and "logprobs" not in client
 
-    async def reply(self, req: ScriptedRequest, writer: asyncio.StreamWriter) -> bool:
-        if not req.head.startswith(b"POST"):  # detproxy's probes (/version, /metrics)
-            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
-            return True
-        body = orjson.loads(req.body)
-        if req.header(b"x-detproxy-shadow") is None:
+    def reply(self, request: Received) -> Reply:
+        if request.method != "POST":  # detproxy's probes (/version, /metrics)
+            return not_found(request)
+        body = orjson.loads(request.body)
+        if request.headers.get("x-detproxy-shadow") is None:
             self.primary = body
         if body.get("stream"):
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                b"transfer-encoding: chunked\r\n\r\n"
-            )
-            for event in self.events:
-                writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-                await writer.drain()
-            writer.write(b"0\r\n\r\n")
-        else:
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(self.answer), self.answer)
-            )
-        return True
+            return Reply.sse(self.events, done=False)
+        return Reply(200, (("content-type", "application/json"),), self.answer)
 
 
 @pytest.fixture
 async def junk_upstream() -> AsyncIterator[JunkUpstream]:
     upstream = JunkUpstream()
-    upstream.server.server = await asyncio.start_server(upstream.server.handle, "127.0.0.1", 0)
-    yield upstream
-    upstream.server.server.close()
-    await upstream.server.server.wait_closed()
+    async with upstream.mock:
+        yield upstream
 
 
 AUDITED = {
@@ -249,7 +234,7 @@ ENDPOINTS = pytest.mark.parametrize("endpoint", ["chat", "completions"])
 async def test_a_junk_whole_answer_reaches_the_client_unchanged(
     make_proxy: Any, junk_upstream: JunkUpstream, asks_logprobs: bool, endpoint: str
 ) -> None:
-    client = await make_proxy(junk_upstream.server.url, env=AUDITED)
+    client = await make_proxy(MOCK_URL, upstream=junk_upstream.mock, env=AUDITED)
     rng = random.Random(16)
     body = request(endpoint, False, asks_logprobs)
     for n in range(MUTANTS):
@@ -276,7 +261,7 @@ async def test_a_junk_stream_reaches_the_client_unchanged(
     endpoint: str,
 ) -> None:
     env = {**AUDITED, "DETPROXY_LOOPS__STREAM_MODE": stream_mode}
-    client = await make_proxy(junk_upstream.server.url, env=env)
+    client = await make_proxy(MOCK_URL, upstream=junk_upstream.mock, env=env)
     rng = random.Random(17 if stream_mode == "restart" else 18)
     body = request(endpoint, True, asks_logprobs)
     for n in range(MUTANTS):
