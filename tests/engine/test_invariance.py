@@ -7,7 +7,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
@@ -15,6 +14,7 @@ from proxy.engine.facts import CHECKED, EngineFacts
 from proxy.engine.follow import EngineTruth
 from proxy.engine.invariance import BATCH, BatchInvarianceCheck
 from proxy.events import EngineFactsRead, EventBus
+from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.waiting import Unmet, eventually
 
@@ -153,10 +153,7 @@ class Scripted:
         self.answers = answers
         self.sent = 0
 
-    async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "scripted"}]})
-
-    async def chat(self, request: web.Request) -> web.Response:
+    def chat(self, request: Received) -> Reply:
         token = self.answers[min(self.sent, len(self.answers) - 1)]
         self.sent += 1
         entry = {"token": token, "logprob": -0.5, "bytes": list(token.encode())}
@@ -166,7 +163,7 @@ class Scripted:
             "logprobs": {"content": [entry | {"top_logprobs": [entry]}]},
             "finish_reason": "stop",
         }
-        return web.json_response(
+        return Reply.json(
             {"id": "x", "object": "chat.completion", "model": "scripted", "choices": [choice]}
         )
 
@@ -180,16 +177,13 @@ class Scripted:
     ],
 )
 async def test_the_verdict_of_a_black_box_upstream(
-    aiohttp_server: Any, answers: list[str], state: str, fact: bool | None
+    answers: list[str], state: str, fact: bool | None
 ) -> None:
     from proxy.config import AttributionConfig, AuditConfig
-    from proxy.http.h1 import H1Upstream
 
     scripted = Scripted(answers)
-    app = web.Application()
-    app.router.add_get("/v1/models", scripted.models)
-    app.router.add_post("/v1/chat/completions", scripted.chat)
-    server = await aiohttp_server(app)
+    models = Reply.json({"object": "list", "data": [{"id": "scripted"}]})
+    upstream = MockUpstream(routes={"/v1/models": models, "/v1/chat/completions": scripted.chat})
     bus = EventBus()
     seen: list[EngineFactsRead] = []
     bus.subscribe(EngineFactsRead, seen.append)
@@ -200,13 +194,6 @@ async def test_the_verdict_of_a_black_box_upstream(
         inflight = 0
         started = 0
 
-    upstream = H1Upstream(
-        str(server.make_url("")).rstrip("/"),
-        connect_timeout_s=5.0,
-        read_timeout_s=5.0,
-        keepalive_timeout_s=4.0,
-        max_connections=16,
-    )
     audit = AuditConfig(cache_salt=True, quiet_settle_s=0.0, quiet_poll_s=0.005)
     check = BatchInvarianceCheck(
         truth, upstream, Idle(), audit, AttributionConfig(), follows_identity=False
