@@ -4,11 +4,11 @@ bucketed by how many requests were in flight."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 import pytest
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from proxy.events import StreamTimed
@@ -16,9 +16,11 @@ from proxy.http.sse import encode_event
 from proxy.observe.metrics import inflight_bucket
 from proxy.relay.result import StreamResult
 from proxy.streaming import speed_event
+from proxy.testing import MockResponse, MockUpstream, Received
 from tests.helpers.answers import grouped_chat_chunks, tokens
 from tests.helpers.metrics import metric
 from tests.helpers.relay_run import relay
+from tests.helpers.upstreams import MOCK_URL
 
 
 def test_inflight_buckets() -> None:
@@ -46,35 +48,35 @@ class Clock:
         return self.now
 
 
-def paced_upstream(clock: Clock, tokens: int) -> web.Application:
-    async def stream(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+def paced_stream(clock: Clock, tokens: int) -> MockResponse:
+    """A stream of ``tokens`` tokens, each one piece, ``clock`` 10 ms on before each."""
+
+    async def events() -> AsyncIterator[bytes]:
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
-        await resp.write(encode_event(orjson.dumps({"id": "c", "choices": [role]})))
+        yield encode_event(orjson.dumps({"id": "c", "choices": [role]}))
         for i in range(tokens):
             clock.now += 0.01
             finish = "length" if i == tokens - 1 else None
             choice = {"index": 0, "delta": {"content": f" t{i}"}, "finish_reason": finish}
-            await resp.write(encode_event(orjson.dumps({"id": "c", "choices": [choice]})))
-            # Real time between writes, so each token arrives in a read of its own; the
-            # figures come from the virtual clock only.
+            yield encode_event(orjson.dumps({"id": "c", "choices": [choice]}))
+            # Real time between pieces, so that streams sent at once overlap; the figures
+            # come from the virtual clock only.
             await asyncio.sleep(0.02 if i == 0 else 0.002)
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        yield b"data: [DONE]\n\n"
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", stream)
-    return app
+    return MockResponse(headers={"Content-Type": "text/event-stream"}, body=events())
 
 
 async def test_speed_by_concurrency(
-    aiohttp_server: Any, make_proxy: Any, registry: CollectorRegistry
+    mock_upstream: MockUpstream, make_proxy: Any, registry: CollectorRegistry
 ) -> None:
     clock = Clock()
-    server = await aiohttp_server(paced_upstream(clock, 20))
-    client = await make_proxy(str(server.make_url("")).rstrip("/"), clock=clock)
+
+    def stream(request: Received) -> MockResponse:
+        return paced_stream(clock, 20)
+
+    mock_upstream.on("/v1/chat/completions", stream)
+    client = await make_proxy(MOCK_URL, upstream=mock_upstream, clock=clock)
     body = {
         "model": "emulator-model",
         "temperature": 0.5,
