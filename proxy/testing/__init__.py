@@ -30,7 +30,8 @@ The server runs in the test's event loop: wait on detproxy (a ``detproxy serve``
 process, say) with async calls, never blocking ones. What no script answers, a handler does:
 ``FakeUpstream(handler)`` with a function of the ``Received`` request that returns a ``Reply``
 (or an awaitable of one; ``answers()`` is the default), or ``FakeUpstream(forward=url)``, which
-passes it on to a real server (an engine, the emulator) and records it on the way.
+passes it on to a real server (an engine, the emulator) and records it on the way
+(``MockUpstream(forward=H1Upstream(url))`` does the same with no socket of its own).
 ``on(path, reply)``, or ``routes``, answers every request to a path.
 """
 

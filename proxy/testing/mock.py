@@ -1,5 +1,6 @@
 """``MockUpstream``: detproxy's upstream seam (``proxy.http.upstream``) in process, no socket, as
-httpx ships ``MockTransport``; ``MockResponse``: one answer, its body whole or in pieces."""
+httpx ships ``MockTransport``; ``MockResponse``: one answer, its body whole or in pieces (or
+another upstream's answer passed on as it is read)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,21 @@ class MockResponse:
             self.closed = True
 
 
+class PassedResponse(MockResponse):
+    """Another upstream's answer passed on as it is read (``MockUpstream(forward=...)``): its
+    status and fields as they came; closing this closes that one too."""
+
+    def __init__(self, passed: UpstreamResponse) -> None:
+        super().__init__(passed.status, list(passed.headers.items()), passed.chunks())
+        if passed.raw_fields is not None:
+            self.raw_fields = passed.raw_fields
+        self._passed = passed
+
+    def close(self) -> None:
+        super().close()
+        self._passed.close()
+
+
 async def _pieces(body: bytes | Iterable[bytes] | AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     if isinstance(body, bytes):
         if body:
@@ -111,8 +127,10 @@ async def _as_response(reply: Reply) -> MockResponse:
 class MockUpstream(Answering):
     """detproxy's upstream seam in process (no socket): each request is recorded in
     ``requests``, then answered by the first of: the replies ``script()`` queued for its path,
-    the reply ``on()`` (or ``routes``) set for its path, the ``handler`` (by default
-    ``answers()``; ``not_found`` where ``routes`` are given without a handler). ``responses``:
+    the reply ``on()`` (or ``routes``) set for its path, the upstream at ``forward`` (an engine
+    or the emulator through ``proxy.http.h1.H1Upstream``, say: the caller's, not closed here),
+    the ``handler`` (by default ``answers()``; ``not_found`` where ``routes`` are given without
+    a handler). ``responses``:
     what it answered, in order (a test reads whether one was closed before its end). A handler
     that raises answers 500 and its error is raised again by ``close`` (or the ``async with``
     block's end); one that raises an ``UpstreamError`` (``UpstreamFailure(502, "...",
@@ -123,9 +141,13 @@ class MockUpstream(Answering):
         handler: Handler | None = None,
         *,
         routes: Mapping[str, Reply | Handler] | None = None,
+        forward: Upstream | None = None,
         model: str = MODEL,
     ) -> None:
+        if handler is not None and forward is not None:
+            raise ValueError("MockUpstream answers with a handler or forwards, not both")
         super().__init__(handler, routes, model)
+        self._forward = forward
         self.responses: list[MockResponse] = []
 
     async def send(
@@ -138,7 +160,15 @@ class MockUpstream(Answering):
             data = b"".join([piece async for piece in body])
         request = Received(method, path, query, CIMultiDict(as_mapping(headers)), data)
         self.requests.append(request)
-        answer = await self._answer(self._next(path) or self._handler, request)
+        got = self._next(path)
+        if got is None and self._forward is not None:
+            passed = await self._forward.send(
+                method, raw_path, headers, None if body is None else data
+            )
+            resp: MockResponse = PassedResponse(passed)
+            self.responses.append(resp)
+            return resp
+        answer = await self._answer(got or self._handler, request)
         resp = answer if isinstance(answer, MockResponse) else await _as_response(answer)
         self.responses.append(resp)
         return resp

@@ -122,3 +122,26 @@ async def test_the_app_given_a_mock_sends_it_everything_engine_reads_included(
     assert (fingerprint["version"], fingerprint["models"]) == ("0.23.0", ["m"]), fingerprint
     asked = {r.path for r in mock.requests}
     assert {CHAT, "/version", "/v1/models", "/metrics"} <= asked, asked
+
+
+async def test_a_forwarding_mock_passes_on_what_it_does_not_answer_and_records_it() -> None:
+    """``forward``: what no script or route answers goes to another upstream (the emulator,
+    an engine), the request as detproxy sent it, its answer as it is read; closing the
+    answer early closes the forwarded one (the engine's generation is aborted)."""
+    engine = MockUpstream(routes={CHAT: Reply.sse([b"data: 1\n\n", b"data: 2\n\n"])})
+    mock = MockUpstream(forward=engine, routes={"/refused": Reply.error(400, "refused")})
+    resp = await mock.send("POST", CHAT + "?x=1", {"X-A": "1"}, b"{}")
+    assert (resp.status, resp.headers["content-type"]) == (200, "text/event-stream")
+    assert await resp.chunks().__anext__() == b"data: 1\n\n"
+    resp.close()
+    assert [r.closed for r in mock.responses] == [r.closed for r in engine.responses] == [True]
+    assert (await (await mock.send("GET", "/refused", {}, None)).read()).startswith(b'{"error"')
+    mock.script(CHAT, Reply.error(503, "busy"))
+    assert (await mock.send("POST", CHAT, {}, b"{}")).status == 503  # scripted: not passed on
+    assert (await mock.send("POST", CHAT, {}, b"{}")).status == 200
+    (passed, again) = engine.received(CHAT)
+    assert (passed.query, passed.headers["x-a"], passed.body) == ("x=1", "1", b"{}")
+    assert [r.path for r in mock.requests] == [CHAT, "/refused", CHAT, CHAT]
+    assert again.body == b"{}" and len(engine.requests) == 2
+    with pytest.raises(ValueError, match="not both"):
+        MockUpstream(answers(), forward=engine)
