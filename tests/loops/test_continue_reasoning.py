@@ -13,13 +13,14 @@ import openai
 import orjson
 import pytest
 
+from proxy.http.h1 import H1Upstream
 from proxy.loops.continuation import continuation_body, merge_answer
-from proxy.testing import FakeUpstream, Reply
+from proxy.testing import MockUpstream, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.answers import no_loop_in
 from tests.helpers.emulator import knobs
 from tests.helpers.settings import rendering
-from tests.helpers.upstreams import probes
+from tests.helpers.upstreams import MOCK_URL, probes
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps(
@@ -52,10 +53,14 @@ def looping(reasoning_tokens: int = 6, answer_in: str = "content") -> dict[str, 
 
 
 @pytest.fixture
-async def seen(emulator: EmulatorServer) -> AsyncIterator[FakeUpstream]:
+async def seen(emulator: EmulatorServer) -> AsyncIterator[MockUpstream]:
     """detproxy's upstream: the emulator, what it was sent recorded, refused where a test says."""
-    async with FakeUpstream(forward=emulator.url) as upstream:
-        yield upstream
+    engine = H1Upstream(emulator.url)
+    try:
+        async with MockUpstream(forward=engine) as upstream:
+            yield upstream
+    finally:
+        await engine.close()
 
 
 @pytest.fixture
@@ -77,7 +82,7 @@ def conditioned(emulator: EmulatorServer) -> list[dict[str, Any]]:
     return [r["detail"] for r in emulator.injections() if r["kind"] == "closed_reasoning"]
 
 
-def continued(seen: FakeUpstream) -> list[dict[str, Any]]:
+def continued(seen: MockUpstream) -> list[dict[str, Any]]:
     """The final assistant messages of the chat continuations sent."""
     bodies = seen.bodies("/v1/chat/completions")
     return [b["messages"][-1] for b in bodies if b.get("continue_final_message")]
@@ -94,9 +99,9 @@ async def post(client: Any, headers: dict[str, str]) -> tuple[Any, dict[str, Any
 
 @pytest.mark.parametrize("answer_in", ["content", "reasoning"])
 async def test_on_a_keeping_template_the_continued_message_carries_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream, answer_in: str
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream, answer_in: str
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     resp, answer = await post(client, looping(answer_in=answer_in))
     assert resp.headers["X-Detproxy-Strategy"] == "continue"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -123,9 +128,9 @@ async def test_on_a_keeping_template_the_continued_message_carries_the_reasoning
 
 @pytest.mark.parametrize("drops", [True])
 async def test_on_a_dropping_template_the_rendered_prompt_holds_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     resp, answer = await post(client, looping())
     assert resp.headers["X-Detproxy-Strategy"] == "continue"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -148,11 +153,11 @@ async def test_on_a_dropping_template_the_rendered_prompt_holds_the_reasoning(
 
 @pytest.mark.parametrize("drops", [True])
 async def test_on_the_chat_path_a_dropping_template_loses_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     # The control: declared never, the chat continuation carries the reasoning, and the
     # template drops it; the engine goes on from the content alone.
-    client = await make_proxy(seen.url, env=ENV | rendering("never"))
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV | rendering("never"))
     resp, answer = await post(client, looping())
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     (sent,) = continued(seen)
@@ -162,9 +167,9 @@ async def test_on_the_chat_path_a_dropping_template_loses_the_reasoning(
 
 
 async def test_an_answer_without_reasoning_is_continued_as_before(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     resp, answer = await post(client, looping(reasoning_tokens=0))
     assert resp.headers["X-Detproxy-Recovered"] == "true"
     assert not answer["choices"][0]["message"].get("reasoning")
@@ -176,10 +181,10 @@ async def test_an_answer_without_reasoning_is_continued_as_before(
 
 @pytest.mark.parametrize("drops", [True])
 async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     seen.on("/v1/completions", Reply.error(400, "refused"))
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     resp, answer = await post(client, looping())
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     message = answer["choices"][0]["message"]
@@ -210,9 +215,9 @@ def reasoning_of(chunk: Any) -> str:
 
 @pytest.mark.parametrize("drops", [False, True])
 async def test_a_streamed_content_loop_is_continued_after_its_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream, drops: bool
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream, drops: bool
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     chunks = await sdk_stream(client)  # the SDK raises on an error event
     assert len({c.id for c in chunks}) == 1, "the stream changed its id"
     assert {c.object for c in chunks} == {"chat.completion.chunk"}
@@ -243,10 +248,10 @@ async def test_a_streamed_content_loop_is_continued_after_its_reasoning(
 
 @pytest.mark.parametrize("drops", [True])
 async def test_a_refused_streamed_continuation_is_no_error(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     seen.on("/v1/completions", Reply.error(400, "refused"))
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     chunks = await sdk_stream(client)  # the SDK raises on an error event
     assert len(seen.bodies("/v1/completions")) == 1
     assert len({c.id for c in chunks}) == 1
