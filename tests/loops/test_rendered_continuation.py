@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proxy.http.h1 import H1Upstream
 from proxy.http.sse import SSEEvent
 from proxy.loops.continuation import Continued
 from proxy.loops.rendered import (
@@ -26,14 +27,14 @@ from proxy.loops.rendered import (
     paths_of,
     supported,
 )
-from proxy.testing import FakeUpstream, Reply, completion_stream
+from proxy.testing import MockUpstream, Reply, completion_stream
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.answers import no_loop_in
 from tests.helpers.emulator import knobs
 from tests.helpers.relay_run import relay
 from tests.helpers.settings import rendering
 from tests.helpers.sse import sse_event
-from tests.helpers.upstreams import probes
+from tests.helpers.upstreams import MOCK_URL, probes
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps([{"models": "*", "attempts": [{"strategy": "close_reasoning"}]}]).decode()
@@ -59,10 +60,14 @@ ASK: dict[str, Any] = {
 
 
 @pytest.fixture
-async def seen(emulator: EmulatorServer) -> AsyncIterator[FakeUpstream]:
+async def seen(emulator: EmulatorServer) -> AsyncIterator[MockUpstream]:
     """detproxy's upstream: the emulator, what it was sent recorded, refused where a test says."""
-    async with FakeUpstream(forward=emulator.url) as upstream:
-        yield upstream
+    engine = H1Upstream(emulator.url)
+    try:
+        async with MockUpstream(forward=engine) as upstream:
+            yield upstream
+    finally:
+        await engine.close()
 
 
 @pytest.fixture
@@ -101,9 +106,9 @@ async def post(client: Any, body: dict[str, Any] = ASK) -> tuple[Any, dict[str, 
 
 
 async def test_a_closed_reasoning_is_continued_on_the_rendered_prompt(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     resp, answer = await post(client)
     assert resp.headers["X-Detproxy-Strategy"] == "close_reasoning"
     assert resp.headers["X-Detproxy-Recovered"] == "true"
@@ -128,11 +133,13 @@ async def test_a_closed_reasoning_is_continued_on_the_rendered_prompt(
 
 @pytest.mark.parametrize("template_drops_reasoning", [False])
 async def test_the_client_cannot_tell_the_rendered_answer_from_the_chat_one(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     # A template that keeps the reasoning, so that both paths answer.
-    rendered, _ = await post(await make_proxy(seen.url, env=ENV | rendering("always")))
-    chat, _ = await post(await make_proxy(seen.url, env=ENV | rendering("never")))
+    rendered, _ = await post(
+        await make_proxy(MOCK_URL, upstream=seen, env=ENV | rendering("always"))
+    )
+    chat, _ = await post(await make_proxy(MOCK_URL, upstream=seen, env=ENV | rendering("never")))
     got = [c["endpoint"] for c in conditioned(emulator)]
     assert got == ["completion", "chat"], got
     assert shape(await rendered.json()) == shape(await chat.json())
@@ -141,12 +148,12 @@ async def test_the_client_cannot_tell_the_rendered_answer_from_the_chat_one(
 
 
 async def test_on_the_chat_path_the_template_cannot_continue_the_reasoning(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     # The control: the same recovery as a final assistant message. The template cuts the
     # reasoning out of it, and continuing a message the template cut is refused (vLLM's 400,
     # transformers' error): the client keeps the answer it had.
-    client = await make_proxy(seen.url, env=ENV | rendering("never"))
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV | rendering("never"))
     resp, answer = await post(client)
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert answer["object"] == "chat.completion"
@@ -156,9 +163,9 @@ async def test_on_the_chat_path_the_template_cannot_continue_the_reasoning(
 
 
 async def test_the_template_is_probed_once_per_model(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     for _ in range(3):
         await post(client)
     assert probes(seen) == 1, f"{probes(seen)} probes for one model"
@@ -167,9 +174,9 @@ async def test_the_template_is_probed_once_per_model(
 
 @pytest.mark.parametrize("template_drops_reasoning", [False])
 async def test_a_template_that_keeps_the_reasoning_keeps_the_chat_path(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     _, answer = await post(client)
     assert probes(seen) == 1 and not seen.bodies("/v1/completions")
     kept = answer["choices"][0]["message"]["reasoning"]
@@ -180,12 +187,12 @@ async def test_a_template_that_keeps_the_reasoning_keeps_the_chat_path(
 # with llama-server 0.3.36's, 2026-12-04).
 @pytest.mark.parametrize("tokenize", [Reply.error(404, "refused"), Reply.json({"tokens": []})])
 async def test_without_vllm_tokenize_the_chat_path_stays(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream, tokenize: Reply
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream, tokenize: Reply
 ) -> None:
     # The chat continuation is sent as before (here refused: the template cuts it), and the
     # client gets an answer, never an error.
     seen.on("/tokenize", tokenize)
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     for _ in range(2):
         resp, answer = await post(client)
         assert resp.headers["X-Detproxy-Recovered"] == "false"
@@ -197,10 +204,10 @@ async def test_without_vllm_tokenize_the_chat_path_stays(
 
 
 async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     seen.on("/v1/completions", Reply.error(400, "refused"))
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     resp, answer = await post(client)
     assert resp.headers["X-Detproxy-Recovered"] == "false"
     assert answer["object"] == "chat.completion" and answer["choices"][0]["message"]["reasoning"]
@@ -208,10 +215,10 @@ async def test_a_refused_rendered_continuation_gives_the_answer_the_client_had(
 
 
 async def test_tools_keep_the_chat_path(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-    client = await make_proxy(seen.url, env=ENV | rendering("always"))
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV | rendering("always"))
     await post(client, ASK | {"tools": [tool]})
     assert not seen.bodies("/tokenize") and not seen.bodies("/v1/completions")
     continued = [b for b in seen.bodies("/v1/chat/completions") if b.get("continue_final_message")]
@@ -237,9 +244,9 @@ def reasoning_of(chunk: Any) -> str:
 
 
 async def test_a_streamed_closed_reasoning_reads_as_one_answer(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     chunks = await sdk_stream(client)
     (completion,) = seen.bodies("/v1/completions")
     assert completion["stream"] is True and completion["stream_options"] == {"include_usage": True}
@@ -267,10 +274,10 @@ async def test_a_streamed_closed_reasoning_reads_as_one_answer(
 
 
 async def test_a_refused_streamed_rendered_continuation_is_no_error(
-    make_proxy: Any, emulator: EmulatorServer, seen: FakeUpstream
+    make_proxy: Any, emulator: EmulatorServer, seen: MockUpstream
 ) -> None:
     seen.on("/v1/completions", Reply.error(400, "refused"))
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     chunks = await sdk_stream(client)  # the SDK raises on an error event
     assert len(seen.bodies("/v1/completions")) == 1
     assert len({c.id for c in chunks}) == 1
@@ -427,7 +434,7 @@ def test_the_relay_takes_the_converted_events_as_cut(
 
 
 async def test_a_streamed_rendered_answer_is_decoded_once(
-    make_proxy: Any, seen: FakeUpstream, monkeypatch: pytest.MonkeyPatch
+    make_proxy: Any, seen: MockUpstream, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Through the app: the completions stream's events are converted as cut and handed to
     the relay; never written to bytes for the relay to decode again."""
@@ -447,7 +454,7 @@ async def test_a_streamed_rendered_answer_is_decoded_once(
 
     monkeypatch.setattr(ChatEvents, "events", counted)  # loops.rendered: not compiled
     monkeypatch.setattr(ChatEvents, "feed", encoded)
-    client = await make_proxy(seen.url, env=ENV)
+    client = await make_proxy(MOCK_URL, upstream=seen, env=ENV)
     chunks = await sdk_stream(client)
     assert seen.bodies("/v1/completions"), "no rendered continuation"
     assert sum(cut) > 2 and chunks
