@@ -1,7 +1,8 @@
-"""Scripted and recording upstreams: a raw HTTP/1.1 server for the upstream client's tests, a
-minimal OpenAI-compatible aiohttp app (an SSE stream, a /version that can change), and what the
-tests read of a ``proxy.testing.FakeUpstream``'s records (the scripted and recording upstream
-tests and users share)."""
+"""Scripted and recording upstreams: a raw HTTP/1.1 server for the upstream client's tests (on
+a socket: they are about the bytes on the wire), the routes of a minimal OpenAI-compatible
+upstream (an SSE stream, a /version that can change), and what the tests read of a
+``proxy.testing.MockUpstream``'s records (the scripted and recording upstream tests and users
+share)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import orjson
 
 from proxy.loops.rendered import SENTINEL
-from proxy.testing import FakeUpstream, Handler, Received, Reply
+from proxy.testing import Handler, MockUpstream, Received, Reply
 from tests.helpers.sse import chat_chunk
 
 # The upstream URL of a detproxy given a ``MockUpstream`` (the ``mock_upstream`` fixture): it
@@ -172,9 +173,9 @@ def scripted_routes(script: UpstreamScript) -> dict[str, Handler]:
     return routes
 
 
-def probes(upstream: FakeUpstream) -> int:
+def probes(upstream: MockUpstream) -> int:
     """Probes of a template an upstream got (the /tokenize renders whose reasoning is
-    SENTINEL): the loop tests' record of a ``FakeUpstream`` forwarding to the emulator."""
+    SENTINEL): the loop tests' record of a ``MockUpstream`` forwarding to the emulator."""
     return sum(
         1
         for body in upstream.bodies("/tokenize")
