@@ -7,19 +7,22 @@ import asyncio
 from collections import Counter
 from typing import Any
 
-import aiohttp
-import orjson
 import pytest
-from aiohttp import web
 from aiohttp.test_utils import TestClient
 from prometheus_client import CollectorRegistry
 
+from proxy.http.h1 import H1Upstream
+from proxy.http.headers import HeaderFields
+from proxy.http.upstream import Body, UpstreamResponse
+from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
 from tests.helpers.triage import FAST, causes_of, fingerprint_of, idle
+from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import Unmet, eventually
 
 MODEL = "emulator-model"
+CHAT = "/v1/chat/completions"
 LONG_ANSWER = 64  # max_tokens of the requests whose replays are cut short
 
 
@@ -211,30 +214,26 @@ async def test_speculative_against_a_plain_reference_is_attributed_to_speculativ
 
 
 class Switch:
-    """An upstream that is emulator A or B, as the test says: a redeploy between a primary and
-    its shadow. ``/hold`` answers once released (a client request kept in flight)."""
+    """An upstream (the seam) that is emulator A or B, as the test says: a redeploy between a
+    primary and its shadow. ``hold`` answers once released (a client request kept in flight)."""
 
     def __init__(self, a: str, b: str) -> None:
-        self.urls = {"a": a, "b": b}
+        self.engines = {"a": H1Upstream(a), "b": H1Upstream(b)}
         self.now = "a"
         self.release = asyncio.Event()
-        self.session: aiohttp.ClientSession | None = None
 
-    async def handle(self, request: web.Request) -> web.Response:
-        if request.path == "/hold":
-            await self.release.wait()
-            return web.Response(text="released")
-        assert self.session is not None
-        async with self.session.request(
-            request.method,
-            self.urls[self.now] + request.path_qs,
-            data=await request.read(),
-            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
-        ) as resp:
-            body = await resp.read()
-            return web.Response(
-                body=body, status=resp.status, content_type=resp.content_type or None
-            )
+    async def send(
+        self, method: str, raw_path: str, headers: HeaderFields, body: Body
+    ) -> UpstreamResponse:
+        return await self.engines[self.now].send(method, raw_path, headers, body)
+
+    async def close(self) -> None:
+        for engine in self.engines.values():
+            await engine.close()
+
+    async def hold(self, request: Received) -> Reply:
+        await self.release.wait()
+        return Reply.text("released")
 
 
 async def wait_fingerprint_not(client: TestClient[Any, Any], old: str | None) -> str:
@@ -245,22 +244,17 @@ async def wait_fingerprint_not(client: TestClient[Any, Any], old: str | None) ->
     return await eventually(new, interval_s=0.05, what=f"a fingerprint other than {old}")
 
 
-async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(
-    make_proxy: Any, aiohttp_server: Any
-) -> None:
+async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(make_proxy: Any) -> None:
     new = EmulatorConfig(version="0.24.0", flip_probability=1.0, flip_position=2)
     async with EmulatorServer(EmulatorConfig()) as a, EmulatorServer(new) as b:
         switch = Switch(a.url, b.url)
-        router = web.Application()
-        router.router.add_route("*", "/{tail:.*}", switch.handle)
-        async with aiohttp.ClientSession() as session:
-            switch.session = session
-            server = await aiohttp_server(router)
+        try:
+            upstream = MockUpstream(forward=switch, routes={"/hold": switch.hold})
             env = FAST | {
                 "DETPROXY_AUDIT__SCHEDULE": "quiet",
                 "DETPROXY_UPSTREAM__FINGERPRINT_INTERVAL_S": "0.2",
             }
-            client = await make_proxy(str(server.make_url("")).rstrip("/"), env=env)
+            client = await make_proxy(MOCK_URL, upstream=upstream, env=env)
             seen = await wait_fingerprint_not(client, None)
             for i in range(12):
                 switch.release.clear()
@@ -273,6 +267,8 @@ async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(
                 switch.release.set()
                 await (await hold).read()
                 await idle(client)
+        finally:
+            await switch.close()
         incidents = await causes_of(client)
         got = table(incidents)
         print("recipe_change:", dict(got), "of", len(incidents))
@@ -280,51 +276,24 @@ async def test_a_redeploy_between_primary_and_shadow_is_a_recipe_change(
         assert got == {"recipe_change": 12}, got
 
 
-class Recorder:
-    """A pass-through to an emulator that keeps the X-Request-Id and body of each chat
-    request it forwards."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.seen: list[tuple[str, dict[str, Any]]] = []
-        self.session: aiohttp.ClientSession | None = None
-
-    async def handle(self, request: web.Request) -> web.Response:
-        assert self.session is not None
-        data = await request.read()
-        if request.path == "/v1/chat/completions":
-            self.seen.append((request.headers.get("X-Request-Id", ""), orjson.loads(data)))
-        async with self.session.request(
-            request.method,
-            self.url + request.path_qs,
-            data=data,
-            headers={"Content-Type": request.headers.get("Content-Type", "application/json")},
-        ) as resp:
-            body = await resp.read()
-            return web.Response(
-                body=body, status=resp.status, content_type=resp.content_type or None
-            )
-
-
-async def test_replays_sent_upstream_carry_the_cut_limit(
-    make_proxy: Any, aiohttp_server: Any
-) -> None:
+async def test_replays_sent_upstream_carry_the_cut_limit(make_proxy: Any) -> None:
     """Flips at token 3: the replays ask for 3 + 1 + 16 = 20 tokens where the client asked for
     64, every one of them, and the evidence says so."""
     config = EmulatorConfig(flip_probability=0.5, flip_position=3, seed=11)
-    async with EmulatorServer(config) as emu, aiohttp.ClientSession() as session:
-        recorder = Recorder(emu.url)
-        recorder.session = session
-        router = web.Application()
-        router.router.add_route("*", "/{tail:.*}", recorder.handle)
-        server = await aiohttp_server(router)
-        client = await make_proxy(str(server.make_url("")).rstrip("/"), env=FAST)
-        await serial_traffic(client, 16, "limit", long=True)
-        incidents = await causes_of(client)
+    async with EmulatorServer(config) as emu:
+        engine = H1Upstream(emu.url)
+        try:
+            recorder = MockUpstream(forward=engine)  # what the emulator was sent, recorded
+            client = await make_proxy(MOCK_URL, upstream=recorder, env=FAST)
+            await serial_traffic(client, 16, "limit", long=True)
+            incidents = await causes_of(client)
+        finally:
+            await engine.close()
+    seen = [(r.headers.get("X-Request-Id", ""), r.json()) for r in recorder.received(CHAT)]
     assert len(incidents) >= 3, f"too few divergences: {len(incidents)}"
-    replays = [(rid, body) for rid, body in recorder.seen if "-triage-" in rid]
-    others = [(rid, body) for rid, body in recorder.seen if "-triage-" not in rid]
-    assert len(replays) >= 2 * len(incidents), recorder.seen
+    replays = [(rid, body) for rid, body in seen if "-triage-" in rid]
+    others = [(rid, body) for rid, body in seen if "-triage-" not in rid]
+    assert len(replays) >= 2 * len(incidents), seen
     assert {body.get("max_tokens") for _, body in replays} == {20}, replays
     assert {body.get("max_tokens") for _, body in others} == {LONG_ANSWER}, others
     names = {rid.rsplit("-triage-", 1)[1] for rid, _ in replays}
