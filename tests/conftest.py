@@ -115,7 +115,8 @@ async def emulator() -> AsyncIterator[EmulatorServer]:
 @pytest.fixture
 async def fake_upstream() -> AsyncIterator[Callable[..., Awaitable[FakeUpstream]]]:
     """Starts a ``proxy.testing.FakeUpstream`` (its arguments: a handler, routes, ...),
-    stopped when the test ends."""
+    stopped when the test ends: on a socket, for tests about what detproxy's client writes on
+    the wire (a test that is not uses ``mock_upstream``)."""
     async with contextlib.AsyncExitStack() as stack:
 
         async def start(handler: Handler | None = None, **kwargs: Any) -> FakeUpstream:
