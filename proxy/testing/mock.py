@@ -110,6 +110,8 @@ async def _events(reply: Reply) -> AsyncIterator[bytes]:
         yield event
     if reply.cut_after is not None:
         raise UpstreamBodyError("upstream closed the connection mid-answer")
+    if reply.end_delay_s:
+        await asyncio.sleep(reply.end_delay_s)  # the fake's late end
 
 
 async def _as_response(reply: Reply) -> MockResponse:

@@ -35,7 +35,9 @@ class Received:
 class Reply:
     """What the fake upstream answers one request with: a whole body, or (``events`` set) an
     SSE stream written one event a write. ``cut_after``: the connection is closed after this
-    many events, with no end of the stream (before any answer where there are no events)."""
+    many events, with no end of the stream (before any answer where there are no events).
+    ``end_delay_s``: the stream's end comes this long after its last event (a server that
+    ends its framing late, after ``[DONE]`` say)."""
 
     status: int = 200
     headers: tuple[tuple[str, str], ...] = ()
@@ -44,6 +46,7 @@ class Reply:
     cut_after: int | None = None
     delay_s: float = 0.0  # before the status line
     interval_s: float = 0.0  # between two events
+    end_delay_s: float = 0.0  # between the last event and the stream's end
 
     @classmethod
     def json(
@@ -79,6 +82,7 @@ class Reply:
         done: bool = True,
         cut_after: int | None = None,
         interval_s: float = 0.0,
+        end_delay_s: float = 0.0,
         status: int = 200,
         headers: Mapping[str, str] | None = None,
     ) -> Reply:
@@ -90,7 +94,14 @@ class Reply:
         if done:
             framed.append(b"data: [DONE]\n\n")
         head = (("Content-Type", "text/event-stream"), *(headers or {}).items())
-        return cls(status, head, events=tuple(framed), cut_after=cut_after, interval_s=interval_s)
+        return cls(
+            status,
+            head,
+            events=tuple(framed),
+            cut_after=cut_after,
+            interval_s=interval_s,
+            end_delay_s=end_delay_s,
+        )
 
     @classmethod
     def cut(cls) -> Reply:

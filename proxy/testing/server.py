@@ -159,6 +159,8 @@ async def _send(request: web.Request, reply: Reply) -> web.StreamResponse:
             await resp.write(event)
         if reply.cut_after is not None:
             return _cut(request, resp)
+        if reply.end_delay_s:
+            await asyncio.sleep(reply.end_delay_s)  # the fake's late end
         await resp.write_eof()
     except ConnectionResetError:
         pass  # the client (detproxy) left

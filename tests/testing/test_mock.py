@@ -3,6 +3,7 @@ as the upstream seam, streaming and faults included; the app given one sends it 
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -145,3 +146,14 @@ async def test_a_forwarding_mock_passes_on_what_it_does_not_answer_and_records_i
     assert again.body == b"{}" and len(engine.requests) == 2
     with pytest.raises(ValueError, match="not both"):
         MockUpstream(answers(), forward=engine)
+
+
+async def test_a_mock_stream_ends_its_end_delay_after_its_last_event() -> None:
+    mock = MockUpstream(routes={CHAT: Reply.sse([b"data: 1\n\n"], end_delay_s=0.2)})
+    resp = await mock.send("POST", CHAT, {}, b"{}")
+    pieces = resp.chunks()
+    assert [await anext(pieces), await anext(pieces)] == [b"data: 1\n\n", b"data: [DONE]\n\n"]
+    started = time.monotonic()
+    assert [piece async for piece in pieces] == []
+    assert time.monotonic() - started >= 0.2, "the stream ended before its end delay"
+    assert mock.responses[0].complete

@@ -225,6 +225,18 @@ async def test_a_delay_holds_the_answer_and_an_interval_paces_the_events(
         assert time.monotonic() - started >= 0.3  # 5 events: 4 intervals, 0.1 s each
 
 
+async def test_an_end_delay_holds_the_streams_end_after_its_last_event(
+    http: aiohttp.ClientSession,
+) -> None:
+    async with FakeUpstream() as upstream:
+        upstream.script(CHAT, Reply.sse(completion_stream(["a"]), end_delay_s=0.2))
+        async with http.post(upstream.url + CHAT, json=ASK) as resp:
+            await resp.content.readuntil(b"data: [DONE]\n\n")
+            started = time.monotonic()
+            assert await resp.read() == b""
+            assert time.monotonic() - started >= 0.2, "the stream ended before its end delay"
+
+
 async def test_a_client_that_leaves_mid_stream_leaves_the_server_answering(
     http: aiohttp.ClientSession,
 ) -> None:
