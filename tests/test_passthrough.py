@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import gzip
-from collections.abc import AsyncIterator
 from typing import Any
 
-from proxy.testing import MockResponse, MockUpstream, Received, Reply
+from proxy.testing import MockUpstream, Received, Reply
 from tests.helpers.metrics import metric
 from tests.helpers.upstreams import MOCK_URL
 from tests.helpers.waiting import eventually
@@ -109,14 +107,7 @@ async def test_a_stream_the_client_leaves_on_done_is_whole_not_a_disconnect(
     openai SDK closes the connection once it reads ``data: [DONE]``, here a second before the
     upstream ends its framing. The client had the whole stream: a 200, not a disconnect."""
 
-    async def events() -> AsyncIterator[bytes]:
-        yield b'data: {"delta": "hello"}\n\n'
-        yield b"data: [DONE]\n\n"
-        await asyncio.sleep(1.0)  # the stream's end comes a second after [DONE]
-
-    def transcribe(request: Received) -> MockResponse:
-        return MockResponse(headers={"Content-Type": "text/event-stream"}, body=events())
-
+    transcribe = Reply.sse([b'data: {"delta": "hello"}\n\n'], end_delay_s=1.0)
     mock_upstream.on("/v1/audio/transcriptions", transcribe)
     client = await make_proxy(MOCK_URL, upstream=mock_upstream)
     resp = await client.post("/v1/audio/transcriptions", data=b"audio")
