@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from proxy.app import BUS
 from proxy.config import LogConfig
 from proxy.observe.log import EventLog
-from proxy.testing import MockResponse, MockUpstream, Received, Reply, answers
+from proxy.testing import MockUpstream, Received, Reply, answers
 from tests.helpers.metrics import metric, metric_total
 from tests.helpers.settings import NO_SHADOWS
 from tests.helpers.sse import sse_event
@@ -684,14 +683,7 @@ async def test_a_client_that_leaves_before_the_first_event_closes_the_upstream(
 ) -> None:
     import aiohttp
 
-    async def pings() -> AsyncIterator[bytes]:
-        for _ in range(200):  # keep-alive comments, never an event
-            yield b": ping\n\n"
-            await asyncio.sleep(0.02)
-
-    def stalls(request: Received) -> MockResponse:
-        return MockResponse(headers={"Content-Type": "text/event-stream"}, body=pings())
-
+    stalls = Reply.sse([b": ping\n\n"] * 200, done=False, interval_s=0.02)  # never an event
     mock_upstream.on(CHAT, stalls)
     proxy = await make_proxy(
         MOCK_URL, upstream=mock_upstream, env=AUDIT_ALL
