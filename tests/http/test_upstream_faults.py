@@ -1,4 +1,5 @@
-"""Every forwarding row of SPEC section 3, provoked against a scripted upstream."""
+"""Every forwarding row of SPEC section 3, provoked against a scripted upstream on a socket:
+each is a fault as detproxy's own client meets it on the wire (refused, reset, silent, cut)."""
 
 from __future__ import annotations
 
