@@ -171,6 +171,9 @@ class Triage:
         self._tasks = TaskOwner("triage")
         self._readings: deque[tuple[float, Fingerprint]] = deque(maxlen=_READINGS)
         self.running = False
+        # What the experiment at the queue's head waits for now (None: nothing): rate_limit,
+        # token_budget, turn (a shadow or another worker's experiment on the engine), quiet.
+        self.waiting_for: str | None = None
         self.triaged = 0  # experiments whose replays ran
         self.explained = 0  # incidents decided with an experiment's replays (shared or reused)
         self.offered = 0
@@ -217,6 +220,8 @@ class Triage:
             # unknown for a budget: triaged again when it frees
             "again_incidents": sum(len(e.cases) for e in self._again.values()),
             "running": self.running,
+            # a count per reason (0 or 1 here), so that the workers' add up
+            "waiting_for": {self.waiting_for: 1} if self.waiting_for else {},
             "tokens": self.tokens,
             "token_budget": self.token_budget,
         }
@@ -551,6 +556,7 @@ class Triage:
                 if claim is not None:
                     claim.release()
                 self.running = False
+                self.waiting_for = None
                 self._current_run = None
 
     def _fix_limit(self, experiment: _Experiment) -> int | None:
@@ -568,10 +574,12 @@ class Triage:
             limit = self._fix_limit(experiment)
             cost = self._cost(experiment.cases[0], self._plan(limit=limit))
             held = self._account.start(cost, self._primary_tokens())
+            self.waiting_for = held
             if held is None:
                 experiment.limit, experiment.started, experiment.reserved = limit, True, cost
                 return True
             if held == "token_budget" and experiment.earlier is None:
+                self.waiting_for = None
                 # The token budget frees as the primaries' tokens grow or the window moves:
                 # minutes maybe. Its incidents say so now (unknown, naming it) rather than
                 # having no cause meanwhile, and are triaged again when it frees.
@@ -580,6 +588,7 @@ class Triage:
             wait = _BUDGET_POLL_S if held == "token_budget" else self._account.wait_s()
             left = deadline - time.monotonic()
             if left <= 0:
+                self.waiting_for = None
                 self._give_up_all(experiment, held)
                 return False
             await asyncio.sleep(min(wait, left))
@@ -588,7 +597,11 @@ class Triage:
         first = experiment.cases[0]
         plan = self._plan(limit=experiment.limit)
         reserved = experiment.reserved
-        turn = await self._turns.experiment(self._audit.quiet_poll_s)  # the engine, whole
+        self.waiting_for = "turn"
+        try:
+            turn = await self._turns.experiment(self._audit.quiet_poll_s)  # the engine, whole
+        finally:
+            self.waiting_for = None
         try:
             replays, missing = await run_experiments(first, plan, _Runner(self, first))
         except GaveUp as exc:
@@ -632,6 +645,13 @@ class Triage:
         only detproxy's own counts are read, that settle holds and is not waited again."""
         if settled and self._still_quiet():
             return True
+        self.waiting_for = "quiet"
+        try:
+            return await self._wait_quiet()
+        finally:
+            self.waiting_for = None
+
+    async def _wait_quiet(self) -> bool:
         audit = self._audit
         scheduler = self._scheduler
         running = self._upstream_running if audit.quiet_max_upstream_running is not None else None

@@ -23,7 +23,7 @@ from proxy.observe.kinds import ENGINE_MISMATCH, UPSTREAM_CHANGE, UPSTREAM_RESTA
 # What is going on now, not a count of what happened: a worker that exited has none of it.
 GAUGES: dict[str, tuple[str, ...]] = {
     "shadow": ("queued", "running"),
-    "triage": ("queued", "running", "waiting_incidents"),
+    "triage": ("queued", "running", "waiting_incidents", "again_incidents", "waiting_for"),
 }
 # The server's already, as every worker reports it (triage's ledger is one for the server,
 # proxy/attribution/account.py): the answering worker's, not a sum.

@@ -189,6 +189,25 @@ async def test_past_its_wait_a_case_ends_unknown_naming_the_budget() -> None:
     )
 
 
+async def test_status_says_what_the_next_experiment_waits_for() -> None:
+    t, seen = triage(
+        Scripted(lambda n: "b"), Load(inflight=3), max_per_minute=0.001, quiet_deadline_s=0.3
+    )
+    assert t.status()["waiting_for"] == {}
+    t.start()
+    t.offer(case(1))  # the bucket's one token; then a quiet moment, which never comes
+    await eventually(
+        lambda: t.status()["waiting_for"] == {"quiet": 1}, interval_s=0.005, what="quiet"
+    )
+    t.offer(case(2))
+    await eventually(lambda: drops(seen) == ["quiet_deadline"], what="a drop")
+    await eventually(
+        lambda: t.status()["waiting_for"] == {"rate_limit": 1}, interval_s=0.005, what="rate"
+    )
+    await t.close()
+    assert t.status()["waiting_for"] == {}
+
+
 async def test_the_token_budget_holds_an_experiment_until_its_wait_ends() -> None:
     upstream = Scripted(lambda n: "b", usage=(4, 6))  # 10 tokens a run, as estimated
     t, seen = triage(upstream, token_allowance=100, max_token_share=0.0, max_wait_s=0.05)
