@@ -131,6 +131,8 @@ def test_triage_counts_add_up_and_its_ledger_is_the_servers() -> None:
         counts = {"offered": offered, "triaged": 1, "explained": 1, "queued": 1}
         return counts | {
             "waiting_incidents": 0,
+            "again_incidents": 2,
+            "waiting_for": {"rate_limit": 1},
             "running": 0,
             "tokens": tokens,
             "token_budget": 9e3,
@@ -141,4 +143,6 @@ def test_triage_counts_add_up_and_its_ledger_is_the_servers() -> None:
     gone = WorkerStatus(1, 99, False, 9.0, status(1, 99, {}, 0) | {"triage": triage(2, 100)})
     merged = merge_status(own, [peer, gone])["triage"]
     assert (merged["offered"], merged["triaged"], merged["queued"]) == (9, 3, 2)
+    # what is waiting now: the live workers' (an exited worker's queue went with it)
+    assert merged["again_incidents"] == 4 and merged["waiting_for"] == {"rate_limit": 2}
     assert (merged["tokens"], merged["token_budget"]) == (500, 9000.0)  # one ledger, not 3
