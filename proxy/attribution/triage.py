@@ -20,8 +20,10 @@ waits for a quiet moment (few or no client requests in flight, no shadow on the 
 deadline; one right after a replay that ran alone goes
 at once while it is still quiet (the settle held through that replay). Replays stop
 ``replay_margin_tokens`` past the audit's first divergent token (``experiments.replay_limit``),
-and the token budget counts them so. A triage that fails is logged, counted (reason
-``error``) and never reaches a client request.
+and the token budget counts them so. Where both sides of every incident it explains are known
+cold (a new ``cache_salt`` of the client's, the shadow's own), an experiment runs no warm
+replays: the cache was no switch between the two sides. A triage that fails is logged,
+counted (reason ``error``) and never reaches a client request.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _Experiment:
     cases: list[TriageCase]
     queued_at: float  # monotonic
     limit: int | None = None  # the replays' token limit, fixed as it starts
+    warm: bool = True  # whether it runs the warm replays, fixed as it starts
     started: bool = False
     reserved: int = 0  # tokens taken from the budget as it started (the worst case)
     # Given up once for a budget: the cause each (request id, choice) was published with
@@ -241,15 +244,17 @@ class Triage:
     def token_budget(self) -> float:
         return self._account.budget(self._primary_tokens())
 
-    def _plan(self, case: TriageCase | None = None, limit: int | None = None) -> Plan:
+    def _plan(
+        self, case: TriageCase | None = None, limit: int | None = None, warm: bool = True
+    ) -> Plan:
         """What to run; for ``case``, replays cut to its ``replay_limit`` (or to ``limit``,
-        an experiment's, where given)."""
+        an experiment's, where given); ``warm``: with the warm replays."""
         cfg = self._config
         if case is not None and limit is None:
             limit = replay_limit(case, cfg.replay_margin_tokens)
         return Plan(
             cfg.cold_replays,
-            cfg.warm_replays,
+            cfg.warm_replays if warm else 0,
             cfg.reference_replays,
             self._cold_method(),
             self._reference is not None,
@@ -277,12 +282,28 @@ class Triage:
     def _case_limit(self, case: TriageCase) -> int | None:
         return replay_limit(case, self._config.replay_margin_tokens)
 
-    def _covers(self, limit: int | None, case: TriageCase) -> bool:
-        """Replays cut at ``limit`` (None: whole) reach past where ``case`` diverged."""
-        if limit is None:
+    def _needs_warm(self, case: TriageCase) -> bool:
+        """Whether warm replays can tell anything of ``case``: not where both its sides are
+        known cold (the client's own new ``cache_salt`` or the engine's count of cached
+        tokens, and the shadow's fresh salt): the cache was then no switch between them, and
+        the cold replays alone decide (a batch beside them, or intrinsic noise)."""
+        return any(run.cache != "cold" for run in self._audit_runs(case))
+
+    def _experiment_plan(self, experiment: _Experiment) -> Plan:
+        """The replays that explain every incident of ``experiment`` (as it would start now)."""
+        warm = any(self._needs_warm(c) for c in experiment.cases)
+        return self._plan(limit=self._fix_limit(experiment), warm=warm)
+
+    def _covers(self, plan: Plan, case: TriageCase) -> bool:
+        """Replays run to ``plan`` explain ``case``: cut at its limit (None: whole), they
+        reach past where ``case`` diverged, and they have the warm replays where it needs
+        them."""
+        if plan.warm_replays < self._config.warm_replays and self._needs_warm(case):
+            return False
+        if plan.limit is None:
             return True
         own = self._case_limit(case)
-        return own is not None and own <= limit
+        return own is not None and own <= plan.limit
 
     def offer(self, case: TriageCase) -> None:
         """From the auditor (a shadow worker, off the request path): take it or drop it,
@@ -322,7 +343,9 @@ class Triage:
     def _joins(self, experiment: _Experiment, case: TriageCase) -> bool:
         if len(experiment.cases) >= CASES_PER_EXPERIMENT:
             return False
-        if experiment.started and not self._covers(experiment.limit, case):
+        if experiment.started and not self._covers(
+            self._plan(limit=experiment.limit, warm=experiment.warm), case
+        ):
             return False
         experiment.cases.append(case)
         return True
@@ -338,7 +361,7 @@ class Triage:
         if time.monotonic() - finished.at > self._config.reuse_s:
             del self._finished[key]
             return False
-        if not self._covers(finished.plan.limit, case):
+        if not self._covers(finished.plan, case):
             return False
         self.explained += 1
         runs = self._audit_runs(case) + list(finished.replays)
@@ -494,6 +517,7 @@ class Triage:
         """Keep it to be triaged again when the budget frees (``_next``); past
         ``queue_size`` such experiments, the oldest stay as they were published."""
         experiment.started, experiment.limit, experiment.reserved = False, None, 0
+        experiment.warm = True
         kept = self._again.get(experiment.key)
         if kept is not None and kept is not experiment:
             room = CASES_PER_EXPERIMENT - len(kept.cases)
@@ -512,7 +536,7 @@ class Triage:
         if not self._again:
             return None
         experiment = next(iter(self._again.values()))
-        plan = self._plan(limit=self._fix_limit(experiment))
+        plan = self._experiment_plan(experiment)
         cost = self._cost(experiment.cases[0], plan)
         if not self._account.could_start(cost, self._primary_tokens()):
             return None
@@ -571,12 +595,13 @@ class Triage:
         to be triaged again when the budget frees."""
         deadline = experiment.queued_at + self._config.max_wait_s
         while True:
-            limit = self._fix_limit(experiment)
-            cost = self._cost(experiment.cases[0], self._plan(limit=limit))
+            plan = self._experiment_plan(experiment)
+            cost = self._cost(experiment.cases[0], plan)
             held = self._account.start(cost, self._primary_tokens())
             self.waiting_for = held
             if held is None:
-                experiment.limit, experiment.started, experiment.reserved = limit, True, cost
+                experiment.limit, experiment.warm = plan.limit, plan.warm_replays > 0
+                experiment.started, experiment.reserved = True, cost
                 return True
             if held == "token_budget" and experiment.earlier is None:
                 self.waiting_for = None
@@ -595,7 +620,7 @@ class Triage:
 
     async def _triage(self, experiment: _Experiment) -> None:
         first = experiment.cases[0]
-        plan = self._plan(limit=experiment.limit)
+        plan = self._plan(limit=experiment.limit, warm=experiment.warm)
         reserved = experiment.reserved
         self.waiting_for = "turn"
         try:

@@ -208,6 +208,26 @@ async def test_status_says_what_the_next_experiment_waits_for() -> None:
     assert t.status()["waiting_for"] == {}
 
 
+async def test_with_both_sides_known_cold_no_warm_replay_runs() -> None:
+    """A client's new cache_salt and the shadow's own: the cache was no switch between the
+    two sides, so the warm replays (3 of 7 runs) would tell nothing. An incident of the same
+    request whose primary's cache state is not known gets an experiment with them."""
+    upstream = Scripted(lambda n: "b")
+    t, seen = triage(upstream)
+    cold = replace(case(1), primary_cold_salt=True, primary_inflight=4)
+    t.start()
+    t.offer(cold)
+    await eventually(lambda: len(causes(seen)) == 1, what="the cold case's cause")
+    assert causes(seen)[0].cause == "batch", causes(seen)[0].evidence
+    assert len(upstream.bodies) == 4 and all("cache_salt" in b for b in upstream.bodies)
+    t.offer(replace(cold, request_id="r1-again", primary_cold_salt=False))
+    await eventually(lambda: len(causes(seen)) == 2, what="the unknown-state case's cause")
+    await t.close()
+    assert causes(seen)[1].cause == "batch", causes(seen)[1].evidence
+    runs = [r["name"] for r in causes(seen)[1].evidence["runs"]]
+    assert "warm-1" in runs and len(upstream.bodies) == 4 + 7, runs
+
+
 async def test_the_token_budget_holds_an_experiment_until_its_wait_ends() -> None:
     upstream = Scripted(lambda n: "b", usage=(4, 6))  # 10 tokens a run, as estimated
     t, seen = triage(upstream, token_allowance=100, max_token_share=0.0, max_wait_s=0.05)
