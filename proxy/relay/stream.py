@@ -42,7 +42,7 @@ from typing import Any, cast
 from policies.base import Abort, Decision, Retry, Trigger
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
-from proxy.http.clientside import ClientSide
+from proxy.http.clientside import BodyWriter
 from proxy.http.errors import inband_error_event
 from proxy.http.sse import Decoded, DecodedReads, SSEDecoder, SSEOverflow, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
@@ -502,7 +502,7 @@ class StreamRelay:
     async def run(
         self,
         upstream: UpstreamResponse,
-        resp: ClientSide,
+        resp: BodyWriter,
         decoded: Decoded | None = None,
         reads: DecodedReads | None = None,
     ) -> StreamResult:
@@ -565,7 +565,7 @@ class StreamRelay:
     async def _run(
         self,
         upstream: UpstreamResponse,
-        resp: ClientSide,
+        resp: BodyWriter,
         decoded: Decoded | None,
         reads: DecodedReads | None,
     ) -> StreamResult:
