@@ -283,11 +283,6 @@ class StreamRelay:
             out += self._stopped()
         return out
 
-    def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
-        """One event after inspection stopped: rewritten if it parses, else as it came."""
-        chunk = None if data is None or data == b"[DONE]" else self.extractor.parse(data)
-        return raw if chunk is None else self.transforms.rewrite(chunk, raw)
-
     def _rewrite_events(
         self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None
     ) -> bytes:
@@ -295,12 +290,15 @@ class StreamRelay:
         rewritten if it parses, else as it came: the one rewrite-only path."""
         parts: list[bytes] = []
         kept = offset = 0
+        extractor, transforms = self.extractor, self.transforms
         for i, data in enumerate(datas):
             size = len(raws[i]) if raws is not None else len(data or b"") + 8
-            raw = src[offset : offset + size]
-            written = self.rewrite_only(data, raw)
-            if written is not raw:
-                kept = _splice(parts, src, kept, offset, size, written)
+            chunk = None if data is None or data == b"[DONE]" else extractor.parse(data)
+            if chunk is not None:
+                raw = src[offset : offset + size]
+                written = transforms.rewrite(chunk, raw)
+                if written is not raw:
+                    kept = _splice(parts, src, kept, offset, size, written)
             offset += size
         return self._take(parts, src, kept, len(src))
 
