@@ -345,7 +345,7 @@ class StreamRelay:
         """A read's complete events, however they were cut: the bytes to write now. Counted,
         then on the raw path only read for the counts (``_count``), else through the stages
         (``_events``); after inspection stopped (on a stream detproxy still rewrites), each
-        is rewritten where it parses, nothing counted."""
+        is rewritten where it parses, nothing tallied."""
         if not self.inspecting:
             return self.transforms.release(b"") + self._rewrite_events(src, datas, raws)
         if not datas:
