@@ -312,8 +312,9 @@ class StreamRelay:
         if not self.inspecting:
             if not self.rewriting:
                 return self.transforms.release(b"") + data
-        elif self._fast and not self._decoder.pending:
-            delta = self.extractor.delta(data, event=True)  # a token streamed on its own
+        elif not self._decoder.pending:
+            # A token streamed on its own (never on the reference: it has no templates).
+            delta = self.extractor.delta(data, event=True)
             if delta is not None:
                 at = self._clock() - self._t0
                 result = self.result
