@@ -17,8 +17,25 @@ from typing import Protocol
 from proxy.http.headers import HeaderFields
 
 
-class ClientSide(Protocol):
-    """One client request, and the response detproxy writes to it."""
+class BodyWriter(Protocol):
+    """The writing half of a streamed response, after its head: all a relay writes through
+    (``proxy.relay.stream``), so that a test can hand it a recorder of the writes."""
+
+    async def write(self, data: bytes) -> None: ...
+
+    def write_nowait(self, data: bytes) -> bool:
+        """Queue ``data`` in order; False: ``drain`` before the next write (the client is
+        slower, or this server writes only when awaited)."""
+        ...
+
+    async def drain(self) -> None:
+        """Until what ``write_nowait`` queued is on its way and the client takes more."""
+        ...
+
+
+class ClientSide(BodyWriter, Protocol):
+    """One client request, and the response detproxy writes to it (its body's writes are
+    ``BodyWriter``'s)."""
 
     @property
     def method(self) -> str: ...
@@ -68,17 +85,6 @@ class ClientSide(Protocol):
 
     async def start(self, status: int, headers: HeaderFields) -> None:
         """A streamed response's head; its body follows in ``write`` calls."""
-        ...
-
-    async def write(self, data: bytes) -> None: ...
-
-    def write_nowait(self, data: bytes) -> bool:
-        """Queue ``data`` in order; False: ``drain`` before the next write (the client is
-        slower, or this server writes only when awaited)."""
-        ...
-
-    async def drain(self) -> None:
-        """Until what ``write_nowait`` queued is on its way and the client takes more."""
         ...
 
     async def end(self) -> None:

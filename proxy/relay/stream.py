@@ -3,23 +3,32 @@ client, event by event.
 
 Whole events are written as soon as they are complete, byte for byte as they arrived unless a
 transform changes them, so a stream that breaks mid-event can still be ended cleanly with an
-in-band error. Two paths, one result (the client gets the same bytes, whatever the split of
-the reads, and ``StreamResult`` the same counts):
+in-band error. One read path, whatever a read is (bytes from the upstream, or the events a
+stage before the relay cut), and one result (the client gets the same bytes, whatever the split
+of the reads, and ``StreamResult`` the same counts):
 
-- raw (``_read_raw``, chosen once per stream): when nothing looks at the events (no
-  inspector, nothing rewritten or held), each read's complete events go out in one write, as
-  they came; they are still read for the counts;
-- inspected (``_read``): each read is cut into events (a read that is one token event is read
-  whole by a template; else ``SSEDecoder``: a read of plain ``data:`` lines is cut with bytes
-  operations), each event's data becomes a ``Delta`` or a parsed chunk
-  (``proxy.relay.extract``: learned templates read token chunks without parsing them), and
-  each goes through one step, ``_inspect``: counted (``proxy.relay.result.tally``) and handed
-  to the inspectors (``InspectorSet``: a watcher's trigger stops the read at its event,
+- cut (``_read``): a read that is one plain token event is read whole by a template, without
+  the decoder; else ``_split`` cuts its complete events (``SSEDecoder``: a read of plain
+  ``data:`` lines with bytes operations); a stage before the relay hands its cut events to
+  ``_read_decoded``. Either way the events go to ``_cut``, which counts them and hands them to
+  one of three stages, chosen by the relay's state, never by how the read was cut:
+- raw (``_count``; ``raw``, decided once per stream): when nothing looks at the events (no
+  inspector, nothing rewritten or held), the read's events are only read for the counts
+  (templates, else a parse) and the read goes out as it came;
+- inspected (``_events``): each event's data becomes a ``Delta`` (``proxy.relay.extract``:
+  learned templates read token chunks without parsing them) or a parsed chunk, and goes
+  through one step, ``_inspect``: counted (``proxy.relay.result.tally``) and handed to the
+  inspectors (``InspectorSet``: a watcher's trigger stops the read at its event,
   ``plan.on_trigger`` answers it in the relay's task (never inside the upstream's data
   callback), and a retry or an abort ends the relay there); then the transform chain
   (``proxy.relay.transform``: the rewrites of a parsed chunk, reasoning held until it ends, the
-  last chars of text held back). Unchanged events go out as slices of the read. After
-  inspection stops, the rewrites alone run (``_rewrite_events``), where there are any.
+  last chars of text held back). Unchanged events go out as slices of the read;
+- rewrite-only (``_rewrite_events``): after inspection stopped, on a stream detproxy must
+  still change, each event is rewritten where it parses, nothing tallied; on any other
+  stream the reads then go out as they came, not cut.
+
+The stream's last event, where it came without its blank line, goes through the same stages
+(``_last_event``).
 
 Each response is decoded once: events a stage before the relay cut (``Decoded``: a stream's
 first events, read to decide a fallback, with the decoder that cut them; a rendered
@@ -42,7 +51,7 @@ from typing import Any, cast
 from policies.base import Abort, Decision, Retry, Trigger
 from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
-from proxy.http.clientside import ClientSide
+from proxy.http.clientside import BodyWriter
 from proxy.http.errors import inband_error_event
 from proxy.http.sse import Decoded, DecodedReads, SSEDecoder, SSEOverflow, ends_with_done
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
@@ -132,7 +141,7 @@ class StreamRelay:
             # Not a method of this relay: no reference cycle (it goes by reference counting).
             on_overflow=lambda: bus.publish(InspectionStopped(endpoint, "hold_overflow")),
         )
-        # Changes the client's bytes need: they outlive inspection (see rewrite_only).
+        # Changes the client's bytes need: they outlive inspection (``_rewrite_events``).
         self.rewriting = bool(self.transforms.rewrites)
         # The chars (content, reasoning) of the held-back tail a decision dropped.
         self.unshown: tuple[int, int] = (0, 0)
@@ -271,26 +280,8 @@ class StreamRelay:
         if deferred.datas:
             out += self._events(deferred.src, deferred.datas, deferred.raws, deferred.at)
         if deferred.tail and not self.inspecting:
-            out += self.transforms.release(b"" if self.rewriting else self._decoder.take_pending())
+            out += self._stopped()
         return out
-
-    def rewrite_only(self, data: bytes | None, raw: bytes) -> bytes:
-        """One event after inspection stopped: rewritten if it parses, else as it came."""
-        chunk = None if data is None or data == b"[DONE]" else self.extractor.parse(data)
-        return raw if chunk is None else self.transforms.rewrite(chunk, raw)
-
-    def _rewrite_read(self, data: bytes) -> bytes:
-        """A read after inspection stopped, on a stream whose bytes detproxy must still change:
-        decoded, nothing observed. Past an event too large to decode, its tail decodes as one
-        event without data (relayed as it came) and the events after it are decoded again."""
-        try:
-            events = self._decoder.feed(data)
-        except SSEOverflow as exc:
-            return exc.pending
-        if not events:
-            return b""
-        raws = [event.raw for event in events]
-        return self._rewrite_events(b"".join(raws), [event.data for event in events], raws)
 
     def _rewrite_events(
         self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None
@@ -299,32 +290,38 @@ class StreamRelay:
         rewritten if it parses, else as it came: the one rewrite-only path."""
         parts: list[bytes] = []
         kept = offset = 0
+        extractor, transforms = self.extractor, self.transforms
         for i, data in enumerate(datas):
             size = len(raws[i]) if raws is not None else len(data or b"") + 8
-            raw = src[offset : offset + size]
-            written = self.rewrite_only(data, raw)
-            if written is not raw:
-                kept = _splice(parts, src, kept, offset, size, written)
+            chunk = None if data is None or data == b"[DONE]" else extractor.parse(data)
+            if chunk is not None:
+                raw = src[offset : offset + size]
+                written = transforms.rewrite(chunk, raw)
+                if written is not raw:
+                    kept = _splice(parts, src, kept, offset, size, written)
             offset += size
         return self._take(parts, src, kept, len(src))
 
     # -- one read ----------------------------------------------------------------------------
 
     def _read(self, data: bytes) -> bytes:
-        """One upstream read: the bytes to write now. Its complete events are cut from it
-        (one plain event: the usual read, without the decoder), read by the extractor, and
-        counted; on the raw path that is all, else they go through ``_events``."""
+        """One upstream read: the bytes to write now. Its complete events are cut from it (a
+        read that is one plain token event: read whole by a template, without the decoder;
+        else ``_split``) and go on as ``_cut`` says; once inspection stopped on a stream
+        nothing rewrites, the read goes out as it came."""
         if not self.inspecting:
-            held = self.transforms.release(b"")
-            return held + (self._rewrite_read(data) if self.rewriting else data)
-        decoder = self._decoder
-        if self._fast and not decoder.pending:
-            # A token streamed on its own (the usual read), read as one event by a template,
-            # then through the same stages as in _events.
+            if not self.rewriting:
+                return self.transforms.release(b"") + data
+        elif not self._decoder.pending:
+            # A token streamed on its own (never on the reference: it has no templates).
             delta = self.extractor.delta(data, event=True)
             if delta is not None:
                 at = self._clock() - self._t0
-                self.result.add_events(1, at)
+                result = self.result
+                result.add_events(1, at)
+                if self._counting:
+                    tally(result, delta, at)
+                    return data
                 written = self._inspect(delta, None, data, at)
                 if self._deferred is not None:
                     self._deferred.tail = True  # the read's end follows, after the decision
@@ -333,19 +330,44 @@ class StreamRelay:
             src, datas, raws = self._split(data)
         except SSEOverflow as exc:
             return self._overflowed(exc.pending)
-        return self._cut(src, datas, raws) if datas else b""
+        return self._cut(src, datas, raws)
+
+    def _read_decoded(self, decoded: Decoded) -> bytes:
+        """Events a stage before the relay cut (``Decoded``): what ``_read`` of their bytes
+        gives, without decoding them again."""
+        src = decoded.src
+        if decoded.overflowed:
+            return self._overflowed(src)
+        if not self.inspecting and not self.rewriting:
+            return self.transforms.release(b"") + src
+        return self._cut(src, decoded.datas, decoded.raws)
 
     def _cut(self, src: bytes, datas: list[bytes | None], raws: list[bytes] | None) -> bytes:
-        """A read's complete events (as ``_split`` cuts them) on the inspected path: counted,
-        through the stages: the bytes to write now."""
+        """A read's complete events, however they were cut: the bytes to write now. Counted,
+        then on the raw path only read for the counts (``_count``), else through the stages
+        (``_events``); after inspection stopped (on a stream detproxy still rewrites), each
+        is rewritten where it parses, nothing tallied."""
+        if not self.inspecting:
+            return self.transforms.release(b"") + self._rewrite_events(src, datas, raws)
+        if not datas:
+            return b""
         at = self.now()
         self.result.add_events(len(datas), at)
+        if self._counting:
+            self._count(datas, at)
+            return src
         out = self._events(src, datas, raws, at)
         if self._deferred is not None:
             self._deferred.tail = True  # what follows the read's events, after the decision
-        elif not self.inspecting:  # raw from here on, or decoded for rewriting alone
-            out += self.transforms.release(b"" if self.rewriting else self._decoder.take_pending())
+        elif not self.inspecting:
+            out += self._stopped()
         return out
+
+    def _stopped(self) -> bytes:
+        """What follows a read whose events stopped inspection: what was held, and (where
+        nothing rewrites, so the reads after it go out as they come) the start of an event
+        the decoder kept."""
+        return self.transforms.release(b"" if self.rewriting else self._decoder.take_pending())
 
     def _overflowed(self, pending: bytes) -> bytes:
         """An event over the bound: nothing more is inspected; what the decoder kept goes on
@@ -355,52 +377,6 @@ class StreamRelay:
             return pending
         self._stop_inspecting("event_too_large")
         return self.transforms.release(b"") + pending
-
-    def _read_decoded(self, decoded: Decoded) -> bytes:
-        """Events a stage before the relay cut (``Decoded``): what a read of their bytes
-        gives, without decoding them again."""
-        src, datas = decoded.src, decoded.datas
-        if decoded.overflowed:
-            return self._overflowed(src)
-        if not self.inspecting:  # as ``_read`` and ``_read_raw`` go on
-            if self._counting:
-                return src
-            held = self.transforms.release(b"")
-            return held + (
-                self._rewrite_events(src, datas, decoded.raws) if self.rewriting else src
-            )
-        if not datas:
-            return b""
-        if not self._counting:
-            return self._cut(src, datas, decoded.raws)
-        at = self.now()
-        self.result.add_events(len(datas), at)
-        self._count(datas, at)
-        return src
-
-    def _read_raw(self, data: bytes) -> bytes:
-        """One upstream read on the raw path (nothing inspects or changes the events): its
-        complete events read and counted as ``_read`` counts them, the read relayed as it
-        came."""
-        if not self.inspecting:
-            return data
-        if not self._decoder.pending:
-            delta = self.extractor.delta(data, event=True)  # a token on its own, as in _read
-            if delta is not None:
-                at = self._clock() - self._t0
-                result = self.result
-                result.add_events(1, at)
-                tally(result, delta, at)
-                return data
-        try:
-            src, datas, _ = self._split(data)
-        except SSEOverflow as exc:
-            return self._overflowed(exc.pending)
-        if datas:
-            at = self.now()
-            self.result.add_events(len(datas), at)
-            self._count(datas, at)
-        return src
 
     def _split(self, data: bytes) -> tuple[bytes, list[bytes | None], list[bytes] | None]:
         """A read's complete events: their bytes, their data fields, and each event's bytes
@@ -502,7 +478,7 @@ class StreamRelay:
     async def run(
         self,
         upstream: UpstreamResponse,
-        resp: ClientSide,
+        resp: BodyWriter,
         decoded: Decoded | None = None,
         reads: DecodedReads | None = None,
     ) -> StreamResult:
@@ -546,37 +522,33 @@ class StreamRelay:
             self.inspectors.on_end(True)
 
     def _last_event(self) -> bytes:
-        """A last event without its blank line: relayed as it came unless rewritten."""
+        """A last event without its blank line: through the stages as the last event of a
+        read, relayed as it came unless a stage changes it."""
         tail = self._decoder.pending
         final = self._decoder.flush()
         if final is None:
             return tail
+        at = self.now()
         if self._counting:
-            self._count([final.data], self.now())
+            self._count([final.data], at)
             return final.raw
-        if not self.inspecting:
-            return self.rewrite_only(final.data, final.raw)
-        processed = self._parsed(final.data, final.raw, self.now())
-        if self._deferred is not None:
-            self._deferred.raw = final.raw
-            return self.decide()
-        return processed or b""
+        # As the last event of a read (not counted as one: it never ended).
+        out = self._events(final.raw, [final.data], [final.raw], at)
+        return self.decide() if self._deferred is not None else out
 
     async def _run(
         self,
         upstream: UpstreamResponse,
-        resp: ClientSide,
+        resp: BodyWriter,
         decoded: Decoded | None,
         reads: DecodedReads | None,
     ) -> StreamResult:
         result = self.result
         last = b""  # the bytes last handed to the client
         write = resp.write_nowait  # looked up once, not per event
-        # The raw pass-through or the inspected pipeline, chosen once; a read is bytes, or
-        # the events a stage before this one cut (``reads``).
-        read: Callable[[Any], bytes] = self._read_raw if self._counting else self._read
-        if reads is not None:
-            read = self._read_decoded
+        # A read is bytes, or the events a stage before this one cut (``reads``); the raw
+        # pass-through or the inspected pipeline is chosen once (``_counting``), in ``_cut``.
+        read: Callable[[Any], bytes] = self._read if reads is None else self._read_decoded
         trailed = self.plan.trailer is not None
 
         def relay(data: Any) -> bool:

@@ -42,7 +42,8 @@ async def scripted_reads(reads: list[bytes], fail: bool) -> AsyncIterator[bytes]
 
 
 class RecordedWrites:
-    """The client: every write it was given."""
+    """The client (a ``BodyWriter``, all the relay writes through): every write it was
+    given."""
 
     def __init__(self) -> None:
         self.writes: list[bytes] = []
@@ -131,14 +132,13 @@ def relay(
         if rendered is not None:
             converted = RenderedResponse(upstream, True, None)
             cut = converted if rendered == "events" else None
-            return await r.run(converted, client, None, cut)  # type: ignore[arg-type]
+            return await r.run(converted, client, None, cut)
         if not first:
-            # RecordedWrites is the writing half of a ClientSide only: what the relay uses.
-            return await r.run(upstream, client)  # type: ignore[arg-type]
+            return await r.run(upstream, client)
         response, _ = await first_event(upstream, max_event_bytes)
         assert isinstance(response, Prefetched)
         handed[0] = response.take_decoded()
-        return await r.run(response, client, handed[0])  # type: ignore[arg-type]
+        return await r.run(response, client, handed[0])
 
     result = asyncio.run(relayed())
     run = RelayRun(r, client, result)
