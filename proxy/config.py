@@ -39,13 +39,18 @@ from yarl import URL
 # max_tokens 1024; 33 of 55 prompts looped; tests/bench/results/recovery-corpus-2026-12-01.json):
 # the first attempt that ended most loops was a restart at temperature 0.7 with top_p 0.95 and
 # presence_penalty 1.5 (32 of 33; presence_penalty alone at temperature 0: 23; temperature
-# alone: 15; continuing instead of restarting with the same overrides: 27); after it, a greedy
-# restart with frequency_penalty 1.0 ended the last one (33 of 33). No seed here: a retry is
-# seeded from the request (its own seed, else a hash of it: proxy.loops.next_attempt.seeded), so
-# that recoveries are reproducible per request.
+# alone: 15; continuing instead of restarting with the same overrides: 27). Since retries
+# continue by default (stream_mode), the second rung is hotter, with both penalties: greedy with
+# frequency_penalty 1.0 (the second rung until 2026-12-07), as a continuation, looped again on
+# 3 of the 4 loops it retried, this rung on none of 12, 11 of them ending stop (the corpus's
+# first looping prompts, tests/bench/bench_rung.py): greedy from the loop's onset and one unit,
+# a continuation takes the loop up again before a penalty on its own tokens weighs (vLLM's
+# penalties never count the kept text). The first rung looped again on 4 of 32. No seed here: a
+# retry is seeded from the request (its own seed, else a hash of it:
+# proxy.loops.next_attempt.seeded), so that recoveries are reproducible per request.
 DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
     {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
-    {"frequency_penalty": 1.0},
+    {"temperature": 1.0, "top_p": 0.95, "presence_penalty": 1.5, "frequency_penalty": 1.0},
 )
 # How an attempt recovers (an attempt's "strategy" key; restart when absent).
 STRATEGIES = frozenset({"restart", "continue", "close_reasoning"})

@@ -365,13 +365,13 @@ def stream_deltas(deltas: list[dict[str, Any]], finish: str) -> list[dict[str, A
 
 
 def empty_first_retry(request: Received) -> Reply:
-    """Loops at temperature 0; a retry with a presence penalty (the default ladder's first)
-    stops at once with no content; any other retry answers."""
+    """Loops at temperature 0; the default ladder's first retry (a presence penalty, no
+    frequency penalty) stops at once with no content; its second (both penalties) answers."""
     body = request.json()
-    if body.get("presence_penalty"):
-        pieces = []
-    elif body.get("frequency_penalty"):
+    if body.get("frequency_penalty"):
         pieces = ["A calm answer,", " at last."]
+    elif body.get("presence_penalty"):
+        pieces = []
     else:
         pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
     finish = "stop" if len(pieces) < 10 else "length"
