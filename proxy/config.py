@@ -42,8 +42,8 @@ from yarl import URL
 # alone: 15; continuing instead of restarting with the same overrides: 27). Since retries
 # continue by default (stream_mode), the second rung is hotter, with both penalties: greedy with
 # frequency_penalty 1.0 (the second rung until 2026-12-07), as a continuation, looped again on
-# 3 of the 4 loops it retried, this rung on none of 12, 11 of them ending stop (the corpus's
-# first looping prompts, tests/bench/bench_rung.py): greedy from the loop's onset and one unit,
+# 5 of 12 loops (6 ended stop), this rung on none of 12 (11 ended stop; the corpus's first 12
+# looping prompts, tests/bench/bench_rung.py): greedy from the loop's onset and one unit,
 # a continuation takes the loop up again before a penalty on its own tokens weighs (vLLM's
 # penalties never count the kept text). The first rung looped again on 4 of 32. No seed here: a
 # retry is seeded from the request (its own seed, else a hash of it:
