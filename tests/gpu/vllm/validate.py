@@ -2384,7 +2384,8 @@ L49_CANDIDATES = [
 L49_LENGTHS = {"1k": 1024, "4k": 4096}  # max_tokens (4k: less where the model's length is short)
 L49_KEEP = 24  # the looping prompts kept from the screen (issue 49 asks for at least 24)
 L49_SCREEN_CONC = 8
-# The default ladder and a third rung (temperature 1.0, both penalties), 4 attempts.
+# The default ladder until 2026-12-07 evening (its second rung greedy with frequency_penalty 1.0)
+# and a third rung (temperature 1.0, both penalties: the default's second rung since), 4 attempts.
 L49_RUNG3: dict[str, Any] = {
     "max_attempts": 4,
     "ladders": [
@@ -2407,7 +2408,7 @@ L49_RUNG3: dict[str, Any] = {
 L49_CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},  # stream_mode "continue" (again) since 2026-12-07 afternoon
     "restart": {"stream_mode": "restart"},
-    # restart, the default ladder and a third rung for the loops that survive both
+    # restart, the earlier default ladder and a third rung for the loops that survive both
     "rung3": {
         "stream_mode": "restart",
         **L49_RUNG3,
