@@ -18,7 +18,7 @@ from proxy.testing import MockUpstream, Received, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.metrics import metric
 from tests.helpers.triage import FAST, causes_of, fingerprint_of, idle
-from tests.helpers.upstreams import MOCK_URL
+from tests.helpers.upstreams import MOCK_URL, recording
 from tests.helpers.waiting import Unmet, eventually
 
 MODEL = "emulator-model"
@@ -280,15 +280,11 @@ async def test_replays_sent_upstream_carry_the_cut_limit(make_proxy: Any) -> Non
     """Flips at token 3: the replays ask for 3 + 1 + 16 = 20 tokens where the client asked for
     64, every one of them, and the evidence says so."""
     config = EmulatorConfig(flip_probability=0.5, flip_position=3, seed=11)
-    async with EmulatorServer(config) as emu:
-        engine = H1Upstream(emu.url)
-        try:
-            recorder = MockUpstream(forward=engine)  # what the emulator was sent, recorded
-            client = await make_proxy(MOCK_URL, upstream=recorder, env=FAST)
-            await serial_traffic(client, 16, "limit", long=True)
-            incidents = await causes_of(client)
-        finally:
-            await engine.close()
+    # what the emulator was sent, recorded
+    async with EmulatorServer(config) as emu, recording(emu.url) as recorder:
+        client = await make_proxy(MOCK_URL, upstream=recorder, env=FAST)
+        await serial_traffic(client, 16, "limit", long=True)
+        incidents = await causes_of(client)
     seen = [(r.headers.get("X-Request-Id", ""), r.json()) for r in recorder.received(CHAT)]
     assert len(incidents) >= 3, f"too few divergences: {len(incidents)}"
     replays = [(rid, body) for rid, body in seen if "-triage-" in rid]

@@ -7,12 +7,14 @@ share)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from proxy.http.h1 import H1Upstream
 from proxy.loops.rendered import SENTINEL
 from proxy.testing import Handler, MockUpstream, Received, Reply
 from tests.helpers.sse import chat_chunk
@@ -21,6 +23,19 @@ from tests.helpers.sse import chat_chunk
 # names the engine (in the status, the logs); nothing listens there, every request goes to the
 # mock.
 MOCK_URL = "http://engine.test:8000"
+
+
+@contextlib.asynccontextmanager
+async def recording(url: str) -> AsyncIterator[MockUpstream]:
+    """A real server (an engine, the emulator) at ``url`` behind a ``MockUpstream`` that
+    records what it is sent (and answers first what a test scripts)."""
+    engine = H1Upstream(url)
+    try:
+        async with MockUpstream(forward=engine) as upstream:
+            yield upstream
+    finally:
+        await engine.close()
+
 
 # A scripted HTTP/1.1 server for the upstream client's tests: it records each request and the
 # connection it came on, and answers with whatever bytes a test's ``ScriptedReply`` writes.

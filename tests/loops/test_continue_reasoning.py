@@ -13,14 +13,13 @@ import openai
 import orjson
 import pytest
 
-from proxy.http.h1 import H1Upstream
 from proxy.loops.continuation import continuation_body, merge_answer
 from proxy.testing import MockUpstream, Reply
 from proxy.tools.emulator import EmulatorConfig, EmulatorServer
 from tests.helpers.answers import no_loop_in
 from tests.helpers.emulator import knobs
 from tests.helpers.settings import rendering
-from tests.helpers.upstreams import MOCK_URL, probes
+from tests.helpers.upstreams import MOCK_URL, probes, recording
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps(
@@ -55,12 +54,8 @@ def looping(reasoning_tokens: int = 6, answer_in: str = "content") -> dict[str, 
 @pytest.fixture
 async def seen(emulator: EmulatorServer) -> AsyncIterator[MockUpstream]:
     """detproxy's upstream: the emulator, what it was sent recorded, refused where a test says."""
-    engine = H1Upstream(emulator.url)
-    try:
-        async with MockUpstream(forward=engine) as upstream:
-            yield upstream
-    finally:
-        await engine.close()
+    async with recording(emulator.url) as upstream:
+        yield upstream
 
 
 @pytest.fixture

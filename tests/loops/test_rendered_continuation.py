@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.http.h1 import H1Upstream
 from proxy.http.sse import SSEEvent
 from proxy.loops.continuation import Continued
 from proxy.loops.rendered import (
@@ -34,7 +33,7 @@ from tests.helpers.emulator import knobs
 from tests.helpers.relay_run import relay
 from tests.helpers.settings import rendering
 from tests.helpers.sse import sse_event
-from tests.helpers.upstreams import MOCK_URL, probes
+from tests.helpers.upstreams import MOCK_URL, probes, recording
 
 MODEL = "emulator-model"
 LADDER = orjson.dumps([{"models": "*", "attempts": [{"strategy": "close_reasoning"}]}]).decode()
@@ -62,12 +61,8 @@ ASK: dict[str, Any] = {
 @pytest.fixture
 async def seen(emulator: EmulatorServer) -> AsyncIterator[MockUpstream]:
     """detproxy's upstream: the emulator, what it was sent recorded, refused where a test says."""
-    engine = H1Upstream(emulator.url)
-    try:
-        async with MockUpstream(forward=engine) as upstream:
-            yield upstream
-    finally:
-        await engine.close()
+    async with recording(emulator.url) as upstream:
+        yield upstream
 
 
 @pytest.fixture
