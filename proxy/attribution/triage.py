@@ -92,9 +92,7 @@ class _Experiment:
     key: Key
     cases: list[TriageCase]
     queued_at: float  # monotonic
-    limit: int | None = None  # the replays' token limit, fixed as it starts
-    warm: bool = True  # whether it runs the warm replays, fixed as it starts
-    started: bool = False
+    plan: Plan | None = None  # what its replays run (their limit, the warm ones), as it started
     reserved: int = 0  # tokens taken from the budget as it started (the worst case)
     # Given up once for a budget: the cause each (request id, choice) was published with
     # (unknown, naming the budget); triaged again when the budget frees, it is revised.
@@ -343,9 +341,7 @@ class Triage:
     def _joins(self, experiment: _Experiment, case: TriageCase) -> bool:
         if len(experiment.cases) >= CASES_PER_EXPERIMENT:
             return False
-        if experiment.started and not self._covers(
-            self._plan(limit=experiment.limit, warm=experiment.warm), case
-        ):
+        if experiment.plan is not None and not self._covers(experiment.plan, case):
             return False
         experiment.cases.append(case)
         return True
@@ -516,8 +512,7 @@ class Triage:
     def _defer(self, experiment: _Experiment) -> None:
         """Keep it to be triaged again when the budget frees (``_next``); past
         ``queue_size`` such experiments, the oldest stay as they were published."""
-        experiment.started, experiment.limit, experiment.reserved = False, None, 0
-        experiment.warm = True
+        experiment.plan, experiment.reserved = None, 0
         kept = self._again.get(experiment.key)
         if kept is not None and kept is not experiment:
             room = CASES_PER_EXPERIMENT - len(kept.cases)
@@ -600,8 +595,7 @@ class Triage:
             held = self._account.start(cost, self._primary_tokens())
             self.waiting_for = held
             if held is None:
-                experiment.limit, experiment.warm = plan.limit, plan.warm_replays > 0
-                experiment.started, experiment.reserved = True, cost
+                experiment.plan, experiment.reserved = plan, cost
                 return True
             if held == "token_budget" and experiment.earlier is None:
                 self.waiting_for = None
@@ -620,7 +614,10 @@ class Triage:
 
     async def _triage(self, experiment: _Experiment) -> None:
         first = experiment.cases[0]
-        plan = self._plan(limit=experiment.limit, warm=experiment.warm)
+        admitted = experiment.plan
+        assert admitted is not None
+        # the engine's way to run cold read again as the replays start
+        plan = self._plan(limit=admitted.limit, warm=admitted.warm_replays > 0)
         reserved = experiment.reserved
         self.waiting_for = "turn"
         try:
