@@ -411,16 +411,24 @@ class StreamRelay:
                 break  # the rest goes out as it came
             run = extractor.deltas(datas, i)
             if run:  # token chunks templates read
+                # _inspect's two stages, written out for a run (a whole answer is read as one
+                # run): no call and no slice per event where nothing holds (bench_instructions'
+                # "200 whole": 7% fewer instructions a request).
+                observe = self.observe
+                transforms = self.transforms
+                holds = transforms.holds
                 for delta in run:
                     size = len(raws[i]) if raws is not None else len(datas[i] or b"") + 8
-                    raw = src if size == len(src) else src[offset : offset + size]
-                    written = self._inspect(delta, None, raw, at)
-                    if self._deferred is not None:
+                    if observe(delta, at):
+                        self._deferred = _Deferred(delta, None, at=at)  # _defer sets its raw
                         return self._defer(
                             parts, src, kept, offset, size, datas=datas, raws=raws, i=i
                         )
-                    if written is not raw:
-                        kept = _splice(parts, src, kept, offset, size, written)
+                    if holds:
+                        raw = src if size == len(src) else src[offset : offset + size]
+                        written = transforms.hold(delta, raw)
+                        if written is not raw:
+                            kept = _splice(parts, src, kept, offset, size, written)
                     offset += size
                     i += 1
                 continue

@@ -30,7 +30,14 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = {"json": (1, False), "1 token": (1, True), "64 tokens": (64, True)}
+# kind: (tokens, streamed, every event in one read: a whole answer read at once, as from a
+# server that wrote it whole)
+KINDS = {
+    "json": (1, False, False),
+    "1 token": (1, True, False),
+    "64 tokens": (64, True, False),
+    "200 whole": (200, True, True),
+}
 
 
 async def child(tree_root: Path, config: str, kind: str, n: int, streams: int) -> None:
@@ -38,9 +45,16 @@ async def child(tree_root: Path, config: str, kind: str, n: int, streams: int) -
     sys.path[:0] = [str(tree_root / "tests" / "bench"), str(tree_root)]
     import bench_wire
 
-    tokens, stream = KINDS[kind]
+    tokens, stream, whole = KINDS[kind]
     tree = bench_wire.load_tree(None)
     setup = bench_wire.Setup(tree, bench_wire.CONFIGS[config], tokens, streams)
+    if whole:  # on the engine of any tree's bench_wire: its frames, fed in one read
+        engine = setup.engine
+
+        def at_once(loop: asyncio.AbstractEventLoop, conn: object, at: int) -> None:
+            loop.call_soon(conn.data_received, b"".join(engine.frames[at:]))  # type: ignore[attr-defined]
+
+        engine._paced = at_once
     await setup.start()
     server = tree.load_settings(env={}, flags={"upstream": "http://x:1"}).server
     tree.settle(server.gc_freeze, server.gc_threshold)  # as ``serve`` does
