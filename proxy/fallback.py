@@ -22,7 +22,7 @@ import orjson
 
 from proxy.events import EventBus, FallbackSent
 from proxy.http.headers import HeaderFields, is_event_stream_response
-from proxy.http.sse import Decoded, SSEDecoder, SSEEvent, SSEOverflow
+from proxy.http.sse import Decoded, SSEDecoder, SSEEvent, SSEOverflow, first_cut
 from proxy.http.upstream import (
     READ_ERRORS,
     Sink,
@@ -60,6 +60,7 @@ class Prefetched:
         "_head",
         "_inner",
         "_rest",
+        "_undecoded",
         "raw_fields",
         "status",
     )
@@ -72,10 +73,14 @@ class Prefetched:
         ended: bool = False,
         error: BaseException | None = None,
         decoded: Decoded | None = None,
+        undecoded: bytes = b"",
     ) -> None:
         self._inner = inner
         self._head = head
         self._decoded = decoded  # the head's events, where a decoder cut them
+        # The end of the head that decoder was not given (a long first read's rest, cut by
+        # ``first_cut``): handed out as bytes after the events, whoever takes them.
+        self._undecoded = undecoded
         # The inner response is done: never read again (its connection went back to the pool).
         self._ended = ended
         self._error = error
@@ -90,10 +95,11 @@ class Prefetched:
     def take_decoded(self) -> Decoded | None:
         """The head as the events a decoder cut from it, and that decoder (None: not
         decoded): the head is then the taker's, never handed out again as bytes, so that no
-        second decoder reads it (the relay goes on with this one)."""
+        second decoder reads it (the relay goes on with this one); what that decoder was not
+        given comes next, as bytes."""
         decoded, self._decoded = self._decoded, None
         if decoded is not None:
-            self._head = b""
+            self._head, self._undecoded = self._undecoded, b""
         return decoded
 
     def chunks(self) -> AsyncIterator[bytes]:
@@ -148,14 +154,26 @@ async def first_event(
     read kept in front, and the events cut from them with their decoder: ``take_decoded``;
     then the rest as it comes) and that event's data: None where the
     stream ended or broke before one, or its first event is over the size bound (the relay
-    decides what to do with it)."""
+    decides what to do with it). A long first read is decoded up to its cut (``first_cut``)
+    when the first data event is in that part: the rest of it is left to the relay, which
+    writes those first events before it decodes the rest."""
     decoder = SSEDecoder(max_event_bytes)
     head: list[bytes] = []
     decoded: list[SSEEvent] = []  # every event cut so far: the relay goes on from them
     first: list[bytes] = []  # the first data event's data
     overflowed: list[bytes] = []
+    undecoded: list[bytes] = []  # the end of a long first read, after its first data event
 
     def until_first(data: bytes) -> bool:
+        cut = 0 if head else first_cut(data)
+        if cut:
+            if not feed(data[:cut]):
+                undecoded.append(data[cut:])
+                return False
+            data = data[cut:]
+        return feed(data)
+
+    def feed(data: bytes) -> bool:
         head.append(data)
         try:
             events = decoder.feed(data)
@@ -171,7 +189,15 @@ async def first_event(
 
     def handed_on(ended: bool, error: BaseException | None) -> Prefetched:
         cut = Decoded(decoder, decoded, overflowed=overflowed[0] if overflowed else None)
-        return Prefetched(upstream, b"".join(head), ended=ended, error=error, decoded=cut)
+        rest = undecoded[0] if undecoded else b""
+        return Prefetched(
+            upstream,
+            b"".join(head) + rest,
+            ended=ended,
+            error=error,
+            decoded=cut,
+            undecoded=rest,
+        )
 
     try:
         ended = await upstream.pump(until_first)

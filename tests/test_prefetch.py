@@ -8,7 +8,7 @@ import pytest
 
 from proxy.fallback import Prefetched, first_event
 from proxy.http.errors import UpstreamBodyError
-from proxy.http.sse import SSEDecoder
+from proxy.http.sse import SSEDecoder, first_cut
 
 
 class Scripted:
@@ -143,3 +143,39 @@ async def test_an_event_past_the_size_bound_is_handed_on_as_the_bytes_read() -> 
     assert decoded is not None and decoded.overflowed
     assert decoded.src == parts[0] and decoded.datas == []
     assert [part async for part in response.chunks()] == parts[1:]
+
+
+@pytest.mark.parametrize("pumped", [False, True])
+async def test_a_long_first_read_is_decoded_up_to_its_cut_and_the_rest_handed_on(
+    pumped: bool,
+) -> None:
+    """The first events of a long read (up to ``first_cut``) are decoded, for the relay to
+    write before the rest; the rest comes next as the bytes it is; a reader that takes no
+    events gets the whole read."""
+    events = [b'data: {"n": %d, "pad": "%s"}\n\n' % (i, b"x" * 80) for i in range(40)]
+    parts = [b"".join(events), b"data: [DONE]\n\n"]
+    cut = first_cut(parts[0])
+    assert cut
+    response, first = await first_event(Scripted(parts), 1 << 20)
+    assert isinstance(response, Prefetched) and first == events[0][6:-2]
+    decoded = response.take_decoded()
+    assert decoded is not None and decoded.src == parts[0][:cut]
+    assert decoded.datas == [event[6:-2] for event in events[: len(decoded.datas)]]
+    rest: list[bytes] = []
+    if pumped:
+        assert await response.pump(lambda data: rest.append(data) or True)
+    else:
+        rest = [part async for part in response.chunks()]
+    assert rest == [parts[0][cut:], parts[1]]
+    whole, _ = await relayed(Scripted(parts), pumped)
+    assert whole == b"".join(parts)
+
+
+async def test_a_long_first_read_whose_first_data_event_is_past_the_cut_is_decoded_whole() -> None:
+    read = b": " + b"x" * 600 + b"\n\n" + b'data: {"a": 1}\n\n' * 200
+    response, first = await first_event(Scripted([read]), 1 << 20)
+    assert first == b'{"a": 1}'
+    assert isinstance(response, Prefetched)
+    decoded = response.take_decoded()
+    assert decoded is not None and decoded.src == read and len(decoded.datas) == 201
+    assert [part async for part in response.chunks()] == []

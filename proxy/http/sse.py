@@ -191,6 +191,25 @@ class DecodedReads(Protocol):
         ...
 
 
+# A stream's first read longer than ``FIRST_CUT_MIN`` bytes (an upstream that had a burst ready:
+# a cached answer, a proxy that buffered, an engine that was fast) is relayed in two: its events
+# up to the first event end at or past ``FIRST_CUT_AT`` bytes, written at once, then the rest.
+# The client's first token does not wait for the inspection of the whole burst (about 5 us an
+# event, 200 events: a millisecond).
+FIRST_CUT_AT = 512
+FIRST_CUT_MIN = 4 * FIRST_CUT_AT
+
+
+def first_cut(data: bytes) -> int:
+    """Where a stream's first read is cut (``FIRST_CUT_AT``): just after an event's blank line,
+    with bytes after it; 0 where the read is short, or has no such line (the events of a read
+    cut there are the same: a decoder takes any split)."""
+    if len(data) <= FIRST_CUT_MIN:
+        return 0
+    end = data.find(b"\n\n", FIRST_CUT_AT)
+    return end + 2 if 0 <= end < len(data) - 2 else 0
+
+
 def ends_with_done(relayed: bytes) -> bool:
     """Whether relayed bytes end with a whole ``data: [DONE]`` event: the stream's end, as a
     client reads it (the upstream's own framing may still be on its way)."""

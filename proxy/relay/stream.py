@@ -30,6 +30,10 @@ of the reads, and ``StreamResult`` the same counts):
 The stream's last event, where it came without its blank line, goes through the same stages
 (``_last_event``).
 
+A stream's first read, when long (an upstream that had the answer ready: ``first_cut``), is
+relayed in two: its first events go out at the end of a loop iteration of their own, then the
+rest is inspected, so that the client's first token does not wait for the whole read.
+
 Each response is decoded once: events a stage before the relay cut (``Decoded``: a stream's
 first events, read to decide a fallback, with the decoder that cut them; a rendered
 continuation's chat events, converted read by read) go through the same steps as cut, never
@@ -43,6 +47,7 @@ event decoded and parsed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +58,14 @@ from proxy.events import EventBus, InspectionStopped, UpstreamFailed
 from proxy.exchange import CLIENT_GONE
 from proxy.http.clientside import BodyWriter
 from proxy.http.errors import inband_error_event
-from proxy.http.sse import Decoded, DecodedReads, SSEDecoder, SSEOverflow, ends_with_done
+from proxy.http.sse import (
+    Decoded,
+    DecodedReads,
+    SSEDecoder,
+    SSEOverflow,
+    ends_with_done,
+    first_cut,
+)
 from proxy.http.upstream import READ_ERRORS, UpstreamResponse, read_error_kind
 from proxy.relay.extract import Extractor
 from proxy.relay.inspectors import InspectorSet, Item
@@ -158,6 +170,9 @@ class StreamRelay:
         # here with the rest of that read until the relay's task decides (never inside the
         # upstream's data callback).
         self._deferred: _Deferred | None = None
+        # The rest of a stream's first read, cut (``first_cut``) where a trigger stopped it:
+        # relayed once the trigger is decided.
+        self._rest = b""
 
     @property
     def raw(self) -> bool:
@@ -270,6 +285,7 @@ class StreamRelay:
         if isinstance(decision, Retry | Abort):
             result.decision = decision
             result.hidden_reasoning_keys, self.unshown = self.transforms.drop()
+            self._rest = b""  # never relayed
             return b""
         return self._resume(deferred)
 
@@ -281,6 +297,9 @@ class StreamRelay:
             out += self._events(deferred.src, deferred.datas, deferred.raws, deferred.at)
         if deferred.tail and not self.inspecting:
             out += self._stopped()
+        rest, self._rest = self._rest, b""
+        if rest:  # the rest of a first read cut before the trigger's event (``_cutting``)
+            out += self._read(rest)
         return out
 
     def _rewrite_events(
@@ -500,6 +519,27 @@ class StreamRelay:
             self._decoder = decoded.decoder
         return await self._run(upstream, resp, decoded, reads)
 
+    def _cutting(self, hand: Callable[[Any], bool]) -> Callable[[Any], bool]:
+        """``hand`` (the relay's sink), with the stream's first read cut in two when it is
+        long (``first_cut``): the events before the cut handed on, then the read stops with
+        the rest kept (``_rest``), handed on after an iteration of the event loop (whose end
+        writes the first events: ``proxy.http.coalesce``), or after the decision where a
+        trigger among the first events stopped the read (``_resume``)."""
+        first = True
+
+        def relay(data: Any) -> bool:
+            nonlocal first
+            if first:
+                first = False
+                cut = first_cut(data)
+                if cut and not ends_with_done(data[:cut]):
+                    hand(data[:cut])
+                    self._rest = data[cut:]
+                    return False  # the read stops here: the rest after a loop iteration
+            return hand(data)
+
+        return relay
+
     def _trailed(self, out: bytes) -> bytes:
         """``out`` with the plan's trailer before its ``[DONE]``, where it ends with one."""
         trailer = self.plan.trailer
@@ -559,7 +599,7 @@ class StreamRelay:
         read: Callable[[Any], bytes] = self._read if reads is None else self._read_decoded
         trailed = self.plan.trailer is not None
 
-        def relay(data: Any) -> bool:
+        def hand(data: Any) -> bool:
             # Called from the upstream read's callback: it only hands bytes on, and stops the
             # pump at a trigger (the policies answer it in this task, below).
             nonlocal last
@@ -572,10 +612,14 @@ class StreamRelay:
             last = out  # handed over: the write raised nothing
             return more and self._deferred is None
 
+        # The stream's first read of bytes, when long, is relayed in two (``first_cut``); not
+        # after events read already (``decoded``): they went first.
+        relay = hand if reads is not None or decoded is not None else self._cutting(hand)
         try:
             ended = False
             if decoded is not None:  # read already: relayed as a read of its bytes would be
                 last = self._write(self._read_decoded(decoded), write, last)
+                await _next_iteration()  # written before the rest of their read is decoded
             while True:
                 if self._deferred is None:  # else a trigger in the first events: decided first
                     ended = await (
@@ -586,6 +630,10 @@ class StreamRelay:
                     if result.decision is not None:
                         return result
                     last = self._write(out, write, last)
+                elif self._rest:  # a long first read cut: its first events are written first
+                    await _next_iteration()
+                    rest, self._rest = self._rest, b""
+                    hand(rest)  # a trigger in it is decided next, before reading on
                 if ended:
                     break
                 await resp.drain()
@@ -618,6 +666,12 @@ class StreamRelay:
         if self._decoder.pending:
             out += self._last_event() + self.transforms.release(b"")
         return self._trailed(out) if out and self.plan.trailer is not None else out
+
+
+async def _next_iteration() -> None:
+    """Let the event loop end its iteration: the client writes queued in it go out (the
+    front writes a connection's writes at the iteration's end, ``proxy.http.coalesce``)."""
+    await asyncio.sleep(0)
 
 
 def _splice(

@@ -63,6 +63,30 @@ class RecordedWrites:
         return b"".join(self.writes)
 
 
+class IterationWrites(RecordedWrites):
+    """A client whose writes go out at the end of the event loop's iteration, each
+    iteration's together, as the front's do (``proxy.http.coalesce``): ``flushes``, what went
+    out at each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flushes: list[bytes] = []
+        self._pending: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        self.write_nowait(data)
+
+    def write_nowait(self, data: bytes) -> bool:
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._pending.append(data)
+        return super().write_nowait(data)
+
+    def _flush(self) -> None:
+        self.flushes.append(b"".join(self._pending))
+        self._pending.clear()
+
+
 class RelayRun:
     def __init__(self, relay: StreamRelay, client: RecordedWrites, result: StreamResult) -> None:
         self.relay, self.client, self.result = relay, client, result
@@ -86,6 +110,7 @@ def relay(
     endpoint: str = "chat",
     first: bool = False,
     rendered: str | None = None,
+    iterations: bool = False,
     **plan: Any,
 ) -> RelayRun:
     """Relay these upstream reads through a ``StreamRelay`` (``general``: the reference, every
@@ -95,7 +120,8 @@ def relay(
     altered request's is), the events cut there handed to the relay with their decoder.
     ``rendered``: the reads are a completions stream, converted to chat events
     (``RenderedResponse``) and relayed as the events cut (``"events"``) or as the bytes they
-    are written to (``"bytes"``)."""
+    are written to (``"bytes"``). ``iterations``: the client writes at the end of each loop
+    iteration (``IterationWrites``)."""
     bus = EventBus()
     decided: list[Any] = []
 
@@ -124,7 +150,7 @@ def relay(
     failed: list[str] = []
     bus.subscribe(InspectionStopped, lambda ev: stopped.append(ev.reason))
     bus.subscribe(UpstreamFailed, lambda ev: failed.append(ev.kind))
-    client = RecordedWrites()
+    client = IterationWrites() if iterations else RecordedWrites()
     handed: list[Decoded | None] = [None]
 
     async def relayed() -> StreamResult:

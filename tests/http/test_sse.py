@@ -4,7 +4,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.http.sse import SSEDecoder, SSEEvent, SSEOverflow, ends_with_done
+from proxy.http.sse import (
+    FIRST_CUT_AT,
+    FIRST_CUT_MIN,
+    SSEDecoder,
+    SSEEvent,
+    SSEOverflow,
+    ends_with_done,
+    first_cut,
+)
 
 STREAM = (
     b'data: {"id":"1","choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -183,3 +191,24 @@ def test_feed_data_any_split_matches_feed(data: st.DataObject) -> None:
 )
 def test_ends_with_done(relayed: bytes, done: bool) -> None:
     assert ends_with_done(relayed) is done
+
+
+def test_a_long_first_read_is_cut_after_the_first_event_end_past_the_mark() -> None:
+    events = [b"data: %03d%s\n\n" % (i, b"x" * 89) for i in range(40)]  # 100 bytes each
+    read = b"".join(events)
+    cut = first_cut(read)
+    assert cut == 600 and read[cut - 2 : cut] == b"\n\n", "not just after an event's end"
+    assert FIRST_CUT_AT < cut < FIRST_CUT_AT + len(events[0])
+    assert SSEDecoder().feed(read[:cut]) == SSEDecoder().feed(read)[:6]
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        b"data: x\n\n" * (FIRST_CUT_MIN // 9),  # not past FIRST_CUT_MIN bytes
+        b"data: x\r\n\r\n" * 400,  # no LF blank line to cut at
+        b"data: " + b"x" * 3000 + b"\n\n",  # one event: nothing after the cut
+    ],
+)
+def test_a_short_read_or_one_with_no_event_end_to_cut_at_is_not_cut(read: bytes) -> None:
+    assert first_cut(read) == 0

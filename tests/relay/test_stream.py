@@ -12,13 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies.base import Abort, Retry
+from policies.base import Abort, Retry, Trigger
 from proxy.audit.outcome import StreamAccumulator
+from proxy.http.sse import FIRST_CUT_MIN, first_cut
 from proxy.loops.detector import DetectorConfig
 from proxy.loops.watch import LoopWatch
 from proxy.relay.inspectors import Delta, Item
 from proxy.relay.stream import StreamRelay
-from tests.helpers.relay_run import ExplodingInspector, RelayRun, relay
+from tests.helpers.relay_run import ExplodingInspector, IterationWrites, RelayRun, relay
 from tests.helpers.sse import chat_event, sse_blocks, sse_event
 
 UNIT = " and then the model says the same thing again."
@@ -502,8 +503,89 @@ def test_events_cut_before_the_relay_are_not_decoded_again(
 
 
 def test_a_trigger_among_the_first_events_is_decided_before_reading_on() -> None:
+    # CRLF-framed: a first read with no LF blank line is not cut (first_cut), so first_event
+    # decodes every event of it, the loop's among them.
+    stream = CONTENT_LOOP.replace(b"\n\n", b"\r\n\r\n")
+    assert first_cut(stream) == 0
     for decision in DECISIONS:
-        handed = relay([CONTENT_LOOP], first=True, loops=True, decision=decision)
+        handed = relay([stream], first=True, loops=True, decision=decision)
         assert handed.decoded is not None and len(handed.decoded.datas) > 20
-        assert summary(handed) == summary(relay([CONTENT_LOOP], loops=True, decision=decision))
+        assert summary(handed) == summary(relay([stream], loops=True, decision=decision))
         assert handed.result.trigger is not None
+
+
+# --- a long first read: its first events go out before the rest is inspected ----------------
+
+
+class TriggerAt:
+    """A watcher that answers its ``n``th event with a trigger."""
+
+    name = "loop_watch"
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seen = 0
+
+    def on_delta(self, item: Item) -> Trigger | None:
+        self.seen += 1
+        return Trigger("proxy", "content", 0) if self.seen == self.n else None
+
+    def on_end(self, complete: bool) -> None:
+        pass
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("first", [False, True])
+def test_a_long_first_read_goes_out_as_its_two_parts_would(
+    plan: dict[str, Any], first: bool
+) -> None:
+    """An upstream with the whole answer ready sends it in one read: the events up to the cut
+    (first_cut) are written before the rest is read, and the client gets what the two parts
+    read one after the other give, write for write (``first``: as an altered request's
+    stream, read up to its first event before the relay)."""
+    cut = first_cut(CLEAN)
+    assert 0 < cut < 1024 and CLEAN[cut - 2 : cut] == b"\n\n"
+    run = relay([CLEAN], first=first, **plan)
+    two = relay([CLEAN[:cut], CLEAN[cut:]], first=first, **plan)
+    assert run.client.writes == two.client.writes
+    assert summary(run) == summary(two)
+    if not plan:  # the raw path: each part as it came
+        assert run.client.writes == [CLEAN[:cut], CLEAN[cut:]]
+    if first:
+        assert run.decoded is not None and run.decoded.src == CLEAN[:cut]
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_the_first_events_of_a_long_read_go_out_before_the_rest_is_relayed(first: bool) -> None:
+    """Written at the end of a loop iteration of their own, as the front writes: the client's
+    first token does not wait for the rest of the read to be inspected."""
+    cut = first_cut(CLEAN)
+    run = relay([CLEAN], first=first, loops=True, iterations=True)
+    assert isinstance(run.client, IterationWrites)
+    assert run.client.flushes == [CLEAN[:cut], CLEAN[cut:]]
+
+
+def test_a_short_first_read_goes_out_in_one_write() -> None:
+    read = CLEAN[: CLEAN.rfind(b"\n\n", 0, FIRST_CUT_MIN) + 2]  # whole events, not too many
+    assert len(read) > first_cut(CLEAN)
+    for plan in PLANS:
+        if not plan.get("hold"):  # held reasoning goes out at the end, a write of its own
+            assert len(relay([read], **plan).client.writes) == 1, plan
+
+
+@pytest.mark.parametrize("decision", DECISIONS)
+@pytest.mark.parametrize("first", [False, True])
+def test_a_trigger_before_the_cut_of_a_long_read_is_decided_before_its_rest(
+    decision: Any, first: bool
+) -> None:
+    cut = first_cut(CLEAN)
+    kw = {"first": first, "loops": True, "decision": decision}
+    run = relay([CLEAN], watch=TriggerAt(3), **kw)
+    two = relay([CLEAN[:cut], CLEAN[cut:]], watch=TriggerAt(3), **kw)
+    assert run.result.trigger == Trigger("proxy", "content", 0)
+    assert len(run.decided) == 1, "the trigger was not answered once"
+    assert summary(run) == summary(two)
+    if decision is None:  # let go on: the whole stream, the rest of the read after the decision
+        assert run.client.body == CLEAN and run.result.complete
+    else:
+        assert len(run.client.body) < cut
