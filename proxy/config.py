@@ -35,22 +35,22 @@ from yarl import URL
 # vocabulary, the loop detector's thresholds, the answer extractors' syntax), and the modules
 # that use them import them from here.
 
-# From measurement (tests/bench/bench_recovery_corpus.py on llama-server + SmolLM2-135M, greedy,
-# max_tokens 1024; 33 of 55 prompts looped; tests/bench/results/recovery-corpus-2026-12-01.json):
-# the first attempt that ended most loops was a restart at temperature 0.7 with top_p 0.95 and
-# presence_penalty 1.5 (32 of 33; presence_penalty alone at temperature 0: 23; temperature
-# alone: 15; continuing instead of restarting with the same overrides: 27). Since retries
-# continue by default (stream_mode), the second rung is hotter, with both penalties: greedy with
-# frequency_penalty 1.0 (the second rung until 2026-12-07), as a continuation, looped again on
-# 5 of 12 loops (6 ended stop), this rung on none of 12 (11 ended stop; the corpus's first 12
-# looping prompts, tests/bench/bench_rung.py): greedy from the loop's onset and one unit,
-# a continuation takes the loop up again before a penalty on its own tokens weighs (vLLM's
-# penalties never count the kept text). The first rung looped again on 4 of 32. No seed here: a
-# retry is seeded from the request (its own seed, else a hash of it:
+# From measurement on llama-server + SmolLM2-135M (greedy, max_tokens 1024; 33 of the 55 prompts
+# of tests/integration/loop_corpus.json loop). Each rung through detproxy as the first retry of
+# a loop, continuing from its onset and one unit, as retries do by default
+# (tests/bench/bench_rung.py, 2026-12-07): temperature 1.0, top_p 0.95 and both penalties ended
+# 31 of 32 loops `stop` (none looped again, 1 `length`); temperature 0.7, top_p 0.95 and
+# presence_penalty 1.5 (the first rung until then) 19 of 32 (4 looped again, 9 `length`);
+# greedy with frequency_penalty 1.0 (the second until then; the first 12 looping prompts) 6 of
+# 12 (5 looped again): greedy from the loop's onset, a continuation takes the loop up again
+# before a penalty on its own tokens weighs (vLLM's penalties never count the kept text). As
+# restarts, temperature 0.7 with presence_penalty 1.5 ended 32 of 33
+# (tests/bench/bench_recovery_corpus.py, 2026-12-01): it stays as the second rung. No seed here:
+# a retry is seeded from the request (its own seed, else a hash of it:
 # proxy.loops.next_attempt.seeded), so that recoveries are reproducible per request.
 DEFAULT_ATTEMPTS: tuple[Mapping[str, Any], ...] = (
-    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
     {"temperature": 1.0, "top_p": 0.95, "presence_penalty": 1.5, "frequency_penalty": 1.0},
+    {"temperature": 0.7, "top_p": 0.95, "presence_penalty": 1.5},
 )
 # How an attempt recovers (an attempt's "strategy" key; restart when absent).
 STRATEGIES = frozenset({"restart", "continue", "close_reasoning"})

@@ -38,8 +38,10 @@ from tests.integration.test_loop_recovery_llama_server import (
 )
 
 RUNGS = {
-    "first": "{temperature = 0.7, top_p = 0.95, presence_penalty = 1.5}",  # the default's first
+    # the default's first rung until 2026-12-07, its second now
+    "first": "{temperature = 0.7, top_p = 0.95, presence_penalty = 1.5}",
     "greedy-frequency": "{frequency_penalty = 1.0}",  # the default's second until 2026-12-07
+    # the default's first rung now
     "hot": "{temperature = 1.0, top_p = 0.95, presence_penalty = 1.5, frequency_penalty = 1.0}",
 }
 

@@ -289,7 +289,7 @@ async def test_each_retry_settles_its_own_reservation(
 async def test_recovery_counts_follow_the_upstream(
     make_proxy: Any, emulator: EmulatorServer, registry: CollectorRegistry
 ) -> None:
-    """With the default ladder (a presence penalty, then temperature 0.7 with it) and a model
+    """With the default ladder (temperature 1.0 and both penalties, then 0.7) and a model
     whose loop each such retry ends only with probability 0.7 (seeded), every count detproxy
     reports matches what the emulator says each attempt did."""
     client = await make_proxy(
@@ -365,12 +365,14 @@ def stream_deltas(deltas: list[dict[str, Any]], finish: str) -> list[dict[str, A
 
 
 def empty_first_retry(request: Received) -> Reply:
-    """Loops at temperature 0; the default ladder's first retry (a presence penalty, no
-    frequency penalty) stops at once with no content; its second (both penalties) answers."""
+    """Loops at temperature 0; the default ladder's first retry (temperature 1.0) stops at once
+    with no content; its second (temperature 0.7) answers. A ladder of its own whose only rung
+    is a presence penalty at temperature 0 gets the empty answer too."""
     body = request.json()
-    if body.get("frequency_penalty"):
+    temperature = body.get("temperature") or 0
+    if temperature == 0.7:
         pieces = ["A calm answer,", " at last."]
-    elif body.get("presence_penalty"):
+    elif temperature == 1.0 or body.get("presence_penalty"):
         pieces = []
     else:
         pieces = ["Once upon a time"] + [" and then the model repeats itself."] * 40
@@ -404,7 +406,7 @@ async def test_a_retry_that_answers_nothing_is_empty_and_the_ladder_goes_on(
     assert actions(registry, "retry", "empty") == 1, "the empty retry was not counted as empty"
     assert actions(registry, "retry", "recovered") == 1
     assert loops(registry, "content", "proxy") == 1  # the empty answer is no loop
-    assert [b.get("frequency_penalty") for b in engine.bodies(CHAT)] == [None, None, 1.0]
+    assert [b.get("temperature") for b in engine.bodies(CHAT)] == [0, 1.0, 0.7]
 
 
 async def test_an_empty_answer_at_the_end_of_the_ladder_is_not_recovered(
@@ -491,12 +493,12 @@ async def test_a_streamed_empty_answer_at_the_end_of_the_ladder_goes_out_as_it_c
 
 
 def loops_twice(request: Received) -> Reply:
-    """Loops at temperature 0 and on the first retry (a presence penalty) too, after text of
-    its own; the second retry (a frequency penalty) answers."""
-    body = request.json()
-    if body.get("frequency_penalty"):
+    """Loops at temperature 0 and on the default ladder's first retry (temperature 1.0) too,
+    after text of its own; the second retry (temperature 0.7) answers."""
+    temperature = request.json().get("temperature") or 0
+    if temperature == 0.7:
         pieces, finish = [" The end."], "stop"
-    elif body.get("presence_penalty"):
+    elif temperature == 1.0:
         pieces = [" Then a new part."] + [" and again it says the same thing."] * 40
         finish = "length"
     else:
