@@ -1274,6 +1274,11 @@ async def causes_one(ctx: Ctx, name: str) -> dict[str, Any]:
                                            "ts", "upstream")}
                     for i in divergent if "cause" not in i
                 ][:6],
+                # the evidence of the incidents left unknown, to re-read decide() offline
+                "unknown_evidence": [
+                    {k: i.get(k) for k in ("request_id", "verdict", "cause_evidence")}
+                    for i in divergent if i.get("cause") == "unknown"
+                ][:12],
                 "unknown_missing": sorted(
                     {m for i in divergent if i.get("cause") == "unknown"
                      for m in (i.get("cause_evidence") or {}).get("missing", [])}
