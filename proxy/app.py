@@ -27,7 +27,8 @@ from proxy.attribution.shared import shared_experiments
 from proxy.attribution.triage import Triage
 from proxy.audit.auditor import Auditor
 from proxy.audit.salts import salts_seen
-from proxy.audit.shadow import ShadowScheduler
+from proxy.audit.server_load import shared_load
+from proxy.audit.shadow import ProxyLoad, ShadowScheduler
 from proxy.audit.store import DuplicateStore, MemoryDuplicateStore
 from proxy.audit.turns import engine_turns
 from proxy.config import Settings, UpstreamConfig
@@ -119,7 +120,7 @@ def _scheduler(
     upstream: Upstream,
     reference: Upstream | None,
     bus: EventBus,
-    forwarder: Forwarder,
+    traffic: ProxyLoad,
     guard: InjectionGuard,
     load: UpstreamLoad,
 ) -> ShadowScheduler | None:
@@ -136,7 +137,7 @@ def _scheduler(
         audit,
         target,
         bus,
-        forwarder,
+        traffic,
         load.running if audit.quiet_max_upstream_running is not None else None,
         guard,
         turns,
@@ -148,12 +149,14 @@ def _triage(
     upstream: Upstream,
     reference: Upstream | None,
     bus: EventBus,
-    forwarder: Forwarder,
+    traffic: ProxyLoad,
     scheduler: ShadowScheduler | None,
     load: UpstreamLoad,
+    *,
+    sees_server: bool,
 ) -> Triage | None:
     """Triage needs divergences to follow (shadows', or the passive duplicate checks') and a
-    rate above 0."""
+    rate above 0. ``sees_server``: ``traffic`` counts every client request of the server."""
     if settings.attribution.triage_rate <= 0:
         return None
     if scheduler is None and not settings.audit.passive_checks:
@@ -171,13 +174,13 @@ def _triage(
         audit,
         bus,
         upstream,
-        forwarder,
+        traffic,
         reference=reference,
         scheduler=scheduler,
         upstream_running=load.running if audit.quiet_max_upstream_running is not None else None,
         engine_running=load.running,
         engine_counts=load.counts,
-        sees_all=settings.server.one_process,
+        sees_all=sees_server,
         account=triage_account(settings.attribution, processes, shared),
         turns=turns,
         shared=shared_experiments(processes, shared, settings.attribution.reuse_s),
@@ -415,15 +418,30 @@ class _Lifetime:
         # How busy the engines are, read as the fingerprint is (``READS``); the reference's
         # through its own client, which only shadows use.
         load = UpstreamLoad(reads, settings.upstream.url)
+        # detproxy's own traffic as shadows, triage and the audit read it: every worker's
+        # where there are several (a primary's company may be another worker's client).
+        identity = app.get(WORKER)
+        shared = shared_load(
+            settings.server.processes,
+            os.environ.get(MULTIPROC_ENV),
+            identity.index if identity is not None else None,
+        )
+        traffic: ProxyLoad = forwarder
+        if shared is not None:
+            forwarder.share_load(shared)
+            traffic = shared
+        sees_server = settings.server.one_process or shared is not None
         reference_url = settings.audit.reference_url
         shadows_load = (
             UpstreamLoad(reference, reference_url)
             if reference is not None and reference_url
             else load
         )
-        scheduler = _scheduler(settings, target, reference, bus, forwarder, guard, shadows_load)
+        scheduler = _scheduler(settings, target, reference, bus, traffic, guard, shadows_load)
         store = _duplicate_store(settings) if settings.audit.passive_checks else None
-        triage = _triage(settings, target, reference, bus, forwarder, scheduler, load)
+        triage = _triage(
+            settings, target, reference, bus, traffic, scheduler, load, sees_server=sees_server
+        )
         auditor = None
         if scheduler is not None or store is not None:
             auditor = Auditor(
@@ -431,12 +449,13 @@ class _Lifetime:
                 bus,
                 scheduler,
                 store,  # the auditor's: closed with it
-                forwarder.inflight_now,
+                traffic.inflight_now,
                 target=_shown_target(settings),
                 guard=guard,
                 triage=triage.offer if triage is not None else None,
                 count_primary_tokens=triage.count_primary_tokens if triage is not None else None,
                 salts=salts_seen(settings.server.processes, os.environ.get(MULTIPROC_ENV)),
+                sees_server=sees_server,
             )
             forwarder.attach_auditor(auditor)
         poller = None
@@ -463,6 +482,8 @@ class _Lifetime:
             forwarder, scheduler, auditor, poller, self.budget, engine, triage, invariance
         )
         yield
+        if shared is not None:
+            shared.close()
 
     async def auditor_ctx(self, app: web.Application) -> AsyncIterator[None]:
         auditor = app[RUNTIME].auditor

@@ -18,6 +18,7 @@ import orjson
 from proxy.answer import WholeAnswer
 from proxy.attempts import Attempts, Stages
 from proxy.audit.auditor import Auditor
+from proxy.audit.server_load import SharedLoad
 from proxy.classify import ENDPOINTS, classify
 from proxy.config import Settings
 from proxy.events import EventBus, RequestStarted, ShadowDropped, UpstreamFailed
@@ -82,10 +83,18 @@ class Forwarder:
         self._ids = RequestIds()
         self.inflight = 0
         self.started = 0  # client requests ever started: tells a shadow whether it overlapped
+        # With several workers, the server's counts: this worker writes its own into its slot
+        # (proxy/audit/server_load.py), where shadows and triage read every worker's.
+        self._shared_load: SharedLoad | None = None
 
     def inflight_now(self) -> int:
         """Client requests in progress (a method, not a lambda: compiled, it runs natively)."""
         return self.inflight
+
+    def share_load(self, shared: SharedLoad) -> None:
+        """Write this worker's counts into the server's (``serve --workers N``)."""
+        self._shared_load = shared
+        shared.publish(self.inflight, self.started)
 
     def attach_auditor(self, auditor: Auditor) -> None:
         self._lifecycle.auditor = auditor
@@ -97,6 +106,9 @@ class Forwarder:
         endpoint = ENDPOINTS.get(client.path)
         self.inflight += 1
         self.started += 1
+        shared = self._shared_load
+        if shared is not None:
+            shared.publish(self.inflight, self.started)
         ex = Exchange(client, endpoint or "other", self._clock(), self.inflight)
         self._bus.publish(RequestStarted(ex.endpoint))
         try:
@@ -115,6 +127,8 @@ class Forwarder:
             raise
         finally:
             self.inflight -= 1
+            if shared is not None:
+                shared.publish(self.inflight, self.started)
             if not ex.finished:
                 # A fault of detproxy's own: still pair every start with one finish.
                 self._lifecycle.finished(ex, 500, "proxy_error")

@@ -100,8 +100,12 @@ class Auditor:
         triage: Callable[[TriageCase], None] | None = None,
         count_primary_tokens: Callable[[int], None] | None = None,
         salts: SaltsSeen | None = None,
+        sees_server: bool | None = None,
     ) -> None:
+        """``inflight``: the server's client requests in flight; ``sees_server``: it counts
+        every worker's (one process, or the workers' shared counts; default: one process)."""
         self._settings = settings
+        self._sees_server = settings.server.one_process if sees_server is None else sees_server
         self._triage = triage  # takes the shadows that diverged (proxy.attribution)
         # Where no shadow scheduler counts the deterministic primaries' tokens (passive
         # checks only), triage's token budget does.
@@ -398,9 +402,10 @@ class Auditor:
         alone: bool | None = None
         if result.overlapped:
             alone = False
-        elif audit.max_concurrent_shadows == 1 and self._settings.server.one_process:
-            # With several workers, another's clients may have shared the shadow's batch
-            # unseen here: not known (the triage's replays read the engine's own count).
+        elif audit.max_concurrent_shadows == 1 and self._sees_server:
+            # With several workers and no shared counts, another's clients may have shared
+            # the shadow's batch unseen here: not known (the triage's replays read the
+            # engine's own count).
             alone = True
         now = time.time()
         return TriageCase(

@@ -40,6 +40,8 @@ class ProxyLoad(Protocol):
     @property
     def started(self) -> int: ...
 
+    def inflight_now(self) -> int: ...
+
 
 @dataclass(frozen=True, slots=True)
 class ShadowResult:
