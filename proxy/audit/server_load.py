@@ -2,9 +2,10 @@
 requests started, summed over the workers.
 
 One process counts its own (``Forwarder.inflight`` and ``started``). With ``serve --workers N``
-each worker sees only the requests the kernel handed it, so a primary that shared the
-engine's batch with a request another worker answered looked alone, and its cause stayed
-``unknown`` (real vLLM 0.23, a burst of 16 salted requests over 16 workers, 2026-12-07). Here
+each worker sees only the requests the kernel handed it, so whether a primary shared the
+engine's batch with a request another worker answered was not known, and its cause stayed
+``unknown`` ("whether the primary shared its batch is not known": real vLLM 0.23, a burst of
+16 salted requests over 16 workers, 2026-12-07); a shadow's company likewise. Here
 each worker writes its own two counts, and its pid, into its slot of a small file the workers
 share, mapped in memory (one writer a slot: no lock); a reader sums the slots of the workers
 still alive, so a worker that died mid-request leaves no phantom company behind.
@@ -36,7 +37,6 @@ class SharedLoad:
     def __init__(self, path: str, index: int, slots: int) -> None:
         if not 0 <= index < slots:
             raise ValueError(f"worker index {index} is not below the {slots} slots")
-        self._slots = slots
         self._offset = index * _SLOT.size
         self._pid = os.getpid()
         size = slots * _SLOT.size
