@@ -44,7 +44,7 @@ class SharedLoad:
         try:
             if os.fstat(fd).st_size < size:
                 os.ftruncate(fd, size)  # zeros: no worker has written yet
-            self._map = mmap.mmap(fd, size)
+            self._map: mmap.mmap | bytearray = mmap.mmap(fd, size)
         finally:
             os.close(fd)  # the mapping keeps the file
         self.publish(0, 0)  # a restarted worker's slot starts again from nothing in flight
@@ -76,7 +76,12 @@ class SharedLoad:
         return self._totals()[0]
 
     def close(self) -> None:
-        self._map.close()
+        """Unmap the file. A request still finishing as the app stops writes to a private
+        buffer instead (no error on its way out); readers then see only this worker."""
+        shared = self._map
+        self._map = bytearray(len(shared))
+        if isinstance(shared, mmap.mmap):
+            shared.close()
 
 
 def shared_load(processes: int, shared_dir: str | None, index: int | None) -> SharedLoad | None:

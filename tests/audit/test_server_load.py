@@ -69,6 +69,15 @@ def test_a_restarted_worker_starts_from_nothing_in_flight(tmp_path: Path) -> Non
         other.close()
 
 
+def test_a_request_finishing_after_close_writes_without_error(tmp_path: Path) -> None:
+    load = SharedLoad(str(tmp_path / "load.bin"), 0, 2)
+    load.publish(1, 1)
+    load.close()
+    load.publish(0, 1)  # the app stopped while this request was on its way out
+    assert load.inflight == 0
+    load.close()  # twice is harmless
+
+
 def test_a_worker_index_outside_the_slots_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="worker index 2 is not below the 2 slots"):
         SharedLoad(str(tmp_path / "load.bin"), 2, 2)
